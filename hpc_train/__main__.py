@@ -1,0 +1,73 @@
+"""``python -m hpc_train COMMAND``: validate and render on a login node (submit has its own module)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from hpc_train import __version__
+from hpc_train.cli.common import ArgumentParser, add_plan_arguments, plan_from_args, run_command
+
+__all__ = ["main"]
+
+
+def _validate(args: argparse.Namespace) -> int:
+    plan = plan_from_args(args)
+    if args.json:
+        print(plan.to_json(), end="")
+        return 0
+    from rich.console import Console
+
+    from hpc_train.cli.summary import print_summary
+
+    print_summary(Console(), plan)
+    print(f"{args.config}: valid for site {plan.site}")
+    return 0
+
+
+def _render(args: argparse.Namespace) -> int:
+    from hpc_train.slurm.render import render_script, write_script
+
+    plan = plan_from_args(args, executor="slurm")
+    script = render_script(plan, args.template)
+    if args.stdout:
+        print(script.text, end="")
+        return 0
+    from hpc_train.runfolder import prepare_run_folder
+
+    run_dir = prepare_run_folder(plan)
+    out = args.out or run_dir / f"job-{script.template}.sbatch"
+    write_script(script, out)
+    print(json.dumps({"script": str(out), "run_dir": str(run_dir)}) if args.json else
+          f"wrote {out}\nsubmit it with: sbatch {out}")
+    return 0
+
+
+def _build_parser() -> ArgumentParser:
+    parser = ArgumentParser(prog="python -m hpc_train", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"hpc_train {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=ArgumentParser)
+    validate = commands.add_parser("validate", help="check a job config against a site and show the plan")
+    add_plan_arguments(validate)
+    validate.add_argument("--json", action="store_true", help="print the plan as JSON")
+    validate.set_defaults(run=_validate)
+    render = commands.add_parser("render", help="render an sbatch script into the run folder (or stdout)")
+    add_plan_arguments(render, executor=False)
+    render.add_argument("--template", help="srun, torchrun or mpirun (default: the site's launcher)")
+    output = render.add_mutually_exclusive_group()
+    output.add_argument("--out", type=Path, help="script path (default: RUN_DIR/job-TEMPLATE.sbatch)")
+    output.add_argument("--stdout", action="store_true", help="print the script; write nothing")
+    render.add_argument("--json", action="store_true", help="print the written paths as JSON")
+    render.set_defaults(run=_render)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _build_parser().parse_args(argv)
+    return run_command(lambda: args.run(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

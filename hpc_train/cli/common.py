@@ -1,0 +1,57 @@
+"""What every login-node command shares: the config/site/--set options, plan loading, and exit codes.
+
+Exit status: 0 done, 1 a failure at run time, 2 a usage or configuration error (nothing submitted or written).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from hpc_train.config.plan import Plan, load_job, make_plan
+from hpc_train.config.sites import load_site
+from hpc_train.errors import ConfigError
+
+__all__ = ["add_plan_arguments", "plan_from_args", "run_command", "ArgumentParser", "EXIT_USAGE"]
+
+EXIT_USAGE = 2
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose usage errors follow our one-message, exit-2 rule."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.print_usage(sys.stderr)
+        print(f"error: {message}", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE)
+
+
+def add_plan_arguments(parser: argparse.ArgumentParser, executor: bool = True) -> None:
+    parser.add_argument("config", type=Path, help="job config (TOML)")
+    parser.add_argument("--site", default="local", help="site name or path to a site .toml (default: local)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="override one config value, typed like the file (repeatable)")
+    if executor:
+        parser.add_argument("--executor", choices=("auto", "slurm", "local"), default="auto",
+                            help="auto: slurm when the site has Slurm and sbatch is on PATH, else local")
+
+
+def plan_from_args(args: argparse.Namespace, executor: str | None = None) -> Plan:
+    """Load the job and the site, apply overrides, resolve the executor and validate everything."""
+    from hpc_train.slurm.executors import resolve_executor
+
+    site = load_site(args.site)
+    cfg = load_job(args.config, args.overrides)
+    chosen = resolve_executor(executor or getattr(args, "executor", "auto"), site.slurm.enabled)
+    return make_plan(cfg, site, chosen)
+
+
+def run_command(command: Callable[[], int]) -> int:
+    """Run a command; a ConfigError becomes one message on stderr and exit status 2."""
+    try:
+        return command()
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_USAGE

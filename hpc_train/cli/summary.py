@@ -1,0 +1,70 @@
+"""The rich summary a user reads before anything runs: resources, rank layout, environment, run folder."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from rich.console import Console, Group
+from rich.panel import Panel
+from rich.syntax import Syntax
+from rich.table import Table
+
+from hpc_train.config.plan import Plan
+
+__all__ = ["print_summary", "rank_placement"]
+
+
+def rank_placement(plan: Plan, limit: int = 8) -> list[tuple[str, str]]:
+    """(node, ranks) rows; tensor is innermost, so each node holds consecutive ranks."""
+    per_node = plan.resources.tasks_per_node
+    rows = []
+    for node in range(min(plan.resources.nodes, limit)):
+        first = node * per_node
+        rows.append((f"node {node}", f"ranks {first}-{first + per_node - 1}" if per_node > 1 else f"rank {first}"))
+    if plan.resources.nodes > limit:
+        rows.append(("...", f"{plan.resources.nodes - limit} more nodes"))
+    return rows
+
+
+def _table(title: str, rows: list[tuple[str, Any]]) -> Table:
+    table = Table(title=title, title_justify="left", show_header=False, box=None, pad_edge=False)
+    table.add_column(style="bold cyan", no_wrap=True)
+    table.add_column(overflow="fold")
+    for key, value in rows:
+        table.add_row(key, str(value))
+    return table
+
+
+def print_summary(console: Console, plan: Plan, extra_title: str = "", extra: str | dict[str, Any] = "") -> None:
+    """Everything that will happen, in one screen."""
+    res, lay = plan.resources, plan.layout
+    head = _table("Job", [
+        ("name", plan.name), ("site", plan.site), ("executor", plan.executor), ("launcher", plan.launcher),
+        ("run folder", plan.run_dir), ("python", plan.python),
+    ])
+    resources = _table("Resources", [
+        ("nodes", res.nodes), ("tasks per node", res.tasks_per_node), ("GPUs per node", res.gpus_per_node),
+        ("CPUs per task", res.cpus_per_task), ("memory per node", res.mem or "(site default)"),
+        ("time limit", res.time), ("partition", res.partition or "(cluster default)"),
+        ("account", res.account or "-"), ("qos", res.qos or "-"), ("constraint", res.constraint or "-"),
+        ("exclude", res.exclude or "-"),
+        ("preemption", f"SIG{plan.signal} {plan.lead_seconds} s before the end; "
+                       + (f"requeue up to {plan.max_requeues} times" if plan.requeue else "no requeue")),
+    ])
+    layout = _table("Layout", [
+        ("world", f"{lay.world} = tensor {lay.tensor} x pipeline {lay.pipeline} x data {lay.data}"),
+        ("global batch", f"{lay.global_batch} = micro {lay.micro_batch} x accum {lay.grad_accum} x data {lay.data}"),
+        *rank_placement(plan),
+    ])
+    env_rows = [(name, value) for name, value in sorted(plan.env.items())]
+    env_rows += [(name, "(passed from your shell, not written anywhere)") for name in plan.forward_env]
+    environment = _table("Rank environment", env_rows)
+    parts: list[Any] = [head, resources, layout, environment]
+    if plan.modules:
+        parts.append(_table("Modules", [(str(i + 1), m) for i, m in enumerate(plan.modules)]))
+    console.print(Panel(Group(*[item for part in parts for item in (part, "")][:-1]), title="hpc_train plan"))
+    if isinstance(extra, dict):
+        console.print(Panel(Syntax(json.dumps(extra, indent=2, sort_keys=True), "json"), title=extra_title))
+    elif extra:
+        console.print(Panel(Syntax(extra, "bash", word_wrap=True), title=extra_title))

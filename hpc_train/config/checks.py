@@ -1,0 +1,173 @@
+"""Per-value checks shared by job and site configs.
+
+Every value that can reach an ``#SBATCH`` line or a shell word is checked here against the characters its
+field allows. ``shlex.quote`` does not protect ``#SBATCH`` lines (a newline ends the directive and the rest
+runs as shell), so control characters are refused everywhere and each field has an allow-list.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+
+__all__ = [
+    "Check",
+    "check_env_name",
+    "check_env_value",
+    "check_hostlist",
+    "check_mem",
+    "check_path",
+    "check_slurm_name",
+    "check_constraint",
+    "check_module",
+    "check_signal",
+    "check_time",
+    "parse_time_seconds",
+    "has_control_chars",
+]
+
+# A check returns None when the value is fine, else (problem, fix).
+Check = Callable[[str], "tuple[str, str] | None"]
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+_SLURM_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,127}")
+_CONSTRAINT = re.compile(r"[A-Za-z0-9._+\-&|\[\]*:()]{1,256}")
+_HOSTLIST = re.compile(r"[A-Za-z0-9._\-\[\],]{1,4096}")
+_PATH = re.compile(r"[A-Za-z0-9._/+@,:=-]{1,4096}")
+_MEM = re.compile(r"(0|[1-9][0-9]*[KMGT]?)")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
+_MODULE = re.compile(r"[A-Za-z0-9._+/-]{1,256}")
+_TIME_FORMATS = (
+    re.compile(r"(?P<m>\d+)"),
+    re.compile(r"(?P<m>\d+):(?P<s>\d+)"),
+    re.compile(r"(?P<h>\d+):(?P<m>\d+):(?P<s>\d+)"),
+    re.compile(r"(?P<d>\d+)-(?P<h>\d+)"),
+    re.compile(r"(?P<d>\d+)-(?P<h>\d+):(?P<m>\d+)"),
+    re.compile(r"(?P<d>\d+)-(?P<h>\d+):(?P<m>\d+):(?P<s>\d+)"),
+)
+# Signals a job may ask Slurm for. USR1 is NCCL's; KILL and STOP cannot be caught.
+VALID_SIGNALS = ("USR2", "TERM", "INT", "HUP", "QUIT", "ALRM", "URG")
+
+
+def has_control_chars(value: str) -> bool:
+    """True when ``value`` holds a newline, carriage return, NUL or any other control character."""
+    return bool(_CONTROL.search(value))
+
+
+def _control(value: str) -> tuple[str, str] | None:
+    if has_control_chars(value):
+        return (f"{value!r} contains a control character (newline, tab, NUL ...)", "use a single line of plain text")
+    return None
+
+
+def check_slurm_name(value: str) -> tuple[str, str] | None:
+    """Job names, partitions, accounts, QoS: Slurm identifiers, never shell."""
+    if not value:
+        return None
+    bad = _control(value)
+    if bad or _SLURM_NAME.fullmatch(value):
+        return bad
+    return (f"{value!r} is not allowed", "use 1-128 characters from A-Z a-z 0-9 . _ + - starting with a letter or digit")
+
+
+def check_constraint(value: str) -> tuple[str, str] | None:
+    """Slurm feature expressions such as ``a100&ib`` or ``[rack1|rack2]``."""
+    if not value:
+        return None
+    bad = _control(value)
+    if bad or _CONSTRAINT.fullmatch(value):
+        return bad
+    return (f"{value!r} is not a Slurm constraint", "use feature names joined by & | and [ ] ( ) only")
+
+
+def check_hostlist(value: str) -> tuple[str, str] | None:
+    """Host-list expressions such as ``node[01-04,07],gpu3``."""
+    if not value:
+        return None
+    bad = _control(value)
+    if bad or _HOSTLIST.fullmatch(value):
+        return bad
+    return (f"{value!r} is not a Slurm host list", "write it like node[01-04],gpu7 (letters, digits, . _ - [ ] ,)")
+
+
+def check_path(value: str) -> tuple[str, str] | None:
+    """Paths that end up in ``#SBATCH --output`` lines, where whitespace and quotes cannot be used."""
+    if not value:
+        return ("the path is empty", "give a directory path")
+    bad = _control(value)
+    if bad or _PATH.fullmatch(value):
+        return bad
+    return (
+        f"{value!r} has characters that cannot appear in an #SBATCH path",
+        "use a path of letters, digits and . _ / + @ , : = - (no spaces, quotes, $ or ~)",
+    )
+
+
+def check_mem(value: str) -> tuple[str, str] | None:
+    """Memory per node in Slurm syntax: ``0`` (all), ``64000`` (MB) or ``512G``."""
+    if not value:
+        return None
+    bad = _control(value)
+    if bad or _MEM.fullmatch(value):
+        return bad
+    return (f"{value!r} is not a Slurm memory size", 'write a number with an optional K/M/G/T suffix, like "64G"')
+
+
+def check_env_name(value: str) -> tuple[str, str] | None:
+    """Environment variable names: they are written as ``export NAME=...``."""
+    if _ENV_NAME.fullmatch(value):
+        return None
+    return (f"{value!r} is not a valid environment variable name", "use letters, digits and _ not starting with a digit")
+
+
+def check_env_value(value: str) -> tuple[str, str] | None:
+    """Environment values are shell-quoted when written, but must still be one line."""
+    return _control(value)
+
+
+def check_module(value: str) -> tuple[str, str] | None:
+    """Environment-module names such as ``cuda/12.4`` or ``nccl/2.21.5-1+cuda12.4``."""
+    bad = _control(value)
+    if bad or _MODULE.fullmatch(value):
+        return bad
+    return (f"{value!r} is not a module name", "use letters, digits and . _ + / - only")
+
+
+def check_signal(value: str) -> tuple[str, str] | None:
+    """Preemption signals: named, catchable, and not USR1 (NCCL and submitit's default kill use it)."""
+    name = value.upper().removeprefix("SIG")
+    if name in VALID_SIGNALS:
+        return None
+    if name == "USR1":
+        return ("USR1 is used by NCCL and kills a default submitit job", 'use "USR2" (the default) or "TERM"')
+    return (f"{value!r} is not a signal a job can catch", f"use one of {', '.join(VALID_SIGNALS)}")
+
+
+def parse_time_seconds(value: str) -> int | None:
+    """Seconds in a Slurm time limit (``MM``, ``MM:SS``, ``HH:MM:SS``, ``D-HH[:MM[:SS]]``); None if invalid."""
+    for pattern in _TIME_FORMATS:
+        match = pattern.fullmatch(value)
+        if not match:
+            continue
+        got = {k: int(v) for k, v in match.groupdict().items() if v is not None}
+        d, h, m, s = (got.get(k, 0) for k in "dhms")
+        if ("s" in got and s >= 60) or ("h" in got and m >= 60) or ("d" in got and h >= 24):
+            return None
+        return d * 86400 + h * 3600 + m * 60 + s
+    return None
+
+
+def check_time(value: str) -> tuple[str, str] | None:
+    """Slurm time limits; a zero limit is refused because Slurm would treat it as 'no limit' on some sites."""
+    bad = _control(value)
+    if bad:
+        return bad
+    seconds = parse_time_seconds(value)
+    if seconds is None:
+        return (
+            f"{value!r} is not a Slurm time limit",
+            'write MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS, like "04:00:00" or "2-00:00:00"',
+        )
+    if seconds < 60:
+        return (f"{value!r} is under one minute", "give at least 1 minute, like \"00:10:00\"")
+    return None

@@ -1,0 +1,18 @@
+"""A field helper that keeps each config key's help text and value check next to its default."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from hpc_train.config.checks import Check
+
+__all__ = ["option"]
+
+
+def option(default: Any, help: str, check: Check | None = None, factory: bool = False) -> Any:
+    """A dataclass field with a help text (for docs and ``--help``) and an optional per-value check."""
+    metadata = {"help": help, "check": check}
+    if factory:
+        return dataclasses.field(default_factory=default, metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)

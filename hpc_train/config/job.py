@@ -1,0 +1,166 @@
+"""The job configuration: one frozen dataclass per TOML section.
+
+Defaults are chosen so that an empty file is a valid single-process job on the ``local`` site.
+Cross-field rules live in :mod:`hpc_train.config.validate`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from hpc_train.config.checks import (
+    check_constraint,
+    check_env_name,
+    check_hostlist,
+    check_mem,
+    check_path,
+    check_signal,
+    check_slurm_name,
+    check_time,
+)
+from hpc_train.config.fields import option
+
+__all__ = [
+    "JobConfig",
+    "JobSection",
+    "ParallelSection",
+    "ZeroSection",
+    "TrainSection",
+    "DataSection",
+    "CheckpointSection",
+    "MonitorSection",
+    "PreemptSection",
+    "MODEL_PRESETS",
+]
+
+# Model presets the trainer knows: layers, heads, hidden size. Validated here so a typo fails on the login node.
+MODEL_PRESETS: dict[str, dict[str, int]] = {
+    "tiny": {"layers": 2, "heads": 4, "hidden": 128},
+    "125M": {"layers": 12, "heads": 12, "hidden": 768},
+    "1.3B": {"layers": 24, "heads": 32, "hidden": 2048},
+    "7B": {"layers": 32, "heads": 32, "hidden": 4096},
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobSection:
+    """``[job]``: what Slurm is asked for. Empty strings mean "take the site's default"."""
+
+    name: str = option("hpc-train", "Job and run name; the run folder is run_root/name.", check_slurm_name)
+    nodes: int = option(1, "Number of nodes.")
+    tasks_per_node: int = option(1, "Ranks per node (one per GPU on GPU sites).")
+    gpus_per_node: int | None = option(None, "GPUs per node; default: tasks_per_node on GPU sites, 0 otherwise.")
+    cpus_per_task: int | None = option(None, "CPU cores per rank; default: the node's cores / tasks_per_node.")
+    mem: str = option("", 'Memory per node ("512G", "0" for all); default: the site\'s.', check_mem)
+    time: str = option("01:00:00", "Time limit, Slurm syntax (HH:MM:SS or D-HH:MM:SS).", check_time)
+    partition: str = option("", "Slurm partition; default: the site's.", check_slurm_name)
+    account: str = option("", "Slurm account to charge; default: the site's.", check_slurm_name)
+    qos: str = option("", "Slurm quality of service; default: the site's.", check_slurm_name)
+    constraint: str = option("", 'Node features ("a100&ib"); default: the site\'s.', check_constraint)
+    exclude: str = option("", 'Nodes never to run on, a Slurm host list ("node[01-03]").', check_hostlist)
+    run_root: str = option("", "Folder that holds run folders; default: the site's, else ./runs.", check_path)
+    forward_env: list[str] = option(
+        list, "Names of variables passed from the submitting shell (values never written to scripts).",
+        check_env_name, factory=True,
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelSection:
+    """``[parallel]``: model-parallel sizes. Data parallel size is derived: world / (tensor x pipeline)."""
+
+    tensor: int = option(1, "Tensor-parallel size; must divide the ranks of one node.")
+    pipeline: int = option(1, "Pipeline-parallel size (number of stages).")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ZeroSection:
+    """``[zero]``: DeepSpeed ZeRO sharding."""
+
+    stage: int = option(2, "ZeRO stage 0-3: 1 shards optimizer state, 2 also gradients, 3 also parameters.")
+    offload_optimizer: bool = option(False, "Keep optimizer state in CPU memory (needs DeepSpeed's CPU Adam).")
+    offload_params: bool = option(False, "Keep parameters in CPU memory (ZeRO-3 only).")
+    overlap_comm: bool = option(True, "Overlap gradient reduction with the backward pass.")
+    bucket_size: int = option(50_000_000, "Elements per reduce / all-gather bucket.")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainSection:
+    """``[train]``: model, batch and optimizer."""
+
+    model: str = option("tiny", f"Model preset: {', '.join(MODEL_PRESETS)}.")
+    steps: int = option(100, "Optimizer steps to train.")
+    seq_len: int = option(128, "Tokens per sample.")
+    micro_batch: int = option(4, "Samples per rank per forward pass.")
+    grad_accum: int = option(1, "Micro-batches accumulated per optimizer step.")
+    global_batch: int = option(0, "Samples per step; 0 derives micro_batch x grad_accum x data, else it is checked.")
+    precision: Literal["bf16", "fp16", "fp32"] = option("bf16", "Number format: bf16, fp16 (GPU only) or fp32.")
+    optimizer: Literal["torch_adamw", "fused_adam", "cpu_adam"] = option(
+        "torch_adamw", "torch_adamw compiles nothing; fused_adam / cpu_adam JIT-compile DeepSpeed ops."
+    )
+    lr: float = option(3e-4, "Peak learning rate.")
+    min_lr: float = option(3e-5, "Learning rate at the end of decay.")
+    warmup_steps: int = option(10, "Linear warm-up steps.")
+    decay: Literal["cosine", "linear", "constant"] = option("cosine", "Decay after warm-up.")
+    weight_decay: float = option(0.1, "AdamW weight decay.")
+    beta1: float = option(0.9, "AdamW beta1.")
+    beta2: float = option(0.95, "AdamW beta2.")
+    eps: float = option(1e-8, "AdamW epsilon.")
+    grad_clip: float = option(1.0, "Clip the global gradient norm to this; 0 disables clipping.")
+    seed: int = option(1234, "Random seed (each rank derives its own).")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataSection:
+    """``[data]``: where tokens come from."""
+
+    source: Literal["synthetic", "tokens"] = option("synthetic", "synthetic random tokens, or a uint16 token file.")
+    path: str = option("", "Token file for source = tokens.")
+    vocab_size: int = option(256, "Vocabulary size (256 for the byte-level tokenizer).")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointSection:
+    """``[checkpoint]``: transactional checkpoints in run_folder/checkpoints."""
+
+    every_steps: int = option(50, "Save every N steps; 0 saves only on preemption and at the end.")
+    keep: int = option(3, "Checkpoints kept; the newest verified one is never deleted.")
+    async_save: bool = option(False, "Write files in the background while training goes on.")
+    verify: Literal["size", "sha256"] = option("size", "What resume checks: file sizes, or sizes and sha256.")
+    resume: bool = option(True, "Resume from the latest verified checkpoint of the run folder.")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MonitorSection:
+    """``[monitor]``: progress, metrics and evaluation."""
+
+    log_every: int = option(10, "Progress line and metrics.jsonl every N steps.")
+    eval_every: int = option(50, "Evaluation loss every N steps; 0 disables.")
+    histogram_every: int = option(0, "TensorBoard weight histograms every N steps; 0 disables.")
+    tensorboard: bool = option(True, "Write TensorBoard scalars to run_folder/tensorboard.")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PreemptSection:
+    """``[preempt]``: what happens when Slurm preempts the job or its time runs out."""
+
+    signal: str = option("", 'Signal Slurm sends before the end ("USR2"); default: the site\'s.', check_signal)
+    lead_seconds: int = option(0, "Seconds before the end to send it; 0: the site's (at least 60, Slurm's slack).")
+    requeue: bool = option(True, "Requeue the job after a preemption or time-out save.")
+    max_requeues: int = option(10, "Give up after this many requeues.")
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobConfig:
+    """A whole job file. ``env`` holds extra variables exported on every rank."""
+
+    job: JobSection = option(JobSection, "", factory=True)
+    parallel: ParallelSection = option(ParallelSection, "", factory=True)
+    zero: ZeroSection = option(ZeroSection, "", factory=True)
+    train: TrainSection = option(TrainSection, "", factory=True)
+    data: DataSection = option(DataSection, "", factory=True)
+    checkpoint: CheckpointSection = option(CheckpointSection, "", factory=True)
+    monitor: MonitorSection = option(MonitorSection, "", factory=True)
+    preempt: PreemptSection = option(PreemptSection, "", factory=True)
+    env: dict[str, str] = option(dict, "Variables exported on every rank (no secrets).", check_env_name, factory=True)

@@ -1,0 +1,150 @@
+"""TOML to typed dataclasses, with unknown keys refused ("did you mean") and every value type-checked.
+
+One generic walker serves job and site files, so both speak the same error language:
+``job.nodes: expected an integer, got "two". Fix: ...``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, TypeVar, get_args, get_origin
+
+from hpc_train.config.checks import check_env_value
+from hpc_train.errors import ConfigError, did_you_mean
+
+__all__ = ["build", "load_toml", "field_types", "describe_type"]
+
+T = TypeVar("T")
+
+# Keys that do not exist but that people will try, with what to do instead.
+_KNOWN_MISTAKES = {
+    "parallel.data": "data parallel size is derived: world / (tensor x pipeline); set job.nodes or "
+    "job.tasks_per_node instead",
+}
+
+
+def load_toml(path: Path, what: str) -> dict[str, Any]:
+    """Read a TOML file; a missing file or a syntax error is a ConfigError naming the file."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(str(path), f"{what} file not found", "check the path") from None
+    except (IsADirectoryError, PermissionError, UnicodeDecodeError) as error:
+        raise ConfigError(str(path), f"cannot read {what} file ({error.__class__.__name__})",
+                          "give a readable UTF-8 TOML file") from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as error:
+        raise ConfigError(str(path), f"not valid TOML ({error})", "fix the syntax at that line") from None
+
+
+def field_types(cls: type) -> dict[str, Any]:
+    """Resolved type hints of a config dataclass (annotations are strings under PEP 563)."""
+    return typing.get_type_hints(cls)
+
+
+def describe_type(kind: Any) -> str:
+    """A human name for a field type, used in messages and docs."""
+    origin = get_origin(kind)
+    if origin is Literal:
+        return "one of " + ", ".join(f'"{choice}"' for choice in get_args(kind))
+    if origin in (types.UnionType, typing.Union):
+        return " or ".join(describe_type(arg) for arg in get_args(kind) if arg is not type(None))
+    if origin is list:
+        return f"a list of {describe_type(get_args(kind)[0])}s"
+    if origin is dict:
+        return "a table of strings"
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(kind, str(kind))
+
+
+def _convert(value: Any, kind: Any, where: str) -> Any:
+    """Check ``value`` against ``kind`` and return it in that type; raise ConfigError naming ``where``."""
+    origin = get_origin(kind)
+    wrong = ConfigError(where, f"expected {describe_type(kind)}, got {value!r}", f"write {describe_type(kind)}")
+    if origin in (types.UnionType, typing.Union):
+        inner = [arg for arg in get_args(kind) if arg is not type(None)][0]
+        return _convert(value, inner, where)
+    if origin is Literal:
+        choices = get_args(kind)
+        if value not in choices:
+            hint = did_you_mean(str(value), choices) if isinstance(value, str) else ""
+            raise ConfigError(where, f"{value!r} is not valid" + (f", {hint}" if hint else ""),
+                              "use " + describe_type(kind))
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise wrong
+        return [_convert(item, get_args(kind)[0], f"{where}[{index}]") for index, item in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise wrong
+        converted = {}
+        for key, item in value.items():
+            if isinstance(item, bool):
+                item = "1" if item else "0"
+            elif isinstance(item, int | float):
+                item = str(item)
+            converted[key] = _convert(item, str, f"{where}.{key}")
+        return converted
+    if kind is bool:
+        if not isinstance(value, bool):
+            raise wrong
+        return value
+    if kind is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise wrong
+        return value
+    if kind is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise wrong
+        return float(value)
+    if kind is str:
+        if not isinstance(value, str):
+            raise wrong
+        return value
+    if dataclasses.is_dataclass(kind):
+        if not isinstance(value, dict):
+            raise ConfigError(where, f"expected a [{where}] table, got {value!r}", f"write it as a [{where}] section")
+        return build(kind, value, where)
+    raise TypeError(f"unsupported config type {kind!r} at {where}")  # a bug in a schema, not user input
+
+
+def _run_check(field: dataclasses.Field[Any], value: Any, where: str) -> None:
+    check = field.metadata.get("check")
+    if isinstance(value, dict):
+        for key, item in value.items():
+            for checker, text in ((check, key), (check_env_value, item)):
+                bad = checker(text) if checker else None
+                if bad:
+                    raise ConfigError(f"{where}.{key}", *bad)
+        return
+    items = value if isinstance(value, list) else [value]
+    for index, item in enumerate(items):
+        if check is not None and isinstance(item, str):
+            bad = check(item)
+            if bad:
+                raise ConfigError(f"{where}[{index}]" if isinstance(value, list) else where, *bad)
+
+
+def build(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
+    """Build dataclass ``cls`` from a TOML table, refusing unknown keys and wrong types."""
+    fields = {field.name: field for field in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    hints = field_types(cls)
+    values: dict[str, Any] = {}
+    for key, raw in data.items():
+        where = f"{prefix}.{key}" if prefix else key
+        if key not in fields:
+            if where in _KNOWN_MISTAKES:
+                raise ConfigError(where, "is not a setting", _KNOWN_MISTAKES[where])
+            hint = did_you_mean(key, fields)
+            valid = ", ".join(sorted(fields))
+            kind = "section" if not prefix else "key"
+            raise ConfigError(where, f"unknown {kind}" + (f", {hint}" if hint else ""), f"valid {kind}s here: {valid}")
+        value = _convert(raw, hints[key], where)
+        _run_check(fields[key], value, where)
+        values[key] = value
+    return cls(**values)

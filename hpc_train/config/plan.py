@@ -1,0 +1,165 @@
+"""One validated plan: a job config and a site resolved into exactly what will run.
+
+The plan is plain data (JSON in ``run_folder/plan.json``) so the compute side reads it without pickles, and
+the login side can show it, render it or hand it to submitit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hpc_train.config.checks import check_path, parse_time_seconds
+from hpc_train.config.environment import rank_env
+from hpc_train.config.job import JobConfig
+from hpc_train.config.loader import build, load_toml
+from hpc_train.config.overrides import apply_overrides
+from hpc_train.config.site import SiteConfig
+from hpc_train.config.validate import validate
+from hpc_train.errors import ConfigError
+
+__all__ = ["Resources", "Layout", "Plan", "load_job", "make_plan"]
+
+
+@dataclass(frozen=True)
+class Resources:
+    """What Slurm is asked for, after site defaults."""
+
+    nodes: int
+    tasks_per_node: int
+    gpus_per_node: int
+    cpus_per_task: int
+    mem: str
+    time: str
+    time_seconds: int
+    partition: str
+    account: str
+    qos: str
+    constraint: str
+    exclude: str
+    exclusive: bool
+    gpu_directive: str
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Ranks and batch arithmetic: world = tensor x pipeline x data; global = micro x accum x data."""
+
+    world: int
+    tensor: int
+    pipeline: int
+    data: int
+    micro_batch: int
+    grad_accum: int
+    global_batch: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything needed to render, submit and run one job."""
+
+    name: str
+    site: str
+    executor: str
+    launcher: str
+    run_dir: str
+    python: str
+    resources: Resources
+    layout: Layout
+    env: dict[str, str]
+    forward_env: list[str]
+    modules: list[str]
+    container: dict[str, Any]
+    signal: str
+    lead_seconds: int
+    requeue: bool
+    max_requeues: int
+    port_range: list[int]
+    fabric_suffix: str
+    config: dict[str, Any]
+    config_hash: str
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        data = json.loads(text)
+        data["resources"] = Resources(**data["resources"])
+        data["layout"] = Layout(**data["layout"])
+        return cls(**data)
+
+
+def load_job(path: Path, overrides: list[str]) -> JobConfig:
+    """Read a job file, apply ``--set`` overrides and type-check every key."""
+    data = load_toml(path, "config")
+    data = apply_overrides(data, overrides, JobConfig)
+    return build(JobConfig, data)
+
+
+def _config_hash(config: dict[str, Any]) -> str:
+    canonical = json.dumps(config, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def _run_dir(cfg: JobConfig, site: SiteConfig, cwd: Path) -> str:
+    root = cfg.job.run_root or site.run_root or "runs"
+    path = os.path.normpath(cwd / root / cfg.job.name)
+    bad = check_path(path)
+    if bad:
+        raise ConfigError("job.run_root", f"the run folder {bad[0]}", bad[1])
+    return path
+
+
+def make_plan(cfg: JobConfig, site: SiteConfig, executor: str, *, python: str | None = None,
+              cwd: Path | None = None) -> Plan:
+    """Resolve site defaults, run every cross-field check and return the plan."""
+    job = cfg.job
+    gpus = job.gpus_per_node if job.gpus_per_node is not None else (job.tasks_per_node if site.node.gpus else 0)
+    node_cpus = site.node.cpus or os.cpu_count() or 1
+    cpus = job.cpus_per_task if job.cpus_per_task is not None else max(1, node_cpus // max(1, job.tasks_per_node))
+    lead = cfg.preempt.lead_seconds or site.preempt.lead_seconds
+    if executor == "slurm" and not site.slurm.enabled:
+        raise ConfigError("--executor", f"slurm, but site {site.name} has no Slurm ([slurm] enabled = false)",
+                          "use --executor local, or a Slurm site")
+    data_parallel = validate(cfg, site, gpus, cpus, lead)
+    config = dataclasses.asdict(cfg)
+    train = cfg.train
+    return Plan(
+        name=job.name,
+        site=site.name,
+        executor=executor,
+        launcher=site.launch.launcher,
+        run_dir=_run_dir(cfg, site, cwd or Path.cwd()),
+        python=python or site.software.python or sys.executable,
+        resources=Resources(
+            nodes=job.nodes, tasks_per_node=job.tasks_per_node, gpus_per_node=gpus, cpus_per_task=cpus,
+            mem=job.mem or site.node.mem, time=job.time, time_seconds=parse_time_seconds(job.time) or 0,
+            partition=job.partition or site.slurm.partition, account=job.account or site.slurm.account,
+            qos=job.qos or site.slurm.qos, constraint=job.constraint or site.slurm.constraint,
+            exclude=job.exclude, exclusive=site.slurm.exclusive, gpu_directive=site.slurm.gpu_directive,
+        ),
+        layout=Layout(
+            world=job.nodes * job.tasks_per_node, tensor=cfg.parallel.tensor, pipeline=cfg.parallel.pipeline,
+            data=data_parallel, micro_batch=train.micro_batch, grad_accum=train.grad_accum,
+            global_batch=train.micro_batch * train.grad_accum * data_parallel,
+        ),
+        env=rank_env(cfg, site, cpus),
+        forward_env=list(job.forward_env),
+        modules=list(site.software.modules),
+        container=dataclasses.asdict(site.container),
+        signal=(cfg.preempt.signal or site.preempt.signal).upper().removeprefix("SIG"),
+        lead_seconds=lead,
+        requeue=cfg.preempt.requeue,
+        max_requeues=cfg.preempt.max_requeues,
+        port_range=list(site.launch.port_range),
+        fabric_suffix=site.network.fabric_suffix,
+        config=config,
+        config_hash=_config_hash(config),
+    )

@@ -1,0 +1,125 @@
+"""The site configuration: what one cluster looks like and how jobs must run on it.
+
+Sites are TOML files in ``site_configs/`` (shipped with the package) or anywhere on disk. They are trusted
+the way a Makefile is: a site may name modules and container images, but still goes through the same
+character checks as job files, so a typo cannot become a shell command.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from hpc_train.config.checks import (
+    check_constraint,
+    check_env_name,
+    check_mem,
+    check_module,
+    check_path,
+    check_signal,
+    check_slurm_name,
+    check_time,
+)
+from hpc_train.config.fields import option
+
+__all__ = [
+    "SiteConfig",
+    "SlurmSite",
+    "NodeShape",
+    "NetworkSite",
+    "SoftwareSite",
+    "ContainerSite",
+    "LaunchSite",
+    "PreemptSite",
+]
+
+
+@dataclass(frozen=True, kw_only=True)
+class SlurmSite:
+    """``[slurm]``: scheduler defaults applied when the job leaves them empty."""
+
+    enabled: bool = option(True, "false for machines without Slurm (the local executor only).")
+    partition: str = option("", "Default partition.", check_slurm_name)
+    account: str = option("", "Default account.", check_slurm_name)
+    qos: str = option("", "Default QoS.", check_slurm_name)
+    constraint: str = option("", "Default node features.", check_constraint)
+    max_time: str = option("", "Longest time limit the partition allows; longer jobs are refused at submit.", check_time)
+    gpu_directive: Literal["gpus-per-node", "gres"] = option(
+        "gpus-per-node", "How GPUs are requested: --gpus-per-node=N or --gres=gpu:N (older sites)."
+    )
+    exclusive: bool = option(False, "Ask for whole nodes (--exclusive).")
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodeShape:
+    """``[node]``: what one compute node has."""
+
+    gpus: int = option(0, "GPUs per node; 0 means CPU only (gloo, no fp16).")
+    gpu_type: str = option("", 'GPU model, for MFU and memory plans ("H100", "A100-80GB").')
+    gpu_mem_gb: float = option(0.0, "Memory per GPU in GB.")
+    cpus: int = option(0, "CPU cores per node usable by a job; 0: this machine's count, never checked (local).")
+    mem: str = option("", 'Memory per node to ask for by default ("0" = all of it).', check_mem)
+
+
+@dataclass(frozen=True, kw_only=True)
+class NetworkSite:
+    """``[network]``: the fabric between nodes and how NCCL should use it."""
+
+    interconnect: Literal["ib", "roce", "tcp"] = option("tcp", "ib (InfiniBand), roce (RDMA over Ethernet) or tcp.")
+    hcas: list[str] = option(list, 'RDMA devices for NCCL_IB_HCA ("mlx5_0:1").', check_module, factory=True)
+    socket_ifname: str = option("", "Interface for bootstrap traffic (NCCL/GLOO_SOCKET_IFNAME).", check_module)
+    gid_index: int = option(-1, "RoCE GID index (NCCL_IB_GID_INDEX); -1 leaves NCCL's choice.")
+    fabric_suffix: str = option("", 'Appended to node names to reach the fast fabric ("-ib").', check_module)
+    nccl: dict[str, str] = option(dict, "Extra NCCL_* settings, each with a reason in a comment.", check_env_name,
+                                  factory=True)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SoftwareSite:
+    """``[software]``: how to get a working Python on a compute node."""
+
+    modules: list[str] = option(list, "Environment modules loaded before launch.", check_module, factory=True)
+    python: str = option("", "Python on compute nodes; default: the interpreter that submits.", check_path)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ContainerSite:
+    """``[container]``: an optional container every rank runs in."""
+
+    runtime: Literal["none", "apptainer", "pyxis"] = option("none", "none, apptainer (exec) or pyxis (srun flags).")
+    image: str = option("", "Image path or URI.", check_path)
+    mounts: list[str] = option(list, 'Bind mounts, "src:dst".', check_path, factory=True)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchSite:
+    """``[launch]``: how ranks are started inside the allocation."""
+
+    launcher: Literal["srun", "torchrun", "mpirun"] = option("srun", "srun, torchrun or mpirun.")
+    port_range: list[int] = option(lambda: [20000, 60000], "Rendezvous ports are chosen in [low, high).",
+                                   factory=True)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PreemptSite:
+    """``[preempt]``: the site's preemption policy."""
+
+    signal: str = option("USR2", "Signal Slurm sends before preemption or the time limit.", check_signal)
+    lead_seconds: int = option(120, "Seconds before the end the signal is asked for (at least 60).")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SiteConfig:
+    """A whole site file."""
+
+    name: str = option("", "Short name of the site.", check_slurm_name)
+    description: str = option("", "One line on what this site is.")
+    run_root: str = option("", "Default folder for run folders (a shared, fast file system).", check_path)
+    slurm: SlurmSite = option(SlurmSite, "", factory=True)
+    node: NodeShape = option(NodeShape, "", factory=True)
+    network: NetworkSite = option(NetworkSite, "", factory=True)
+    software: SoftwareSite = option(SoftwareSite, "", factory=True)
+    container: ContainerSite = option(ContainerSite, "", factory=True)
+    launch: LaunchSite = option(LaunchSite, "", factory=True)
+    preempt: PreemptSite = option(PreemptSite, "", factory=True)
+    env: dict[str, str] = option(dict, "Variables exported on every rank.", check_env_name, factory=True)

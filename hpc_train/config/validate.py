@@ -1,0 +1,178 @@
+"""Cross-field checks of a job against its site: every rule that needs more than one value.
+
+Each rule raises ConfigError naming the keys, their values and the fix. Rules run in the order a user would
+fix things: resources, then layout, then training, then checkpoints and preemption.
+"""
+
+from __future__ import annotations
+
+import re
+
+from hpc_train.config.checks import parse_time_seconds
+from hpc_train.config.job import MODEL_PRESETS, JobConfig
+from hpc_train.config.site import SiteConfig
+from hpc_train.errors import ConfigError, did_you_mean
+
+__all__ = ["validate", "looks_secret", "SLURM_SIGNAL_SLACK_S"]
+
+# Slurm may deliver --signal up to 60 s before the requested lead time.
+SLURM_SIGNAL_SLACK_S = 60
+_SECRET = re.compile(r"TOKEN|SECRET|PASSW(OR)?D|API_?KEY|ACCESS_?KEY|PRIVATE_?KEY|CREDENTIAL", re.IGNORECASE)
+
+
+def looks_secret(name: str) -> bool:
+    """True for variable names that usually hold credentials (HF_TOKEN, WANDB_API_KEY, ...)."""
+    return bool(_SECRET.search(name))
+
+
+def _at_least(where: str, value: float, low: float, fix: str = "") -> None:
+    if value < low:
+        raise ConfigError(where, f"{value} is below the minimum {low}", fix or f"set it to {low} or more")
+
+
+def _check_counts(cfg: JobConfig) -> None:
+    for where, value, low in (
+        ("job.nodes", cfg.job.nodes, 1), ("job.tasks_per_node", cfg.job.tasks_per_node, 1),
+        ("parallel.tensor", cfg.parallel.tensor, 1), ("parallel.pipeline", cfg.parallel.pipeline, 1),
+        ("train.steps", cfg.train.steps, 1), ("train.seq_len", cfg.train.seq_len, 1),
+        ("train.micro_batch", cfg.train.micro_batch, 1), ("train.grad_accum", cfg.train.grad_accum, 1),
+        ("train.global_batch", cfg.train.global_batch, 0), ("train.warmup_steps", cfg.train.warmup_steps, 0),
+        ("train.weight_decay", cfg.train.weight_decay, 0), ("train.grad_clip", cfg.train.grad_clip, 0),
+        ("train.min_lr", cfg.train.min_lr, 0), ("zero.bucket_size", cfg.zero.bucket_size, 1),
+        ("data.vocab_size", cfg.data.vocab_size, 2), ("checkpoint.every_steps", cfg.checkpoint.every_steps, 0),
+        ("checkpoint.keep", cfg.checkpoint.keep, 1), ("monitor.log_every", cfg.monitor.log_every, 1),
+        ("monitor.eval_every", cfg.monitor.eval_every, 0), ("monitor.histogram_every", cfg.monitor.histogram_every, 0),
+        ("preempt.lead_seconds", cfg.preempt.lead_seconds, 0), ("preempt.max_requeues", cfg.preempt.max_requeues, 0),
+    ):
+        _at_least(where, value, low)
+    if cfg.job.gpus_per_node is not None:
+        _at_least("job.gpus_per_node", cfg.job.gpus_per_node, 0)
+    if cfg.job.cpus_per_task is not None:
+        _at_least("job.cpus_per_task", cfg.job.cpus_per_task, 1)
+    if not cfg.job.name:
+        raise ConfigError("job.name", "is empty", 'give the run a name, like name = "gpt-125m"')
+
+
+def _check_resources(cfg: JobConfig, site: SiteConfig, gpus_per_node: int, cpus_per_task: int) -> None:
+    job = cfg.job
+    if site.node.gpus and gpus_per_node > site.node.gpus:
+        raise ConfigError("job.gpus_per_node", f"{gpus_per_node} is more than the {site.node.gpus} GPUs of a "
+                          f"{site.name} node", f"ask for at most {site.node.gpus} and add nodes instead")
+    if not site.node.gpus and gpus_per_node:
+        raise ConfigError("job.gpus_per_node", f"{gpus_per_node} GPUs asked for, but site {site.name} has none",
+                          "remove job.gpus_per_node or pick a GPU site")
+    if gpus_per_node and site.launch.launcher != "torchrun" and job.tasks_per_node > gpus_per_node:
+        raise ConfigError("job.tasks_per_node", f"{job.tasks_per_node} ranks per node but {gpus_per_node} GPUs",
+                          f"one rank per GPU: set tasks_per_node = {gpus_per_node}")
+    if site.node.cpus and cpus_per_task * job.tasks_per_node > site.node.cpus:
+        raise ConfigError("job.cpus_per_task", f"{cpus_per_task} x {job.tasks_per_node} tasks_per_node = "
+                          f"{cpus_per_task * job.tasks_per_node} cores, but a {site.name} node has {site.node.cpus}",
+                          f"set cpus_per_task to at most {max(1, site.node.cpus // job.tasks_per_node)}")
+    seconds = parse_time_seconds(job.time) or 0
+    limit = parse_time_seconds(site.slurm.max_time) if site.slurm.max_time else None
+    if limit is not None and seconds > limit:
+        raise ConfigError("job.time", f'"{job.time}" is longer than the {site.name} limit "{site.slurm.max_time}"',
+                          "shorten it; preemption and requeue carry the run on from its checkpoint")
+    for name in cfg.env:
+        if looks_secret(name):
+            raise ConfigError(f"env.{name}", "looks like a secret and would be written into the job script",
+                              f'remove it and add "{name}" to job.forward_env, or read it from a 0600 file on the '
+                              "compute node")
+    if site.container.runtime != "none" and not site.container.image:
+        raise ConfigError(f"site {site.name}: container.image", f"is empty but runtime is {site.container.runtime}",
+                          "set the image, or runtime = \"none\"")
+    low, high = (site.launch.port_range + [0, 0])[:2]
+    if len(site.launch.port_range) != 2 or not 1024 <= low < high <= 65536:
+        raise ConfigError(f"site {site.name}: launch.port_range", f"{site.launch.port_range} is not [low, high)",
+                          "use two ports with 1024 <= low < high <= 65536, like [20000, 60000]")
+
+
+def _check_layout(cfg: JobConfig, gpus_per_node: int) -> int:
+    job, par = cfg.job, cfg.parallel
+    world = job.nodes * job.tasks_per_node
+    model_parallel = par.tensor * par.pipeline
+    if world % model_parallel:
+        raise ConfigError("parallel", f"world size {world} (= {job.nodes} nodes x {job.tasks_per_node} "
+                          f"tasks_per_node) is not divisible by tensor x pipeline = {par.tensor} x {par.pipeline}",
+                          f"make nodes x tasks_per_node a multiple of {model_parallel}, or change tensor/pipeline")
+    if job.tasks_per_node % par.tensor:
+        raise ConfigError("parallel.tensor", f"{par.tensor} does not divide the {job.tasks_per_node} ranks of a node",
+                          "a tensor group must stay inside one node: pick a divisor of tasks_per_node")
+    preset = MODEL_PRESETS.get(cfg.train.model)
+    if preset is None:
+        hint = did_you_mean(cfg.train.model, MODEL_PRESETS)
+        raise ConfigError("train.model", f'"{cfg.train.model}" is not a preset' + (f", {hint}" if hint else ""),
+                          f"use one of {', '.join(MODEL_PRESETS)}")
+    if preset["heads"] % par.tensor:
+        raise ConfigError("parallel.tensor", f"{par.tensor} does not divide the {preset['heads']} attention heads "
+                          f"of model {cfg.train.model}", "pick a tensor size that divides the head count")
+    if cfg.data.vocab_size % par.tensor:
+        raise ConfigError("data.vocab_size", f"{cfg.data.vocab_size} is not divisible by tensor = {par.tensor}",
+                          "pad the vocabulary to a multiple of the tensor size")
+    if par.pipeline > preset["layers"]:
+        raise ConfigError("parallel.pipeline", f"{par.pipeline} stages for the {preset['layers']} layers of model "
+                          f"{cfg.train.model}", f"use at most {preset['layers']} stages")
+    zero = cfg.zero
+    if zero.stage not in (0, 1, 2, 3):
+        raise ConfigError("zero.stage", f"{zero.stage} is not a ZeRO stage", "use 0, 1, 2 or 3")
+    if zero.stage >= 2 and par.pipeline > 1:
+        raise ConfigError("zero.stage", f"ZeRO-{zero.stage} cannot run with pipeline = {par.pipeline} "
+                          "(DeepSpeed refuses it)", "use zero.stage = 0 or 1 with pipeline parallelism")
+    if zero.offload_params and zero.stage != 3:
+        raise ConfigError("zero.offload_params", f"needs ZeRO-3, stage is {zero.stage}", "set zero.stage = 3")
+    if zero.offload_optimizer and cfg.train.optimizer != "cpu_adam":
+        raise ConfigError("zero.offload_optimizer", f'needs train.optimizer = "cpu_adam", got '
+                          f'"{cfg.train.optimizer}"', 'set train.optimizer = "cpu_adam" (it JIT-compiles once)')
+    if zero.offload_optimizer and zero.stage == 0:
+        raise ConfigError("zero.offload_optimizer", "needs ZeRO stage 1-3, stage is 0", "set zero.stage = 1 or more")
+    if cfg.train.precision == "fp16" and not gpus_per_node:
+        raise ConfigError("train.precision", '"fp16" needs a GPU and this job has none',
+                          'use "bf16" or "fp32" on CPUs')
+    return world // model_parallel
+
+
+def _check_training(cfg: JobConfig, data_parallel: int) -> None:
+    train = cfg.train
+    derived = train.micro_batch * train.grad_accum * data_parallel
+    if train.global_batch and train.global_batch != derived:
+        raise ConfigError("train.global_batch", f"{train.global_batch} != micro_batch x grad_accum x data = "
+                          f"{train.micro_batch} x {train.grad_accum} x {data_parallel} = {derived}",
+                          f"set global_batch = {derived} or 0, or change micro_batch/grad_accum")
+    if train.lr <= 0:
+        raise ConfigError("train.lr", f"{train.lr} is not positive", "use a learning rate such as 3e-4")
+    if train.min_lr > train.lr:
+        raise ConfigError("train.min_lr", f"{train.min_lr} is above lr = {train.lr}", "make min_lr <= lr")
+    if train.warmup_steps > train.steps:
+        raise ConfigError("train.warmup_steps", f"{train.warmup_steps} is more than steps = {train.steps}",
+                          "make warmup_steps <= steps")
+    for where, beta in (("train.beta1", train.beta1), ("train.beta2", train.beta2)):
+        if not 0 <= beta < 1:
+            raise ConfigError(where, f"{beta} is outside [0, 1)", "use a value like 0.9")
+    if train.eps <= 0:
+        raise ConfigError("train.eps", f"{train.eps} is not positive", "use 1e-8")
+    if cfg.data.source == "tokens" and not cfg.data.path:
+        raise ConfigError("data.path", 'is empty but data.source = "tokens"', "give the token file's path")
+    if cfg.data.source == "tokens" and cfg.data.vocab_size > 65536:
+        raise ConfigError("data.vocab_size", f"{cfg.data.vocab_size} does not fit a uint16 token file",
+                          "use at most 65536")
+
+
+def _check_preempt(cfg: JobConfig, site: SiteConfig, lead_seconds: int) -> None:
+    if lead_seconds < SLURM_SIGNAL_SLACK_S:
+        where = "preempt.lead_seconds" if cfg.preempt.lead_seconds else f"site {site.name}: preempt.lead_seconds"
+        raise ConfigError(where, f"{lead_seconds} s is less than Slurm's {SLURM_SIGNAL_SLACK_S} s delivery slack",
+                          f"use at least {SLURM_SIGNAL_SLACK_S}")
+    seconds = parse_time_seconds(cfg.job.time) or 0
+    if lead_seconds >= seconds:
+        raise ConfigError("preempt.lead_seconds", f"{lead_seconds} s is not shorter than job.time "
+                          f'"{cfg.job.time}"', "give the job more time or a shorter lead")
+
+
+def validate(cfg: JobConfig, site: SiteConfig, gpus_per_node: int, cpus_per_task: int, lead_seconds: int) -> int:
+    """Run every cross-field rule; return the derived data-parallel size."""
+    _check_counts(cfg)
+    _check_resources(cfg, site, gpus_per_node, cpus_per_task)
+    data_parallel = _check_layout(cfg, gpus_per_node)
+    _check_training(cfg, data_parallel)
+    _check_preempt(cfg, site, lead_seconds)
+    return data_parallel

@@ -1,0 +1,85 @@
+"""The entry point every rank runs, from any launcher: ``python -m hpc_train.launch RUN_DIR``.
+
+It reads ``plan.json`` from the run folder (plain JSON, no pickles), finds its rank, writes its own log to
+``logs/rank-N.log`` and runs the job. Submitit calls the same code through :class:`RankEntry`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+from hpc_train.config.plan import Plan
+from hpc_train.runfolder import PLAN_FILE, atomic_write
+
+__all__ = ["RankEntry", "run_rank", "main"]
+
+
+def _rank_logger(run_dir: Path, rank: int) -> logging.Logger:
+    """Each rank logs to its own file; only rank 0 also speaks on stdout, other ranks stay quiet."""
+    logger = logging.getLogger(f"hpc_train.rank{rank}")
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    formatter = logging.Formatter(f"%(asctime)s rank{rank} %(levelname)s %(message)s")
+    handler = logging.FileHandler(run_dir / "logs" / f"rank-{rank}.log")
+    handler.setFormatter(formatter)
+    logger.addHandler(handler)
+    if rank == 0:
+        stream = logging.StreamHandler(sys.stdout)
+        stream.setFormatter(formatter)
+        logger.addHandler(stream)
+    return logger
+
+
+def run_rank(run_dir: Path) -> dict[str, Any]:
+    """Run this rank's share of the job in ``run_dir``; return its result."""
+    from hpc_train.dist.ranks import detect_ranks, export_rendezvous
+    from hpc_train.dist.smoke import run_smoke
+
+    plan = Plan.from_json((run_dir / PLAN_FILE).read_text(encoding="utf-8"))
+    low, high = plan.port_range
+    info = detect_ranks((low, high))
+    export_rendezvous(info)
+    logger = _rank_logger(run_dir, info.rank)
+    logger.info("start: %s rank %d/%d (local %d) rendezvous %s:%d", info.launcher, info.rank, info.world_size,
+                info.local_rank, info.master_addr, info.master_port)
+    if info.world_size != plan.layout.world:
+        raise RuntimeError(f"the launcher started {info.world_size} ranks but the plan has {plan.layout.world} "
+                           f"(nodes x tasks_per_node); check the srun/mpirun task geometry")
+    try:
+        result = run_smoke(info)
+    except BaseException:
+        logger.error("failed:\n%s", traceback.format_exc())
+        raise
+    logger.info("smoke: all_reduce of ranks = %s (expected %s) over %s", result["all_reduce"], result["expected"],
+                result["backend"])
+    if info.rank == 0:
+        atomic_write(run_dir / "smoke.json", json.dumps(result, indent=2) + "\n")
+    return result
+
+
+class RankEntry:
+    """The callable submitit pickles: it holds only the run folder, and imports nothing heavy until called."""
+
+    def __init__(self, run_dir: str) -> None:
+        self.run_dir = run_dir
+
+    def __call__(self) -> dict[str, Any]:
+        return run_rank(Path(self.run_dir))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m hpc_train.launch RUN_DIR", file=sys.stderr)
+        return 2
+    run_rank(Path(args[0]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

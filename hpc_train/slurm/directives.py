@@ -1,0 +1,77 @@
+"""``#SBATCH`` directives of a plan, each value checked once more right where it is written.
+
+Config checks already refused bad characters per field; this second, generic check keeps a directive to a
+single ``--flag=value`` token whatever a future field forgets: no whitespace, no control characters, no ``#``.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import PurePosixPath
+
+from hpc_train.config.plan import Plan
+
+__all__ = ["directive", "sbatch_directives", "log_paths", "export_directive"]
+
+_SAFE_VALUE = re.compile(r"[A-Za-z0-9._/+@,:=%&|\[\]*()-]+")
+
+
+def directive(flag: str, value: str | int | None = None) -> str:
+    """``--flag=value`` for one ``#SBATCH`` line; ValueError if the value could leave its line."""
+    if value is None:
+        return f"--{flag}"
+    text = str(value)
+    if not _SAFE_VALUE.fullmatch(text):
+        raise ValueError(f"unsafe #SBATCH value for --{flag}: {text!r}")
+    return f"--{flag}={text}"
+
+
+def log_paths(plan: Plan) -> tuple[str, str]:
+    """Batch-step stdout/stderr in the run folder; %j keeps attempts of a requeued job apart."""
+    logs = PurePosixPath(plan.run_dir) / "logs"
+    return str(logs / "slurm-%j.out"), str(logs / "slurm-%j.err")
+
+
+def export_directive(plan: Plan) -> str:
+    """NONE, or only the names the job forwards: the submitting shell's secrets never reach the job."""
+    return ",".join(plan.forward_env) if plan.forward_env else "NONE"
+
+
+def sbatch_directives(plan: Plan, launcher: str) -> list[str]:
+    """Directives for ``launcher``: srun and mpirun start one task per rank, torchrun one per node."""
+    res = plan.resources
+    per_node = 1 if launcher == "torchrun" else res.tasks_per_node
+    cpus = res.cpus_per_task * (res.tasks_per_node if launcher == "torchrun" else 1)
+    out, err = log_paths(plan)
+    lines = [
+        directive("job-name", plan.name),
+        directive("nodes", res.nodes),
+        directive("ntasks-per-node", per_node),
+        directive("cpus-per-task", cpus),
+    ]
+    if res.gpus_per_node:
+        if res.gpu_directive == "gres":
+            lines.append(directive("gres", f"gpu:{res.gpus_per_node}"))
+        else:
+            lines.append(directive("gpus-per-node", res.gpus_per_node))
+    if res.mem:
+        lines.append(directive("mem", res.mem))
+    lines.append(directive("time", res.time))
+    for flag, value in (("partition", res.partition), ("account", res.account), ("qos", res.qos),
+                        ("constraint", res.constraint), ("exclude", res.exclude)):
+        if value:
+            lines.append(directive(flag, value))
+    if res.exclusive:
+        lines.append(directive("exclusive"))
+    lines += [
+        directive("output", out),
+        directive("error", err),
+        directive("open-mode", "append"),
+        directive("export", export_directive(plan)),
+        directive("chdir", plan.run_dir),
+    ]
+    if plan.requeue:
+        lines.append(directive("requeue"))
+    # No "B:": the signal goes to every job step (the ranks), not only to the batch shell.
+    lines.append(directive("signal", f"{plan.signal}@{plan.lead_seconds}"))
+    return lines

@@ -1,0 +1,99 @@
+"""submitit executors built from a plan: ``local`` (processes on this machine) and ``slurm``.
+
+The parameters are computed as plain data first, so the summary and ``--json`` show them without importing
+submitit; :func:`submit` then hands them to submitit unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shlex
+import shutil
+from pathlib import Path
+from typing import Any
+
+from hpc_train.config.plan import Plan
+from hpc_train.errors import ConfigError
+from hpc_train.slurm.directives import export_directive
+
+__all__ = ["resolve_executor", "submitit_parameters", "submit", "submitit_folder"]
+
+
+def resolve_executor(requested: str, slurm_enabled: bool) -> str:
+    """auto: slurm when the site has Slurm and sbatch is on PATH, else local. slurm needs both."""
+    has_sbatch = shutil.which("sbatch") is not None
+    if requested == "auto":
+        return "slurm" if slurm_enabled and has_sbatch else "local"
+    if requested == "slurm" and not has_sbatch:
+        raise ConfigError("--executor", "slurm, but sbatch is not on PATH (is this a login node?)",
+                          "run on a Slurm login node, or use --executor local")
+    return requested
+
+
+def submitit_folder(plan: Plan) -> Path:
+    """submitit keeps its pickles and logs inside the run folder, so they are private like the rest."""
+    return Path(plan.run_dir) / "submitit"
+
+
+def _setup_lines(plan: Plan) -> list[str]:
+    """Shell lines submitit puts before srun: module loads and exports, every value quoted."""
+    lines = [f"module load {shlex.quote(module)}" for module in plan.modules]
+    if plan.modules:
+        lines.insert(0, "module purge")
+    lines += [f"export {name}={shlex.quote(value)}" for name, value in sorted(plan.env.items())]
+    lines.append("export SLURM_EXPORT_ENV=ALL")
+    return lines
+
+
+def submitit_parameters(plan: Plan) -> dict[str, Any]:
+    """The keyword arguments for ``executor.update_parameters``."""
+    res = plan.resources
+    minutes = max(1, math.ceil(res.time_seconds / 60))
+    if plan.executor == "local":
+        params: dict[str, Any] = {"tasks_per_node": plan.layout.world, "timeout_min": minutes,
+                                  "signal_delay_s": plan.lead_seconds}
+        if res.gpus_per_node:
+            params["gpus_per_node"] = res.gpus_per_node
+        return params
+    params = {
+        "job_name": plan.name, "nodes": res.nodes, "ntasks_per_node": res.tasks_per_node,
+        "cpus_per_task": res.cpus_per_task, "time": minutes, "signal_delay_s": plan.lead_seconds,
+        "setup": _setup_lines(plan),
+        "additional_parameters": {"export": export_directive(plan), "open-mode": "append"},
+    }
+    if res.gpus_per_node:
+        if res.gpu_directive == "gres":
+            params["gres"] = f"gpu:{res.gpus_per_node}"
+        else:
+            params["gpus_per_node"] = res.gpus_per_node
+    for key in ("mem", "partition", "account", "qos", "constraint", "exclude"):
+        value = getattr(res, key)
+        if value:
+            params[key] = value
+    if res.exclusive:
+        params["exclusive"] = True
+    if plan.container["runtime"] == "pyxis":
+        params["srun_args"] = [f"--container-image={plan.container['image']}"]
+    return params
+
+
+def submit(plan: Plan) -> Any:
+    """Submit the rank entry point through submitit; return the submitit Job."""
+    os.environ["SUBMITIT_PREEMPT_SIGNAL"] = plan.signal  # submitit reads it when it writes the script
+    import submitit
+
+    from hpc_train.launch import RankEntry
+
+    folder = submitit_folder(plan)
+    executor: Any
+    if plan.executor == "local":
+        executor = submitit.LocalExecutor(folder=folder, max_num_timeout=plan.max_requeues)
+        # The ranks must not inherit a rendezvous from this shell (it would win over ours).
+        for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
+            os.environ.pop(name, None)
+        os.environ.update(plan.env)
+    else:
+        executor = submitit.SlurmExecutor(folder=folder, max_num_timeout=plan.max_requeues, python=plan.python)
+    executor.update_parameters(**submitit_parameters(plan))
+    return executor.submit(RankEntry(plan.run_dir))

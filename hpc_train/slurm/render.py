@@ -1,0 +1,97 @@
+"""Render a plan through a Jinja2 sbatch template into a script a user can read and submit with sbatch."""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+
+import jinja2
+
+from hpc_train import __version__
+from hpc_train.config.plan import Plan
+from hpc_train.errors import ConfigError, did_you_mean
+from hpc_train.resources import shipped_dir
+from hpc_train.slurm.directives import sbatch_directives
+
+__all__ = ["TEMPLATES", "RenderedScript", "render_script", "template_names"]
+
+TEMPLATES = ("srun", "torchrun", "mpirun")
+
+
+@dataclass(frozen=True)
+class RenderedScript:
+    """A script and the template it came from."""
+
+    template: str
+    text: str
+
+
+def template_names() -> list[str]:
+    """Templates shipped with this installation."""
+    return sorted(path.name.removesuffix(".sbatch.j2") for path in shipped_dir("sbatch_templates").glob("*.sbatch.j2"))
+
+
+def _environment() -> jinja2.Environment:
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(shipped_dir("sbatch_templates"))),
+        undefined=jinja2.StrictUndefined,
+        keep_trailing_newline=True,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        autoescape=False,  # noqa: S701 - shell, not HTML: every value goes through the q filter
+    )
+    env.filters["q"] = lambda value: shlex.quote(str(value))
+    return env
+
+
+def _container_prefix(plan: Plan) -> tuple[list[str], list[str]]:
+    """(srun flags, command prefix) for the site's container runtime."""
+    container = plan.container
+    if container["runtime"] == "pyxis":
+        flags = [f"--container-image={container['image']}"]
+        if container["mounts"]:
+            flags.append(f"--container-mounts={','.join(container['mounts'])}")
+        return flags, []
+    if container["runtime"] == "apptainer":
+        prefix = ["apptainer", "exec"]
+        if plan.resources.gpus_per_node:
+            prefix.append("--nv")
+        for mount in container["mounts"]:
+            prefix += ["--bind", mount]
+        return [], [*prefix, container["image"]]
+    return [], []
+
+
+def render_script(plan: Plan, template: str | None = None) -> RenderedScript:
+    """Render ``template`` (default: the site's launcher) for ``plan``."""
+    name = template or plan.launcher
+    names = template_names()
+    if name not in names:
+        hint = did_you_mean(name, names)
+        raise ConfigError("--template", f'no template "{name}"' + (f", {hint}" if hint else ""),
+                          f"use one of {', '.join(names)}")
+    if name == "mpirun" and plan.container["runtime"] == "pyxis":
+        raise ConfigError("--template", "mpirun cannot start ranks inside pyxis containers",
+                          "use the srun or torchrun template on this site")
+    srun_flags, prefix = _container_prefix(plan)
+    low, high = plan.port_range
+    text = _environment().get_template(f"{name}.sbatch.j2").render(
+        version=__version__,
+        template=name,
+        plan=plan,
+        directives=sbatch_directives(plan, name),
+        env=sorted(plan.env.items()),
+        srun_flags=srun_flags,
+        command=[*prefix, plan.python, "-u"],
+        port_low=low,
+        port_span=high - low,
+    )
+    return RenderedScript(template=name, text=text)
+
+
+def write_script(script: RenderedScript, path: Path) -> None:
+    """Write the script readable by its owner only (it names paths and settings of the run)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(script.text, encoding="utf-8")
+    path.chmod(0o700)
