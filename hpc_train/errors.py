@@ -20,7 +20,7 @@ class ConfigError(ValueError):
         self.fix = fix
         message = f"{where}: {problem}" if where else problem
         if fix:
-            message += f". Fix: {fix}"
+            message += ("" if message.endswith(("?", ".")) else ".") + f" Fix: {fix}"
         super().__init__(message)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import traceback
 from pathlib import Path
@@ -16,7 +17,7 @@ from typing import Any
 from hpc_train.config.plan import Plan
 from hpc_train.runfolder import PLAN_FILE, atomic_write
 
-__all__ = ["RankEntry", "run_rank", "main"]
+__all__ = ["RankEntry", "main", "run_rank"]
 
 
 def _rank_logger(run_dir: Path, rank: int) -> logging.Logger:
@@ -40,6 +41,7 @@ def run_rank(run_dir: Path) -> dict[str, Any]:
     from hpc_train.dist.ranks import detect_ranks, export_rendezvous
     from hpc_train.dist.smoke import run_smoke
 
+    os.umask(0o077)  # logs and results of a run are private, like the run folder
     plan = Plan.from_json((run_dir / PLAN_FILE).read_text(encoding="utf-8"))
     low, high = plan.port_range
     info = detect_ranks((low, high))

@@ -2,27 +2,22 @@
 
 from __future__ import annotations
 
-import importlib.resources
 from pathlib import Path
 
 __all__ = ["shipped_dir"]
 
-_CHECKOUT = Path(__file__).resolve().parent.parent
+_PACKAGE = Path(__file__).resolve().parent
 
 
 def shipped_dir(kind: str) -> Path:
     """The folder of ``sbatch_templates`` or ``site_configs`` that came with this installation.
 
-    The wheel maps both top-level folders into the package (``hpc_train.site_configs``); a plain checkout on
-    ``PYTHONPATH`` has them beside the package.
+    A wheel maps both top-level folders into the package (``hpc_train/site_configs``); a checkout, plain or
+    installed editable, has them beside the package.
     """
     if kind not in ("sbatch_templates", "site_configs"):
         raise ValueError(f"unknown resource folder {kind!r}")
-    try:
-        folder = importlib.resources.files(f"hpc_train.{kind}")
-        path = Path(str(folder))
-        if path.is_dir():
-            return path
-    except (ModuleNotFoundError, TypeError):
-        pass
-    return _CHECKOUT / kind
+    for candidate in (_PACKAGE / kind, _PACKAGE.parent / kind):
+        if candidate.is_dir():
+            return candidate
+    raise FileNotFoundError(f"hpc_train is installed without its {kind} folder; reinstall the package")

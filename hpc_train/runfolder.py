@@ -10,7 +10,7 @@ from hpc_train.config.plan import Plan
 from hpc_train.config.tomlwrite import dumps
 from hpc_train.errors import ConfigError
 
-__all__ = ["prepare_run_folder", "atomic_write", "PLAN_FILE", "CONFIG_FILE"]
+__all__ = ["CONFIG_FILE", "PLAN_FILE", "atomic_write", "prepare_run_folder"]
 
 PLAN_FILE = "plan.json"
 CONFIG_FILE = "config.toml"

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
 from hpc_train.cli.common import ArgumentParser, add_plan_arguments, plan_from_args, run_command
 
-__all__ = ["main", "build_parser"]
+__all__ = ["build_parser", "main"]
 
 
 def build_parser() -> ArgumentParser:
@@ -45,6 +46,7 @@ def _submit(argv: list[str] | None) -> int:
     from hpc_train.slurm.follow import follow
 
     console = Console(stderr=args.json)
+    os.umask(0o077)  # submitit's folder and the ranks' files stay private
     run_dir = prepare_run_folder(plan)
     job = submit(plan)
     console.print(f"submitted job [bold]{job.job_id}[/] ({plan.executor}); run folder {run_dir}")

@@ -14,7 +14,7 @@ from hpc_train.config.plan import Plan, load_job, make_plan
 from hpc_train.config.sites import load_site
 from hpc_train.errors import ConfigError
 
-__all__ = ["add_plan_arguments", "plan_from_args", "run_command", "ArgumentParser", "EXIT_USAGE"]
+__all__ = ["EXIT_USAGE", "ArgumentParser", "add_plan_arguments", "plan_from_args", "run_command"]
 
 EXIT_USAGE = 2
 

@@ -12,18 +12,18 @@ from collections.abc import Callable
 
 __all__ = [
     "Check",
+    "check_constraint",
     "check_env_name",
     "check_env_value",
     "check_hostlist",
     "check_mem",
-    "check_path",
-    "check_slurm_name",
-    "check_constraint",
     "check_module",
+    "check_path",
     "check_signal",
+    "check_slurm_name",
     "check_time",
-    "parse_time_seconds",
     "has_control_chars",
+    "parse_time_seconds",
 ]
 
 # A check returns None when the value is fine, else (problem, fix).
@@ -67,7 +67,8 @@ def check_slurm_name(value: str) -> tuple[str, str] | None:
     bad = _control(value)
     if bad or _SLURM_NAME.fullmatch(value):
         return bad
-    return (f"{value!r} is not allowed", "use 1-128 characters from A-Z a-z 0-9 . _ + - starting with a letter or digit")
+    return (f"{value!r} is not allowed",
+            "use 1-128 characters from A-Z a-z 0-9 . _ + - starting with a letter or digit")
 
 
 def check_constraint(value: str) -> tuple[str, str] | None:
@@ -117,7 +118,8 @@ def check_env_name(value: str) -> tuple[str, str] | None:
     """Environment variable names: they are written as ``export NAME=...``."""
     if _ENV_NAME.fullmatch(value):
         return None
-    return (f"{value!r} is not a valid environment variable name", "use letters, digits and _ not starting with a digit")
+    return (f"{value!r} is not a valid environment variable name",
+            "use letters, digits and _ not starting with a digit")
 
 
 def check_env_value(value: str) -> tuple[str, str] | None:

@@ -22,16 +22,16 @@ from hpc_train.config.checks import (
 from hpc_train.config.fields import option
 
 __all__ = [
+    "MODEL_PRESETS",
+    "CheckpointSection",
+    "DataSection",
     "JobConfig",
     "JobSection",
-    "ParallelSection",
-    "ZeroSection",
-    "TrainSection",
-    "DataSection",
-    "CheckpointSection",
     "MonitorSection",
+    "ParallelSection",
     "PreemptSection",
-    "MODEL_PRESETS",
+    "TrainSection",
+    "ZeroSection",
 ]
 
 # Model presets the trainer knows: layers, heads, hidden size. Validated here so a typo fails on the login node.

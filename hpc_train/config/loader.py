@@ -16,7 +16,7 @@ from typing import Any, Literal, TypeVar, get_args, get_origin
 from hpc_train.config.checks import check_env_value
 from hpc_train.errors import ConfigError, did_you_mean
 
-__all__ = ["build", "load_toml", "field_types", "describe_type"]
+__all__ = ["build", "describe_type", "field_types", "load_toml"]
 
 T = TypeVar("T")
 
@@ -66,13 +66,13 @@ def _convert(value: Any, kind: Any, where: str) -> Any:
     origin = get_origin(kind)
     wrong = ConfigError(where, f"expected {describe_type(kind)}, got {value!r}", f"write {describe_type(kind)}")
     if origin in (types.UnionType, typing.Union):
-        inner = [arg for arg in get_args(kind) if arg is not type(None)][0]
+        inner = next(arg for arg in get_args(kind) if arg is not type(None))
         return _convert(value, inner, where)
     if origin is Literal:
         choices = get_args(kind)
         if value not in choices:
             hint = did_you_mean(str(value), choices) if isinstance(value, str) else ""
-            raise ConfigError(where, f"{value!r} is not valid" + (f", {hint}" if hint else ""),
+            raise ConfigError(where, f"\"{value}\" is not valid" + (f", {hint}" if hint else ""),
                               "use " + describe_type(kind))
         return value
     if origin is list:

@@ -31,7 +31,7 @@ def _field_type(root: type, section: str, key: str, text: str) -> Any:
         return str  # a free table such as [env]: values are strings
     keys = field_types(section_type)
     if key not in keys:
-        hint = did_you_mean(key, keys)
+        hint = did_you_mean(f"{section}.{key}", [f"{section}.{name}" for name in keys])
         raise ConfigError(f"--set {text}", f'unknown key "{section}.{key}"' + (f", {hint}" if hint else ""),
                           f"keys of [{section}]: {', '.join(keys)}")
     return keys[key]

@@ -24,7 +24,7 @@ from hpc_train.config.site import SiteConfig
 from hpc_train.config.validate import validate
 from hpc_train.errors import ConfigError
 
-__all__ = ["Resources", "Layout", "Plan", "load_job", "make_plan"]
+__all__ = ["Layout", "Plan", "Resources", "load_job", "make_plan"]
 
 
 @dataclass(frozen=True)

@@ -23,14 +23,14 @@ from hpc_train.config.checks import (
 from hpc_train.config.fields import option
 
 __all__ = [
-    "SiteConfig",
-    "SlurmSite",
-    "NodeShape",
-    "NetworkSite",
-    "SoftwareSite",
     "ContainerSite",
     "LaunchSite",
+    "NetworkSite",
+    "NodeShape",
     "PreemptSite",
+    "SiteConfig",
+    "SlurmSite",
+    "SoftwareSite",
 ]
 
 
@@ -43,7 +43,7 @@ class SlurmSite:
     account: str = option("", "Default account.", check_slurm_name)
     qos: str = option("", "Default QoS.", check_slurm_name)
     constraint: str = option("", "Default node features.", check_constraint)
-    max_time: str = option("", "Longest time limit the partition allows; longer jobs are refused at submit.", check_time)
+    max_time: str = option("", "Longest time limit the partition allows; longer jobs are refused.", check_time)
     gpu_directive: Literal["gpus-per-node", "gres"] = option(
         "gpus-per-node", "How GPUs are requested: --gpus-per-node=N or --gres=gpu:N (older sites)."
     )

@@ -10,7 +10,7 @@ from hpc_train.config.site import SiteConfig
 from hpc_train.errors import ConfigError, did_you_mean
 from hpc_train.resources import shipped_dir
 
-__all__ = ["site_search_path", "available_sites", "find_site", "load_site"]
+__all__ = ["available_sites", "find_site", "load_site", "site_search_path"]
 
 
 def site_search_path() -> list[Path]:

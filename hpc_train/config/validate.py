@@ -13,7 +13,7 @@ from hpc_train.config.job import MODEL_PRESETS, JobConfig
 from hpc_train.config.site import SiteConfig
 from hpc_train.errors import ConfigError, did_you_mean
 
-__all__ = ["validate", "looks_secret", "SLURM_SIGNAL_SLACK_S"]
+__all__ = ["SLURM_SIGNAL_SLACK_S", "looks_secret", "validate"]
 
 # Slurm may deliver --signal up to 60 s before the requested lead time.
 SLURM_SIGNAL_SLACK_S = 60
@@ -81,7 +81,7 @@ def _check_resources(cfg: JobConfig, site: SiteConfig, gpus_per_node: int, cpus_
     if site.container.runtime != "none" and not site.container.image:
         raise ConfigError(f"site {site.name}: container.image", f"is empty but runtime is {site.container.runtime}",
                           "set the image, or runtime = \"none\"")
-    low, high = (site.launch.port_range + [0, 0])[:2]
+    low, high = [*site.launch.port_range, 0, 0][:2]
     if len(site.launch.port_range) != 2 or not 1024 <= low < high <= 65536:
         raise ConfigError(f"site {site.name}: launch.port_range", f"{site.launch.port_range} is not [low, high)",
                           "use two ports with 1024 <= low < high <= 65536, like [20000, 60000]")

@@ -11,7 +11,7 @@ from pathlib import PurePosixPath
 
 from hpc_train.config.plan import Plan
 
-__all__ = ["directive", "sbatch_directives", "log_paths", "export_directive"]
+__all__ = ["directive", "export_directive", "log_paths", "sbatch_directives"]
 
 _SAFE_VALUE = re.compile(r"[A-Za-z0-9._/+@,:=%&|\[\]*()-]+")
 

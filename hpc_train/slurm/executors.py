@@ -17,7 +17,7 @@ from hpc_train.config.plan import Plan
 from hpc_train.errors import ConfigError
 from hpc_train.slurm.directives import export_directive
 
-__all__ = ["resolve_executor", "submitit_parameters", "submit", "submitit_folder"]
+__all__ = ["resolve_executor", "submit", "submitit_folder", "submitit_parameters"]
 
 
 def resolve_executor(requested: str, slurm_enabled: bool) -> str:

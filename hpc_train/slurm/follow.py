@@ -8,7 +8,7 @@ from typing import Any
 
 from rich.console import Console
 
-__all__ = ["follow", "LogTail"]
+__all__ = ["LogTail", "follow"]
 
 
 class LogTail:

@@ -1,0 +1,132 @@
+"""Every config or command-line mistake: exit status 2, one message naming the key and the fix, nothing written.
+
+Each case runs the real ``submit`` command (not a dry run) in an empty folder: if a mistake slipped through,
+a job would start and the folder would fill, and the test would fail.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hpc_train import __main__ as hpc_main
+from hpc_train import submit
+from tests.conftest import call_cli
+
+BAD_SITE = """
+name = "badsite"
+[node]
+gpus = 4
+cpus = 16
+[slurm]
+max_time = "04:00:00"
+"""
+
+# (case id, job TOML, extra CLI arguments, text the one message must contain)
+CASES = [
+    ("unknown-key", "[job]\ntaks_per_node = 2\n", [], 'job.taks_per_node: unknown key, did you mean "tasks_per_node"'),
+    ("unknown-section", "[trian]\nsteps = 1\n", [], 'trian: unknown section, did you mean "train"'),
+    ("data-is-derived", "[parallel]\ndata = 2\n", [], "parallel.data: is not a setting. Fix: data parallel size"),
+    ("wrong-type", '[job]\nnodes = "two"\n', [], "job.nodes: expected an integer"),
+    ("bool-for-int", "[job]\nnodes = true\n", [], "job.nodes: expected an integer, got True"),
+    ("zero-nodes", "[job]\nnodes = 0\n", [], "job.nodes: 0 is below the minimum 1"),
+    ("world-not-divisible", "[job]\nnodes = 3\ntasks_per_node = 2\n[parallel]\ntensor = 2\npipeline = 2\n", [],
+     "world size 6 (= 3 nodes x 2 tasks_per_node) is not divisible by tensor x pipeline = 2 x 2"),
+    ("tensor-across-nodes", "[job]\nnodes = 3\ntasks_per_node = 1\n[parallel]\ntensor = 3\n", [],
+     "parallel.tensor: 3 does not divide the 1 ranks of a node"),
+    ("tensor-vs-heads", "[job]\ntasks_per_node = 3\n[parallel]\ntensor = 3\n", [],
+     "3 does not divide the 4 attention heads"),
+    ("pipeline-too-deep", "[job]\ntasks_per_node = 4\n[parallel]\npipeline = 4\n[zero]\nstage = 1\n", [],
+     "parallel.pipeline: 4 stages for the 2 layers"),
+    ("zero-stage-5", "[zero]\nstage = 5\n", [], "zero.stage: 5 is not a ZeRO stage"),
+    ("zero2-with-pipeline", "[job]\ntasks_per_node = 2\n[parallel]\npipeline = 2\n", [],
+     "zero.stage: ZeRO-2 cannot run with pipeline = 2"),
+    ("offload-params-needs-3", "[zero]\noffload_params = true\n", [], "zero.offload_params: needs ZeRO-3"),
+    ("offload-optimizer-needs-cpu-adam", "[zero]\noffload_optimizer = true\n", [],
+     'zero.offload_optimizer: needs train.optimizer = "cpu_adam"'),
+    ("fp16-without-gpu", '[train]\nprecision = "fp16"\n', [], 'train.precision: "fp16" needs a GPU'),
+    ("precision-typo", '[train]\nprecision = "bf61"\n', [], 'did you mean "bf16"'),
+    ("global-batch-mismatch", "[job]\ntasks_per_node = 2\n[train]\nmicro_batch = 4\nglobal_batch = 10\n", [],
+     "train.global_batch: 10 != micro_batch x grad_accum x data = 4 x 1 x 2 = 8"),
+    ("micro-batch-zero", "[train]\nmicro_batch = 0\n", [], "train.micro_batch: 0 is below the minimum 1"),
+    ("lr-negative", "[train]\nlr = -1.0\n", [], "train.lr: -1.0 is not positive"),
+    ("min-lr-above-lr", "[train]\nlr = 1e-4\nmin_lr = 1e-3\n", [], "train.min_lr: 0.001 is above lr"),
+    ("warmup-longer-than-run", "[train]\nsteps = 10\nwarmup_steps = 20\n", [], "train.warmup_steps: 20 is more than"),
+    ("beta-out-of-range", "[train]\nbeta2 = 1.5\n", [], "train.beta2: 1.5 is outside [0, 1)"),
+    ("model-typo", '[train]\nmodel = "tinny"\n', [], 'train.model: "tinny" is not a preset, did you mean "tiny"'),
+    ("tokens-without-path", '[data]\nsource = "tokens"\n', [], 'data.path: is empty but data.source = "tokens"'),
+    ("keep-zero", "[checkpoint]\nkeep = 0\n", [], "checkpoint.keep: 0 is below the minimum 1"),
+    ("time-format", '[job]\ntime = "1 hour"\n', [], "job.time: '1 hour' is not a Slurm time limit"),
+    ("time-too-short", '[job]\ntime = "00:00:30"\n', [], "job.time: '00:00:30' is under one minute"),
+    ("lead-longer-than-job", '[job]\ntime = "00:01:30"\n[preempt]\nlead_seconds = 120\n', [],
+     "preempt.lead_seconds: 120 s is not shorter than job.time"),
+    ("lead-under-slack", "[preempt]\nlead_seconds = 10\n", [], "less than Slurm's 60 s delivery slack"),
+    ("signal-usr1", '[preempt]\nsignal = "USR1"\n', [], "preempt.signal: USR1 is used by NCCL"),
+    ("name-newline", '[job]\nname = "x\\ntouch /tmp/pwned"\n', [], "job.name: 'x\\ntouch /tmp/pwned' contains a "
+     "control character"),
+    ("name-command-substitution", '[job]\nname = "$(id)"\n', [], "job.name: '$(id)' is not allowed"),
+    ("partition-semicolon", '[job]\npartition = "gpu;id"\n', [], "job.partition: 'gpu;id' is not allowed"),
+    ("mem-format", '[job]\nmem = "lots"\n', [], "job.mem: 'lots' is not a Slurm memory size"),
+    ("exclude-format", '[job]\nexclude = "node 1"\n', [], "job.exclude: 'node 1' is not a Slurm host list"),
+    ("run-root-space", '[job]\nrun_root = "/tmp/my runs"\n', [], "job.run_root: '/tmp/my runs' has characters"),
+    ("env-bad-name", '[env]\n"1BAD" = "x"\n', [], "env.1BAD: '1BAD' is not a valid environment variable name"),
+    ("env-secret", '[env]\nHF_TOKEN = "hf_abc"\n', [], 'env.HF_TOKEN: looks like a secret'),
+    ("env-value-newline", '[env]\nA = "x\\ny"\n', [], "env.A: 'x\\ny' contains a control character"),
+    ("gpus-on-cpu-site", "[job]\ngpus_per_node = 1\n", [], "job.gpus_per_node: 1 GPUs asked for, but site local"),
+    ("toml-syntax", "[job\nnodes = 1\n", [], "not valid TOML"),
+    ("set-without-equals", "", ["--set", "train.lr"], "--set train.lr: expected SECTION.KEY=VALUE"),
+    ("set-unknown-key", "", ["--set", "train.lrr=1"], 'unknown key "train.lrr", did you mean "train.lr"'),
+    ("set-unknown-section", "", ["--set", "trian.lr=1"], 'unknown section "trian", did you mean "train"'),
+    ("set-wrong-type", "", ["--set", "train.steps=many"], "train.steps: expected an integer, got 'many'"),
+    ("site-unknown", "", ["--site", "locall"], 'no site named "locall", did you mean "local"'),
+    ("executor-slurm-on-local-site", "", ["--executor", "slurm"], "--executor"),
+    ("executor-bad-choice", "", ["--executor", "cloud"], "argument --executor: invalid choice"),
+    ("gpus-over-node", "[job]\ngpus_per_node = 8\n", ["--site", "@bad"],
+     "job.gpus_per_node: 8 is more than the 4 GPUs"),
+    ("ranks-over-gpus", "[job]\ntasks_per_node = 8\ngpus_per_node = 4\n", ["--site", "@bad"],
+     "job.tasks_per_node: 8 ranks per node but 4 GPUs"),
+    ("cpus-over-node", "[job]\ntasks_per_node = 4\ncpus_per_task = 8\n", ["--site", "@bad"],
+     "job.cpus_per_task: 8 x 4 tasks_per_node = 32 cores, but a badsite node has 16"),
+    ("time-over-site-limit", '[job]\ntime = "1-00:00:00"\n', ["--site", "@bad"],
+     'job.time: "1-00:00:00" is longer than the badsite limit "04:00:00"'),
+]
+
+
+@pytest.mark.parametrize(("toml", "extra", "message"), [case[1:] for case in CASES], ids=[c[0] for c in CASES])
+def test_bad_input_exits_2_with_one_clear_message_and_writes_nothing(
+    tmp_path: Path, toml: str, extra: list[str], message: str
+) -> None:
+    config = tmp_path / "job.toml"
+    config.write_text(toml, encoding="utf-8")
+    (tmp_path / "bad.toml").write_text(BAD_SITE, encoding="utf-8")
+    extra = [str(tmp_path / "bad.toml") if arg == "@bad" else arg for arg in extra]
+    if "--site" not in extra:
+        extra = ["--site", "local", *extra]
+    if "--executor" not in extra:
+        extra += ["--executor", "local"]
+    before = sorted(p.name for p in tmp_path.iterdir())
+    result = call_cli(submit.main, [str(config), *extra], tmp_path)
+    assert result.code == 2, result.out + result.err
+    assert message in result.err, result.err
+    assert result.err.count("error:") == 1 and result.out == ""
+    assert "Traceback" not in result.err
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing written, no run folder
+
+
+def test_at_least_thirty_cases() -> None:
+    assert len(CASES) >= 30
+
+
+@pytest.mark.parametrize("command", ["validate", "render"])
+def test_other_commands_share_the_rule(tmp_path: Path, command: str) -> None:
+    config = tmp_path / "job.toml"
+    config.write_text("[job]\nnodes = 0\n", encoding="utf-8")
+    result = call_cli(hpc_main.main, [command, str(config), "--site", "local-slurm"], tmp_path)
+    assert result.code == 2 and "job.nodes: 0 is below the minimum 1" in result.err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["job.toml"]
+
+
+def test_missing_config_file(tmp_path: Path) -> None:
+    result = call_cli(submit.main, [str(tmp_path / "nope.toml"), "--dry-run"], tmp_path)
+    assert result.code == 2 and "config file not found" in result.err

@@ -1,0 +1,56 @@
+"""Shared helpers: write job/site files, run a CLI entry in-process and capture what it said."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+PYTHON = sys.executable
+
+
+@dataclass
+class CliResult:
+    code: int
+    out: str
+    err: str
+
+
+@contextlib.contextmanager
+def chdir(path: Path) -> Iterator[None]:
+    old = Path.cwd()
+    os.chdir(path)
+    try:
+        yield
+    finally:
+        os.chdir(old)
+
+
+def call_cli(entry: Callable[[list[str]], int], args: list[str], cwd: Path) -> CliResult:
+    """Run ``entry(args)`` in ``cwd``; SystemExit (argparse) counts as a return code."""
+    out, err = io.StringIO(), io.StringIO()
+    with chdir(cwd), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = entry(args)
+        except SystemExit as exit_:
+            code = exit_.code if isinstance(exit_.code, int) else 1
+    return CliResult(code, out.getvalue(), err.getvalue())
+
+
+@pytest.fixture
+def job_file(tmp_path: Path) -> Callable[[str], Path]:
+    """Write a job config into tmp_path and return its path."""
+
+    def write(text: str, name: str = "job.toml") -> Path:
+        path = tmp_path / name
+        path.write_text(text, encoding="utf-8")
+        return path
+
+    return write

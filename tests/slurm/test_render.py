@@ -1,0 +1,111 @@
+"""Rendered sbatch scripts: a golden file per template x site, and every script parses with bash -n."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from hpc_train.config.sites import available_sites, load_site
+from hpc_train.errors import ConfigError
+from hpc_train.resources import shipped_dir
+from hpc_train.slurm.render import TEMPLATES, render_script, template_names
+from tests.slurm.helpers import plan_for
+
+GOLDEN = Path(__file__).parent / "golden"
+SHIPPED_SITES = sorted(p.stem for p in shipped_dir("site_configs").glob("*.toml"))
+SLURM_SITES = [name for name in SHIPPED_SITES if load_site(name).slurm.enabled]
+COMBOS = [(template, site) for template in TEMPLATES for site in SLURM_SITES]
+UPDATE = os.environ.get("HPC_TRAIN_UPDATE_GOLDEN") == "1"
+
+
+def _render(template: str, site: str) -> str:
+    return render_script(plan_for(site), template).text
+
+
+def test_every_template_is_shipped() -> None:
+    assert template_names() == sorted(TEMPLATES)
+
+
+def test_at_least_five_sites_are_shipped() -> None:
+    assert {"local", "local-slurm"} <= set(SHIPPED_SITES) and len(SHIPPED_SITES) >= 5
+    assert set(SHIPPED_SITES) <= set(available_sites())
+
+
+def test_sites_without_slurm_refuse_to_render() -> None:
+    with pytest.raises(ConfigError, match="site local has no Slurm"):
+        plan_for("local")
+
+
+@pytest.mark.parametrize(("template", "site"), COMBOS)
+def test_golden_file(template: str, site: str) -> None:
+    """A change to a rendered script must be deliberate: rerun with HPC_TRAIN_UPDATE_GOLDEN=1 and review."""
+    try:
+        text = _render(template, site)
+    except ConfigError as error:
+        text = f"# refused: {error}\n"
+    path = GOLDEN / f"{template}-{site}.sbatch"
+    if UPDATE:
+        GOLDEN.mkdir(exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+    assert path.exists(), f"no golden file {path.name}: run HPC_TRAIN_UPDATE_GOLDEN=1 pytest {__file__}"
+    assert text == path.read_text(encoding="utf-8"), (
+        f"{path.name} changed; if intended, run HPC_TRAIN_UPDATE_GOLDEN=1 pytest {__file__} and review the diff")
+
+
+@pytest.mark.parametrize(("template", "site"), COMBOS)
+def test_rendered_script_parses_with_bash(tmp_path: Path, template: str, site: str) -> None:
+    try:
+        text = _render(template, site)
+    except ConfigError:
+        pytest.skip(f"{template} is refused on site {site} (see the golden file)")
+    script = tmp_path / "job.sbatch"
+    script.write_text(text, encoding="utf-8")
+    result = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize(("template", "site"), COMBOS)
+def test_directives_are_one_token_each_and_come_first(template: str, site: str) -> None:
+    try:
+        lines = _render(template, site).splitlines()
+    except ConfigError:
+        pytest.skip("refused combination")
+    directives = [line for line in lines if line.startswith("#SBATCH")]
+    assert lines[0] == "#!/bin/bash -l"
+    assert lines[1 : 1 + len(directives)] == directives  # all directives right after the shebang
+    for line in directives:
+        assert re.fullmatch(r"#SBATCH --[a-z-]+(=[^\s'\"`$;]+)?", line), line
+    flags = [line.split()[1].split("=")[0] for line in directives]
+    assert len(flags) == len(set(flags))
+    assert "--requeue" in flags and "--signal" in flags
+    assert not any("B:" in line for line in directives if line.startswith("#SBATCH --signal"))
+
+
+def test_torchrun_asks_one_task_per_node_with_all_cores() -> None:
+    text = _render("torchrun", "local-slurm")
+    assert "#SBATCH --ntasks-per-node=1\n" in text and "#SBATCH --cpus-per-task=2\n" in text
+    assert "--nproc-per-node=\"$nproc\"" in text
+
+
+def test_forwarded_variables_are_named_never_written() -> None:
+    job = {"job": {"nodes": 1, "tasks_per_node": 2, "forward_env": ["WANDB_API_KEY", "HOME"]}}
+    os.environ["WANDB_API_KEY"] = "secret-value-123"
+    try:
+        text = render_script(plan_for("local-slurm", job), "srun").text
+    finally:
+        del os.environ["WANDB_API_KEY"]
+    assert "#SBATCH --export=WANDB_API_KEY,HOME" in text
+    assert "secret-value-123" not in text
+
+
+def test_gres_sites_ask_for_gres() -> None:
+    from hpc_train.slurm.directives import sbatch_directives
+
+    for name in SHIPPED_SITES:
+        site = load_site(name)
+        if site.node.gpus and site.slurm.gpu_directive == "gres":
+            assert f"--gres=gpu:{site.node.gpus}" in sbatch_directives(plan_for(name), "srun")
