@@ -55,7 +55,8 @@ def describe_type(kind: Any) -> str:
     if origin in (types.UnionType, typing.Union):
         return " or ".join(describe_type(arg) for arg in get_args(kind) if arg is not type(None))
     if origin is list:
-        return f"a list of {describe_type(get_args(kind)[0])}s"
+        item = get_args(kind)[0]
+        return "a list of " + {int: "integers", str: "strings"}.get(item, describe_type(item))
     if origin is dict:
         return "a table of strings"
     return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(kind, str(kind))

@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# The main job on this machine: installs what it needs, then trains the quick-start example on the local
+# executor (2 ranks, gloo) with progress on screen and a run folder in ./runs/tiny-gpt.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/bootstrap.sh
+exec .venv/bin/python -m hpc_train.submit examples/tiny_gpt.toml --site local "$@"
