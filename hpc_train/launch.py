@@ -44,7 +44,7 @@ def run_rank(run_dir: Path) -> dict[str, Any]:
     os.umask(0o077)  # logs and results of a run are private, like the run folder
     plan = Plan.from_json((run_dir / PLAN_FILE).read_text(encoding="utf-8"))
     low, high = plan.port_range
-    info = detect_ranks((low, high))
+    info = detect_ranks((low, high), plan.fabric_suffix)
     export_rendezvous(info)
     logger = _rank_logger(run_dir, info.rank)
     logger.info("start: %s rank %d/%d (local %d) rendezvous %s:%d", info.launcher, info.rank, info.world_size,

@@ -15,12 +15,17 @@ __all__ = [
     "check_constraint",
     "check_env_name",
     "check_env_value",
+    "check_hca",
     "check_hostlist",
+    "check_ifname",
+    "check_image",
     "check_mem",
     "check_module",
+    "check_nccl_name",
     "check_path",
     "check_signal",
     "check_slurm_name",
+    "check_srun_arg",
     "check_time",
     "has_control_chars",
     "parse_time_seconds",
@@ -37,6 +42,10 @@ _PATH = re.compile(r"[A-Za-z0-9._/+@,:=-]{1,4096}")
 _MEM = re.compile(r"(0|[1-9][0-9]*[KMGT]?)")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
 _MODULE = re.compile(r"[A-Za-z0-9._+/-]{1,256}")
+_HCA = re.compile(r"[\^=]{0,2}[A-Za-z0-9._-]{1,64}(:[0-9]{1,3})?")
+_IFNAME = re.compile(r"[\^=]{0,2}[A-Za-z0-9._-]{1,64}(,[A-Za-z0-9._-]{1,64})*")
+_IMAGE = re.compile(r"[A-Za-z0-9._/+@,:=#-]{1,4096}")
+_SRUN_ARG = re.compile(r"--[a-z][a-z-]{0,63}(=[A-Za-z0-9._,:/=+-]{1,256})?")
 _TIME_FORMATS = (
     re.compile(r"(?P<m>\d+)"),
     re.compile(r"(?P<m>\d+):(?P<s>\d+)"),
@@ -128,11 +137,56 @@ def check_env_value(value: str) -> tuple[str, str] | None:
 
 
 def check_module(value: str) -> tuple[str, str] | None:
-    """Environment-module names such as ``cuda/12.4`` or ``nccl/2.21.5-1+cuda12.4``."""
+    """Environment-module names such as ``cuda/12.4`` or ``nccl/2.21.5-1+cuda12.4``; also host-name suffixes."""
+    if not value:
+        return None
     bad = _control(value)
     if bad or _MODULE.fullmatch(value):
         return bad
     return (f"{value!r} is not a module name", "use letters, digits and . _ + / - only")
+
+
+def check_hca(value: str) -> tuple[str, str] | None:
+    """One NCCL_IB_HCA item: ``mlx5_0``, ``mlx5_0:1``, or ``=mlx5_0`` (exact) / ``^mlx5_1`` (exclude) first."""
+    bad = _control(value)
+    if bad or _HCA.fullmatch(value):
+        return bad
+    return (f"{value!r} is not an RDMA device", 'write it like "mlx5_0", "mlx5_0:1" or "=mlx5_0" (exact match)')
+
+
+def check_ifname(value: str) -> tuple[str, str] | None:
+    """A socket interface for NCCL: ``ib0``, a prefix ``eth``, ``=eth0`` (exact) or ``^docker,lo`` (exclude)."""
+    if not value:
+        return None
+    bad = _control(value)
+    if bad or _IFNAME.fullmatch(value):
+        return bad
+    return (f"{value!r} is not a network interface", 'write it like "ib0", "=eth0" or "^docker,lo"')
+
+
+def check_image(value: str) -> tuple[str, str] | None:
+    """Container images: paths, ``docker://repo:tag`` or enroot's ``nvcr.io#nvidia/pytorch:24.11-py3``."""
+    if not value:
+        return None
+    bad = _control(value)
+    if bad or _IMAGE.fullmatch(value):
+        return bad
+    return (f"{value!r} is not a container image reference", "use a path or registry reference without spaces")
+
+
+def check_srun_arg(value: str) -> tuple[str, str] | None:
+    """Extra srun flags a site needs, each one ``--flag`` or ``--flag=value`` token."""
+    bad = _control(value)
+    if bad or _SRUN_ARG.fullmatch(value):
+        return bad
+    return (f"{value!r} is not a single srun flag", 'write one flag per item, like "--mpi=pmi2" or "--cpu-bind=none"')
+
+
+def check_nccl_name(value: str) -> tuple[str, str] | None:
+    """[network.nccl] holds NCCL variables only; anything else belongs in [env]."""
+    if value.startswith("NCCL_") and _ENV_NAME.fullmatch(value):
+        return None
+    return (f"{value!r} is not an NCCL variable", "put NCCL_* settings here and other variables in [env]")
 
 
 def check_signal(value: str) -> tuple[str, str] | None:

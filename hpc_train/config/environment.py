@@ -11,9 +11,12 @@ __all__ = ["network_env", "rank_env"]
 def network_env(network: NetworkSite) -> dict[str, str]:
     """NCCL and gloo variables implied by the interconnect; explicit ``[network.nccl]`` entries win."""
     env: dict[str, str] = {}
-    if network.socket_ifname:
-        env["NCCL_SOCKET_IFNAME"] = network.socket_ifname
-        env["GLOO_SOCKET_IFNAME"] = network.socket_ifname
+    ifname = network.socket_ifname
+    if ifname:
+        env["NCCL_SOCKET_IFNAME"] = ifname
+        exact = ifname.removeprefix("=")
+        if exact.isidentifier() or exact.replace(".", "").replace("-", "").isalnum():
+            env["GLOO_SOCKET_IFNAME"] = exact  # gloo takes one exact name, no prefixes or exclusions
     if network.interconnect == "tcp":
         env["NCCL_IB_DISABLE"] = "1"
     else:

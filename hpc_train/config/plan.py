@@ -68,6 +68,7 @@ class Plan:
     site: str
     executor: str
     launcher: str
+    srun_args: list[str]
     run_dir: str
     python: str
     resources: Resources
@@ -119,7 +120,10 @@ def _run_dir(cfg: JobConfig, site: SiteConfig, cwd: Path) -> str:
 
 def make_plan(cfg: JobConfig, site: SiteConfig, executor: str, *, python: str | None = None,
               cwd: Path | None = None) -> Plan:
-    """Resolve site defaults, run every cross-field check and return the plan."""
+    """Resolve site defaults, run every cross-field check and return the plan.
+
+    ``python`` is the interpreter ranks run when the site does not name one (default: this one).
+    """
     job = cfg.job
     gpus = job.gpus_per_node if job.gpus_per_node is not None else (job.tasks_per_node if site.node.gpus else 0)
     node_cpus = site.node.cpus or os.cpu_count() or 1
@@ -136,8 +140,9 @@ def make_plan(cfg: JobConfig, site: SiteConfig, executor: str, *, python: str | 
         site=site.name,
         executor=executor,
         launcher=site.launch.launcher,
+        srun_args=list(site.launch.srun_args),
         run_dir=_run_dir(cfg, site, cwd or Path.cwd()),
-        python=python or site.software.python or sys.executable,
+        python=site.software.python or python or sys.executable,
         resources=Resources(
             nodes=job.nodes, tasks_per_node=job.tasks_per_node, gpus_per_node=gpus, cpus_per_task=cpus,
             mem=job.mem or site.node.mem, time=job.time, time_seconds=parse_time_seconds(job.time) or 0,

@@ -13,11 +13,16 @@ from typing import Literal
 from hpc_train.config.checks import (
     check_constraint,
     check_env_name,
+    check_hca,
+    check_ifname,
+    check_image,
     check_mem,
     check_module,
+    check_nccl_name,
     check_path,
     check_signal,
     check_slurm_name,
+    check_srun_arg,
     check_time,
 )
 from hpc_train.config.fields import option
@@ -66,11 +71,13 @@ class NetworkSite:
     """``[network]``: the fabric between nodes and how NCCL should use it."""
 
     interconnect: Literal["ib", "roce", "tcp"] = option("tcp", "ib (InfiniBand), roce (RDMA over Ethernet) or tcp.")
-    hcas: list[str] = option(list, 'RDMA devices for NCCL_IB_HCA ("mlx5_0:1").', check_module, factory=True)
-    socket_ifname: str = option("", "Interface for bootstrap traffic (NCCL/GLOO_SOCKET_IFNAME).", check_module)
+    hcas: list[str] = option(list, 'RDMA devices for NCCL_IB_HCA ("mlx5_0:1"; "=mlx5_0" first for exact names).',
+                             check_hca, factory=True)
+    socket_ifname: str = option("", 'Interface for bootstrap traffic (NCCL_SOCKET_IFNAME; GLOO_SOCKET_IFNAME when '
+                                'it is one exact name): "ib0", "=eth0", "^docker,lo".', check_ifname)
     gid_index: int = option(-1, "RoCE GID index (NCCL_IB_GID_INDEX); -1 leaves NCCL's choice.")
     fabric_suffix: str = option("", 'Appended to node names to reach the fast fabric ("-ib").', check_module)
-    nccl: dict[str, str] = option(dict, "Extra NCCL_* settings, each with a reason in a comment.", check_env_name,
+    nccl: dict[str, str] = option(dict, "Extra NCCL_* settings, each with a reason in a comment.", check_nccl_name,
                                   factory=True)
 
 
@@ -87,7 +94,8 @@ class ContainerSite:
     """``[container]``: an optional container every rank runs in."""
 
     runtime: Literal["none", "apptainer", "pyxis"] = option("none", "none, apptainer (exec) or pyxis (srun flags).")
-    image: str = option("", "Image path or URI.", check_path)
+    image: str = option("", 'Image path or reference ("/images/pt.sqsh", "nvcr.io#nvidia/pytorch:24.11-py3").',
+                        check_image)
     mounts: list[str] = option(list, 'Bind mounts, "src:dst".', check_path, factory=True)
 
 
@@ -96,6 +104,8 @@ class LaunchSite:
     """``[launch]``: how ranks are started inside the allocation."""
 
     launcher: Literal["srun", "torchrun", "mpirun"] = option("srun", "srun, torchrun or mpirun.")
+    srun_args: list[str] = option(list, 'Extra srun flags the site needs ("--mpi=pmi2", "--cpu-bind=none").',
+                                  check_srun_arg, factory=True)
     port_range: list[int] = option(lambda: [20000, 60000], "Rendezvous ports are chosen in [low, high).",
                                    factory=True)
 

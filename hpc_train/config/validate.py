@@ -73,14 +73,18 @@ def _check_resources(cfg: JobConfig, site: SiteConfig, gpus_per_node: int, cpus_
     if limit is not None and seconds > limit:
         raise ConfigError("job.time", f'"{job.time}" is longer than the {site.name} limit "{site.slurm.max_time}"',
                           "shorten it; preemption and requeue carry the run on from its checkpoint")
-    for name in cfg.env:
-        if looks_secret(name):
-            raise ConfigError(f"env.{name}", "looks like a secret and would be written into the job script",
-                              f'remove it and add "{name}" to job.forward_env, or read it from a 0600 file on the '
-                              "compute node")
+    for where, env in (("env", cfg.env), (f"site {site.name}: env", site.env)):
+        for name in env:
+            if looks_secret(name):
+                raise ConfigError(f"{where}.{name}", "looks like a secret and would be written into the job script",
+                                  f'remove it and add "{name}" to job.forward_env, or read it from a 0600 file on '
+                                  "the compute node")
     if site.container.runtime != "none" and not site.container.image:
         raise ConfigError(f"site {site.name}: container.image", f"is empty but runtime is {site.container.runtime}",
                           "set the image, or runtime = \"none\"")
+    if site.container.runtime == "pyxis" and not site.software.python:
+        raise ConfigError(f"site {site.name}: software.python", "is empty, but ranks run inside a pyxis container "
+                          "where the submitting interpreter does not exist", 'set it, like "/usr/bin/python3"')
     low, high = [*site.launch.port_range, 0, 0][:2]
     if len(site.launch.port_range) != 2 or not 1024 <= low < high <= 65536:
         raise ConfigError(f"site {site.name}: launch.port_range", f"{site.launch.port_range} is not [low, high)",

@@ -34,7 +34,7 @@ def _port(seed: str, low: int, high: int) -> int:
     return random.Random(seed).randrange(low, high)  # noqa: S311 - a port choice, not a secret
 
 
-def detect_ranks(port_range: tuple[int, int] = (20000, 60000)) -> RankInfo:
+def detect_ranks(port_range: tuple[int, int] = (20000, 60000), fabric_suffix: str = "") -> RankInfo:
     """Read the launcher's variables. The rendezvous address is ours to set, never inherited by accident."""
     env = os.environ
     low, high = port_range
@@ -58,7 +58,7 @@ def detect_ranks(port_range: tuple[int, int] = (20000, 60000)) -> RankInfo:
         else:  # submitit on Slurm: first host of the job, port from the job id and restart count
             import submitit
 
-            addr = submitit.JobEnvironment().hostnames[0]
+            addr = submitit.JobEnvironment().hostnames[0] + fabric_suffix
             restart = env.get("SLURM_RESTART_COUNT", "0")
             port = _port(f"slurm-{env['SLURM_JOB_ID']}-{restart}", low, high)
         return RankInfo("srun", _int("SLURM_PROCID"), _int("SLURM_LOCALID"), _int("SLURM_NTASKS"),

@@ -75,3 +75,14 @@ def sbatch_directives(plan: Plan, launcher: str) -> list[str]:
     # No "B:": the signal goes to every job step (the ranks), not only to the batch shell.
     lines.append(directive("signal", f"{plan.signal}@{plan.lead_seconds}"))
     return lines
+
+
+def container_srun_flags(plan: Plan) -> list[str]:
+    """srun flags of pyxis containers; empty for other runtimes."""
+    container = plan.container
+    if container["runtime"] != "pyxis":
+        return []
+    flags = [f"--container-image={container['image']}"]
+    if container["mounts"]:
+        flags.append(f"--container-mounts={','.join(container['mounts'])}")
+    return flags

@@ -15,7 +15,7 @@ from typing import Any
 
 from hpc_train.config.plan import Plan
 from hpc_train.errors import ConfigError
-from hpc_train.slurm.directives import export_directive
+from hpc_train.slurm.directives import container_srun_flags, export_directive
 
 __all__ = ["resolve_executor", "submit", "submitit_folder", "submitit_parameters"]
 
@@ -43,11 +43,15 @@ def _setup_lines(plan: Plan) -> list[str]:
         lines.insert(0, "module purge")
     lines += [f"export {name}={shlex.quote(value)}" for name, value in sorted(plan.env.items())]
     lines.append("export SLURM_EXPORT_ENV=ALL")
+    lines.append('export SRUN_CPUS_PER_TASK="$SLURM_CPUS_PER_TASK"')
     return lines
 
 
 def submitit_parameters(plan: Plan) -> dict[str, Any]:
     """The keyword arguments for ``executor.update_parameters``."""
+    if plan.executor == "slurm" and plan.container["runtime"] == "apptainer":
+        raise ConfigError("--executor", "submitit cannot start ranks inside apptainer on this site",
+                          "render the script (python -m hpc_train render) and submit it with sbatch")
     res = plan.resources
     minutes = max(1, math.ceil(res.time_seconds / 60))
     if plan.executor == "local":
@@ -73,8 +77,9 @@ def submitit_parameters(plan: Plan) -> dict[str, Any]:
             params[key] = value
     if res.exclusive:
         params["exclusive"] = True
-    if plan.container["runtime"] == "pyxis":
-        params["srun_args"] = [f"--container-image={plan.container['image']}"]
+    srun_args = [*plan.srun_args, *container_srun_flags(plan)]
+    if srun_args:
+        params["srun_args"] = srun_args
     return params
 
 

@@ -12,9 +12,9 @@ from hpc_train import __version__
 from hpc_train.config.plan import Plan
 from hpc_train.errors import ConfigError, did_you_mean
 from hpc_train.resources import shipped_dir
-from hpc_train.slurm.directives import sbatch_directives
+from hpc_train.slurm.directives import container_srun_flags, sbatch_directives
 
-__all__ = ["TEMPLATES", "RenderedScript", "render_script", "template_names"]
+__all__ = ["TEMPLATES", "RenderedScript", "render_script", "template_names", "write_script"]
 
 TEMPLATES = ("srun", "torchrun", "mpirun")
 
@@ -49,10 +49,7 @@ def _container_prefix(plan: Plan) -> tuple[list[str], list[str]]:
     """(srun flags, command prefix) for the site's container runtime."""
     container = plan.container
     if container["runtime"] == "pyxis":
-        flags = [f"--container-image={container['image']}"]
-        if container["mounts"]:
-            flags.append(f"--container-mounts={','.join(container['mounts'])}")
-        return flags, []
+        return container_srun_flags(plan), []
     if container["runtime"] == "apptainer":
         prefix = ["apptainer", "exec"]
         if plan.resources.gpus_per_node:
@@ -82,7 +79,7 @@ def render_script(plan: Plan, template: str | None = None) -> RenderedScript:
         plan=plan,
         directives=sbatch_directives(plan, name),
         env=sorted(plan.env.items()),
-        srun_flags=srun_flags,
+        srun_flags=[*plan.srun_args, *srun_flags],
         command=[*prefix, plan.python, "-u"],
         port_low=low,
         port_span=high - low,

@@ -130,3 +130,27 @@ def test_other_commands_share_the_rule(tmp_path: Path, command: str) -> None:
 def test_missing_config_file(tmp_path: Path) -> None:
     result = call_cli(submit.main, [str(tmp_path / "nope.toml"), "--dry-run"], tmp_path)
     assert result.code == 2 and "config file not found" in result.err
+
+
+SITE_CASES = [
+    ("pyxis-without-python", '[container]\nruntime = "pyxis"\nimage = "nvcr.io#nvidia/pytorch:24.11-py3"\n',
+     "software.python: is empty, but ranks run inside a pyxis container"),
+    ("site-env-secret", '[env]\nWANDB_API_KEY = "abc"\n', "env.WANDB_API_KEY: looks like a secret"),
+    ("nccl-table-other-variable", '[network.nccl]\nOMP_NUM_THREADS = "4"\n', "is not an NCCL variable"),
+    ("container-without-image", '[container]\nruntime = "apptainer"\n', 'container.image: is empty but runtime'),
+    ("srun-arg-two-flags", '[launch]\nsrun_args = ["--mpi=pmi2 --exclusive"]\n', "is not a single srun flag"),
+    ("port-range-reversed", "[launch]\nport_range = [30000, 20000]\n", "launch.port_range: [30000, 20000]"),
+    ("hca-with-space", '[network]\ninterconnect = "ib"\nhcas = ["mlx5 0"]\n', "is not an RDMA device"),
+    ("site-unknown-key", "[node]\ngpu = 4\n", 'node.gpu: unknown key, did you mean "gpus"'),
+]
+
+
+@pytest.mark.parametrize(("site_text", "message"), [c[1:] for c in SITE_CASES], ids=[c[0] for c in SITE_CASES])
+def test_bad_site_exits_2_naming_the_site_key(tmp_path: Path, site_text: str, message: str) -> None:
+    (tmp_path / "job.toml").write_text("", encoding="utf-8")
+    site = tmp_path / "mysite.toml"
+    site.write_text('[slurm]\nenabled = false\n' + site_text, encoding="utf-8")
+    result = call_cli(submit.main, [str(tmp_path / "job.toml"), "--site", str(site), "--executor", "local"], tmp_path)
+    assert result.code == 2, result.out + result.err
+    assert message in result.err and "site " in result.err, result.err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["job.toml", "mysite.toml"]
