@@ -9,7 +9,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
 import sys
+import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -17,7 +19,12 @@ from typing import Any
 from hpc_train.config.plan import Plan
 from hpc_train.runfolder import PLAN_FILE, atomic_write
 
-__all__ = ["RankEntry", "main", "run_rank"]
+__all__ = ["RankEntry", "main", "rank_error_path", "run_rank"]
+
+
+def rank_error_path(run_dir: Path, rank: int) -> Path:
+    """Where a failing rank leaves its traceback, for the follower on the login node to report."""
+    return run_dir / "logs" / f"rank-{rank}.error.json"
 
 
 def _rank_logger(run_dir: Path, rank: int) -> logging.Logger:
@@ -47,6 +54,7 @@ def run_rank(run_dir: Path) -> dict[str, Any]:
     info = detect_ranks((low, high), plan.fabric_suffix)
     export_rendezvous(info)
     logger = _rank_logger(run_dir, info.rank)
+    rank_error_path(run_dir, info.rank).unlink(missing_ok=True)  # from an earlier attempt
     logger.info("start: %s rank %d/%d (local %d) rendezvous %s:%d", info.launcher, info.rank, info.world_size,
                 info.local_rank, info.master_addr, info.master_port)
     if info.world_size != plan.layout.world:
@@ -54,8 +62,12 @@ def run_rank(run_dir: Path) -> dict[str, Any]:
                            f"(nodes x tasks_per_node); check the srun/mpirun task geometry")
     try:
         result = run_smoke(info)
-    except BaseException:
-        logger.error("failed:\n%s", traceback.format_exc())
+    except BaseException as error:
+        text = traceback.format_exc()
+        logger.error("failed:\n%s", text)
+        report = {"rank": info.rank, "host": socket.gethostname(), "time": time.time(), "error": repr(error),
+                  "traceback": text}
+        atomic_write(rank_error_path(run_dir, info.rank), json.dumps(report, indent=2) + "\n")
         raise
     logger.info("smoke: all_reduce of ranks = %s (expected %s) over %s", result["all_reduce"], result["expected"],
                 result["backend"])

@@ -55,6 +55,8 @@ def prepare_run_folder(plan: Plan) -> Path:
         (run_dir / "logs").mkdir(exist_ok=True)
     finally:
         os.umask(old_umask)
+    for stale in (run_dir / "logs").glob("rank-*.error.json"):
+        stale.unlink()  # failures of an earlier submission must not be reported as this one's
     plan_path = run_dir / PLAN_FILE
     if plan_path.exists():
         previous = Plan.from_json(plan_path.read_text(encoding="utf-8"))

@@ -1,13 +1,15 @@
-"""``python -m hpc_train.submit CONFIG --site SITE``: show the plan, then submit it through submitit."""
+"""``python -m hpc_train.submit CONFIG --site SITE``: show the plan, submit it through submitit, follow it."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
 from pathlib import Path
 
 from hpc_train.cli.common import ArgumentParser, add_plan_arguments, plan_from_args, run_command
+from hpc_train.config.plan import Plan
 
 __all__ = ["build_parser", "main"]
 
@@ -15,26 +17,51 @@ __all__ = ["build_parser", "main"]
 def build_parser() -> ArgumentParser:
     parser = ArgumentParser(prog="python -m hpc_train.submit", description=__doc__)
     add_plan_arguments(parser)
+    parser.add_argument("--sweep", action="append", default=[], metavar="SECTION.KEY=V1,V2",
+                        help="submit one run per value as a job array (repeatable: every combination)")
     parser.add_argument("--dry-run", action="store_true", help="show everything, submit and write nothing")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON for machines")
     parser.add_argument("--no-follow", action="store_true", help="return once submitted instead of following")
     return parser
 
 
-def _submit(argv: list[str] | None) -> int:
-    args = build_parser().parse_args(argv)
-    plan = plan_from_args(args)
+def _plans(args: argparse.Namespace) -> list[Plan]:
+    """The plan, or one plan per sweep combination; every one is validated before anything is submitted."""
+    from hpc_train.cli.sweep import expand_sweeps, sweep_name
+
+    base = plan_from_args(args)
+    if not args.sweep:
+        return [base]
+    plans = []
+    for index, combo in enumerate(expand_sweeps(args.sweep)):
+        sweep_args = argparse.Namespace(**{**vars(args), "overrides": [*args.overrides, *combo,
+                                                                        f"job.name={sweep_name(base.name, index)}"]})
+        plans.append(plan_from_args(sweep_args, executor=base.executor))
+    return plans
+
+
+def _show(args: argparse.Namespace, plans: list[Plan]) -> None:
     from hpc_train.slurm.executors import submitit_parameters
 
-    params = submitit_parameters(plan)
+    params = submitit_parameters(plans[0])
     if args.json:
-        print(json.dumps({"plan": json.loads(plan.to_json()), "submitit": params}, indent=2, sort_keys=True))
-    else:
-        from rich.console import Console
+        body = [json.loads(plan.to_json()) for plan in plans]
+        print(json.dumps({"plan": body[0] if len(body) == 1 else body, "submitit": params}, indent=2, sort_keys=True))
+        return
+    from rich.console import Console
 
-        from hpc_train.cli.summary import print_summary
+    from hpc_train.cli.summary import print_summary, print_sweep
 
-        print_summary(Console(), plan, f"submitit {plan.executor} executor parameters", params)
+    console = Console()
+    print_summary(console, plans[0], f"submitit {plans[0].executor} executor parameters", params)
+    if len(plans) > 1:
+        print_sweep(console, plans, args.sweep)
+
+
+def _submit(argv: list[str] | None) -> int:
+    args = build_parser().parse_args(argv)
+    plans = _plans(args)
+    _show(args, plans)
     if args.dry_run:
         if not args.json:
             print("dry run: nothing submitted, nothing written")
@@ -43,16 +70,23 @@ def _submit(argv: list[str] | None) -> int:
 
     from hpc_train.runfolder import prepare_run_folder
     from hpc_train.slurm.executors import submit
-    from hpc_train.slurm.follow import follow
+    from hpc_train.slurm.follow import FollowedJob, follow
+    from hpc_train.slurm.jobstate import check_slurm_available
 
-    console = Console(stderr=args.json)
+    executor = plans[0].executor
+    if executor == "slurm" and not args.no_follow:
+        check_slurm_available()
+    console = Console(stderr=args.json, soft_wrap=True)  # job output lines are never re-wrapped
     os.umask(0o077)  # submitit's folder and the ranks' files stay private
-    run_dir = prepare_run_folder(plan)
-    job = submit(plan)
-    console.print(f"submitted job [bold]{job.job_id}[/] ({plan.executor}); run folder {run_dir}")
+    run_dirs = [prepare_run_folder(plan) for plan in plans]
+    jobs = submit(plans)
+    for job, run_dir in zip(jobs, run_dirs, strict=True):
+        console.print(f"submitted job [bold]{job.job_id}[/] ({executor}); run folder {run_dir}")
     if args.no_follow:
         return 0
-    return follow(job, Path(run_dir), console)
+    followed = [FollowedJob(job, Path(run_dir), label=Path(run_dir).name) for job, run_dir in zip(jobs, run_dirs,
+                                                                                                  strict=True)]
+    return follow(followed, executor, console)
 
 
 def main(argv: list[str] | None = None) -> int:

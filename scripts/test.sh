@@ -1,8 +1,24 @@
 #!/usr/bin/env bash
-# Run every test: lint, then pytest. Installs what it needs first (scripts/bootstrap.sh).
+# Run every test: lint, then pytest. Installs what it needs first (scripts/bootstrap.sh). As root it also
+# installs Open MPI and brings up the local Slurm cluster (scripts/local_slurm.sh) for the end-to-end tests,
+# which then must run rather than skip, and takes the cluster down afterwards if it started it.
 # Extra arguments go to pytest, e.g. scripts/test.sh -k render
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/bootstrap.sh
+
+if [ "$(id -u)" = 0 ]; then
+    if ! command -v mpirun >/dev/null; then
+        export DEBIAN_FRONTEND=noninteractive
+        apt-get install -y -qq openmpi-bin >/dev/null 2>&1 \
+            || { apt-get update -qq && apt-get install -y -qq openmpi-bin >/dev/null; }
+    fi
+    if ! scripts/local_slurm.sh status >/dev/null 2>&1; then
+        trap 'scripts/local_slurm.sh down' EXIT
+    fi
+    scripts/local_slurm.sh up
+    export HPC_TRAIN_REQUIRE_SLURM=1
+fi
+
 .venv/bin/ruff check hpc_train tests benchmarks
 .venv/bin/python -m pytest -q -p no:cacheprovider "$@"

@@ -68,3 +68,19 @@ def print_summary(console: Console, plan: Plan, extra_title: str = "", extra: st
         console.print(Panel(Syntax(json.dumps(extra, indent=2, sort_keys=True), "json"), title=extra_title))
     elif extra:
         console.print(Panel(Syntax(extra, "bash", word_wrap=True), title=extra_title))
+
+
+def print_sweep(console: Console, plans: list[Plan], sweeps: list[str]) -> None:
+    """One row per run of a sweep: its run folder and the values it sets."""
+    keys = [text.partition("=")[0] for text in sweeps]
+    table = Table(title=f"Sweep: {len(plans)} runs in one job array", title_justify="left")
+    table.add_column("run folder")
+    for key in keys:
+        table.add_column(key)
+    for plan in plans:
+        section_values = []
+        for key in keys:
+            section, _, name = key.partition(".")
+            section_values.append(str(plan.config.get(section, {}).get(name, "")))
+        table.add_row(plan.run_dir, *section_values)
+    console.print(table)

@@ -77,28 +77,37 @@ def submitit_parameters(plan: Plan) -> dict[str, Any]:
             params[key] = value
     if res.exclusive:
         params["exclusive"] = True
-    srun_args = [*plan.srun_args, *container_srun_flags(plan)]
-    if srun_args:
-        params["srun_args"] = srun_args
+    # A rank that fails ends the step at once instead of leaving the others waiting in a collective.
+    params["srun_args"] = ["--kill-on-bad-exit=1", *plan.srun_args, *container_srun_flags(plan)]
     return params
 
 
-def submit(plan: Plan) -> Any:
-    """Submit the rank entry point through submitit; return the submitit Job."""
-    os.environ["SUBMITIT_PREEMPT_SIGNAL"] = plan.signal  # submitit reads it when it writes the script
+def submit(plans: list[Plan]) -> list[Any]:
+    """Submit the rank entry point of each plan through submitit; several plans become one job array.
+
+    The plans of a sweep differ only in what runs, never in resources, so they share one executor: on Slurm
+    that is one ``sbatch --array`` call, and each array task reads the plan in its own run folder.
+    """
+    first = plans[0]
+    os.environ["SUBMITIT_PREEMPT_SIGNAL"] = first.signal  # submitit reads it when it writes the script
     import submitit
 
     from hpc_train.launch import RankEntry
 
-    folder = submitit_folder(plan)
+    # A sweep's array shares one submitit folder beside the run folders; a single job keeps its own inside.
+    folder = submitit_folder(first) if len(plans) == 1 else Path(first.run_dir).parent / ".submitit"
     executor: Any
-    if plan.executor == "local":
-        executor = submitit.LocalExecutor(folder=folder, max_num_timeout=plan.max_requeues)
+    if first.executor == "local":
+        executor = submitit.LocalExecutor(folder=folder, max_num_timeout=first.max_requeues)
         # The ranks must not inherit a rendezvous from this shell (it would win over ours).
         for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
             os.environ.pop(name, None)
-        os.environ.update(plan.env)
+        os.environ.update(first.env)
     else:
-        executor = submitit.SlurmExecutor(folder=folder, max_num_timeout=plan.max_requeues, python=plan.python)
-    executor.update_parameters(**submitit_parameters(plan))
-    return executor.submit(RankEntry(plan.run_dir))
+        executor = submitit.SlurmExecutor(folder=folder, max_num_timeout=first.max_requeues, python=first.python)
+    executor.update_parameters(**submitit_parameters(first))
+    if len(plans) == 1:
+        return [executor.submit(RankEntry(first.run_dir))]
+    with executor.batch():
+        jobs = [executor.submit(RankEntry(plan.run_dir)) for plan in plans]
+    return jobs

@@ -1,14 +1,26 @@
-"""Follow a submitted job until it ends: its state, the tail of the rank-0 log, and a clear verdict."""
+"""Follow submitted jobs to their end: live state, the rank-0 log as it grows, and one clear verdict.
+
+Slurm state comes from one batched sacct call per poll for all followed jobs (:mod:`hpc_train.slurm.jobstate`);
+the poll interval backs off while nothing changes. A rank that fails leaves ``logs/rank-N.error.json``;
+the follower reports it at once and cancels the job if the other ranks do not end by themselves.
+"""
 
 from __future__ import annotations
 
+import json
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 
-__all__ = ["LogTail", "follow"]
+from hpc_train.slurm.jobstate import SlurmQueryError, query_states
+
+__all__ = ["FollowedJob", "LogTail", "follow"]
+
+_SUCCESS = {"COMPLETED", "FINISHED", "DONE"}
 
 
 class LogTail:
@@ -29,35 +41,135 @@ class LogTail:
         return text.splitlines()
 
 
-def _tail(text: str, lines: int = 15) -> str:
+@dataclass
+class FollowedJob:
+    """One submitted job (or array task) and its run folder."""
+
+    job: Any
+    run_dir: Path
+    label: str = ""
+    state: str = "SUBMITTED"
+    done: bool = False
+    failed_at: float | None = None
+    tail: LogTail = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.tail = LogTail(self.run_dir / "logs" / "rank-0.log")
+
+    @property
+    def job_id(self) -> str:
+        return str(self.job.job_id)
+
+    def rank_errors(self) -> list[dict[str, Any]]:
+        errors = []
+        for path in sorted((self.run_dir / "logs").glob("rank-*.error.json")):
+            try:
+                errors.append(json.loads(path.read_text(encoding="utf-8")))
+            except (OSError, ValueError):
+                continue  # being written right now: next poll
+        # The first rank to fail is the cause; the others usually fail because it went away.
+        return sorted(errors, key=lambda error: (error.get("time", 0.0), error.get("rank", 0)))
+
+
+def _poll(jobs: list[FollowedJob], executor: str) -> None:
+    """Update every job's state: one sacct call for all Slurm jobs; local jobs ask their processes."""
+    if executor == "slurm":
+        states = query_states([job.job_id for job in jobs if not job.done])
+        for job in jobs:
+            if job.job_id in states:
+                job.state = states[job.job_id].state
+                job.done = states[job.job_id].done
+        return
+    for job in jobs:
+        if not job.done:
+            job.done = job.job.done()
+            job.state = job.job.state if not job.done else ("FINISHED" if _local_ok(job) else "FAILED")
+
+
+def _local_ok(job: FollowedJob) -> bool:
+    try:
+        job.job.results()
+    except Exception:
+        return False
+    return True
+
+
+def _tail(text: str, lines: int = 12) -> str:
     return "\n".join(text.strip().splitlines()[-lines:])
 
 
-def follow(job: Any, run_dir: Path, console: Console, poll_s: float = 0.5, max_poll_s: float = 5.0) -> int:
-    """Poll until done (the interval backs off while nothing changes); 0 when every rank succeeded, else 1."""
-    tail = LogTail(run_dir / "logs" / "rank-0.log")
-    state = ""
+def _report_failure(console: Console, job: FollowedJob) -> None:
+    errors = job.rank_errors()
+    name = f"job {job.job_id}" + (f" ({job.label})" if job.label else "")
+    if errors:
+        first = errors[0]
+        ranks = ", ".join(str(error.get("rank")) for error in errors)
+        console.print(f"[bold red]{name} failed[/]: rank {first.get('rank')} on {escape(str(first.get('host')))} "
+                      f"raised {escape(str(first.get('error')))} (failed ranks: {ranks}); state {job.state}")
+        console.out(_tail(first.get("traceback", "")), highlight=False)
+    else:
+        console.print(f"[bold red]{name} failed[/]: state {job.state}, no rank reported an error")
+        for path in sorted((job.run_dir / "logs").glob("slurm-*.err")) + sorted(
+                (job.run_dir / "submitit").glob("*_0_log.err")):
+            text = path.read_text(encoding="utf-8", errors="replace")
+            if text.strip():
+                console.out(f"--- {path.name}\n{_tail(text)}", highlight=False)
+    console.print(f"rank logs: {escape(str(job.run_dir / 'logs'))}")
+
+
+def follow(jobs: list[FollowedJob], executor: str, console: Console, poll_s: float = 0.5, max_poll_s: float = 5.0,
+           cancel_after_s: float = 5.0, give_up_s: float = 120.0) -> int:
+    """Follow until every job ends; 0 when all completed, else 1 (after reporting each failure).
+
+    sacct failing for a moment (slurmdbd restarting) is waited out; after ``give_up_s`` of failures the
+    follower stops with exit 1, and the jobs keep running.
+    """
     delay = poll_s
-    while True:
-        done = job.done()
-        new_state = job.state
-        lines = tail.new_lines()
-        for line in lines:
-            console.out(f"rank0 | {line}", highlight=False)
-        if new_state != state:
-            console.print(f"[bold]job {job.job_id}[/]: {new_state}")
-            state = new_state
-        if done:
-            break
-        delay = poll_s if lines else min(max_poll_s, delay * 1.5)
-        time.sleep(delay)
-    for line in tail.new_lines():
-        console.out(f"rank0 | {line}", highlight=False)
+    failing_since: float | None = None
+    many = len(jobs) > 1
+    status = console.status("waiting for the scheduler") if console.is_terminal else None
+    if status:
+        status.start()
     try:
-        job.results()
-    except Exception as error:  # a failed rank: submitit raises with the rank's error text
-        console.print(f"[bold red]job {job.job_id} failed[/] ({job.state}):")
-        console.out(_tail(str(error)), highlight=False)
-        return 1
-    console.print(f"[bold green]job {job.job_id} completed[/]; run folder: {run_dir}")
-    return 0
+        while True:
+            before = [(job.state, job.done) for job in jobs]
+            try:
+                _poll(jobs, executor)
+                failing_since = None
+            except SlurmQueryError as error:
+                failing_since = failing_since or time.monotonic()
+                if time.monotonic() - failing_since > give_up_s:
+                    ids = ",".join(job.job_id for job in jobs)
+                    console.print(f"[bold red]lost track of job {ids}[/]: {escape(str(error))}. The job keeps "
+                                  f"running: 'sacct -j {ids}' shows it; 'scancel {ids}' stops it.")
+                    return 1
+                console.print(f"[yellow]sacct failed, retrying: {escape(str(error).splitlines()[0])}[/]")
+            changed = before != [(job.state, job.done) for job in jobs]
+            for job, (old_state, _) in zip(jobs, before, strict=True):
+                if job.state != old_state:
+                    console.print(f"[bold]job {job.job_id}[/]{f' ({job.label})' if many else ''}: {job.state}")
+                for line in job.tail.new_lines():
+                    changed = True
+                    console.out(f"{job.label + ' ' if many else ''}rank0 | {line}", highlight=False)
+                if not job.done and job.failed_at is None and job.rank_errors():
+                    job.failed_at = time.monotonic()
+                    console.print(f"[red]job {job.job_id}: a rank failed; waiting for the others to stop[/]")
+                if not job.done and job.failed_at and time.monotonic() - job.failed_at > cancel_after_s:
+                    job.job.cancel(check=False)
+                    job.failed_at = float("inf")
+            if status:
+                status.update(", ".join(f"job {job.job_id}: {job.state}" for job in jobs))
+            if all(job.done for job in jobs):
+                break
+            delay = poll_s if changed else min(max_poll_s, delay * 1.5)
+            time.sleep(delay)
+    finally:
+        if status:
+            status.stop()
+    failed = [job for job in jobs if job.state not in _SUCCESS or job.rank_errors()]
+    for job in failed:
+        _report_failure(console, job)
+    for job in jobs:
+        if job not in failed:
+            console.print(f"[bold green]job {job.job_id} completed[/]; run folder: {job.run_dir}")
+    return 1 if failed else 0

@@ -1,0 +1,33 @@
+"""``--sweep KEY=V1,V2,...``: one config, many runs; the product of all sweeps, each with its own run folder."""
+
+from __future__ import annotations
+
+import itertools
+
+from hpc_train.errors import ConfigError
+
+__all__ = ["expand_sweeps", "sweep_name"]
+
+
+def sweep_name(base: str, index: int) -> str:
+    """Run names of a sweep: base-000, base-001, ... (stable, so a resubmitted sweep resumes its runs)."""
+    return f"{base}-{index:03d}"
+
+
+def expand_sweeps(sweeps: list[str]) -> list[list[str]]:
+    """Each combination as a list of ``--set`` overrides, in the order the values were given."""
+    axes = []
+    for text in sweeps:
+        key, sep, values = text.partition("=")
+        if not sep or "." not in key or not values:
+            raise ConfigError(f"--sweep {text}", "expected SECTION.KEY=V1,V2,...", "write it like "
+                              "--sweep train.lr=1e-3,3e-4")
+        if key.startswith("job."):
+            raise ConfigError(f"--sweep {text}", "the runs of a sweep are one job array and share its resources",
+                              "sweep train, zero, parallel, data, checkpoint or monitor keys; submit job.* "
+                              "variants separately")
+        items = [value.strip() for value in values.split(",")]
+        if any(not item for item in items) or len(set(items)) != len(items):
+            raise ConfigError(f"--sweep {text}", "has an empty or repeated value", "list distinct values")
+        axes.append([f"{key}={item}" for item in items])
+    return [list(combo) for combo in itertools.product(*axes)]
