@@ -86,7 +86,13 @@ def _submit(argv: list[str] | None) -> int:
         return 0
     followed = [FollowedJob(job, Path(run_dir), label=Path(run_dir).name) for job, run_dir in zip(jobs, run_dirs,
                                                                                                   strict=True)]
-    return follow(followed, executor, console)
+    try:
+        return follow(followed, executor, console)
+    except KeyboardInterrupt:
+        ids = ",".join(job.job_id for job in followed)
+        console.print(f"stopped following; job {ids} " + ("keeps running: 'scancel " + ids + "' stops it"
+                                                          if executor == "slurm" else "was stopped with it"))
+        return 130
 
 
 def main(argv: list[str] | None = None) -> int:
