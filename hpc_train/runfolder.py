@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 from pathlib import Path
@@ -41,6 +42,15 @@ def _refuse_shared_writable(path: Path) -> None:
         raise ConfigError(str(path), "belongs to another user", "pick another job.name or job.run_root")
 
 
+def _previous_hash(plan_path: Path) -> str | None:
+    """The config hash of the plan already in the folder; None when it is missing or unreadable."""
+    try:
+        value = json.loads(plan_path.read_text(encoding="utf-8")).get("config_hash")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, str) else None
+
+
 def prepare_run_folder(plan: Plan) -> Path:
     """Create ``run_dir`` (0700) with ``logs/``, and write ``plan.json`` and ``config.toml`` atomically.
 
@@ -57,11 +67,11 @@ def prepare_run_folder(plan: Plan) -> Path:
         os.umask(old_umask)
     for stale in (run_dir / "logs").glob("rank-*.error.json"):
         stale.unlink()  # failures of an earlier submission must not be reported as this one's
-    plan_path = run_dir / PLAN_FILE
-    if plan_path.exists():
-        previous = Plan.from_json(plan_path.read_text(encoding="utf-8"))
-        if previous.config_hash != plan.config_hash and (run_dir / CONFIG_FILE).exists():
-            os.replace(run_dir / CONFIG_FILE, run_dir / f"config.{previous.config_hash[:12]}.toml")
+    plan_path, config_path = run_dir / PLAN_FILE, run_dir / CONFIG_FILE
+    if config_path.exists():
+        previous = _previous_hash(plan_path)
+        if previous != plan.config_hash:
+            os.replace(config_path, run_dir / f"config.{(previous or 'unknown')[:12]}.toml")
     atomic_write(run_dir / CONFIG_FILE, dumps(plan.config))
     atomic_write(plan_path, plan.to_json())
     return run_dir

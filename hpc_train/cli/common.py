@@ -39,12 +39,16 @@ def add_plan_arguments(parser: argparse.ArgumentParser, executor: bool = True) -
 
 
 def plan_from_args(args: argparse.Namespace, executor: str | None = None) -> Plan:
-    """Load the job and the site, apply overrides, resolve the executor and validate everything."""
+    """Load the job and the site, apply overrides and validate everything.
+
+    ``executor`` is used as given (render always plans for Slurm, wherever it runs); without it the
+    ``--executor`` choice is resolved against this machine (is sbatch on PATH?).
+    """
     from hpc_train.slurm.executors import resolve_executor
 
     site = load_site(args.site)
     cfg = load_job(args.config, args.overrides)
-    chosen = resolve_executor(executor or getattr(args, "executor", "auto"), site.slurm.enabled)
+    chosen = executor or resolve_executor(getattr(args, "executor", "auto"), site.slurm.enabled)
     return make_plan(cfg, site, chosen)
 
 

@@ -69,117 +69,69 @@ def _control(value: str) -> tuple[str, str] | None:
     return None
 
 
-def check_slurm_name(value: str) -> tuple[str, str] | None:
-    """Job names, partitions, accounts, QoS: Slurm identifiers, never shell."""
-    if not value:
-        return None
-    bad = _control(value)
-    if bad or _SLURM_NAME.fullmatch(value):
-        return bad
-    return (f"{value!r} is not allowed",
-            "use 1-128 characters from A-Z a-z 0-9 . _ + - starting with a letter or digit")
+def _allow_only(pattern: re.Pattern[str], problem: str, fix: str, empty_ok: bool, doc: str) -> Check:
+    """A check that accepts ``pattern`` (and '' when ``empty_ok``), refuses control characters first, and
+    otherwise returns ``problem`` (formatted with ``value``) and ``fix``."""
+
+    def check(value: str) -> tuple[str, str] | None:
+        if not value and empty_ok:
+            return None
+        bad = _control(value)
+        if bad or pattern.fullmatch(value):
+            return bad
+        return (problem.format(value=value), fix)
+
+    check.__doc__ = doc
+    return check
 
 
-def check_constraint(value: str) -> tuple[str, str] | None:
-    """Slurm feature expressions such as ``a100&ib`` or ``[rack1|rack2]``."""
-    if not value:
-        return None
-    bad = _control(value)
-    if bad or _CONSTRAINT.fullmatch(value):
-        return bad
-    return (f"{value!r} is not a Slurm constraint", "use feature names joined by & | and [ ] ( ) only")
-
-
-def check_hostlist(value: str) -> tuple[str, str] | None:
-    """Host-list expressions such as ``node[01-04,07],gpu3``."""
-    if not value:
-        return None
-    bad = _control(value)
-    if bad or _HOSTLIST.fullmatch(value):
-        return bad
-    return (f"{value!r} is not a Slurm host list", "write it like node[01-04],gpu7 (letters, digits, . _ - [ ] ,)")
+check_slurm_name = _allow_only(
+    _SLURM_NAME, "{value!r} is not allowed",
+    "use 1-128 characters from A-Z a-z 0-9 . _ + - starting with a letter or digit", True,
+    "Job names, partitions, accounts, QoS: Slurm identifiers, never shell.")
+check_constraint = _allow_only(
+    _CONSTRAINT, "{value!r} is not a Slurm constraint", "use feature names joined by & | and [ ] ( ) only", True,
+    "Slurm feature expressions such as ``a100&ib`` or ``[rack1|rack2]``.")
+check_hostlist = _allow_only(
+    _HOSTLIST, "{value!r} is not a Slurm host list", "write it like node[01-04],gpu7 (letters, digits, . _ - [ ] ,)",
+    True, "Host-list expressions such as ``node[01-04,07],gpu3``.")
+check_mem = _allow_only(
+    _MEM, "{value!r} is not a Slurm memory size", 'write a number with an optional K/M/G/T suffix, like "64G"', True,
+    'Memory per node in Slurm syntax: ``0`` (all), ``64000`` (MB) or ``512G``.')
+check_env_name = _allow_only(
+    _ENV_NAME, "{value!r} is not a valid environment variable name",
+    "use letters, digits and _ not starting with a digit", False,
+    "Environment variable names: they are written as ``export NAME=...``.")
+check_module = _allow_only(
+    _MODULE, "{value!r} is not a module name", "use letters, digits and . _ + / - only", True,
+    "Environment-module names such as ``cuda/12.4``; also host-name suffixes.")
+check_hca = _allow_only(
+    _HCA, "{value!r} is not an RDMA device", 'write it like "mlx5_0", "mlx5_0:1" or "=mlx5_0" (exact match)', False,
+    "One NCCL_IB_HCA item: ``mlx5_0``, ``mlx5_0:1``, or ``=mlx5_0`` (exact) / ``^mlx5_1`` (exclude) first.")
+check_ifname = _allow_only(
+    _IFNAME, "{value!r} is not a network interface", 'write it like "ib0", "=eth0" or "^docker,lo"', True,
+    "A socket interface for NCCL: ``ib0``, a prefix ``eth``, ``=eth0`` (exact) or ``^docker,lo`` (exclude).")
+check_image = _allow_only(
+    _IMAGE, "{value!r} is not a container image reference", "use a path or registry reference without spaces", True,
+    "Container images: paths, ``docker://repo:tag`` or enroot's ``nvcr.io#nvidia/pytorch:24.11-py3``.")
+check_srun_arg = _allow_only(
+    _SRUN_ARG, "{value!r} is not a single srun flag", 'write one flag per item, like "--mpi=pmi2" or "--cpu-bind=none"',
+    False, "Extra srun flags a site needs, each one ``--flag`` or ``--flag=value`` token.")
+_check_path_chars = _allow_only(
+    _PATH, "{value!r} has characters that cannot appear in an #SBATCH path",
+    "use a path of letters, digits and . _ / + @ , : = - (no spaces, quotes, $ or ~)", False, "")
 
 
 def check_path(value: str) -> tuple[str, str] | None:
     """Paths that end up in ``#SBATCH --output`` lines, where whitespace and quotes cannot be used."""
     if not value:
         return ("the path is empty", "give a directory path")
-    bad = _control(value)
-    if bad or _PATH.fullmatch(value):
-        return bad
-    return (
-        f"{value!r} has characters that cannot appear in an #SBATCH path",
-        "use a path of letters, digits and . _ / + @ , : = - (no spaces, quotes, $ or ~)",
-    )
-
-
-def check_mem(value: str) -> tuple[str, str] | None:
-    """Memory per node in Slurm syntax: ``0`` (all), ``64000`` (MB) or ``512G``."""
-    if not value:
-        return None
-    bad = _control(value)
-    if bad or _MEM.fullmatch(value):
-        return bad
-    return (f"{value!r} is not a Slurm memory size", 'write a number with an optional K/M/G/T suffix, like "64G"')
-
-
-def check_env_name(value: str) -> tuple[str, str] | None:
-    """Environment variable names: they are written as ``export NAME=...``."""
-    if _ENV_NAME.fullmatch(value):
-        return None
-    return (f"{value!r} is not a valid environment variable name",
-            "use letters, digits and _ not starting with a digit")
+    return _check_path_chars(value)
 
 
 def check_env_value(value: str) -> tuple[str, str] | None:
     """Environment values are shell-quoted when written, but must still be one line."""
     return _control(value)
-
-
-def check_module(value: str) -> tuple[str, str] | None:
-    """Environment-module names such as ``cuda/12.4`` or ``nccl/2.21.5-1+cuda12.4``; also host-name suffixes."""
-    if not value:
-        return None
-    bad = _control(value)
-    if bad or _MODULE.fullmatch(value):
-        return bad
-    return (f"{value!r} is not a module name", "use letters, digits and . _ + / - only")
-
-
-def check_hca(value: str) -> tuple[str, str] | None:
-    """One NCCL_IB_HCA item: ``mlx5_0``, ``mlx5_0:1``, or ``=mlx5_0`` (exact) / ``^mlx5_1`` (exclude) first."""
-    bad = _control(value)
-    if bad or _HCA.fullmatch(value):
-        return bad
-    return (f"{value!r} is not an RDMA device", 'write it like "mlx5_0", "mlx5_0:1" or "=mlx5_0" (exact match)')
-
-
-def check_ifname(value: str) -> tuple[str, str] | None:
-    """A socket interface for NCCL: ``ib0``, a prefix ``eth``, ``=eth0`` (exact) or ``^docker,lo`` (exclude)."""
-    if not value:
-        return None
-    bad = _control(value)
-    if bad or _IFNAME.fullmatch(value):
-        return bad
-    return (f"{value!r} is not a network interface", 'write it like "ib0", "=eth0" or "^docker,lo"')
-
-
-def check_image(value: str) -> tuple[str, str] | None:
-    """Container images: paths, ``docker://repo:tag`` or enroot's ``nvcr.io#nvidia/pytorch:24.11-py3``."""
-    if not value:
-        return None
-    bad = _control(value)
-    if bad or _IMAGE.fullmatch(value):
-        return bad
-    return (f"{value!r} is not a container image reference", "use a path or registry reference without spaces")
-
-
-def check_srun_arg(value: str) -> tuple[str, str] | None:
-    """Extra srun flags a site needs, each one ``--flag`` or ``--flag=value`` token."""
-    bad = _control(value)
-    if bad or _SRUN_ARG.fullmatch(value):
-        return bad
-    return (f"{value!r} is not a single srun flag", 'write one flag per item, like "--mpi=pmi2" or "--cpu-bind=none"')
 
 
 def check_nccl_name(value: str) -> tuple[str, str] | None:

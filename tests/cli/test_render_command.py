@@ -60,3 +60,26 @@ def test_validate_prints_the_layout(tmp_path: Path) -> None:
     assert result.code == 0, result.err
     assert "world" in result.out and "4 = tensor 2 x pipeline 1 x data 2" in result.out
     assert "valid for site local" in result.out
+
+
+def test_render_needs_no_slurm_on_this_machine(tmp_path: Path) -> None:
+    """A laptop renders scripts for a cluster: no sbatch on PATH is fine."""
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-m", "hpc_train", "render", EXAMPLE, "--site", "ndr-h100", "--stdout",
+                             "--set", "job.tasks_per_node=8"], cwd=tmp_path, env={"PATH": "/nonexistent"},
+                            capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 0, result.stderr
+    assert "#SBATCH --gpus-per-node=8" in result.stdout
+
+
+def test_a_corrupt_plan_in_the_run_folder_is_kept_aside(tmp_path: Path) -> None:
+    run_dir = tmp_path / "runs" / "tiny-gpt"
+    run_dir.mkdir(parents=True, mode=0o700)
+    (run_dir / "plan.json").write_text("{not json")
+    (run_dir / "config.toml").write_text("# an older config\n")
+    result = call_cli(hpc_main.main, ["render", EXAMPLE, "--site", "local-slurm"], tmp_path)
+    assert result.code == 0, result.err
+    assert (run_dir / "config.unknown.toml").read_text() == "# an older config\n"
+    assert Plan.from_json((run_dir / "plan.json").read_text()).name == "tiny-gpt"
