@@ -13,7 +13,37 @@ from hpc_train.cli.common import ArgumentParser, add_plan_arguments, plan_from_a
 __all__ = ["main"]
 
 
+def _layout_for_world(args: argparse.Namespace) -> int:
+    """The rank layout of the config's parallel sizes at any world size, without the job's node shape."""
+    from hpc_train.config.plan import load_job
+    from hpc_train.dist.topology import Topology
+    from hpc_train.errors import ConfigError
+
+    cfg = load_job(args.config, args.overrides)
+    par = cfg.parallel
+    try:
+        topology = Topology.build(args.world, tp=par.tensor, pp=par.pipeline, cp=par.context, order=par.order)
+    except ValueError as error:
+        raise ConfigError("--world", str(error)) from None
+    batch = cfg.train.micro_batch * cfg.train.grad_accum * topology.sizes["dp"]
+    rows = [*topology.summary(), ("global batch", f"{batch} = micro {cfg.train.micro_batch} x accum "
+                                                   f"{cfg.train.grad_accum} x data {topology.sizes['dp']}")]
+    if args.json:
+        print(json.dumps({"sizes": topology.sizes, "order": list(topology.order), "global_batch": batch}))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"Layout of {args.config} at {args.world} ranks", show_header=False, title_justify="left")
+    for key, value in rows:
+        table.add_row(key, value)
+    Console().print(table)
+    return 0
+
+
 def _validate(args: argparse.Namespace) -> int:
+    if args.world is not None:
+        return _layout_for_world(args)
     plan = plan_from_args(args)
     if args.json:
         print(plan.to_json(), end="")
@@ -52,6 +82,8 @@ def _build_parser() -> ArgumentParser:
     validate = commands.add_parser("validate", help="check a job config against a site and show the plan")
     add_plan_arguments(validate)
     validate.add_argument("--json", action="store_true", help="print the plan as JSON")
+    validate.add_argument("--world", type=int, metavar="N",
+                          help="only print the rank layout of the parallel sizes at N ranks (any N)")
     validate.set_defaults(run=_validate)
     render = commands.add_parser("render", help="render an sbatch script into the run folder (or stdout)")
     add_plan_arguments(render, executor=False)

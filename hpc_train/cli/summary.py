@@ -53,7 +53,8 @@ def print_summary(console: Console, plan: Plan, extra_title: str = "", extra: st
                        + (f"requeue up to {plan.max_requeues} times" if plan.requeue else "no requeue")),
     ])
     layout = _table("Layout", [
-        ("world", f"{lay.world} = tensor {lay.tensor} x pipeline {lay.pipeline} x data {lay.data}"),
+        ("world", f"{lay.world} = tensor {lay.tensor} x pipeline {lay.pipeline} x data {lay.data}"
+                  + (f" x context {lay.context}" if lay.context > 1 else "")),
         ("global batch", f"{lay.global_batch} = micro {lay.micro_batch} x accum {lay.grad_accum} x data {lay.data}"),
         *rank_placement(plan),
     ])

@@ -68,10 +68,12 @@ class JobSection:
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelSection:
-    """``[parallel]``: model-parallel sizes. Data parallel size is derived: world / (tensor x pipeline)."""
+    """``[parallel]``: model-parallel sizes. Data parallel size is derived: world / (tensor x context x pipeline)."""
 
     tensor: int = option(1, "Tensor-parallel size; must divide the ranks of one node.")
     pipeline: int = option(1, "Pipeline-parallel size (number of stages).")
+    context: int = option(1, "Context-parallel size (sequence split across ranks).")
+    order: str = option("tp-cp-dp-pp", "Axes from innermost (consecutive ranks) to outermost.")
 
 
 @dataclass(frozen=True, kw_only=True)

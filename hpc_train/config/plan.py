@@ -54,7 +54,9 @@ class Layout:
     world: int
     tensor: int
     pipeline: int
+    context: int
     data: int
+    order: str
     micro_batch: int
     grad_accum: int
     global_batch: int
@@ -152,7 +154,8 @@ def make_plan(cfg: JobConfig, site: SiteConfig, executor: str, *, python: str | 
         ),
         layout=Layout(
             world=job.nodes * job.tasks_per_node, tensor=cfg.parallel.tensor, pipeline=cfg.parallel.pipeline,
-            data=data_parallel, micro_batch=train.micro_batch, grad_accum=train.grad_accum,
+            context=cfg.parallel.context, data=data_parallel, order=cfg.parallel.order,
+            micro_batch=train.micro_batch, grad_accum=train.grad_accum,
             global_batch=train.micro_batch * train.grad_accum * data_parallel,
         ),
         env=rank_env(cfg, site, cpus),

@@ -11,6 +11,7 @@ import re
 from hpc_train.config.checks import parse_time_seconds
 from hpc_train.config.job import MODEL_PRESETS, JobConfig
 from hpc_train.config.site import SiteConfig
+from hpc_train.dist.topology import Topology
 from hpc_train.errors import ConfigError, did_you_mean
 
 __all__ = ["SLURM_SIGNAL_SLACK_S", "looks_secret", "validate"]
@@ -34,6 +35,7 @@ def _check_counts(cfg: JobConfig) -> None:
     for where, value, low in (
         ("job.nodes", cfg.job.nodes, 1), ("job.tasks_per_node", cfg.job.tasks_per_node, 1),
         ("parallel.tensor", cfg.parallel.tensor, 1), ("parallel.pipeline", cfg.parallel.pipeline, 1),
+        ("parallel.context", cfg.parallel.context, 1),
         ("train.steps", cfg.train.steps, 1), ("train.seq_len", cfg.train.seq_len, 1),
         ("train.micro_batch", cfg.train.micro_batch, 1), ("train.grad_accum", cfg.train.grad_accum, 1),
         ("train.global_batch", cfg.train.global_batch, 0), ("train.warmup_steps", cfg.train.warmup_steps, 0),
@@ -94,11 +96,17 @@ def _check_resources(cfg: JobConfig, site: SiteConfig, gpus_per_node: int, cpus_
 def _check_layout(cfg: JobConfig, gpus_per_node: int) -> int:
     job, par = cfg.job, cfg.parallel
     world = job.nodes * job.tasks_per_node
-    model_parallel = par.tensor * par.pipeline
+    model_parallel = par.tensor * par.pipeline * par.context
     if world % model_parallel:
+        sizes = f"tensor x pipeline = {par.tensor} x {par.pipeline}" if par.context == 1 else (
+            f"tensor x context x pipeline = {par.tensor} x {par.context} x {par.pipeline}")
         raise ConfigError("parallel", f"world size {world} (= {job.nodes} nodes x {job.tasks_per_node} "
-                          f"tasks_per_node) is not divisible by tensor x pipeline = {par.tensor} x {par.pipeline}",
-                          f"make nodes x tasks_per_node a multiple of {model_parallel}, or change tensor/pipeline")
+                          f"tasks_per_node) is not divisible by {sizes}",
+                          f"make nodes x tasks_per_node a multiple of {model_parallel}, or change the sizes")
+    try:
+        Topology.build(world, tp=par.tensor, pp=par.pipeline, cp=par.context, order=par.order)
+    except ValueError as error:
+        raise ConfigError("parallel.order" if "order" in str(error) else "parallel", str(error)) from None
     if job.tasks_per_node % par.tensor:
         raise ConfigError("parallel.tensor", f"{par.tensor} does not divide the {job.tasks_per_node} ranks of a node",
                           "a tensor group must stay inside one node: pick a divisor of tasks_per_node")
@@ -129,6 +137,9 @@ def _check_layout(cfg: JobConfig, gpus_per_node: int) -> int:
                           f'"{cfg.train.optimizer}"', 'set train.optimizer = "cpu_adam" (it JIT-compiles once)')
     if zero.offload_optimizer and zero.stage == 0:
         raise ConfigError("zero.offload_optimizer", "needs ZeRO stage 1-3, stage is 0", "set zero.stage = 1 or more")
+    if cfg.train.seq_len % par.context:
+        raise ConfigError("train.seq_len", f"{cfg.train.seq_len} is not divisible by context = {par.context}",
+                          "make seq_len a multiple of the context-parallel size")
     if cfg.train.precision == "fp16" and not gpus_per_node:
         raise ConfigError("train.precision", '"fp16" needs a GPU and this job has none',
                           'use "bf16" or "fp32" on CPUs')
