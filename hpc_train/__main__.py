@@ -65,8 +65,11 @@ def _render(args: argparse.Namespace) -> int:
     if args.stdout:
         print(script.text, end="")
         return 0
+    from hpc_train.errors import ConfigError
     from hpc_train.runfolder import prepare_run_folder
 
+    if args.out is not None and args.out.is_dir():
+        raise ConfigError("--out", f"{args.out} is a folder", "give a file name, like job.sbatch")
     run_dir = prepare_run_folder(plan)
     out = args.out or run_dir / f"job-{script.template}.sbatch"
     write_script(script, out)

@@ -45,23 +45,19 @@ def _rank_logger(run_dir: Path, rank: int) -> logging.Logger:
 
 def run_rank(run_dir: Path) -> dict[str, Any]:
     """Run this rank's share of the job in ``run_dir``; return its result."""
-    from hpc_train.dist.ranks import detect_ranks, export_rendezvous
+    from hpc_train.dist.launchers import detect_launch
     from hpc_train.dist.smoke import run_smoke
 
     os.umask(0o077)  # logs and results of a run are private, like the run folder
     plan = Plan.from_json((run_dir / PLAN_FILE).read_text(encoding="utf-8"))
-    low, high = plan.port_range
-    info = detect_ranks((low, high), plan.fabric_suffix)
-    export_rendezvous(info)
+    info = detect_launch(expected_world=plan.layout.world)
     logger = _rank_logger(run_dir, info.rank)
     rank_error_path(run_dir, info.rank).unlink(missing_ok=True)  # from an earlier attempt
-    logger.info("start: %s rank %d/%d (local %d) rendezvous %s:%d", info.launcher, info.rank, info.world_size,
-                info.local_rank, info.master_addr, info.master_port)
-    if info.world_size != plan.layout.world:
-        raise RuntimeError(f"the launcher started {info.world_size} ranks but the plan has {plan.layout.world} "
-                           f"(nodes x tasks_per_node); check the srun/mpirun task geometry")
+    logger.info("start: %s rank %d/%d (local %d/%d, node %d/%d) job %s restart %d", info.launcher, info.rank,
+                info.world_size, info.local_rank, info.local_world_size, info.node_rank, info.num_nodes,
+                info.job_id, info.restart)
     try:
-        result = run_smoke(info)
+        result = run_smoke(plan, info)
     except BaseException as error:
         text = traceback.format_exc()
         logger.error("failed:\n%s", text)
@@ -69,8 +65,9 @@ def run_rank(run_dir: Path) -> dict[str, Any]:
                   "traceback": text}
         atomic_write(rank_error_path(run_dir, info.rank), json.dumps(report, indent=2) + "\n")
         raise
-    logger.info("smoke: all_reduce of ranks = %s (expected %s) over %s", result["all_reduce"], result["expected"],
-                result["backend"])
+    logger.info("smoke: all_reduce of ranks = %s (expected %s) over %s, rendezvous %s; groups %s",
+                result["all_reduce"], result["expected"], result["backend"], result["rendezvous"],
+                "checked" if result["groups"] else "not checked")
     if info.rank == 0:
         atomic_write(run_dir / "smoke.json", json.dumps(result, indent=2) + "\n")
     return result

@@ -17,14 +17,15 @@ PLAN_FILE = "plan.json"
 CONFIG_FILE = "config.toml"
 
 
-def atomic_write(path: Path, text: str) -> None:
+def atomic_write(path: Path, text: str, mode: int = 0o600) -> None:
     """Write to a temporary name, fsync, rename over ``path`` and fsync the folder: never a half file."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as handle:
+    descriptor = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, mode)
+    with open(descriptor, "w", encoding="utf-8") as handle:
         handle.write(text)
         handle.flush()
         os.fsync(handle.fileno())
-    os.chmod(tmp, 0o600)
+    os.chmod(tmp, mode)
     os.replace(tmp, path)
     folder = os.open(path.parent, os.O_RDONLY)
     try:
@@ -33,7 +34,7 @@ def atomic_write(path: Path, text: str) -> None:
         os.close(folder)
 
 
-def _refuse_shared_writable(path: Path) -> None:
+def refuse_shared_writable(path: Path) -> None:
     mode = path.stat().st_mode
     if mode & (stat.S_IWGRP | stat.S_IWOTH):
         raise ConfigError(str(path), f"is writable by others (mode {stat.filemode(mode)}); a run folder holds "
@@ -61,12 +62,15 @@ def prepare_run_folder(plan: Plan) -> Path:
     old_umask = os.umask(0o077)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        _refuse_shared_writable(run_dir)
+        refuse_shared_writable(run_dir)
         (run_dir / "logs").mkdir(exist_ok=True)
+    except OSError as error:
+        raise ConfigError(str(run_dir), f"cannot create the run folder ({error.strerror or error})",
+                          "pick a job.run_root you can write to") from None
     finally:
         os.umask(old_umask)
-    for stale in (run_dir / "logs").glob("rank-*.error.json"):
-        stale.unlink()  # failures of an earlier submission must not be reported as this one's
+    for stale in [*(run_dir / "logs").glob("rank-*.error.json"), run_dir / "smoke.json"]:
+        stale.unlink(missing_ok=True)  # results of an earlier submission must not pass for this one's
     plan_path, config_path = run_dir / PLAN_FILE, run_dir / CONFIG_FILE
     if config_path.exists():
         previous = _previous_hash(plan_path)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from hpc_train.cli.common import ArgumentParser, add_plan_arguments, plan_from_args, run_command
 from hpc_train.config.plan import Plan
+from hpc_train.errors import ConfigError
 
 __all__ = ["build_parser", "main"]
 
@@ -79,13 +80,21 @@ def _submit(argv: list[str] | None) -> int:
     console = Console(stderr=args.json, soft_wrap=True)  # job output lines are never re-wrapped
     os.umask(0o077)  # submitit's folder and the ranks' files stay private
     run_dirs = [prepare_run_folder(plan) for plan in plans]
-    jobs = submit(plans)
+    offsets = [_size(Path(run_dir) / "logs" / "rank-0.log") for run_dir in run_dirs]  # follow only new lines
+    try:
+        jobs = submit(plans)
+    except Exception as error:  # sbatch said no (submitit's FailedJobError): bad partition, account, limits
+        if type(error).__name__ not in ("FailedJobError", "CalledProcessError"):
+            raise
+        detail = [line for line in str(error).splitlines() if line.strip()]
+        raise ConfigError("sbatch", "refused the job" + (f": {detail[-1].strip()}" if detail else ""),
+                          "check the partition, account, QoS and limits (sinfo, sacctmgr show assoc)") from None
     for job, run_dir in zip(jobs, run_dirs, strict=True):
         console.print(f"submitted job [bold]{job.job_id}[/] ({executor}); run folder {run_dir}")
     if args.no_follow:
         return 0
-    followed = [FollowedJob(job, Path(run_dir), label=Path(run_dir).name) for job, run_dir in zip(jobs, run_dirs,
-                                                                                                  strict=True)]
+    followed = [FollowedJob(job, Path(run_dir), label=Path(run_dir).name, requeue=plan.requeue, log_offset=offset)
+                for job, run_dir, plan, offset in zip(jobs, run_dirs, plans, offsets, strict=True)]
     try:
         return follow(followed, executor, console)
     except KeyboardInterrupt:
@@ -93,6 +102,13 @@ def _submit(argv: list[str] | None) -> int:
         console.print(f"stopped following; job {ids} " + ("keeps running: 'scancel " + ids + "' stops it"
                                                           if executor == "slurm" else "was stopped with it"))
         return 130
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,10 +22,10 @@ def expand_sweeps(sweeps: list[str]) -> list[list[str]]:
         if not sep or "." not in key or not values:
             raise ConfigError(f"--sweep {text}", "expected SECTION.KEY=V1,V2,...", "write it like "
                               "--sweep train.lr=1e-3,3e-4")
-        if key.startswith("job."):
-            raise ConfigError(f"--sweep {text}", "the runs of a sweep are one job array and share its resources",
-                              "sweep train, zero, parallel, data, checkpoint or monitor keys; submit job.* "
-                              "variants separately")
+        if key.split(".")[0] in ("job", "env", "preempt"):
+            raise ConfigError(f"--sweep {text}", "the runs of a sweep are one job array and share its resources, "
+                              "environment and signal handling", "sweep train, zero, parallel, dist, data, "
+                              "checkpoint or monitor keys; submit job.*, env.* and preempt.* variants separately")
         items = [value.strip() for value in values.split(",")]
         if any(not item for item in items) or len(set(items)) != len(items):
             raise ConfigError(f"--sweep {text}", "has an empty or repeated value", "list distinct values")

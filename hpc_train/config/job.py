@@ -25,6 +25,7 @@ __all__ = [
     "MODEL_PRESETS",
     "CheckpointSection",
     "DataSection",
+    "DistSection",
     "JobConfig",
     "JobSection",
     "MonitorSection",
@@ -74,6 +75,14 @@ class ParallelSection:
     pipeline: int = option(1, "Pipeline-parallel size (number of stages).")
     context: int = option(1, "Context-parallel size (sequence split across ranks).")
     order: str = option("tp-cp-dp-pp", "Axes from innermost (consecutive ranks) to outermost.")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DistSection:
+    """``[dist]``: how long ranks wait for each other."""
+
+    init_timeout_s: int = option(300, "Seconds for every rank to reach rank 0 at start-up.")
+    timeout_s: int = option(1800, "Seconds a collective may take before the process group gives up.")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -159,6 +168,7 @@ class JobConfig:
 
     job: JobSection = option(JobSection, "", factory=True)
     parallel: ParallelSection = option(ParallelSection, "", factory=True)
+    dist: DistSection = option(DistSection, "", factory=True)
     zero: ZeroSection = option(ZeroSection, "", factory=True)
     train: TrainSection = option(TrainSection, "", factory=True)
     data: DataSection = option(DataSection, "", factory=True)

@@ -7,6 +7,7 @@ One generic walker serves job and site files, so both speak the same error langu
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 import types
 import typing
@@ -102,6 +103,8 @@ def _convert(value: Any, kind: Any, where: str) -> Any:
     if kind is float:
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise wrong
+        if not math.isfinite(value):
+            raise ConfigError(where, f"{value!r} is not a finite number", "write a number like 3e-4")
         return float(value)
     if kind is str:
         if not isinstance(value, str):

@@ -18,7 +18,16 @@ __all__ = ["SLURM_SIGNAL_SLACK_S", "looks_secret", "validate"]
 
 # Slurm may deliver --signal up to 60 s before the requested lead time.
 SLURM_SIGNAL_SLACK_S = 60
-_SECRET = re.compile(r"TOKEN|SECRET|PASSW(OR)?D|API_?KEY|ACCESS_?KEY|PRIVATE_?KEY|CREDENTIAL", re.IGNORECASE)
+_SECRET = re.compile(r"TOKEN|SECRET|PASSW(OR)?D|API_?KEY|ACCESS_?KEY|PRIVATE_?KEY|CREDENTIAL|_KEY$|AUTH",
+                     re.IGNORECASE)
+# Values that are credentials whatever their name: Hugging Face, GitHub, OpenAI-style, Slack, AWS keys, PEM
+# blocks, and passwords inside URLs.
+_SECRET_VALUE = re.compile(r"^(hf_|ghp_|gho_|github_pat_|sk-|xox[abp]-|AKIA|ASIA)[A-Za-z0-9_-]{8,}|-----BEGIN |"
+                           r"://[^/\s:@]+:[^/\s@]+@")
+# Variables the bootstrap owns: a value from [env] would point ranks at the wrong rendezvous or rank.
+RESERVED_ENV = frozenset({"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                          "MASTER_PORT", "GROUP_RANK", "CROSS_RANK", "CROSS_SIZE", "HPC_TRAIN_RUN_DIR", "PATH",
+                          "SLURM_EXPORT_ENV", "SUBMITIT_PREEMPT_SIGNAL"})
 
 
 def looks_secret(name: str) -> bool:
@@ -35,7 +44,8 @@ def _check_counts(cfg: JobConfig) -> None:
     for where, value, low in (
         ("job.nodes", cfg.job.nodes, 1), ("job.tasks_per_node", cfg.job.tasks_per_node, 1),
         ("parallel.tensor", cfg.parallel.tensor, 1), ("parallel.pipeline", cfg.parallel.pipeline, 1),
-        ("parallel.context", cfg.parallel.context, 1),
+        ("parallel.context", cfg.parallel.context, 1), ("dist.init_timeout_s", cfg.dist.init_timeout_s, 1),
+        ("dist.timeout_s", cfg.dist.timeout_s, 1),
         ("train.steps", cfg.train.steps, 1), ("train.seq_len", cfg.train.seq_len, 1),
         ("train.micro_batch", cfg.train.micro_batch, 1), ("train.grad_accum", cfg.train.grad_accum, 1),
         ("train.global_batch", cfg.train.global_batch, 0), ("train.warmup_steps", cfg.train.warmup_steps, 0),
@@ -63,7 +73,7 @@ def _check_resources(cfg: JobConfig, site: SiteConfig, gpus_per_node: int, cpus_
     if not site.node.gpus and gpus_per_node:
         raise ConfigError("job.gpus_per_node", f"{gpus_per_node} GPUs asked for, but site {site.name} has none",
                           "remove job.gpus_per_node or pick a GPU site")
-    if gpus_per_node and site.launch.launcher != "torchrun" and job.tasks_per_node > gpus_per_node:
+    if gpus_per_node and job.tasks_per_node > gpus_per_node:
         raise ConfigError("job.tasks_per_node", f"{job.tasks_per_node} ranks per node but {gpus_per_node} GPUs",
                           f"one rank per GPU: set tasks_per_node = {gpus_per_node}")
     if site.node.cpus and cpus_per_task * job.tasks_per_node > site.node.cpus:
@@ -76,11 +86,18 @@ def _check_resources(cfg: JobConfig, site: SiteConfig, gpus_per_node: int, cpus_
         raise ConfigError("job.time", f'"{job.time}" is longer than the {site.name} limit "{site.slurm.max_time}"',
                           "shorten it; preemption and requeue carry the run on from its checkpoint")
     for where, env in (("env", cfg.env), (f"site {site.name}: env", site.env)):
-        for name in env:
-            if looks_secret(name):
+        for name, value in env.items():
+            if looks_secret(name) or _SECRET_VALUE.search(value):
                 raise ConfigError(f"{where}.{name}", "looks like a secret and would be written into the job script",
                                   f'remove it and add "{name}" to job.forward_env, or read it from a 0600 file on '
                                   "the compute node")
+            if name in RESERVED_ENV or name.startswith(("SLURM_", "TORCHELASTIC_")):
+                raise ConfigError(f"{where}.{name}", "is set by the launcher or hpc_train on every rank",
+                                  "remove it; the rendezvous and rank variables are derived from the job")
+    for name in cfg.job.forward_env:
+        if name.upper() in ("ALL", "NONE", "NIL"):
+            raise ConfigError("job.forward_env", f'"{name}" is an sbatch --export keyword, not a variable',
+                              "list the names of the variables to pass, like [\"WANDB_API_KEY\"]")
     if site.container.runtime != "none" and not site.container.image:
         raise ConfigError(f"site {site.name}: container.image", f"is empty but runtime is {site.container.runtime}",
                           "set the image, or runtime = \"none\"")

@@ -1,45 +1,75 @@
-"""The distributed smoke program: every rank joins one process group and all-reduces its rank.
+"""The distributed smoke program: every rank joins the job, builds the parallel groups of the plan's layout,
+and proves them with all-reduces: over the world (the sum of all ranks) and over each axis (the sum of the
+ranks the topology says belong to the group).
 
-It proves the whole path (plan, launcher, rendezvous, process group) before any model is involved, and it
-is what a submitted job runs until the trainer exists.
+It checks the whole path (plan, launcher, rendezvous, process group, groups) before any model is involved,
+and it is what a submitted job runs until the trainer exists.
 """
 
 from __future__ import annotations
 
 import os
 import socket
-from datetime import timedelta
 from typing import Any
 
+from hpc_train.config.plan import Plan
 from hpc_train.dist.faults import maybe_inject_fault
-from hpc_train.dist.ranks import RankInfo
+from hpc_train.dist.launchers import LaunchInfo
+from hpc_train.dist.topology import AXES, Topology
 
 __all__ = ["run_smoke"]
 
 
-def run_smoke(info: RankInfo, timeout_s: float = 120.0) -> dict[str, Any]:
-    """All-reduce the ranks and all-gather host names; raise if the sum is not 0 + 1 + ... + (world - 1)."""
+def _check_groups(topology: Topology, rank: int) -> dict[str, list[int]]:
     import torch
     import torch.distributed as dist
 
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(info.local_rank)
-    dist.init_process_group(backend, rank=info.rank, world_size=info.world_size,
-                            init_method=f"tcp://{info.master_addr}:{info.master_port}",
-                            timeout=timedelta(seconds=timeout_s))
+    from hpc_train.dist.mesh import ParallelGroups
+
+    groups = ParallelGroups(topology)
+    seen = {}
+    for axis in AXES:
+        ranks = groups.ranks(axis)
+        expected = topology.group_of(rank, axis)
+        if ranks != expected:
+            raise RuntimeError(f"the {axis} group of rank {rank} holds {ranks}, the topology says {expected}")
+        value = torch.tensor([float(rank)])
+        dist.all_reduce(value, group=groups.group(axis))
+        if value.item() != sum(expected):
+            raise RuntimeError(f"all-reduce over the {axis} group {expected} gave {value.item()}")
+        seen[axis] = ranks
+    return seen
+
+
+def run_smoke(plan: Plan, info: LaunchInfo) -> dict[str, Any]:
+    """Bootstrap, all-reduce the ranks, check every group; raise on any mismatch."""
+    import torch
+    import torch.distributed as dist
+
+    from hpc_train.dist.bootstrap import bootstrap, shutdown
+
+    dist_config = plan.config.get("dist", {})
+    context = bootstrap(info, port_range=(plan.port_range[0], plan.port_range[1]), fabric_suffix=plan.fabric_suffix,
+                        init_timeout_s=dist_config.get("init_timeout_s", 300),
+                        timeout_s=dist_config.get("timeout_s", 1800))
     # No try/finally: on an error the process group is left to process exit, so that the failing rank reports
     # before its peers notice it is gone (the follower names the first rank to fail as the cause).
     maybe_inject_fault(info.rank)
-    device = torch.device("cuda", info.local_rank) if backend == "nccl" else torch.device("cpu")
+    device = torch.device("cuda", info.local_rank) if context.backend == "nccl" else torch.device("cpu")
     value = torch.tensor([float(info.rank)], device=device)
     dist.all_reduce(value)
     expected = info.world_size * (info.world_size - 1) / 2
+    if value.item() != expected:
+        raise RuntimeError(f"all_reduce of ranks gave {value.item()}, expected {expected}")
     hosts: list[Any] = [None] * info.world_size
     # Slurm's node name tells nodes apart even where several share one host (the local test cluster).
     dist.all_gather_object(hosts, os.environ.get("SLURMD_NODENAME") or socket.gethostname())
-    if value.item() != expected:
-        raise RuntimeError(f"all_reduce of ranks gave {value.item()}, expected {expected}")
-    dist.destroy_process_group()
-    return {"rank": info.rank, "world_size": info.world_size, "backend": backend, "all_reduce": value.item(),
-            "expected": expected, "hosts": hosts, "launcher": info.launcher}
+    layout = plan.layout
+    topology = Topology.build(info.world_size, tp=layout.tensor, pp=layout.pipeline, cp=layout.context,
+                              order=layout.order)
+    groups = _check_groups(topology, info.rank) if context.backend == "gloo" else {}
+    shutdown()
+    return {"rank": info.rank, "world_size": info.world_size, "backend": context.backend,
+            "all_reduce": value.item(), "expected": expected, "hosts": hosts, "launcher": info.launcher,
+            "node_rank": info.node_rank, "num_nodes": info.num_nodes, "groups": groups,
+            "rendezvous": f"{context.rendezvous.addr}:{context.rendezvous.port}"}

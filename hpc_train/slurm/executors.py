@@ -15,16 +15,18 @@ from typing import Any
 
 from hpc_train.config.plan import Plan
 from hpc_train.errors import ConfigError
+from hpc_train.runfolder import refuse_shared_writable
 from hpc_train.slurm.directives import container_srun_flags, export_directive
 
 __all__ = ["resolve_executor", "submit", "submitit_folder", "submitit_parameters"]
 
 
 def resolve_executor(requested: str, slurm_enabled: bool) -> str:
-    """auto: slurm when the site has Slurm and sbatch is on PATH, else local. slurm needs both."""
+    """auto: slurm on a Slurm site, local on a site without Slurm. Slurm needs sbatch on PATH: a Slurm site's
+    job (maybe 32 GPU ranks) is never quietly started as local processes instead."""
     has_sbatch = shutil.which("sbatch") is not None
     if requested == "auto":
-        return "slurm" if slurm_enabled and has_sbatch else "local"
+        requested = "slurm" if slurm_enabled else "local"
     if requested == "slurm" and not has_sbatch:
         raise ConfigError("--executor", "slurm, but sbatch is not on PATH (is this a login node?)",
                           "run on a Slurm login node, or use --executor local")
@@ -42,6 +44,7 @@ def _setup_lines(plan: Plan) -> list[str]:
     if plan.modules:
         lines.insert(0, "module purge")
     lines += [f"export {name}={shlex.quote(value)}" for name, value in sorted(plan.env.items())]
+    lines.append(f"export SUBMITIT_PREEMPT_SIGNAL={plan.signal}")  # submitit's handler on the node reads it
     lines.append("export SLURM_EXPORT_ENV=ALL")
     lines.append('export SRUN_CPUS_PER_TASK="$SLURM_CPUS_PER_TASK"')
     return lines
@@ -96,6 +99,8 @@ def submit(plans: list[Plan]) -> list[Any]:
 
     # A sweep's array shares one submitit folder beside the run folders; a single job keeps its own inside.
     folder = submitit_folder(first) if len(plans) == 1 else Path(first.run_dir).parent / ".submitit"
+    folder.mkdir(mode=0o700, exist_ok=True)
+    refuse_shared_writable(folder)  # it holds the pickles every rank unpickles
     executor: Any
     if first.executor == "local":
         executor = submitit.LocalExecutor(folder=folder, max_num_timeout=first.max_requeues)

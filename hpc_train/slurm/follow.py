@@ -20,15 +20,15 @@ from hpc_train.slurm.jobstate import SlurmQueryError, query_states
 
 __all__ = ["FollowedJob", "LogTail", "follow"]
 
-_SUCCESS = {"COMPLETED", "FINISHED", "DONE"}
+_SUCCESS = {"COMPLETED", "FINISHED"}
 
 
 class LogTail:
     """New lines of a growing file, read from where the last call stopped."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, offset: int = 0) -> None:
         self.path = path
-        self.offset = 0
+        self.offset = offset
 
     def new_lines(self) -> list[str]:
         try:
@@ -48,13 +48,16 @@ class FollowedJob:
     job: Any
     run_dir: Path
     label: str = ""
+    requeue: bool = False
+    log_offset: int = 0
     state: str = "SUBMITTED"
     done: bool = False
     failed_at: float | None = None
+    preempted_at: float | None = None
     tail: LogTail = field(init=False)
 
     def __post_init__(self) -> None:
-        self.tail = LogTail(self.run_dir / "logs" / "rank-0.log")
+        self.tail = LogTail(self.run_dir / "logs" / "rank-0.log", self.log_offset)
 
     @property
     def job_id(self) -> str:
@@ -78,12 +81,21 @@ def _poll(jobs: list[FollowedJob], executor: str) -> None:
         for job in jobs:
             if job.job_id in states:
                 job.state = states[job.job_id].state
-                job.done = states[job.job_id].done
+                job.done = states[job.job_id].done and not _waiting_for_requeue(job)
         return
     for job in jobs:
         if not job.done:
             job.done = job.job.done()
             job.state = job.job.state if not job.done else ("FINISHED" if _local_ok(job) else "FAILED")
+
+
+def _waiting_for_requeue(job: FollowedJob, patience_s: float = 300.0) -> bool:
+    """A preempted job that requeues itself comes back PENDING: keep following it for a while."""
+    if job.state != "PREEMPTED" or not job.requeue:
+        job.preempted_at = None
+        return False
+    job.preempted_at = job.preempted_at or time.monotonic()
+    return time.monotonic() - job.preempted_at < patience_s
 
 
 def _local_ok(job: FollowedJob) -> bool:

@@ -50,8 +50,11 @@ def query_states(job_ids: list[str]) -> dict[str, JobState]:
             raise ValueError(f"not a Slurm job id: {job_id!r}")
     if not job_ids:
         return {}
-    result = _run(["sacct", "--noheader", "--parsable2", "--allocations", "--jobs", ",".join(job_ids),
-                   "--format=JobID,State,ExitCode,NodeList,Reason"])
+    try:
+        result = _run(["sacct", "--noheader", "--parsable2", "--allocations", "--jobs", ",".join(job_ids),
+                       "--format=JobID,State,ExitCode,NodeList,Reason"])
+    except (OSError, subprocess.TimeoutExpired) as error:
+        raise SlurmQueryError(f"sacct failed: {error}") from None
     if result.returncode != 0:
         raise SlurmQueryError(f"sacct failed: {result.stderr.strip() or result.stdout.strip()}")
     states: dict[str, JobState] = {}
@@ -78,7 +81,10 @@ def check_slurm_available() -> None:
         detail = (ping.stderr or ping.stdout).strip().splitlines()
         raise ConfigError("slurm", "the Slurm controller cannot be reached" + (f" ({detail[-1]})" if detail else ""),
                           "check 'scontrol ping' and SLURM_CONF, or use --executor local")
-    acct = _run(["sacct", "--noheader", "--allocations", "--jobs", "1", "--format=JobID"])
+    try:
+        acct = _run(["sacct", "--noheader", "--allocations", "--jobs", "1", "--format=JobID"])
+    except (OSError, subprocess.TimeoutExpired) as error:
+        acct = subprocess.CompletedProcess([], 1, "", str(error))
     if acct.returncode != 0 or "accounting storage is disabled" in (acct.stderr + acct.stdout).lower():
         detail = (acct.stderr or acct.stdout).strip().splitlines()
         raise ConfigError("slurm", "job accounting (sacct) is not available" + (f" ({detail[-1]})" if detail else ""),

@@ -88,7 +88,14 @@ def render_script(plan: Plan, template: str | None = None) -> RenderedScript:
 
 
 def write_script(script: RenderedScript, path: Path) -> None:
-    """Write the script readable by its owner only (it names paths and settings of the run)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(script.text, encoding="utf-8")
-    path.chmod(0o700)
+    """Write the script atomically (never through a symlink at ``path``), readable by its owner only."""
+    from hpc_train.runfolder import atomic_write
+
+    if path.is_dir():
+        raise ConfigError("--out", f"{path} is a folder", "give a file name, like job.sbatch")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(path, script.text, mode=0o700)
+    except OSError as error:
+        raise ConfigError("--out", f"cannot write {path} ({error.strerror or error})",
+                          "give a path in a folder you can write to") from None

@@ -74,6 +74,18 @@ CASES = [
     ("env-secret", '[env]\nHF_TOKEN = "hf_abc"\n', [], 'env.HF_TOKEN: looks like a secret'),
     ("env-value-newline", '[env]\nA = "x\\ny"\n', [], "env.A: 'x\\ny' contains a control character"),
     ("gpus-on-cpu-site", "[job]\ngpus_per_node = 1\n", [], "job.gpus_per_node: 1 GPUs asked for, but site local"),
+    ("forward-env-all", '[job]\nforward_env = ["ALL"]\n', [], 'job.forward_env: "ALL" is an sbatch --export keyword'),
+    ("env-reserved", '[env]\nMASTER_ADDR = "10.0.0.1"\n', [], "env.MASTER_ADDR: is set by the launcher"),
+    ("env-slurm-variable", '[env]\nSLURM_NTASKS = "4"\n', [], "env.SLURM_NTASKS: is set by the launcher"),
+    ("env-secret-value", '[env]\nHF_HOME_X = "hf_abcdefghijklmnop"\n', [], "env.HF_HOME_X: looks like a secret"),
+    ("env-password-in-url", '[env]\nDB = "postgres://me:pw@db/x"\n', [], "env.DB: looks like a secret"),
+    ("lr-nan", "[train]\nlr = nan\n", [], "train.lr: nan is not a finite number"),
+    ("lr-inf", "[train]\nlr = inf\n", [], "train.lr: inf is not a finite number"),
+    ("context-vs-seq", "[job]\ntasks_per_node = 3\n[parallel]\ncontext = 3\n", [],
+     "train.seq_len: 128 is not divisible by context = 3"),
+    ("order-bad", '[parallel]\norder = "tp-dp-pp"\n', [], "parallel.order: order 'tp-dp-pp' must name each"),
+    ("sweep-env", "", ["--sweep", "env.X=a,b"], "--sweep env.X=a,b: the runs of a sweep are one job array"),
+    ("sweep-without-values", "", ["--sweep", "train.lr"], "--sweep train.lr: expected SECTION.KEY=V1,V2"),
     ("toml-syntax", "[job\nnodes = 1\n", [], "not valid TOML"),
     ("set-without-equals", "", ["--set", "train.lr"], "--set train.lr: expected SECTION.KEY=VALUE"),
     ("set-unknown-key", "", ["--set", "train.lrr=1"], 'unknown key "train.lrr", did you mean "train.lr"'),
@@ -124,6 +136,15 @@ def test_other_commands_share_the_rule(tmp_path: Path, command: str) -> None:
     config.write_text("[job]\nnodes = 0\n", encoding="utf-8")
     result = call_cli(hpc_main.main, [command, str(config), "--site", "local-slurm"], tmp_path)
     assert result.code == 2 and "job.nodes: 0 is below the minimum 1" in result.err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["job.toml"]
+
+
+def test_render_out_to_a_folder_writes_nothing(tmp_path: Path) -> None:
+    config = tmp_path / "job.toml"
+    config.write_text("", encoding="utf-8")
+    result = call_cli(hpc_main.main, ["render", str(config), "--site", "local-slurm", "--out", str(tmp_path)],
+                      tmp_path)
+    assert result.code == 2 and "--out: " in result.err and "is a folder" in result.err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["job.toml"]
 
 
