@@ -32,6 +32,20 @@ def test_submit_local_runs_every_rank_in_one_group(tmp_path: Path, ranks: int) -
     assert oct((run_dir / "submitit").stat().st_mode & 0o777) == "0o700"
 
 
+def test_eight_ranks_build_every_group_of_a_3d_layout(tmp_path: Path) -> None:
+    """tensor 2 x context 2 x pipeline 2 on 8 processes: each rank checks its groups by all-reduce."""
+    result = subprocess.run([sys.executable, "-m", "hpc_train.submit", EXAMPLE, "--site", "local",
+                             "--set", "job.tasks_per_node=8", "--set", "parallel.tensor=2", "--set",
+                             "parallel.context=2", "--set", "parallel.pipeline=2", "--set", "zero.stage=1"],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+    run_dir = tmp_path / "runs" / "tiny-gpt"
+    smoke = json.loads((run_dir / "smoke.json").read_text())
+    assert smoke["groups"] == {"tp": [0, 1], "cp": [0, 2], "dp": [0], "pp": [0, 4]}
+    for rank in range(8):
+        assert "groups checked" in (run_dir / "logs" / f"rank-{rank}.log").read_text()
+
+
 def test_a_leaked_master_addr_does_not_win(tmp_path: Path) -> None:
     """A MASTER_ADDR in the submitting shell would point the ranks at the wrong host; the bootstrap owns it."""
     env = {"PATH": "/usr/bin:/bin", "MASTER_ADDR": "203.0.113.7", "MASTER_PORT": "1", "HOME": str(tmp_path)}

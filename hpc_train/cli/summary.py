@@ -40,7 +40,9 @@ def print_summary(console: Console, plan: Plan, extra_title: str = "", extra: st
     """Everything that will happen, in one screen."""
     res, lay = plan.resources, plan.layout
     head = _table("Job", [
-        ("name", plan.name), ("site", plan.site), ("executor", plan.executor), ("launcher", plan.launcher),
+        ("name", plan.name), ("site", plan.site), ("executor", plan.executor),
+        ("launcher", {"slurm": "srun (submitit)", "local": "local processes (submitit)"}.get(plan.executor, "")
+         + f"; rendered scripts: {plan.launcher}"),
         ("run folder", plan.run_dir), ("python", plan.python),
     ])
     resources = _table("Resources", [

@@ -41,6 +41,8 @@ def _check_smoke(run_dir: Path, world: int = 4, nodes: frozenset[str] = frozense
     smoke = json.loads((run_dir / "smoke.json").read_text())
     assert smoke["world_size"] == world and smoke["all_reduce"] == world * (world - 1) / 2
     assert set(smoke["hosts"]) == nodes  # the group really spans both nodes
+    assert smoke["groups"]["dp"] == list(range(world))  # rank 0's data-parallel group, checked by all-reduce
+    assert smoke["num_nodes"] == 2
     return smoke
 
 
@@ -68,7 +70,7 @@ def test_rendered_template_runs_with_plain_sbatch(tmp_path: Path, template: str)
     logs = "\n".join(p.read_text() for p in sorted((run_dir / "logs").glob("*")) if p.is_file())
     assert state == "COMPLETED", logs
     smoke = _check_smoke(run_dir)
-    assert smoke["launcher"] == {"srun": "srun", "torchrun": "torchrun", "mpirun": "mpirun"}[template]
+    assert smoke["launcher"] == {"srun": "srun", "torchrun": "torchrun", "mpirun": "openmpi"}[template]
 
 
 def test_sweep_is_one_job_array_with_a_run_folder_per_task(tmp_path: Path) -> None:

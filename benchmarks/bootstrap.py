@@ -1,0 +1,75 @@
+"""Process start to first all-reduce on 4 local ranks: hpc_train's bootstrap against a bare init_process_group.
+
+    .venv/bin/python benchmarks/bootstrap.py [--runs 8]
+
+Both start 4 fresh interpreters that import torch, join one gloo group on 127.0.0.1 and all-reduce once; the
+figure is the slowest rank's time from the parent's Popen to the end of that all-reduce. hpc_train's path adds
+launcher detection, the rendezvous checks and its own TCPStore.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+RANK_PROGRAM = """
+import os, sys, time
+start = float(sys.argv[1])
+import torch, torch.distributed as dist
+if sys.argv[2] == "hpc_train":
+    from hpc_train.dist.bootstrap import bootstrap
+    bootstrap()
+else:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{os.environ['MASTER_PORT']}",
+                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+value = torch.ones(1)
+dist.all_reduce(value)
+print(time.time() - start)
+dist.destroy_process_group()
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def run(path: str, world: int = 4) -> float:
+    port = _free_port()
+    start = time.time()
+    procs = []
+    for rank in range(world):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+               "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+               "OMP_NUM_THREADS": "1"}
+        procs.append(subprocess.Popen([sys.executable, "-c", RANK_PROGRAM, str(start), path], env=env,
+                                      stdout=subprocess.PIPE, text=True))
+    times = [float(proc.communicate(timeout=120)[0].split()[-1]) for proc in procs]
+    return max(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=8)
+    args = parser.parse_args()
+    results: dict[str, list[float]] = {"hpc_train bootstrap": [], "bare init_process_group": []}
+    run("bare")  # warm-up: page cache
+    for index in range(args.runs):
+        order = list(results) if index % 2 == 0 else list(reversed(results))
+        for name in order:
+            results[name].append(run("hpc_train" if name.startswith("hpc") else "bare"))
+    base = statistics.median(results["bare init_process_group"])
+    print(f"{args.runs} runs, 4 ranks on this machine: median (min-max) seconds to the first all-reduce")
+    for name, times in results.items():
+        median = statistics.median(times)
+        print(f"{name:26} {median:6.2f} ({min(times):.2f}-{max(times):.2f}) {median / base:6.2f}x")
+
+
+if __name__ == "__main__":
+    main()
