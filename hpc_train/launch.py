@@ -88,7 +88,14 @@ def main(argv: list[str] | None = None) -> int:
     if len(args) != 1:
         print("usage: python -m hpc_train.launch RUN_DIR", file=sys.stderr)
         return 2
-    run_rank(Path(args[0]))
+    from hpc_train.dist.launchers import LaunchError
+    from hpc_train.dist.rendezvous import RendezvousError
+
+    try:
+        run_rank(Path(args[0]))
+    except (LaunchError, RendezvousError) as error:  # a wrong launch, said in one line on every rank
+        print(f"hpc_train.launch: {error}", file=sys.stderr)
+        return 1
     return 0
 
 
