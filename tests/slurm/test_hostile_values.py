@@ -141,7 +141,8 @@ def test_hostile_values_never_execute(tmp_path: Path, owner: str, table: str, ke
             assert argv[-2:] == [str(tmp_path / "runs" / "hostile"), ""], argv  # the launch line is intact
             if (table, key) == ("env", "HPC_TRAIN_EXAMPLE"):
                 assert (tmp_path / "env").read_text() == value  # quoting round-trips the exact value
-    assert refused + accepted == len(PAYLOADS) * len(TEMPLATES)
+    if (table, key) in (("env", "HPC_TRAIN_EXAMPLE"), ("env", "SITE_VALUE")):
+        assert accepted > 0  # values are quoted, not refused: the run-the-script path really ran
     assert not canary.exists()
 
 
