@@ -44,7 +44,7 @@ export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)
 export MASTER_PORT=$(( 20000 + SLURM_JOB_ID % 40000 ))
 srun {python} -u {program} {out}
 """
-JOB = '[job]\nname = "latency"\nnodes = 2\ntasks_per_node = 2\ntime = "00:10:00"\n'
+JOB = '[job]\nname = "latency"\nprogram = "smoke"\nnodes = 2\ntasks_per_node = 2\ntime = "00:10:00"\n'
 
 
 def _wait_for_line(path: Path, needle: str, start: float, timeout: float = 120) -> float:

@@ -46,7 +46,7 @@ def _rank_logger(run_dir: Path, rank: int) -> logging.Logger:
 def run_rank(run_dir: Path) -> dict[str, Any]:
     """Run this rank's share of the job in ``run_dir``; return its result."""
     from hpc_train.dist.launchers import detect_launch
-    from hpc_train.dist.smoke import run_smoke
+    from hpc_train.dist.smoke import run_smoke  # the trainer is imported only when the job trains
 
     os.umask(0o077)  # logs and results of a run are private, like the run folder
     plan = Plan.from_json((run_dir / PLAN_FILE).read_text(encoding="utf-8"))
@@ -57,7 +57,12 @@ def run_rank(run_dir: Path) -> dict[str, Any]:
                 info.world_size, info.local_rank, info.local_world_size, info.node_rank, info.num_nodes,
                 info.job_id, info.restart)
     try:
-        result = run_smoke(plan, info)
+        if plan.config["job"]["program"] == "smoke":
+            result = run_smoke(plan, info)
+        else:
+            from hpc_train.train.trainer import train
+
+            result = train(plan, info, run_dir, logger.info)
     except BaseException as error:
         text = traceback.format_exc()
         logger.error("failed:\n%s", text)
@@ -65,11 +70,16 @@ def run_rank(run_dir: Path) -> dict[str, Any]:
                   "traceback": text}
         atomic_write(rank_error_path(run_dir, info.rank), json.dumps(report, indent=2) + "\n")
         raise
-    logger.info("smoke: all_reduce of ranks = %s (expected %s) over %s, rendezvous %s; groups %s",
-                result["all_reduce"], result["expected"], result["backend"], result["rendezvous"],
-                "checked" if result["groups"] else "not checked")
+    if "all_reduce" in result:
+        logger.info("smoke: all_reduce of ranks = %s (expected %s) over %s, rendezvous %s; groups %s",
+                    result["all_reduce"], result["expected"], result["backend"], result["rendezvous"],
+                    "checked" if result["groups"] else "not checked")
+    else:
+        logger.info("trained %d steps: loss %.4f, eval loss %.4f", result["steps"], result["final_loss"],
+                    result["eval_loss"])
     if info.rank == 0:
-        atomic_write(run_dir / "smoke.json", json.dumps(result, indent=2) + "\n")
+        name = "smoke.json" if "all_reduce" in result else "train.json"
+        atomic_write(run_dir / name, json.dumps(result, indent=2) + "\n")
     return result
 
 

@@ -69,7 +69,7 @@ def prepare_run_folder(plan: Plan) -> Path:
                           "pick a job.run_root you can write to") from None
     finally:
         os.umask(old_umask)
-    for stale in [*(run_dir / "logs").glob("rank-*.error.json"), run_dir / "smoke.json"]:
+    for stale in [*(run_dir / "logs").glob("rank-*.error.json"), run_dir / "smoke.json", run_dir / "train.json"]:
         stale.unlink(missing_ok=True)  # results of an earlier submission must not pass for this one's
     plan_path, config_path = run_dir / PLAN_FILE, run_dir / CONFIG_FILE
     if config_path.exists():

@@ -13,11 +13,12 @@ from tests.conftest import REPO
 
 pytestmark = pytest.mark.slow
 EXAMPLE = str(REPO / "examples" / "tiny_gpt.toml")
+SMOKE = ["--set", "job.program=smoke"]  # these tests check the path, not the model
 
 
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_submit_local_runs_every_rank_in_one_group(tmp_path: Path, ranks: int) -> None:
-    result = subprocess.run([sys.executable, "-m", "hpc_train.submit", EXAMPLE, "--site", "local",
+    result = subprocess.run([sys.executable, "-m", "hpc_train.submit", EXAMPLE, "--site", "local", *SMOKE,
                              "--set", f"job.tasks_per_node={ranks}"], cwd=tmp_path, capture_output=True, text=True,
                             timeout=240, check=False)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -34,7 +35,7 @@ def test_submit_local_runs_every_rank_in_one_group(tmp_path: Path, ranks: int) -
 
 def test_eight_ranks_build_every_group_of_a_3d_layout(tmp_path: Path) -> None:
     """tensor 2 x context 2 x pipeline 2 on 8 processes: each rank checks its groups by all-reduce."""
-    result = subprocess.run([sys.executable, "-m", "hpc_train.submit", EXAMPLE, "--site", "local",
+    result = subprocess.run([sys.executable, "-m", "hpc_train.submit", EXAMPLE, "--site", "local", *SMOKE,
                              "--set", "job.tasks_per_node=8", "--set", "parallel.tensor=2", "--set",
                              "parallel.context=2", "--set", "parallel.pipeline=2", "--set", "zero.stage=1"],
                             cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False)
@@ -49,7 +50,8 @@ def test_eight_ranks_build_every_group_of_a_3d_layout(tmp_path: Path) -> None:
 def test_a_leaked_master_addr_does_not_win(tmp_path: Path) -> None:
     """A MASTER_ADDR in the submitting shell would point the ranks at the wrong host; the bootstrap owns it."""
     env = {"PATH": "/usr/bin:/bin", "MASTER_ADDR": "203.0.113.7", "MASTER_PORT": "1", "HOME": str(tmp_path)}
-    result = subprocess.run([sys.executable, "-m", "hpc_train.submit", EXAMPLE, "--site", "local"], cwd=tmp_path,
+    result = subprocess.run([sys.executable, "-m", "hpc_train.submit", EXAMPLE, "--site", "local", *SMOKE],
+                            cwd=tmp_path,
                             env=env, capture_output=True, text=True, timeout=240, check=False)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "rendezvous 127.0.0.1:" in result.stdout

@@ -49,6 +49,8 @@ class JobSection:
     """``[job]``: what Slurm is asked for. Empty strings mean "take the site's default"."""
 
     name: str = option("hpc-train", "Job and run name; the run folder is run_root/name.", check_slurm_name)
+    program: Literal["train", "smoke"] = option(
+        "train", "What ranks run: train (the GPT trainer) or smoke (join, check every group, no model).")
     nodes: int = option(1, "Number of nodes.")
     tasks_per_node: int = option(1, "Ranks per node (one per GPU on GPU sites).")
     gpus_per_node: int | None = option(None, "GPUs per node; default: tasks_per_node on GPU sites, 0 otherwise.")

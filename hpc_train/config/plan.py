@@ -136,6 +136,8 @@ def make_plan(cfg: JobConfig, site: SiteConfig, executor: str, *, python: str | 
                           "use --executor local, or a Slurm site")
     data_parallel = validate(cfg, site, gpus, cpus, lead)
     config = dataclasses.asdict(cfg)
+    if config["data"]["path"]:  # ranks run in the run folder (sbatch --chdir): a relative path would move
+        config["data"]["path"] = os.path.normpath(Path(cwd or Path.cwd()) / config["data"]["path"])
     train = cfg.train
     return Plan(
         name=job.name,

@@ -157,6 +157,12 @@ def _check_layout(cfg: JobConfig, gpus_per_node: int) -> int:
     if cfg.train.seq_len % par.context:
         raise ConfigError("train.seq_len", f"{cfg.train.seq_len} is not divisible by context = {par.context}",
                           "make seq_len a multiple of the context-parallel size")
+    if cfg.job.program == "train" and par.pipeline > 1:
+        raise ConfigError("parallel.pipeline", f"{par.pipeline} stages: pipeline-parallel training is not built yet",
+                          'train with pipeline = 1, or check the layout with job.program = "smoke"')
+    if cfg.job.program == "train" and par.context > 1:
+        raise ConfigError("parallel.context", f"{par.context}: context-parallel training is not built yet",
+                          'train with context = 1, or check the layout with job.program = "smoke"')
     if cfg.train.precision == "fp16" and not gpus_per_node:
         raise ConfigError("train.precision", '"fp16" needs a GPU and this job has none',
                           'use "bf16" or "fp32" on CPUs')

@@ -19,7 +19,8 @@ from tests.slurm.cluster import wait_for_job
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("slurm_cluster")]
 EXAMPLE = str(REPO / "examples" / "tiny_gpt.toml")
-TWO_BY_TWO = ["--set", "job.nodes=2", "--set", "job.tasks_per_node=2"]
+SMOKE = ["--set", "job.program=smoke"]  # these tests check the path, not the model
+TWO_BY_TWO = ["--set", "job.nodes=2", "--set", "job.tasks_per_node=2", *SMOKE]
 
 
 def _submit(tmp_path: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
@@ -86,7 +87,7 @@ def test_sweep_is_one_job_array_with_a_run_folder_per_task(tmp_path: Path) -> No
 
 
 def test_sweep_on_the_local_executor(tmp_path: Path) -> None:
-    result = _submit(tmp_path, "--site", "local", "--sweep", "train.lr=1e-3,3e-4")
+    result = _submit(tmp_path, "--site", "local", *SMOKE, "--sweep", "train.lr=1e-3,3e-4")
     assert result.returncode == 0, result.stdout + result.stderr
     for index in range(2):
         smoke = json.loads((tmp_path / "runs" / f"tiny-gpt-{index:03d}" / "smoke.json").read_text())
@@ -97,7 +98,7 @@ def test_sweep_on_the_local_executor(tmp_path: Path) -> None:
 def test_a_rank_that_raises_ends_the_command_within_30_s(tmp_path: Path, site: str) -> None:
     start = time.monotonic()
     result = _submit(tmp_path, "--site", site, *(TWO_BY_TWO if site == "local-slurm" else
-                                                 ["--set", "job.tasks_per_node=4"]),
+                                                 ["--set", "job.tasks_per_node=4", *SMOKE]),
                      "--set", "env.HPC_TRAIN_INJECT_FAULT=raise:1", timeout=120)
     elapsed = time.monotonic() - start
     assert result.returncode == 1, result.stdout + result.stderr

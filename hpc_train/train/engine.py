@@ -1,0 +1,92 @@
+"""The DeepSpeed engine built from the typed config: ZeRO stage and offload, precision, clipping, AdamW and the
+learning-rate schedule. The DeepSpeed config that results is written into the run folder, so what ran can be
+read and rerun by hand."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hpc_train.runfolder import atomic_write
+
+__all__ = ["build_engine", "deepspeed_config", "lr_at"]
+
+
+def deepspeed_config(config: dict[str, Any], data_parallel: int) -> dict[str, Any]:
+    """The DeepSpeed JSON for a resolved job config (``plan.config``)."""
+    train, zero = config["train"], config["zero"]
+    stage = zero["stage"]
+    ds: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": train["micro_batch"],
+        "gradient_accumulation_steps": train["grad_accum"],
+        "train_batch_size": train["micro_batch"] * train["grad_accum"] * data_parallel,
+        "gradient_clipping": train["grad_clip"],
+        "steps_per_print": 10**9,
+        "zero_optimization": {"stage": stage},
+        "bf16": {"enabled": train["precision"] == "bf16"},
+        "fp16": {"enabled": train["precision"] == "fp16"},
+    }
+    if stage:
+        ds["zero_optimization"].update(overlap_comm=zero["overlap_comm"], reduce_bucket_size=zero["bucket_size"],
+                                       contiguous_gradients=True)
+    if stage in (1, 2):
+        ds["zero_optimization"]["allgather_bucket_size"] = zero["bucket_size"]
+    if zero["offload_optimizer"]:
+        ds["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    if zero["offload_params"]:
+        ds["zero_optimization"]["offload_param"] = {"device": "cpu"}
+    if train["optimizer"] != "torch_adamw":
+        ds["optimizer"] = {"type": "AdamW" if train["optimizer"] == "cpu_adam" else "Adam",
+                           "params": {"lr": train["lr"], "betas": [train["beta1"], train["beta2"]],
+                                      "eps": train["eps"], "weight_decay": train["weight_decay"],
+                                      **({"adam_w_mode": True} if train["optimizer"] == "fused_adam" else {})}}
+    return ds
+
+
+def lr_at(step: int, train: dict[str, Any]) -> float:
+    """Linear warm-up to ``lr``, then cosine or linear decay to ``min_lr`` at the last step (or constant)."""
+    peak, floor, warmup, total = train["lr"], train["min_lr"], train["warmup_steps"], train["steps"]
+    if warmup and step < warmup:
+        return peak * (step + 1) / warmup
+    if train["decay"] == "constant" or total <= warmup:
+        return peak
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    if train["decay"] == "linear":
+        return peak - (peak - floor) * progress
+    return floor + 0.5 * (peak - floor) * (1 + math.cos(math.pi * progress))
+
+
+def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Weight decay on matrices only; biases, norms and position embeddings keep theirs at zero."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
+
+
+def build_engine(model: torch.nn.Module, config: dict[str, Any], data_parallel: int, mpu: Any,
+                 run_dir: Path | None) -> Any:
+    """``deepspeed.initialize`` with our optimizer (by default torch's AdamW: nothing is compiled), schedule and
+    groups; rank 0 writes ``deepspeed_config.json`` into the run folder."""
+    import deepspeed
+    import torch.distributed as dist
+
+    train = config["train"]
+    ds = deepspeed_config(config, data_parallel)
+    optimizer: Any = None
+    if train["optimizer"] == "torch_adamw":
+        optimizer = torch.optim.AdamW(_param_groups(model, train["weight_decay"]), lr=train["lr"],
+                                      betas=(train["beta1"], train["beta2"]), eps=train["eps"])
+        ds["zero_allow_untested_optimizer"] = True
+    if run_dir is not None and dist.get_rank() == 0:
+        atomic_write(run_dir / "deepspeed_config.json", json.dumps(ds, indent=2, sort_keys=True) + "\n")
+    def schedule(basic_optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
+        return torch.optim.lr_scheduler.LambdaLR(basic_optimizer, lambda step: lr_at(step, train) / train["lr"])
+
+    engine, *_ = deepspeed.initialize(
+        model=model, optimizer=optimizer, config=ds, mpu=mpu, lr_scheduler=schedule,
+        model_parameters=None if optimizer is not None else _param_groups(model, train["weight_decay"]))
+    return engine

@@ -1,0 +1,356 @@
+"""What a training run tells people while it runs and leaves behind after: progress lines, ``metrics.jsonl``
+and TensorBoard events, all from rank 0 only.
+
+Why one object: the trainer calls ``monitor.step(...)`` every step on every rank and never asks "am I rank 0"
+or "is this a log step"; ``Monitor.create`` hands other ranks a :class:`NullMonitor` whose methods do nothing,
+so there is one code path and no rank can write a second copy of a file.
+
+Why the resume handling: a Slurm job that is requeued (preemption, node failure) restarts from its last
+checkpoint at ``start_step`` while the run folder still holds metrics for the steps after it. Those steps
+will be trained again, so on construction ``metrics.jsonl`` is rewritten without them (temp file + rename,
+so a crash cannot leave half a file) and TensorBoard is given ``purge_step=start_step + 1``, which makes its
+reader drop the stale events. Every line is flushed as it is written, so ``tail -f`` and a crash both see
+whole records.
+
+Throughput and ETA are averaged over all the steps since the previous log line, not taken from the one step
+that happens to be logged (which may hold a checkpoint save or an eval). Loss, lr and grad norm are those of
+the logged step; they are only read on logged steps, so passing a device tensor costs a sync only there.
+
+TensorBoard needs the ``tensorboard`` package (``torch.utils.tensorboard`` imports it); it is imported only
+when ``tensorboard=True``, so this module itself needs neither torch nor tensorboard.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import tempfile
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from types import TracebackType
+from typing import IO, Any, Self, SupportsFloat
+
+from rich.console import Console
+from rich.markup import escape
+
+from hpc_train.train.flops import mfu as _mfu
+
+__all__ = ["METRICS_FILE", "TENSORBOARD_DIR", "Monitor", "NullMonitor", "format_duration", "truncate_metrics"]
+
+METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"
+
+
+def format_duration(seconds: float) -> str:
+    """``3723.4`` -> ``"1:02:03"``; a day or more as ``"2d 03:04:05"``; unknown (inf/nan) as ``"?"``."""
+    if not math.isfinite(seconds) or seconds < 0:
+        return "?"
+    whole = round(seconds)
+    days, rest = divmod(whole, 86400)
+    hours, rest = divmod(rest, 3600)
+    minutes, secs = divmod(rest, 60)
+    if days:
+        return f"{days}d {hours:02d}:{minutes:02d}:{secs:02d}"
+    return f"{hours}:{minutes:02d}:{secs:02d}"
+
+
+def truncate_metrics(path: Path, start_step: int) -> int:
+    """Rewrite ``path`` keeping only records with ``step <= start_step``; return how many were dropped.
+
+    Lines that are not a JSON object with an integer ``step`` are dropped too: the only way to get one is a
+    write cut short by a crash, and appending after a torn line would glue the next record onto it. The new
+    file is written beside the old one and renamed over it, so readers see the old or the new file, whole.
+    """
+    if not path.exists():
+        return 0
+    kept: list[str] = []
+    dropped = 0
+    unterminated = False  # a whole record whose newline was lost: keep it, but rewrite to end the line
+    with path.open(encoding="utf-8") as old:
+        for line in old:
+            unterminated = not line.endswith("\n")
+            try:
+                record = json.loads(line)
+            except ValueError:
+                dropped += 1
+                continue
+            step = record.get("step") if isinstance(record, dict) else None
+            if isinstance(step, int) and not isinstance(step, bool) and step <= start_step:
+                kept.append(line if line.endswith("\n") else line + "\n")
+            else:
+                dropped += 1
+    if dropped == 0 and not unterminated:
+        return 0
+    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as new:
+            new.writelines(kept)
+            new.flush()
+            os.fsync(new.fileno())
+        os.replace(tmp_name, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp_name)
+        raise
+    return dropped
+
+
+def _float(value: SupportsFloat | None) -> float | None:
+    """A plain float (reads a tensor's value), or None."""
+    return None if value is None else float(value)
+
+
+def _json_number(value: float | None) -> float | None:
+    """Strict JSON has no NaN/Infinity (``jq`` and many readers reject them): non-finite values become null."""
+    return value if value is not None and math.isfinite(value) else None
+
+
+class Monitor:
+    """Rank 0's progress lines, ``run_dir/metrics.jsonl`` and ``run_dir/tensorboard/`` for one run.
+
+    Build it with :meth:`create` on every rank. ``step`` numbers are optimizer steps counted from 1 (step
+    ``s`` is the ``s``-th completed step); a run resumed from a checkpoint taken after step ``start_step``
+    continues with ``start_step + 1``. Records with a larger step already in the run folder are discarded on
+    construction (with ``start_step=0`` too: a job requeued before its first checkpoint starts over).
+
+    ``tokens`` passed to :meth:`step` and ``peak_flops`` must cover the same devices: either this rank's
+    tokens with one device's peak, or the whole job's tokens with ``peak * world_size``. The MFU written is
+    a fraction (0.42 = 42 %); with an infinite peak (unknown device, CPU) it is 0.
+    """
+
+    def __init__(
+        self,
+        run_dir: Path,
+        total_steps: int,
+        log_every: int = 10,
+        tensorboard: bool = True,
+        histogram_every: int = 0,
+        flops_per_token: float = 0.0,
+        peak_flops: float = math.inf,
+        start_step: int = 0,
+        console: Console | None = None,
+    ) -> None:
+        if log_every < 1:
+            raise ValueError(f"log_every must be >= 1, got {log_every}")
+        if histogram_every < 0:
+            raise ValueError(f"histogram_every must be >= 0 (0 = never), got {histogram_every}")
+        if start_step < 0 or total_steps < 0:
+            raise ValueError(f"steps must be >= 0, got start_step={start_step}, total_steps={total_steps}")
+        self.run_dir = Path(run_dir)
+        self.total_steps = total_steps
+        self.log_every = log_every
+        self.tensorboard = tensorboard
+        self.histogram_every = histogram_every
+        self.flops_per_token = flops_per_token
+        self.peak_flops = peak_flops
+        self.start_step = start_step
+        self.console = console if console is not None else Console()
+        self._window_steps = 0
+        self._window_tokens = 0.0
+        self._window_seconds = 0.0
+        self._closed = False
+
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.metrics_path = self.run_dir / METRICS_FILE
+        truncate_metrics(self.metrics_path, start_step)
+        self._metrics: IO[str] | None = self.metrics_path.open("a", encoding="utf-8")
+        self._writer: Any = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter  # optional and heavy: only when asked for
+            except ImportError as error:
+                self._metrics.close()
+                raise ImportError("Monitor(tensorboard=True) needs the tensorboard package: pip install tensorboard "
+                                  "(or turn TensorBoard off)") from error
+            self._writer = SummaryWriter(log_dir=str(self.run_dir / TENSORBOARD_DIR), purge_step=start_step + 1)
+
+    @classmethod
+    def create(cls, rank: int, run_dir: Path, total_steps: int, log_every: int = 10, tensorboard: bool = True,
+               histogram_every: int = 0, flops_per_token: float = 0.0, peak_flops: float = math.inf,
+               start_step: int = 0, console: Console | None = None) -> Monitor:
+        """The monitor for global ``rank``: a real one on rank 0, a :class:`NullMonitor` everywhere else."""
+        if rank != 0:
+            return NullMonitor(total_steps=total_steps, log_every=log_every, tensorboard=tensorboard,
+                               histogram_every=histogram_every)
+        return cls(run_dir, total_steps, log_every=log_every, tensorboard=tensorboard,
+                   histogram_every=histogram_every, flops_per_token=flops_per_token, peak_flops=peak_flops,
+                   start_step=start_step, console=console)
+
+    # -- when things happen (the same answer on every rank, NullMonitor included) ---------------------------
+
+    def log_due(self, step: int) -> bool:
+        """Whether :meth:`step` prints and records at ``step``: every ``log_every`` steps and the last one."""
+        return step % self.log_every == 0 or step == self.total_steps
+
+    def histograms_due(self, step: int) -> bool:
+        """Whether :meth:`histograms` writes at ``step``. The same on every rank, so a trainer can gather
+        sharded (ZeRO-3) parameters, a collective, only on these steps and on all ranks."""
+        return self.tensorboard and self.histogram_every > 0 and step % self.histogram_every == 0
+
+    # -- recording ----------------------------------------------------------------------------------------
+
+    def step(self, step: int, loss: SupportsFloat, lr: SupportsFloat, grad_norm: SupportsFloat | None,
+             tokens: float, step_time_s: float, memory_bytes: int | None = None) -> None:
+        """Account one optimizer step; on log steps print a line, append to metrics.jsonl, write scalars.
+
+        ``tokens``: tokens this step processed (see the class note on which devices); ``step_time_s``: its
+        wall time. ``loss``, ``lr``, ``grad_norm`` may be tensors: they are only read on log steps.
+        ``memory_bytes``: e.g. ``torch.cuda.max_memory_allocated()``; None leaves it out.
+        """
+        self._window_steps += 1
+        self._window_tokens += tokens
+        self._window_seconds += step_time_s
+        if not self.log_due(step):
+            return
+        seconds = self._window_seconds
+        mean_step = seconds / self._window_steps
+        tokens_per_s = self._window_tokens / seconds if seconds > 0 else 0.0
+        utilisation = _mfu(tokens_per_s, self.flops_per_token, self.peak_flops)
+        eta = max(self.total_steps - step, 0) * mean_step
+        self._window_steps, self._window_tokens, self._window_seconds = 0, 0.0, 0.0
+
+        loss_f, lr_f, grad_f = float(loss), float(lr), _float(grad_norm)
+        self._append({
+            "step": step,
+            "loss": _json_number(loss_f),
+            "lr": _json_number(lr_f),
+            "grad_norm": _json_number(grad_f),
+            "tokens_per_s": tokens_per_s,
+            "mfu": utilisation,
+            "step_time_s": mean_step,
+            "memory_bytes": memory_bytes,
+            "time": time.time(),
+        })
+        if self._writer is not None:
+            scalars = {
+                "train/loss": loss_f, "train/lr": lr_f, "train/grad_norm": grad_f,
+                "perf/tokens_per_s": tokens_per_s, "perf/mfu": utilisation, "perf/step_time_s": mean_step,
+                "perf/memory_bytes": None if memory_bytes is None else float(memory_bytes),
+            }
+            for tag, value in scalars.items():
+                if value is not None:
+                    self._writer.add_scalar(tag, value, step)
+            self._writer.flush()
+        self._print_step(step, loss_f, lr_f, grad_f, tokens_per_s, utilisation, memory_bytes, eta)
+
+    def eval(self, step: int, loss: SupportsFloat) -> None:
+        """Record an evaluation loss at ``step``: a line, ``{"step", "eval_loss"}`` in metrics.jsonl, eval/loss."""
+        loss_f = float(loss)
+        self._append({"step": step, "eval_loss": _json_number(loss_f)})
+        if self._writer is not None:
+            self._writer.add_scalar("eval/loss", loss_f, step)
+            self._writer.flush()
+        ppl = math.exp(loss_f) if loss_f < 700 else math.inf
+        if self.console.is_terminal:
+            self.console.print(f"[bold magenta]eval[/] step {step}/{self.total_steps}  "
+                               f"loss [bold]{loss_f:.4f}[/]  ppl {ppl:.2f}", highlight=False)
+        else:
+            self._plain(f"eval step={step}/{self.total_steps} eval_loss={loss_f:.4f} ppl={ppl:.2f}")
+
+    def histograms(self, step: int, named_parameters: Iterable[tuple[str, Any]]) -> None:
+        """Weight histograms (``weights/<name>``) when :meth:`histograms_due`; otherwise nothing.
+
+        ``named_parameters`` is e.g. ``model.named_parameters()``; it is not iterated on other steps. Under
+        ZeRO-3 each rank holds only a shard: gather first (on all ranks) or the histograms show rank 0's
+        shard. Empty tensors are skipped.
+        """
+        if self._writer is None or not self.histograms_due(step):
+            return
+        for name, param in named_parameters:
+            if param.numel() == 0:
+                continue
+            self._writer.add_histogram(f"weights/{name}", param.detach().float().cpu(), step)
+        self._writer.flush()
+
+    def close(self) -> None:
+        """Flush and close metrics.jsonl and the TensorBoard writer; calling it again does nothing."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._metrics is not None:
+            self._metrics.close()
+            self._metrics = None
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    # -- output -------------------------------------------------------------------------------------------
+
+    def _append(self, record: dict[str, Any]) -> None:
+        if self._metrics is None:
+            raise RuntimeError("Monitor is closed")
+        self._metrics.write(json.dumps(record, allow_nan=False) + "\n")
+        self._metrics.flush()
+
+    def _plain(self, line: str) -> None:
+        """One unwrapped line for logs (rich would wrap at 80 columns when stdout is not a terminal)."""
+        out = self.console.file
+        out.write(line + "\n")
+        out.flush()
+
+    def _print_step(self, step: int, loss: float, lr: float, grad_norm: float | None, tokens_per_s: float,
+                    utilisation: float, memory_bytes: int | None, eta: float) -> None:
+        total = self.total_steps
+        done = 100.0 * step / total if total else 100.0
+        grad = "-" if grad_norm is None else f"{grad_norm:.3f}"
+        mfu_text = f"{100 * utilisation:.1f}%" if math.isfinite(self.peak_flops) else "n/a"
+        memory = None if memory_bytes is None else memory_bytes / 2**30
+        if self.console.is_terminal:
+            parts = [
+                f"[bold cyan]step {step:>{len(str(total))}}/{total}[/] [dim]({done:5.1f}%)[/]",
+                f"loss [bold]{loss:.4f}[/]",
+                f"lr {lr:.2e}",
+                f"gnorm {escape(grad)}",
+                f"[green]{tokens_per_s:,.0f} tok/s[/]",
+                f"MFU [yellow]{mfu_text}[/]",
+            ]
+            if memory is not None:
+                parts.append(f"mem {memory:.1f} GiB")
+            parts.append(f"ETA [bold]{format_duration(eta)}[/]")
+            self.console.print("  ".join(parts), highlight=False)
+        else:
+            fields = [f"step={step}/{total}", f"loss={loss:.4f}", f"lr={lr:.3e}", f"grad_norm={grad}",
+                      f"tokens_per_s={tokens_per_s:.0f}", f"mfu={mfu_text}"]
+            if memory is not None:
+                fields.append(f"mem_gib={memory:.2f}")
+            fields.append(f"eta={format_duration(eta)}")
+            self._plain(" ".join(fields))
+
+
+class NullMonitor(Monitor):
+    """What ranks other than 0 get: the same interface, no files, no output.
+
+    It keeps the schedule (``log_every``, ``histogram_every``, ``tensorboard``) so :meth:`log_due` and
+    :meth:`histograms_due` agree with rank 0 and collective work tied to them stays in step across ranks.
+    """
+
+    def __init__(self, total_steps: int = 0, log_every: int = 10, tensorboard: bool = True,
+                 histogram_every: int = 0) -> None:
+        self.total_steps = total_steps
+        self.log_every = max(log_every, 1)
+        self.tensorboard = tensorboard
+        self.histogram_every = histogram_every
+        self._closed = True
+
+    def step(self, step: int, loss: SupportsFloat, lr: SupportsFloat, grad_norm: SupportsFloat | None,
+             tokens: float, step_time_s: float, memory_bytes: int | None = None) -> None:
+        """Nothing (not rank 0)."""
+
+    def eval(self, step: int, loss: SupportsFloat) -> None:
+        """Nothing (not rank 0)."""
+
+    def histograms(self, step: int, named_parameters: Iterable[tuple[str, Any]]) -> None:
+        """Nothing (not rank 0); ``named_parameters`` is not iterated."""
+
+    def close(self) -> None:
+        """Nothing to close."""

@@ -1,0 +1,136 @@
+"""The training loop every rank runs: bootstrap, groups, model, DeepSpeed engine, data, and rank-0 monitoring.
+
+Kept to the loop itself; the pieces live in their own modules (model, engine, data, monitor, flops).
+"""
+
+from __future__ import annotations
+
+import io
+import resource
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from rich.console import Console
+
+from hpc_train.config.plan import Plan
+from hpc_train.dist.bootstrap import bootstrap, shutdown
+from hpc_train.dist.faults import maybe_inject_fault
+from hpc_train.dist.launchers import LaunchInfo
+from hpc_train.dist.mesh import ModelParallelUnit, ParallelGroups
+from hpc_train.dist.topology import Topology
+from hpc_train.train.data import ResumableSampler, batch, make_source
+from hpc_train.train.engine import build_engine
+from hpc_train.train.flops import flops_per_token, peak_flops
+from hpc_train.train.model import GPT, GPTConfig, count_parameters
+from hpc_train.train.monitor import Monitor
+
+__all__ = ["train"]
+
+
+class _LogLines(io.TextIOBase):
+    """A text stream that hands each complete line to ``log``: progress goes into the rank-0 log, which
+    ``hpc_train.submit`` follows on the login node (a rank's stdout is a file on the compute node)."""
+
+    def __init__(self, log: Callable[[str], None]) -> None:
+        self._log = log
+        self._pending = ""
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        self._pending += text
+        *lines, self._pending = self._pending.split("\n")
+        for line in lines:
+            if line.strip():
+                self._log(line)
+        return len(text)
+
+
+def _memory_bytes() -> int:
+    if torch.cuda.is_available():
+        return int(torch.cuda.max_memory_allocated())
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _mean_over(value: float, group: Any) -> float:
+    tensor = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(tensor, group=group)
+    return float(tensor.item()) / dist.get_world_size(group)
+
+
+def _evaluate(engine: Any, source: Any, config: dict[str, Any], groups: ParallelGroups, batches: int = 4) -> float:
+    """Loss on a fixed set of batches (the same at every evaluation), averaged over data-parallel ranks."""
+    train = config["train"]
+    sampler = ResumableSampler(source.num_samples(train["seq_len"]), groups.coord("dp"), groups.size("dp"),
+                               train["micro_batch"], seed=train["seed"] + 7919)
+    engine.eval()
+    total = 0.0
+    with torch.no_grad():
+        for _ in range(batches):
+            inputs, targets = (t.to(engine.device) for t in batch(source, sampler.next_indices(), train["seq_len"]))
+            total += float(engine(inputs, targets))
+    engine.train()
+    return _mean_over(total / batches, groups.group("dp"))
+
+
+def train(plan: Plan, info: LaunchInfo, run_dir: Path, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Train ``plan`` on this rank; ``log`` takes rank 0's progress lines. Returns this rank's summary."""
+    config = plan.config
+    tcfg, layout = config["train"], plan.layout
+    context = bootstrap(info, port_range=(plan.port_range[0], plan.port_range[1]), fabric_suffix=plan.fabric_suffix,
+                        init_timeout_s=config["dist"]["init_timeout_s"], timeout_s=config["dist"]["timeout_s"])
+    maybe_inject_fault(info.rank)
+    torch.set_num_threads(max(1, int(plan.env.get("OMP_NUM_THREADS", "1"))))
+    topology = Topology.build(info.world_size, tp=layout.tensor, pp=layout.pipeline, cp=layout.context,
+                              order=layout.order)
+    groups = ParallelGroups(topology, "cuda" if context.backend == "nccl" else "cpu")
+    model_config = GPTConfig.from_preset(tcfg["model"], config["data"]["vocab_size"], tcfg["seq_len"])
+    # Always the tensor group, even of size 1: the layers read None as "the default group", i.e. every rank.
+    model = GPT(model_config, groups.group("tp"), seed=tcfg["seed"])
+    engine = build_engine(model, config, layout.data, ModelParallelUnit(groups), run_dir)
+    source = make_source(config["data"]["source"], config["data"]["path"], config["data"]["vocab_size"],
+                         tcfg["seed"])
+    sampler = ResumableSampler(source.num_samples(tcfg["seq_len"]), groups.coord("dp"), groups.size("dp"),
+                               tcfg["micro_batch"], seed=tcfg["seed"])
+    tokens_per_step = layout.global_batch * tcfg["seq_len"]
+    # N for 6N: the parameters of matrix multiplies, so neither the position nor the (untied) input embedding.
+    matmul_params = count_parameters(model_config) - (model_config.vocab_size + model_config.seq_len) * \
+        model_config.hidden
+    per_token = flops_per_token(matmul_params, model_config.layers, model_config.hidden, tcfg["seq_len"])
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    monitor_config = config["monitor"]
+    monitor = Monitor.create(info.rank, run_dir=run_dir, total_steps=tcfg["steps"],
+                             log_every=monitor_config["log_every"], tensorboard=monitor_config["tensorboard"],
+                             histogram_every=monitor_config["histogram_every"], flops_per_token=per_token,
+                             peak_flops=peak_flops(device, tcfg["precision"]) * info.world_size,
+                             console=Console(file=_LogLines(log), width=200))
+    loss = eval_loss = float("nan")
+    with monitor:
+        for step in range(1, tcfg["steps"] + 1):
+            start = time.perf_counter()
+            lr = engine.get_lr()[0]  # the rate this step uses; the scheduler moves on inside engine.step()
+            total = 0.0
+            for _ in range(tcfg["grad_accum"]):
+                inputs, targets = (t.to(engine.device) for t in batch(source, sampler.next_indices(),
+                                                                       tcfg["seq_len"]))
+                micro_loss = engine(inputs, targets)
+                engine.backward(micro_loss)
+                engine.step()
+                total += float(micro_loss)
+            loss = _mean_over(total / tcfg["grad_accum"], groups.group("dp"))
+            norm = engine.get_global_grad_norm()
+            monitor.step(step, loss, lr, None if norm is None else float(norm), tokens_per_step,
+                         time.perf_counter() - start, _memory_bytes())
+            if monitor_config["histogram_every"] and step % monitor_config["histogram_every"] == 0:
+                monitor.histograms(step, model.named_parameters())
+            if monitor_config["eval_every"] and (step % monitor_config["eval_every"] == 0 or step == tcfg["steps"]):
+                eval_loss = _evaluate(engine, source, config, groups)
+                monitor.eval(step, eval_loss)
+    shutdown()
+    return {"rank": info.rank, "steps": tcfg["steps"], "final_loss": loss, "eval_loss": eval_loss,
+            "world_size": info.world_size, "launcher": info.launcher, "sampler": sampler.state_dict()}
