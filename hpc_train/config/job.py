@@ -7,7 +7,7 @@ Cross-field rules live in :mod:`hpc_train.config.validate`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from hpc_train.config.checks import (
     check_constraint,
@@ -178,3 +178,5 @@ class JobConfig:
     monitor: MonitorSection = option(MonitorSection, "", factory=True)
     preempt: PreemptSection = option(PreemptSection, "", factory=True)
     env: dict[str, str] = option(dict, "Variables exported on every rank (no secrets).", check_env_name, factory=True)
+    deepspeed: dict[str, Any] = option(dict, "DeepSpeed config keys hpc_train does not model, merged into the "
+                                       "engine's config; a key the typed config sets is an error.", factory=True)

@@ -59,7 +59,7 @@ def describe_type(kind: Any) -> str:
         item = get_args(kind)[0]
         return "a list of " + {int: "integers", str: "strings"}.get(item, describe_type(item))
     if origin is dict:
-        return "a table of strings"
+        return "a table" if get_args(kind)[1] is Any else "a table of strings"
     return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(kind, str(kind))
 
 
@@ -84,6 +84,8 @@ def _convert(value: Any, kind: Any, where: str) -> Any:
     if origin is dict:
         if not isinstance(value, dict):
             raise wrong
+        if get_args(kind)[1] is Any:
+            return value  # a free table passed on as it is (e.g. [deepspeed])
         converted = {}
         for key, item in value.items():
             if isinstance(item, bool):
@@ -119,6 +121,8 @@ def _convert(value: Any, kind: Any, where: str) -> Any:
 
 def _run_check(field: dataclasses.Field[Any], value: Any, where: str) -> None:
     check = field.metadata.get("check")
+    if isinstance(value, dict) and check is None:
+        return
     if isinstance(value, dict):
         for key, item in value.items():
             for checker, text in ((check, key), (check_env_value, item)):

@@ -136,6 +136,14 @@ def make_plan(cfg: JobConfig, site: SiteConfig, executor: str, *, python: str | 
                           "use --executor local, or a Slurm site")
     data_parallel = validate(cfg, site, gpus, cpus, lead)
     config = dataclasses.asdict(cfg)
+    try:
+        from hpc_train.train.dsconfig import deepspeed_config
+
+        deepspeed_config(config, data_parallel)
+    except ValueError as error:
+        where, _, problem = str(error).partition(" = ")
+        raise ConfigError(where, problem.split(";")[0], "set it through its own key (zero.*, train.*) instead "
+                          "of the [deepspeed] table") from None
     if config["data"]["path"]:  # ranks run in the run folder (sbatch --chdir): a relative path would move
         config["data"]["path"] = os.path.normpath(Path(cwd or Path.cwd()) / config["data"]["path"])
     train = cfg.train

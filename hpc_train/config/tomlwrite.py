@@ -20,21 +20,28 @@ def _value(value: Any) -> str:
     raise TypeError(f"cannot write {type(value).__name__} to TOML")
 
 
+def _key(key: str) -> str:
+    return key if key.replace("_", "").replace("-", "").isalnum() else json.dumps(key)
+
+
+def _table(name: str, table: dict[str, Any], lines: list[str]) -> None:
+    lines.append(f"\n[{name}]")
+    nested = []
+    for key, value in table.items():
+        if isinstance(value, dict):
+            nested.append((key, value))
+        elif value is not None:
+            lines.append(f"{_key(key)} = {_value(value)}")
+    for key, sub in nested:
+        _table(f"{name}.{_key(key)}", sub, lines)
+
+
 def dumps(data: dict[str, Any]) -> str:
-    """Tables of scalars and lists (one level of nesting, or two for tables inside a section)."""
+    """Top-level scalars first, then tables, nested tables as ``[a.b.c]``; None values are left out."""
+    top = [f"{_key(name)} = {_value(value)}" for name, value in data.items()
+           if not isinstance(value, dict) and value is not None]
     lines: list[str] = []
     for name, table in data.items():
-        if not isinstance(table, dict):
-            lines.insert(0, f"{name} = {_value(table)}")
-            continue
-        lines.append(f"\n[{name}]")
-        nested = []
-        for key, value in table.items():
-            if isinstance(value, dict):
-                nested.append((key, value))
-            elif value is not None:
-                lines.append(f"{json.dumps(key) if not key.replace('_', '').isalnum() else key} = {_value(value)}")
-        for key, sub in nested:
-            lines.append(f"\n[{name}.{key}]")
-            lines.extend(f"{sub_key} = {_value(sub_value)}" for sub_key, sub_value in sub.items())
-    return "\n".join(lines).lstrip("\n") + "\n"
+        if isinstance(table, dict):
+            _table(_key(name), table, lines)
+    return "\n".join(top + lines).lstrip("\n") + "\n"

@@ -86,6 +86,8 @@ CASES = [
     ("order-bad", '[parallel]\norder = "tp-dp-pp"\n', [], "parallel.order: order 'tp-dp-pp' must name each"),
     ("sweep-env", "", ["--sweep", "env.X=a,b"], "--sweep env.X=a,b: the runs of a sweep are one job array"),
     ("sweep-without-values", "", ["--sweep", "train.lr"], "--sweep train.lr: expected SECTION.KEY=V1,V2"),
+    ("deepspeed-conflict", "[deepspeed]\nzero_optimization = { stage = 3 }\n", [],
+     "deepspeed.zero_optimization.stage: 3 conflicts with 2 from the typed config"),
     ("toml-syntax", "[job\nnodes = 1\n", [], "not valid TOML"),
     ("set-without-equals", "", ["--set", "train.lr"], "--set train.lr: expected SECTION.KEY=VALUE"),
     ("set-unknown-key", "", ["--set", "train.lrr=1"], 'unknown key "train.lrr", did you mean "train.lr"'),
