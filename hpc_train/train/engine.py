@@ -14,7 +14,7 @@ import torch
 from hpc_train.runfolder import atomic_write
 from hpc_train.train.dsconfig import deepspeed_config
 
-__all__ = ["build_engine", "deepspeed_config", "lr_at"]
+__all__ = ["build_engine", "deepspeed_config", "lr_at", "weight_decay_groups"]
 
 
 def lr_at(step: int, train: dict[str, Any]) -> float:
@@ -30,7 +30,7 @@ def lr_at(step: int, train: dict[str, Any]) -> float:
     return floor + 0.5 * (peak - floor) * (1 + math.cos(math.pi * progress))
 
 
-def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+def weight_decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     """Weight decay on matrices only; biases, norms and position embeddings keep theirs at zero."""
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     rest = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
@@ -48,7 +48,7 @@ def build_engine(model: torch.nn.Module, config: dict[str, Any], data_parallel: 
     ds = deepspeed_config(config, data_parallel)
     optimizer: Any = None
     if train["optimizer"] == "torch_adamw":
-        optimizer = torch.optim.AdamW(_param_groups(model, train["weight_decay"]), lr=train["lr"],
+        optimizer = torch.optim.AdamW(weight_decay_groups(model, train["weight_decay"]), lr=train["lr"],
                                       betas=(train["beta1"], train["beta2"]), eps=train["eps"])
         ds["zero_allow_untested_optimizer"] = True
     if run_dir is not None and dist.get_rank() == 0:
@@ -58,5 +58,5 @@ def build_engine(model: torch.nn.Module, config: dict[str, Any], data_parallel: 
 
     engine, *_ = deepspeed.initialize(
         model=model, optimizer=optimizer, config=ds, mpu=mpu, lr_scheduler=schedule,
-        model_parameters=None if optimizer is not None else _param_groups(model, train["weight_decay"]))
+        model_parameters=None if optimizer is not None else weight_decay_groups(model, train["weight_decay"]))
     return engine

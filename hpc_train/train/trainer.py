@@ -122,11 +122,13 @@ def train(plan: Plan, info: LaunchInfo, run_dir: Path, log: Callable[[str], None
                 engine.backward(micro_loss)
                 engine.step()
                 total += float(micro_loss)
-            loss = _mean_over(total / tcfg["grad_accum"], groups.group("dp"))
-            norm = engine.get_global_grad_norm()
+            # The loss average and the gradient norm cost a collective each: only on steps that are logged.
+            logged = monitor.log_due(step)
+            loss = _mean_over(total / tcfg["grad_accum"], groups.group("dp")) if logged else float("nan")
+            norm = engine.get_global_grad_norm() if logged else None
             monitor.step(step, loss, lr, None if norm is None else float(norm), tokens_per_step,
-                         time.perf_counter() - start, _memory_bytes())
-            if monitor_config["histogram_every"] and step % monitor_config["histogram_every"] == 0:
+                         time.perf_counter() - start, _memory_bytes() if logged else None)
+            if monitor.histograms_due(step):
                 monitor.histograms(step, model.named_parameters())
             if monitor_config["eval_every"] and (step % monitor_config["eval_every"] == 0 or step == tcfg["steps"]):
                 eval_loss = _evaluate(engine, source, config, groups)

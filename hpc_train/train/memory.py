@@ -1,0 +1,413 @@
+"""The memory plan of a job: bytes per rank of parameters, gradients, optimizer state, activations and DeepSpeed's
+own buffers, and whether that fits the site's GPUs, computed before anything is submitted.
+
+Why: an out-of-memory error costs a queue wait and a start-up before it shows; the arithmetic below costs
+nothing. ``python -m hpc_train validate CONFIG --memory`` prints :func:`memory_rows` of :func:`memory_plan`. This
+module is pure Python (no torch, deepspeed or numpy) because it runs on login nodes.
+
+Accounting. The base is the ZeRO paper (Rajbhandari et al. 2020, https://arxiv.org/abs/1910.02054): mixed
+precision Adam holds 2 bytes of 16-bit weights, 2 of 16-bit gradients and 12 of optimizer state (fp32 master
+weights, Adam m and v) per parameter; ZeRO-1 shards the optimizer state over the data-parallel ranks, ZeRO-2
+also the gradients, ZeRO-3 also the parameters. What DeepSpeed 0.19 actually holds with a torch AdamW (read in
+``deepspeed/runtime/zero/stage_1_and_2.py``, ``stage3.py``, ``fp16/unfused_optimizer.py`` and ``engine.py``, and
+measured by ``tests/train/test_memory.py``) differs in these places, all modelled here:
+
+* fp32 training under ZeRO 1-3 still keeps a separate fp32 master partition (4 bytes / parameter / data rank)
+  beside the fp32 model weights; only ZeRO-0 fp32 steps the module's own parameters.
+* ZeRO-0 in bf16/fp16 wraps AdamW in ``FP16_UnfusedOptimizer``: a full fp32 master copy, and at the step an fp32
+  copy of every gradient (4 bytes / parameter) beside the 16-bit ones.
+* ZeRO-1 and ZeRO-2 keep the gradients of the parameters that touch the rank's partition, WHOLE: a parameter that
+  straddles a partition boundary is held in full by both ranks (``grads_in_partition``). The plan lays the
+  parameters out as DeepSpeed does (two parameter groups, matrices with weight decay first, flattened in module
+  order, padded to 2 x data elements, cut into equal partitions) and reports the largest rank.
+* ZeRO-1 with ``grad_accum = 1`` reduces gradients bucket by bucket during the backward pass and keeps only its
+  partition, like ZeRO-2; with ``grad_accum > 1`` it holds the full 16-bit gradients between micro-batches (the
+  paper's figure).
+* ZeRO-1/2 allocate ``reduce_bucket_size`` elements of gradient buckets (twice, with ``overlap_comm``) at the start
+  of each backward pass, whatever the model's size (2 x 50M x 2 bytes = 200 MB for the tiny model). ZeRO-3 holds
+  one bucket for the whole run.
+* ZeRO-3 keeps every parameter of at most 100,000 elements (``stage3_param_persistence_threshold``) gathered in
+  full on every rank, on top of its partition; its gradient partitions are one flat buffer allocated at start-up.
+  Each parameter is padded to a multiple of the data-parallel size.
+* The optimizer step makes an fp32 copy of the gradient partition of one parameter group (ZeRO-3: one sub-group
+  of at most 1e9 elements); ZeRO-0 flattens all gradients into one all-reduce buffer (chunks of 5e8 elements).
+
+``buffers`` is the peak of these working buffers: the backward-time ones (buckets, the ZeRO-0 all-reduce copy,
+the parameters ZeRO-3 gathers for one module plus its 5e7-element prefetch) and the step-time fp32 copy do not
+coexist, except ZeRO-3's permanent bucket. DeepSpeed also makes a 16-bit flat copy of the partition's gradients
+for an instant before casting it to fp32; it is not counted (activations, which ``total`` includes, are freed by
+then). Offload figures (CPU Adam, parameters in CPU memory) follow the source and are not measured by the tests.
+
+Activations are a rough estimate from Korthikanti et al. 2022 (https://arxiv.org/abs/2205.05198), equation 2:
+per layer ``s*b*h*(10 + 24/t)`` bytes in 16-bit for ``s`` tokens, micro batch ``b``, width ``h`` and tensor
+parallel size ``t``, without the ``5*a*s/(h*t)`` attention-score term because ``scaled_dot_product_attention``'s
+fused kernels keep no ``s x s`` matrices; doubled in fp32. Plus the vocabulary-parallel loss: the logits, their
+fp32 copy and the saved fp32 softmax (``s*b*V/t`` x 10 bytes, 8 in fp32). With pipeline parallelism (1F1B) the
+first stage holds ``min(pipeline, grad_accum)`` micro-batches in flight. No activation checkpointing.
+
+Tensor parallelism: the query/key/value, the MLP's first layer (weights and biases), the projections' weights,
+the token embedding and the head are split ``tensor`` ways; LayerNorms, the projections' biases and the position
+embedding are replicated (see :mod:`hpc_train.train.model`). Pipeline parallelism cuts the layers into contiguous
+stages (the first stages take the remainder), the embeddings on the first, the final LayerNorm and head on the
+last; the plan is the stage with the largest total. GiB are 2**30 bytes, and ``gpu_mem_gb`` is read the same way
+(an "80 GB" GPU has 80 GiB). The CUDA context and allocator fragmentation are not counted.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from hpc_train.config.job import MODEL_PRESETS
+
+__all__ = ["MemoryPlan", "Param", "memory_plan", "memory_rows", "stage_parameters"]
+
+GIB = 2**30
+#: DeepSpeed 0.19 defaults our ``deepspeed_config`` leaves alone.
+PERSISTENCE_THRESHOLD = 100_000  # zero_optimization.stage3_param_persistence_threshold
+PREFETCH_BUCKET = 50_000_000  # zero_optimization.stage3_prefetch_bucket_size
+SUB_GROUP_SIZE = 1_000_000_000  # zero_optimization.sub_group_size
+ALLREDUCE_CHUNK = 500_000_000  # engine.MEMORY_OPT_ALLREDUCE_SIZE, the ZeRO-0 all-reduce buffer
+_PRECISION_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+class Param(NamedTuple):
+    """One parameter tensor as one rank holds it: module-path name, elements, and whether it is a matrix (weight
+    decay group of ``build_engine``, which DeepSpeed flattens first)."""
+
+    name: str
+    numel: int
+    matrix: bool
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Bytes per rank (the largest rank: the largest pipeline stage, the data-parallel rank holding the most).
+
+    ``parameters``, ``gradients``, ``optimizer_state`` are what DeepSpeed keeps on the GPU (the fp32 master copy
+    is optimizer state); ``buffers`` the peak of its working buffers, of which ``reduce_buffers`` (gradient
+    buckets, the ZeRO-0 all-reduce copy, ZeRO-3's bucket and gathered parameters) live in the backward pass and
+    ``step_buffers`` (the fp32 gradient copy) in the optimizer step; ``activations`` is rough. ``total`` sums
+    them; ``cpu`` is what offload puts in CPU memory. ``fits`` is None when the site gives no GPU memory size.
+    """
+
+    preset: str
+    precision: str
+    zero_stage: int
+    tensor: int
+    pipeline: int
+    data: int
+    stage: int
+    params_per_rank: int
+    parameters: int
+    gradients: int
+    optimizer_state: int
+    activations: int
+    reduce_buffers: int
+    step_buffers: int
+    buffers: int
+    total: int
+    cpu: int
+    gpu_bytes: int
+    fits: bool | None
+    notes: tuple[str, ...]
+
+
+def _positive(**values: int) -> None:
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} = {value!r}: must be a whole number >= 1")
+
+
+def stage_parameters(preset: str, vocab_size: int, seq_len: int, tensor: int = 1, pipeline: int = 1) -> list[list[Param]]:
+    """The parameters one tensor-parallel rank of each pipeline stage holds, in ``model.parameters()`` order.
+
+    Mirrors :class:`hpc_train.train.model.GPT` without importing torch; the tests check it against the real model.
+    """
+    if preset not in MODEL_PRESETS:
+        raise ValueError(f"model preset {preset!r} is unknown; use one of {', '.join(MODEL_PRESETS)}")
+    _positive(vocab_size=vocab_size, seq_len=seq_len, tensor=tensor, pipeline=pipeline)
+    shape = MODEL_PRESETS[preset]
+    layers, heads, h = shape["layers"], shape["heads"], shape["hidden"]
+    if heads % tensor:
+        raise ValueError(f"tensor = {tensor} does not divide the {heads} attention heads of {preset}; "
+                         "use a tensor size that divides them")
+    if vocab_size % tensor:
+        raise ValueError(f"vocab_size = {vocab_size} is not divisible by tensor = {tensor}; pad the vocabulary to "
+                         f"a multiple of {tensor} (e.g. {-(-vocab_size // tensor) * tensor})")
+    if pipeline > layers:
+        raise ValueError(f"pipeline = {pipeline} stages for the {layers} layers of {preset}; use at most {layers}")
+    t = tensor
+
+    def block(i: int) -> list[Param]:
+        p = f"blocks.{i}."
+        return [Param(p + "ln1.weight", h, False), Param(p + "ln1.bias", h, False),
+                Param(p + "attn.qkv.weight", 3 * h * h // t, True), Param(p + "attn.qkv.bias", 3 * h // t, False),
+                Param(p + "attn.proj.weight", h * h // t, True), Param(p + "attn.proj.bias", h, False),
+                Param(p + "ln2.weight", h, False), Param(p + "ln2.bias", h, False),
+                Param(p + "mlp.fc.weight", 4 * h * h // t, True), Param(p + "mlp.fc.bias", 4 * h // t, False),
+                Param(p + "mlp.proj.weight", 4 * h * h // t, True), Param(p + "mlp.proj.bias", h, False)]
+
+    counts = [layers // pipeline + (1 if i < layers % pipeline else 0) for i in range(pipeline)]
+    stages: list[list[Param]] = []
+    first = 0
+    for index, count in enumerate(counts):
+        params: list[Param] = []
+        if index == 0:
+            params += [Param("wte.weight", vocab_size // t * h, True), Param("wpe.weight", seq_len * h, True)]
+        for i in range(first, first + count):
+            params += block(i)
+        if index == pipeline - 1:
+            params += [Param("ln_f.weight", h, False), Param("ln_f.bias", h, False),
+                       Param("head.weight", vocab_size // t * h, True)]
+        stages.append(params)
+        first += count
+    return stages
+
+
+def _groups(params: list[Param]) -> list[list[Param]]:
+    """``build_engine``'s optimizer groups, empty ones dropped as DeepSpeed does: matrices, then the rest."""
+    return [group for group in ([p for p in params if p.matrix], [p for p in params if not p.matrix]) if group]
+
+
+def _zero12_layout(group: list[Param], data: int) -> tuple[int, int, list[int]]:
+    """One group as DeepSpeed's ZeRO-1/2 lays it out: (flat elements, partition elements, gradient elements
+    each data rank holds). The flat buffer is padded to 2 x data; a parameter belongs to every partition it
+    touches, and its gradient is kept whole there."""
+    numel = sum(p.numel for p in group)
+    flat = -(-numel // (2 * data)) * (2 * data)
+    part = flat // data
+    held = [0] * data
+    offset = 0
+    for p in group:
+        first, last = offset // part, min(data - 1, (offset + p.numel - 1) // part)
+        for rank in range(first, last + 1):
+            held[rank] += p.numel
+        offset += p.numel
+    return flat, part, held
+
+
+def _allreduce_chunk(params: list[Param]) -> int:
+    """Largest flat buffer of ZeRO-0's all-reduce: gradients in module order, flushed once past 5e8 elements."""
+    largest = chunk = 0
+    for p in params:
+        chunk += p.numel
+        if chunk > ALLREDUCE_CHUNK:
+            largest, chunk = max(largest, chunk), 0
+    return max(largest, chunk)
+
+
+def _largest_sub_group(group: list[Param], data: int) -> int:
+    """Partition elements of the largest ZeRO-3 optimizer sub-group of a parameter group."""
+    parts = [-(-p.numel // data) for p in group]
+    if SUB_GROUP_SIZE >= sum(parts):
+        return sum(parts)
+    largest = current = 0
+    for part in parts:
+        current += part
+        if current >= SUB_GROUP_SIZE:
+            largest, current = max(largest, current), 0
+    return max(largest, current)
+
+
+def _activations(shape: dict[str, int], vocab_size: int, seq_len: int, micro_batch: int, tensor: int,
+                 width: int, layers: int, in_flight: int, last: bool) -> int:
+    """Korthikanti et al. 2022 eq. 2 without the attention-score term (see the module docstring)."""
+    h, t, tokens = shape["hidden"], tensor, seq_len * micro_batch
+    per_layer = tokens * h * (10 * t + 24) * width // (2 * t)
+    total = layers * per_layer * in_flight
+    if last:  # final LayerNorm and head inputs, logits, their fp32 copy and the saved fp32 softmax
+        total += 2 * tokens * h * width + tokens * (vocab_size // t) * (10 if width == 2 else 8)
+    return total
+
+
+def _plan_stage(index: int, params: list[Param], *, shape: dict[str, int], vocab_size: int, seq_len: int,
+                micro_batch: int, tensor: int, pipeline: int, data: int, zero_stage: int, width: int,
+                offload_optimizer: bool, offload_params: bool, grad_accum: int, bucket_size: int,
+                overlap_comm: bool) -> tuple[dict[str, int], list[str]]:
+    n = sum(p.numel for p in params)
+    groups = _groups(params)
+    notes: list[str] = []
+    gathered = 0
+    cpu = 0
+    if zero_stage == 0:
+        parameters, gradients = width * n, width * n
+        optimizer = 8 * n + (4 * n if width == 2 else 0)
+        reduce_buffers = width * _allreduce_chunk(params)
+        step_buffers = 4 * n if width == 2 else 0
+        buffers = max(reduce_buffers, step_buffers)
+        if width == 2:
+            notes.append("ZeRO-0 in 16-bit makes an fp32 copy of every gradient at the optimizer step")
+    elif zero_stage in (1, 2):
+        layouts = [_zero12_layout(group, data) for group in groups]
+        flat = sum(layout[0] for layout in layouts)
+        part = sum(layout[1] for layout in layouts)
+        held = max(sum(layout[2][rank] for layout in layouts) for rank in range(data))
+        parameters = width * flat
+        gradients = width * held
+        if zero_stage == 1 and grad_accum > 1:
+            gradients = max(gradients, width * n)
+            notes.append("ZeRO-1 with grad_accum > 1 holds the full gradients between micro-batches")
+        optimizer = 12 * part
+        reduce_buffers = (2 if overlap_comm else 1) * bucket_size * width
+        step_buffers = 4 * max(layout[1] for layout in layouts)
+        if data > 1 and held > part * 1.02:
+            notes.append(f"gradients of parameters straddling a partition boundary are kept whole: "
+                         f"{held:,} elements held for a {part:,}-element partition")
+        if offload_optimizer:
+            cpu += (16 + width) * part  # master, Adam m and v, fp32 gradients, 16-bit staging copy
+            if grad_accum > 1 and zero_stage == 2:
+                cpu += width * held  # gradients accumulated in CPU memory between micro-batches
+            optimizer = 0
+            gradients = width * n if (zero_stage == 1 and grad_accum > 1) else 0
+            reduce_buffers += width * max(p.numel for p in params)  # GPU staging of one gradient
+            step_buffers = 0
+        buffers = max(reduce_buffers, step_buffers)
+        notes.append(f"gradient buckets: {2 if overlap_comm else 1} x {bucket_size:,} elements during the backward "
+                     "pass, whatever the model's size")
+    else:
+        parts = sum(-(-p.numel // data) for p in params)
+        persistent = [p for p in params if p.numel <= PERSISTENCE_THRESHOLD]
+        kept = sum(p.numel for p in persistent)
+        modules: dict[str, int] = {}
+        for p in params:
+            if p.numel > PERSISTENCE_THRESHOLD:
+                module = p.name.rsplit(".", 1)[0]
+                modules[module] = modules.get(module, 0) + p.numel
+        if modules:
+            gathered = width * min(sum(modules.values()), max(modules.values()) + PREFETCH_BUCKET)
+        parameters = width * (parts + kept)
+        gradients = width * parts
+        optimizer = 12 * parts
+        bucket = bucket_size * width
+        step_buffers = 4 * max(_largest_sub_group(group, data) for group in groups)
+        if persistent:
+            notes.append(f"ZeRO-3 keeps {len(persistent)} parameters of <= {PERSISTENCE_THRESHOLD:,} elements "
+                         f"({kept:,} elements) whole on every rank, besides their partitions")
+        notes.append(f"ZeRO-3 holds one {bucket_size:,}-element gradient bucket for the whole run")
+        if offload_optimizer:
+            cpu += (16 + width) * parts  # master, Adam m and v, fp32 step gradients, 16-bit gradient partitions
+            optimizer, gradients, step_buffers = 0, 0, 0
+        if offload_params:
+            cpu += width * parts
+            parameters = width * kept
+        reduce_buffers = bucket + gathered
+        buffers = bucket + max(gathered, step_buffers)
+    in_flight = min(pipeline - index, grad_accum) if pipeline > 1 else 1
+    layers = sum(1 for p in params if p.name.endswith(".ln1.weight"))
+    activations = _activations(shape, vocab_size, seq_len, micro_batch, tensor, width, layers, in_flight,
+                               last=index == pipeline - 1)
+    figures = {"params_per_rank": n, "parameters": parameters, "gradients": gradients, "optimizer_state": optimizer,
+               "activations": activations, "reduce_buffers": reduce_buffers, "step_buffers": step_buffers,
+               "buffers": buffers, "cpu": cpu,
+               "total": parameters + gradients + optimizer + activations + buffers}
+    return figures, notes
+
+
+def memory_plan(preset: str, vocab_size: int, seq_len: int, micro_batch: int, tensor: int, pipeline: int, data: int,
+                zero_stage: int, precision: str, offload_optimizer: bool, offload_params: bool,
+                gpu_mem_gb: float = 0.0, *, grad_accum: int = 1, bucket_size: int = 50_000_000,
+                overlap_comm: bool = True) -> MemoryPlan:
+    """Bytes per rank of one layout (see the module docstring for the accounting).
+
+    ``bucket_size`` and ``overlap_comm`` are ``zero.bucket_size`` and ``zero.overlap_comm``; ``gpu_mem_gb`` is the
+    site's ``node.gpu_mem_gb`` (0: unknown, ``fits`` is None). Raises ValueError for a layout the model or
+    DeepSpeed cannot run.
+    """
+    if precision not in _PRECISION_BYTES:
+        raise ValueError(f"precision {precision!r} is unknown; use one of {', '.join(_PRECISION_BYTES)}")
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage = {zero_stage!r} is not a ZeRO stage; use 0, 1, 2 or 3")
+    _positive(micro_batch=micro_batch, data=data, grad_accum=grad_accum, bucket_size=bucket_size)
+    if offload_optimizer and zero_stage == 0:
+        raise ValueError("offload_optimizer needs ZeRO stage 1-3, stage is 0; set zero.stage = 1 or more")
+    if offload_params and zero_stage != 3:
+        raise ValueError(f"offload_params needs ZeRO-3, stage is {zero_stage}; set zero.stage = 3")
+    if gpu_mem_gb < 0 or math.isnan(gpu_mem_gb):
+        raise ValueError(f"gpu_mem_gb = {gpu_mem_gb}: must be >= 0 (0: unknown)")
+    stages = stage_parameters(preset, vocab_size, seq_len, tensor, pipeline)
+    width = _PRECISION_BYTES[precision]
+    plans = [_plan_stage(i, params, shape=MODEL_PRESETS[preset], vocab_size=vocab_size, seq_len=seq_len,
+                         micro_batch=micro_batch, tensor=tensor, pipeline=pipeline, data=data, zero_stage=zero_stage,
+                         width=width, offload_optimizer=offload_optimizer, offload_params=offload_params,
+                         grad_accum=grad_accum, bucket_size=bucket_size, overlap_comm=overlap_comm)
+             for i, params in enumerate(stages)]
+    index = max(range(len(plans)), key=lambda i: plans[i][0]["total"])
+    figures, notes = plans[index]
+    gpu_bytes = round(gpu_mem_gb * GIB)
+    return MemoryPlan(preset=preset, precision=precision, zero_stage=zero_stage, tensor=tensor, pipeline=pipeline,
+                      data=data, stage=index, gpu_bytes=gpu_bytes,
+                      fits=None if gpu_bytes == 0 else figures["total"] <= gpu_bytes, notes=tuple(notes), **figures)
+
+
+def _size(nbytes: int) -> str:
+    """``1.23 GiB``, ``45.6 MiB`` or ``7.8 KiB``."""
+    for unit, scale in (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{nbytes} B"
+
+
+def _advice(plan: MemoryPlan) -> list[str]:
+    """What would shrink the biggest figures, in the order worth trying."""
+    advice = []
+    if plan.zero_stage < 3 and plan.data > 1:
+        advice.append("zero.stage = 3")
+    heads = MODEL_PRESETS[plan.preset]["heads"]
+    if heads % (2 * plan.tensor) == 0:
+        advice.append(f"more tensor parallel (parallel.tensor = {2 * plan.tensor})")
+    if plan.zero_stage and plan.optimizer_state:
+        advice.append("zero.offload_optimizer = true")
+    if plan.zero_stage == 3 and plan.cpu < plan.parameters + plan.cpu and plan.parameters > plan.activations:
+        advice.append("zero.offload_params = true")
+    if plan.activations >= max(plan.parameters, plan.gradients, plan.optimizer_state):
+        advice.append("a smaller train.micro_batch")
+    if plan.data == 1 and plan.zero_stage:
+        advice.append("more data-parallel ranks (ZeRO shards over them)")
+    return advice or ["a smaller model"]
+
+
+def _verdict(plan: MemoryPlan) -> str:
+    if plan.fits is None:
+        return (f"{_size(plan.total)} per rank needed; the site gives no GPU memory size (node.gpu_mem_gb), "
+                "so nothing is checked")
+    gpu = f"{plan.gpu_bytes / GIB:g} GiB"
+    if plan.fits:
+        spare = 1 - plan.total / plan.gpu_bytes
+        text = f"fits in {gpu} with {spare:.0%} to spare"
+        if spare < 0.10:
+            text += " (tight: the CUDA context and allocator fragmentation are not counted)"
+        return text
+    advice = _advice(plan)
+    tries = advice[0] if len(advice) == 1 else ", ".join(advice[:-1]) + ", or " + advice[-1]
+    return f"does not fit: {plan.total / GIB:.1f} GiB > {gpu}; try {tries}"
+
+
+def memory_rows(plan: MemoryPlan) -> list[tuple[str, str]]:
+    """Human rows ``(label, text)`` for ``validate --memory``, ending with the verdict."""
+    shard = plan.data if plan.zero_stage else 1
+    master = "fp32 master + Adam m, v" if plan.zero_stage or plan.precision != "fp32" else "Adam m, v"
+    where = f"1/{shard} per rank" if shard > 1 else "whole on every rank"
+    rows = [
+        ("layout", f"{plan.preset}, tensor {plan.tensor} x pipeline {plan.pipeline} x data {plan.data}, "
+                   f"ZeRO-{plan.zero_stage}, {plan.precision}; {plan.params_per_rank:,} parameters per rank"
+                   + (f" (pipeline stage {plan.stage}, the largest)" if plan.pipeline > 1 else "")),
+        ("parameters", f"{_size(plan.parameters)} per rank ({plan.precision}"
+                       + (", ZeRO-3 partitions + small parameters whole" if plan.zero_stage == 3 else
+                          ", full copy") + ")"),
+        ("gradients", f"{_size(plan.gradients)} per rank"
+                      + (" (on the CPU with the optimizer)" if plan.gradients == 0 and plan.cpu else
+                         f" ({plan.precision}, {'partition' if plan.zero_stage and plan.data > 1 else 'full'})")),
+        ("optimizer state", f"{_size(plan.optimizer_state)} per rank ({master}, {where}"
+                            + (", offloaded" if plan.cpu and plan.optimizer_state == 0 else "") + ")"),
+        ("activations", f"{_size(plan.activations)} per rank (rough: Korthikanti et al. 2022, no recomputation)"),
+        ("DeepSpeed buffers", f"{_size(plan.buffers)} at peak (backward: {_size(plan.reduce_buffers)}, "
+                              f"optimizer step: {_size(plan.step_buffers)})"),
+        ("total", f"{_size(plan.total)} per rank on the GPU"),
+    ]
+    if plan.cpu:
+        rows.append(("CPU memory", f"{_size(plan.cpu)} per rank (offload)"))
+    rows += [("note", note) for note in plan.notes]
+    rows.append(("verdict", _verdict(plan)))
+    return rows
