@@ -41,10 +41,53 @@ def _layout_for_world(args: argparse.Namespace) -> int:
     return 0
 
 
+def _planned_executor(args: argparse.Namespace) -> str:
+    """The executor a plan is checked for; validate never submits, so sbatch need not be on PATH here."""
+    from hpc_train.config.sites import load_site
+
+    if args.executor != "auto":
+        return args.executor
+    return "slurm" if load_site(args.site).slurm.enabled else "local"
+
+
+def _memory(args: argparse.Namespace) -> int:
+    """Bytes per rank of parameters, gradients, optimizer state and activations, against the site's GPUs."""
+    import dataclasses
+
+    from hpc_train.config.sites import load_site
+    from hpc_train.errors import ConfigError
+    from hpc_train.train.memory import memory_plan, memory_rows
+
+    plan = plan_from_args(args, executor=_planned_executor(args))
+    cfg, lay = plan.config, plan.layout
+    try:
+        memory = memory_plan(cfg["train"]["model"], cfg["data"]["vocab_size"], cfg["train"]["seq_len"],
+                             lay.micro_batch, lay.tensor, lay.pipeline, lay.data, cfg["zero"]["stage"],
+                             cfg["train"]["precision"], cfg["zero"]["offload_optimizer"], cfg["zero"]["offload_params"],
+                             load_site(args.site).node.gpu_mem_gb, grad_accum=lay.grad_accum,
+                             bucket_size=cfg["zero"]["bucket_size"], overlap_comm=cfg["zero"]["overlap_comm"])
+    except ValueError as error:
+        raise ConfigError("--memory", str(error)) from None
+    if args.json:
+        print(json.dumps(dataclasses.asdict(memory), default=str, indent=2))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"Memory per rank: {cfg['train']['model']} on {plan.site}", show_header=False,
+                  title_justify="left")
+    for key, value in memory_rows(memory):
+        table.add_row(key, value)
+    Console().print(table)
+    return 0
+
+
 def _validate(args: argparse.Namespace) -> int:
     if args.world is not None:
         return _layout_for_world(args)
-    plan = plan_from_args(args)
+    if args.memory:
+        return _memory(args)
+    plan = plan_from_args(args, executor=_planned_executor(args))
     if args.json:
         print(plan.to_json(), end="")
         return 0
@@ -85,6 +128,8 @@ def _build_parser() -> ArgumentParser:
     validate = commands.add_parser("validate", help="check a job config against a site and show the plan")
     add_plan_arguments(validate)
     validate.add_argument("--json", action="store_true", help="print the plan as JSON")
+    validate.add_argument("--memory", action="store_true",
+                          help="print the bytes per rank of the model, gradients, optimizer and activations")
     validate.add_argument("--world", type=int, metavar="N",
                           help="only print the rank layout of the parallel sizes at N ranks (any N)")
     validate.set_defaults(run=_validate)

@@ -98,6 +98,11 @@ class MemoryPlan:
     tensor: int
     pipeline: int
     data: int
+    micro_batch: int
+    seq_len: int
+    grad_accum: int
+    offload_optimizer: bool
+    offload_params: bool
     stage: int
     params_per_rank: int
     parameters: int
@@ -120,7 +125,8 @@ def _positive(**values: int) -> None:
             raise ValueError(f"{name} = {value!r}: must be a whole number >= 1")
 
 
-def stage_parameters(preset: str, vocab_size: int, seq_len: int, tensor: int = 1, pipeline: int = 1) -> list[list[Param]]:
+def stage_parameters(preset: str, vocab_size: int, seq_len: int, tensor: int = 1,
+                     pipeline: int = 1) -> list[list[Param]]:
     """The parameters one tensor-parallel rank of each pipeline stage holds, in ``model.parameters()`` order.
 
     Mirrors :class:`hpc_train.train.model.GPT` without importing torch; the tests check it against the real model.
@@ -201,7 +207,7 @@ def _allreduce_chunk(params: list[Param]) -> int:
 def _largest_sub_group(group: list[Param], data: int) -> int:
     """Partition elements of the largest ZeRO-3 optimizer sub-group of a parameter group."""
     parts = [-(-p.numel // data) for p in group]
-    if SUB_GROUP_SIZE >= sum(parts):
+    if sum(parts) <= SUB_GROUP_SIZE:
         return sum(parts)
     largest = current = 0
     for part in parts:
@@ -337,7 +343,9 @@ def memory_plan(preset: str, vocab_size: int, seq_len: int, micro_batch: int, te
     figures, notes = plans[index]
     gpu_bytes = round(gpu_mem_gb * GIB)
     return MemoryPlan(preset=preset, precision=precision, zero_stage=zero_stage, tensor=tensor, pipeline=pipeline,
-                      data=data, stage=index, gpu_bytes=gpu_bytes,
+                      data=data, micro_batch=micro_batch, seq_len=seq_len, grad_accum=grad_accum,
+                      offload_optimizer=offload_optimizer, offload_params=offload_params, stage=index,
+                      gpu_bytes=gpu_bytes,
                       fits=None if gpu_bytes == 0 else figures["total"] <= gpu_bytes, notes=tuple(notes), **figures)
 
 
@@ -357,9 +365,9 @@ def _advice(plan: MemoryPlan) -> list[str]:
     heads = MODEL_PRESETS[plan.preset]["heads"]
     if heads % (2 * plan.tensor) == 0:
         advice.append(f"more tensor parallel (parallel.tensor = {2 * plan.tensor})")
-    if plan.zero_stage and plan.optimizer_state:
+    if plan.zero_stage and not plan.offload_optimizer:
         advice.append("zero.offload_optimizer = true")
-    if plan.zero_stage == 3 and plan.cpu < plan.parameters + plan.cpu and plan.parameters > plan.activations:
+    if plan.zero_stage == 3 and not plan.offload_params:
         advice.append("zero.offload_params = true")
     if plan.activations >= max(plan.parameters, plan.gradients, plan.optimizer_state):
         advice.append("a smaller train.micro_batch")
@@ -385,25 +393,38 @@ def _verdict(plan: MemoryPlan) -> str:
 
 
 def memory_rows(plan: MemoryPlan) -> list[tuple[str, str]]:
-    """Human rows ``(label, text)`` for ``validate --memory``, ending with the verdict."""
-    shard = plan.data if plan.zero_stage else 1
-    master = "fp32 master + Adam m, v" if plan.zero_stage or plan.precision != "fp32" else "Adam m, v"
-    where = f"1/{shard} per rank" if shard > 1 else "whole on every rank"
+    """Human rows ``(label, text)`` for ``validate --memory``: the figures, DeepSpeed's quirks that apply, and a
+    verdict row last."""
+    width = _PRECISION_BYTES[plan.precision]
+    sharded = plan.zero_stage > 0 and plan.data > 1
+    if plan.zero_stage == 3:
+        params = "ZeRO-3 partition + small parameters whole" + (", partitions in CPU memory" if plan.offload_params
+                                                                 else "")
+    else:
+        params = "full copy on every data-parallel rank"
+    if plan.gradients == 0:
+        grads = "none on the GPU: they go to the offloaded optimizer"
+    elif plan.gradients >= width * plan.params_per_rank:
+        grads = "full"
+    else:
+        grads = "this rank's partition"
+    state = "fp32 master + Adam m, v" if plan.zero_stage or plan.precision != "fp32" else "Adam m, v"
+    state += f", 1/{plan.data} per rank" if sharded else ", whole on every rank"
+    if plan.offload_optimizer:
+        state += ", in CPU memory"
+    tokens = f"micro batch {plan.micro_batch} x {plan.seq_len} tokens"
+    if plan.pipeline > 1:
+        tokens += f", up to {min(plan.pipeline, plan.grad_accum)} micro-batches in flight"
     rows = [
         ("layout", f"{plan.preset}, tensor {plan.tensor} x pipeline {plan.pipeline} x data {plan.data}, "
                    f"ZeRO-{plan.zero_stage}, {plan.precision}; {plan.params_per_rank:,} parameters per rank"
                    + (f" (pipeline stage {plan.stage}, the largest)" if plan.pipeline > 1 else "")),
-        ("parameters", f"{_size(plan.parameters)} per rank ({plan.precision}"
-                       + (", ZeRO-3 partitions + small parameters whole" if plan.zero_stage == 3 else
-                          ", full copy") + ")"),
-        ("gradients", f"{_size(plan.gradients)} per rank"
-                      + (" (on the CPU with the optimizer)" if plan.gradients == 0 and plan.cpu else
-                         f" ({plan.precision}, {'partition' if plan.zero_stage and plan.data > 1 else 'full'})")),
-        ("optimizer state", f"{_size(plan.optimizer_state)} per rank ({master}, {where}"
-                            + (", offloaded" if plan.cpu and plan.optimizer_state == 0 else "") + ")"),
-        ("activations", f"{_size(plan.activations)} per rank (rough: Korthikanti et al. 2022, no recomputation)"),
-        ("DeepSpeed buffers", f"{_size(plan.buffers)} at peak (backward: {_size(plan.reduce_buffers)}, "
-                              f"optimizer step: {_size(plan.step_buffers)})"),
+        ("parameters", f"{_size(plan.parameters)} per rank ({params})"),
+        ("gradients", f"{_size(plan.gradients)} per rank ({grads})"),
+        ("optimizer state", f"{_size(plan.optimizer_state)} per rank ({state})"),
+        ("activations", f"{_size(plan.activations)} per rank (rough, {tokens}, no recomputation)"),
+        ("DeepSpeed buffers", f"{_size(plan.buffers)} per rank at peak (gradient reduction "
+                              f"{_size(plan.reduce_buffers)}, optimizer step {_size(plan.step_buffers)})"),
         ("total", f"{_size(plan.total)} per rank on the GPU"),
     ]
     if plan.cpu:

@@ -83,3 +83,16 @@ def test_a_corrupt_plan_in_the_run_folder_is_kept_aside(tmp_path: Path) -> None:
     assert result.code == 0, result.err
     assert (run_dir / "config.unknown.toml").read_text() == "# an older config\n"
     assert Plan.from_json((run_dir / "plan.json").read_text()).name == "tiny-gpt"
+
+
+def test_validate_and_memory_need_no_slurm_on_this_machine(tmp_path: Path) -> None:
+    """A laptop checks a cluster job: validate and validate --memory never look for sbatch."""
+    import subprocess
+    import sys
+
+    for extra in ([], ["--memory"]):
+        result = subprocess.run([sys.executable, "-m", "hpc_train", "validate", EXAMPLE, "--site", "ndr-h100",
+                                 "--set", "job.tasks_per_node=8", "--set", "train.model=125M", *extra], cwd=tmp_path,
+                                env={"PATH": "/nonexistent"}, capture_output=True, text=True, timeout=60, check=False)
+        assert result.returncode == 0, result.stderr
+    assert "fits in" in result.stdout and "optimizer state" in result.stdout
