@@ -157,9 +157,9 @@ def _check_layout(cfg: JobConfig, gpus_per_node: int) -> int:
     if cfg.train.seq_len % par.context:
         raise ConfigError("train.seq_len", f"{cfg.train.seq_len} is not divisible by context = {par.context}",
                           "make seq_len a multiple of the context-parallel size")
-    if cfg.job.program == "train" and par.pipeline > 1:
-        raise ConfigError("parallel.pipeline", f"{par.pipeline} stages: pipeline-parallel training is not built yet",
-                          'train with pipeline = 1, or check the layout with job.program = "smoke"')
+    if cfg.job.program == "train" and par.pipeline > 1 and par.order != "tp-cp-dp-pp":
+        raise ConfigError("parallel.order", f'"{par.order}": DeepSpeed\'s pipeline engine lays ranks out as '
+                          "tensor, data, pipeline from the innermost", 'use order = "tp-cp-dp-pp" with pipelines')
     if cfg.job.program == "train" and par.context > 1:
         raise ConfigError("parallel.context", f"{par.context}: context-parallel training is not built yet",
                           'train with context = 1, or check the layout with job.program = "smoke"')

@@ -147,9 +147,9 @@ def build_pipeline_model(config: GPTConfig, topology: Topology, tp_group: Any, s
     """
     ds_topology = deepspeed_topology(topology)
     if not dist.is_initialized() or dist.get_world_size() != topology.world:
-        world = dist.get_world_size() if dist.is_initialized() else "no"
+        found = f"{dist.get_world_size()} ranks" if dist.is_initialized() else "no process group"
         raise ValueError(f"the pipeline needs torch.distributed with {topology.world} ranks (the topology's world), "
-                         f"found {world} process group ranks")
+                         f"found {found}")
     _check_tp_group(topology, tp_group)
     if not deepspeed.comm.is_initialized():  # PipelineModule talks through deepspeed.comm: adopt our group
         deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import io
 import resource
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,7 @@ from hpc_train.train.engine import build_engine
 from hpc_train.train.flops import flops_per_token, peak_flops
 from hpc_train.train.model import GPT, GPTConfig, count_parameters
 from hpc_train.train.monitor import Monitor
+from hpc_train.train.pipeline import build_pipeline_model, eval_step, train_step
 
 __all__ = ["train"]
 
@@ -63,11 +64,18 @@ def _mean_over(value: float, group: Any) -> float:
     return float(tensor.item()) / dist.get_world_size(group)
 
 
+def _batches(source: Any, sampler: ResumableSampler, seq_len: int, device: Any) -> Iterator[Any]:
+    while True:
+        yield tuple(t.to(device) for t in batch(source, sampler.next_indices(), seq_len))
+
+
 def _evaluate(engine: Any, source: Any, config: dict[str, Any], groups: ParallelGroups, batches: int = 4) -> float:
     """Loss on a fixed set of batches (the same at every evaluation), averaged over data-parallel ranks."""
     train = config["train"]
     sampler = ResumableSampler(source.num_samples(train["seq_len"]), groups.coord("dp"), groups.size("dp"),
                                train["micro_batch"], seed=train["seed"] + 7919)
+    if groups.size("pp") > 1:
+        return eval_step(engine, _batches(source, sampler, train["seq_len"], engine.device), micro_batches=batches)
     engine.eval()
     total = 0.0
     with torch.no_grad():
@@ -91,8 +99,13 @@ def train(plan: Plan, info: LaunchInfo, run_dir: Path, log: Callable[[str], None
     groups = ParallelGroups(topology, "cuda" if context.backend == "nccl" else "cpu")
     model_config = GPTConfig.from_preset(tcfg["model"], config["data"]["vocab_size"], tcfg["seq_len"])
     # Always the tensor group, even of size 1: the layers read None as "the default group", i.e. every rank.
-    model = GPT(model_config, groups.group("tp"), seed=tcfg["seed"])
-    engine = build_engine(model, config, layout.data, ModelParallelUnit(groups), run_dir)
+    pipelined = layout.pipeline > 1
+    if pipelined:  # DeepSpeed's pipeline engine brings its own grid: no mpu
+        model = build_pipeline_model(model_config, topology, groups.group("tp"), seed=tcfg["seed"])
+        engine = build_engine(model, config, layout.data, None, run_dir)
+    else:
+        model = GPT(model_config, groups.group("tp"), seed=tcfg["seed"])
+        engine = build_engine(model, config, layout.data, ModelParallelUnit(groups), run_dir)
     source = make_source(config["data"]["source"], config["data"]["path"], config["data"]["vocab_size"],
                          tcfg["seed"])
     sampler = ResumableSampler(source.num_samples(tcfg["seq_len"]), groups.coord("dp"), groups.size("dp"),
@@ -110,21 +123,24 @@ def train(plan: Plan, info: LaunchInfo, run_dir: Path, log: Callable[[str], None
                              peak_flops=peak_flops(device, tcfg["precision"]) * info.world_size,
                              console=Console(file=_LogLines(log), width=200))
     loss = eval_loss = float("nan")
+    stream = _batches(source, sampler, tcfg["seq_len"], engine.device)
     with monitor:
         for step in range(1, tcfg["steps"] + 1):
             start = time.perf_counter()
             lr = engine.get_lr()[0]  # the rate this step uses; the scheduler moves on inside engine.step()
-            total = 0.0
-            for _ in range(tcfg["grad_accum"]):
-                inputs, targets = (t.to(engine.device) for t in batch(source, sampler.next_indices(),
-                                                                       tcfg["seq_len"]))
-                micro_loss = engine(inputs, targets)
-                engine.backward(micro_loss)
-                engine.step()
-                total += float(micro_loss)
-            # The loss average and the gradient norm cost a collective each: only on steps that are logged.
             logged = monitor.log_due(step)
-            loss = _mean_over(total / tcfg["grad_accum"], groups.group("dp")) if logged else float("nan")
+            if pipelined:
+                loss = train_step(engine, stream)  # already the global batch's mean, on every rank
+            else:
+                total = 0.0
+                for _ in range(tcfg["grad_accum"]):
+                    inputs, targets = next(stream)
+                    micro_loss = engine(inputs, targets)
+                    engine.backward(micro_loss)
+                    engine.step()
+                    total += float(micro_loss)
+                # The loss average and the gradient norm cost a collective each: only on logged steps.
+                loss = _mean_over(total / tcfg["grad_accum"], groups.group("dp")) if logged else float("nan")
             norm = engine.get_global_grad_norm() if logged else None
             monitor.step(step, loss, lr, None if norm is None else float(norm), tokens_per_step,
                          time.perf_counter() - start, _memory_bytes() if logged else None)
