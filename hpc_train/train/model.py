@@ -24,7 +24,7 @@ from hpc_train.dist.tensor_parallel import (
     vocab_parallel_cross_entropy,
 )
 
-__all__ = ["GPT", "GPTConfig", "count_parameters"]
+__all__ = ["GPT", "GPTConfig", "count_parameters", "make_embeddings"]
 
 
 @dataclass(frozen=True)
@@ -96,6 +96,17 @@ class Block(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
+def make_embeddings(config: GPTConfig, group: Any, seed: int) -> tuple[VocabParallelEmbedding, nn.Embedding]:
+    """The token embedding (vocabulary-parallel) and the position embedding (replicated), seeded: shared by
+    :class:`GPT` and the first pipeline stage so both start from the same weights."""
+    token = VocabParallelEmbedding(config.vocab_size, config.hidden, group, seed=seed)
+    _mark_sharded(token, "weight")
+    position = nn.Embedding(config.seq_len, config.hidden)
+    with torch.no_grad():
+        position.weight.normal_(0.0, 0.02, generator=torch.Generator().manual_seed(seed + 1))
+    return token, position
+
+
 class GPT(nn.Module):
     """``forward(tokens, targets)`` returns the mean next-token loss over the batch."""
 
@@ -103,12 +114,7 @@ class GPT(nn.Module):
         super().__init__()
         self.config = config
         self.group = group
-        self.wte = VocabParallelEmbedding(config.vocab_size, config.hidden, group, seed=seed)
-        _mark_sharded(self.wte, "weight")
-        generator = torch.Generator().manual_seed(seed + 1)
-        self.wpe = nn.Embedding(config.seq_len, config.hidden)
-        with torch.no_grad():
-            self.wpe.weight.normal_(0.0, 0.02, generator=generator)
+        self.wte, self.wpe = make_embeddings(config, group, seed)
         self.blocks = nn.ModuleList(Block(config, group, seed + 100 * (i + 1)) for i in range(config.layers))
         self.ln_f = nn.LayerNorm(config.hidden)
         self.head = ColumnParallelLinear(config.hidden, config.vocab_size, group, bias=False, seed=seed + 2)

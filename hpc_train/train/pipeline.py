@@ -40,12 +40,11 @@ from torch import nn
 
 from hpc_train.dist.tensor_parallel import (
     ColumnParallelLinear,
-    VocabParallelEmbedding,
     tp_rank,
     vocab_parallel_cross_entropy,
 )
 from hpc_train.dist.topology import Topology
-from hpc_train.train.model import Block, GPTConfig, _mark_sharded
+from hpc_train.train.model import Block, GPTConfig, _mark_sharded, make_embeddings
 
 __all__ = [
     "EmbeddingStage",
@@ -66,12 +65,7 @@ class EmbeddingStage(nn.Module):
 
     def __init__(self, config: GPTConfig, group: Any, seed: int) -> None:
         super().__init__()
-        self.wte = VocabParallelEmbedding(config.vocab_size, config.hidden, group, seed=seed)
-        _mark_sharded(self.wte, "weight")
-        generator = torch.Generator().manual_seed(seed + 1)
-        self.wpe = nn.Embedding(config.seq_len, config.hidden)
-        with torch.no_grad():
-            self.wpe.weight.normal_(0.0, 0.02, generator=generator)
+        self.wte, self.wpe = make_embeddings(config, group, seed)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(tokens.shape[1], device=tokens.device)
