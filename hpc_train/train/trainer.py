@@ -74,16 +74,28 @@ def _evaluate(engine: Any, source: Any, config: dict[str, Any], groups: Parallel
     train = config["train"]
     sampler = ResumableSampler(source.num_samples(train["seq_len"]), groups.coord("dp"), groups.size("dp"),
                                train["micro_batch"], seed=train["seed"] + 7919)
+    stream = _batches(source, sampler, train["seq_len"], engine.device)
     if groups.size("pp") > 1:
-        return eval_step(engine, _batches(source, sampler, train["seq_len"], engine.device), micro_batches=batches)
+        return eval_step(engine, stream, micro_batches=batches)
     engine.eval()
     total = 0.0
     with torch.no_grad():
         for _ in range(batches):
-            inputs, targets = (t.to(engine.device) for t in batch(source, sampler.next_indices(), train["seq_len"]))
-            total += float(engine(inputs, targets))
+            total += float(engine(*next(stream)))
     engine.train()
     return _mean_over(total / batches, groups.group("dp"))
+
+
+def _model_and_engine(model_config: GPTConfig, topology: Topology, groups: ParallelGroups, config: dict[str, Any],
+                      run_dir: Path) -> tuple[Any, Any]:
+    """The GPT, or its pipeline stages, inside a DeepSpeed engine. The layers always get the tensor group, even
+    of size 1: they read None as "the default group", which would be every rank."""
+    seed, data_parallel = config["train"]["seed"], topology.sizes["dp"]
+    if topology.sizes["pp"] > 1:  # DeepSpeed's pipeline engine brings its own grid: no mpu
+        model = build_pipeline_model(model_config, topology, groups.group("tp"), seed=seed)
+        return model, build_engine(model, config, data_parallel, None, run_dir)
+    model = GPT(model_config, groups.group("tp"), seed=seed)
+    return model, build_engine(model, config, data_parallel, ModelParallelUnit(groups), run_dir)
 
 
 def train(plan: Plan, info: LaunchInfo, run_dir: Path, log: Callable[[str], None] = print) -> dict[str, Any]:
@@ -98,14 +110,8 @@ def train(plan: Plan, info: LaunchInfo, run_dir: Path, log: Callable[[str], None
                               order=layout.order)
     groups = ParallelGroups(topology, "cuda" if context.backend == "nccl" else "cpu")
     model_config = GPTConfig.from_preset(tcfg["model"], config["data"]["vocab_size"], tcfg["seq_len"])
-    # Always the tensor group, even of size 1: the layers read None as "the default group", i.e. every rank.
+    model, engine = _model_and_engine(model_config, topology, groups, config, run_dir)
     pipelined = layout.pipeline > 1
-    if pipelined:  # DeepSpeed's pipeline engine brings its own grid: no mpu
-        model = build_pipeline_model(model_config, topology, groups.group("tp"), seed=tcfg["seed"])
-        engine = build_engine(model, config, layout.data, None, run_dir)
-    else:
-        model = GPT(model_config, groups.group("tp"), seed=tcfg["seed"])
-        engine = build_engine(model, config, layout.data, ModelParallelUnit(groups), run_dir)
     source = make_source(config["data"]["source"], config["data"]["path"], config["data"]["vocab_size"],
                          tcfg["seed"])
     sampler = ResumableSampler(source.num_samples(tcfg["seq_len"]), groups.coord("dp"), groups.size("dp"),
