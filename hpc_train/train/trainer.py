@@ -22,6 +22,7 @@ from hpc_train.dist.faults import maybe_inject_fault
 from hpc_train.dist.launchers import LaunchInfo
 from hpc_train.dist.mesh import ModelParallelUnit, ParallelGroups
 from hpc_train.dist.topology import Topology
+from hpc_train.train.checkpointing import Checkpointer
 from hpc_train.train.data import ResumableSampler, batch, make_source
 from hpc_train.train.engine import build_engine
 from hpc_train.train.flops import flops_per_token, peak_flops
@@ -116,6 +117,11 @@ def train(plan: Plan, info: LaunchInfo, run_dir: Path, log: Callable[[str], None
                          tcfg["seed"])
     sampler = ResumableSampler(source.num_samples(tcfg["seq_len"]), groups.coord("dp"), groups.size("dp"),
                                tcfg["micro_batch"], seed=tcfg["seed"])
+    checkpointer = Checkpointer(run_dir, config, layout, plan.config_hash)
+    start_step, sampler_state = checkpointer.resume(engine)
+    if sampler_state is not None:
+        sampler.load_state_dict(sampler_state)
+        log(f"resumed from step {start_step} (epoch {sampler.epoch}, offset {sampler.offset})")
     tokens_per_step = layout.global_batch * tcfg["seq_len"]
     # N for 6N: the parameters of matrix multiplies, so neither the position nor the (untied) input embedding.
     matmul_params = count_parameters(model_config) - (model_config.vocab_size + model_config.seq_len) * \
@@ -127,11 +133,11 @@ def train(plan: Plan, info: LaunchInfo, run_dir: Path, log: Callable[[str], None
                              log_every=monitor_config["log_every"], tensorboard=monitor_config["tensorboard"],
                              histogram_every=monitor_config["histogram_every"], flops_per_token=per_token,
                              peak_flops=peak_flops(device, tcfg["precision"]) * info.world_size,
-                             console=Console(file=_LogLines(log), width=200))
+                             console=Console(file=_LogLines(log), width=200), start_step=start_step)
     loss = eval_loss = float("nan")
     stream = _batches(source, sampler, tcfg["seq_len"], engine.device)
     with monitor:
-        for step in range(1, tcfg["steps"] + 1):
+        for step in range(start_step + 1, tcfg["steps"] + 1):
             start = time.perf_counter()
             lr = engine.get_lr()[0]  # the rate this step uses; the scheduler moves on inside engine.step()
             logged = monitor.log_due(step)
@@ -155,6 +161,8 @@ def train(plan: Plan, info: LaunchInfo, run_dir: Path, log: Callable[[str], None
             if monitor_config["eval_every"] and (step % monitor_config["eval_every"] == 0 or step == tcfg["steps"]):
                 eval_loss = _evaluate(engine, source, config, groups)
                 monitor.eval(step, eval_loss)
+            if checkpointer.due(step, tcfg["steps"]):
+                checkpointer.save(engine, step, sampler.state_dict())
     shutdown()
     return {"rank": info.rank, "steps": tcfg["steps"], "final_loss": loss, "eval_loss": eval_loss,
             "world_size": info.world_size, "launcher": info.launcher, "sampler": sampler.state_dict()}
