@@ -74,9 +74,9 @@ def run_rank(run_dir: Path) -> dict[str, Any]:
         logger.info("smoke: all_reduce of ranks = %s (expected %s) over %s, rendezvous %s; groups %s",
                     result["all_reduce"], result["expected"], result["backend"], result["rendezvous"],
                     "checked" if result["groups"] else "not checked")
-    else:
-        logger.info("trained %d steps: loss %.4f, eval loss %.4f", result["steps"], result["final_loss"],
-                    result["eval_loss"])
+    elif result["steps"] > result["start_step"]:
+        logger.info("trained steps %d-%d: loss %.4f, eval loss %.4f", result["start_step"] + 1, result["steps"],
+                    result["final_loss"], result["eval_loss"])
     if info.rank == 0:
         name = "smoke.json" if "all_reduce" in result else "train.json"
         atomic_write(run_dir / name, json.dumps(result, indent=2) + "\n")

@@ -4,4 +4,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/bootstrap.sh
-exec .venv/bin/python -m hpc_train.submit examples/tiny_gpt.toml --site local "$@"
+# checkpoint.resume=false: every quick start trains from the beginning (a real run resumes by itself).
+exec .venv/bin/python -m hpc_train.submit examples/tiny_gpt.toml --site local --set checkpoint.resume=false "$@"

@@ -122,6 +122,9 @@ def train(plan: Plan, info: LaunchInfo, run_dir: Path, log: Callable[[str], None
     if sampler_state is not None:
         sampler.load_state_dict(sampler_state)
         log(f"resumed from step {start_step} (epoch {sampler.epoch}, offset {sampler.offset})")
+    if start_step >= tcfg["steps"]:
+        log(f"nothing to train: the run's checkpoint is at step {start_step} of {tcfg['steps']}; raise train.steps "
+            "to go on, or set checkpoint.resume = false to start over")
     tokens_per_step = layout.global_batch * tcfg["seq_len"]
     # N for 6N: the parameters of matrix multiplies, so neither the position nor the (untied) input embedding.
     matmul_params = count_parameters(model_config) - (model_config.vocab_size + model_config.seq_len) * \
@@ -164,5 +167,6 @@ def train(plan: Plan, info: LaunchInfo, run_dir: Path, log: Callable[[str], None
             if checkpointer.due(step, tcfg["steps"]):
                 checkpointer.save(engine, step, sampler.state_dict())
     shutdown()
-    return {"rank": info.rank, "steps": tcfg["steps"], "final_loss": loss, "eval_loss": eval_loss,
+    return {"rank": info.rank, "steps": tcfg["steps"], "start_step": start_step, "final_loss": loss,
+            "eval_loss": eval_loss,
             "world_size": info.world_size, "launcher": info.launcher, "sampler": sampler.state_dict()}
