@@ -51,7 +51,7 @@ SITE_FIELDS = [("slurm", "partition"), ("slurm", "account"), ("slurm", "qos"), (
                ("network.nccl", "NCCL_DEBUG"), ("software", "modules[]"), ("software", "python"),
                ("container", "image"), ("container", "mounts[]"), ("env", "SITE_VALUE"), ("preempt", "signal")]
 STUBS = {
-    "srun": 'while [[ "$1" == --* ]]; do shift; done; exec "$@"',
+    "srun": 'while [[ "$1" == --* ]]; do case "$1" in --output|--error) shift 2;; *) shift;; esac; done; exec "$@"',
     "mpirun": 'while [[ "$1" == -* ]]; do case "$1" in -np|--map-by|--bind-to|-x) shift 2;; *) shift;; esac; done;'
               ' exec "$@"',
     "scontrol": "echo n1",
@@ -156,3 +156,43 @@ def test_accepted_values_really_are_exercised(tmp_path: Path) -> None:
     assert (tmp_path / "env").read_text() == "$(touch X) `y` 'q'"
     assert not (tmp_path / "X").exists()
     assert "SECRET" not in os.environ.get("HPC_TRAIN_EXAMPLE", "")
+
+
+SUBMITIT_FIELDS = [("job", "name"), ("job", "partition"), ("job", "account"), ("job", "constraint"),
+                   ("job", "mem"), ("job", "forward_env[]"), ("env", "HPC_TRAIN_EXAMPLE"), ("software", "modules[]"),
+                   ("launch", "srun_args[]"), ("env", "SITE_VALUE")]
+
+
+@pytest.mark.parametrize(("table", "key"), SUBMITIT_FIELDS, ids=[f"{t}.{k}" for t, k in SUBMITIT_FIELDS])
+def test_hostile_values_never_execute_through_submitit(tmp_path: Path, table: str, key: str) -> None:
+    """The submitit path writes its own sbatch script (setup lines, srun flags, directives): render it with
+    submitit itself and run it with bash."""
+    from submitit.slurm.slurm import _make_sbatch_string
+
+    from hpc_train.slurm.executors import submitit_parameters
+
+    _stub_bin(tmp_path)
+    canary = tmp_path / "PWNED"
+    accepted = 0
+    for payload in PAYLOADS:
+        value = payload.format(c=canary)
+        job: dict[str, Any] = {"job": {"name": "hostile", "nodes": 1, "tasks_per_node": 2}}
+        site: dict[str, Any] = {"name": "hostile-site", "slurm": {"enabled": True}, "node": {"cpus": 8}}
+        owner = job if table in ("job",) or (table, key) == ("env", "HPC_TRAIN_EXAMPLE") else site
+        _set(owner, table, key, value)
+        try:
+            params = submitit_parameters(_plan(tmp_path, job, site))
+        except ConfigError:
+            continue
+        text = _make_sbatch_string(command=f"{tmp_path / 'bin' / 'python'} -u -m submitit.core._submit x",
+                                   folder=str(tmp_path / "sub"), **params)
+        directives = [line for line in text.splitlines() if line.startswith("#SBATCH")]
+        assert all(re.fullmatch(r"#SBATCH --[a-z-]+(=[^\s'\"`$;]+)?", line) for line in directives), directives
+        accepted += 1
+        result = _run_script(tmp_path, text)
+        assert not canary.exists(), f"payload {value!r} in {table}.{key} ran\n{text}"
+        assert result.returncode == 0, result.stderr
+        if (table, key) == ("env", "HPC_TRAIN_EXAMPLE"):
+            assert (tmp_path / "env").read_text() == value
+    if table == "env":
+        assert accepted > 0  # quoted, not refused: the script really ran with them
