@@ -8,7 +8,6 @@ needed to prove the shell does not execute a payload); each payload would create
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 from pathlib import Path
@@ -57,7 +56,8 @@ STUBS = {
     "scontrol": "echo n1",
     "module": "exit 0",
     "apptainer": 'shift; while [[ "$1" == --* ]]; do shift; [[ "$1" != --* ]] && shift; done; shift; exec "$@"',
-    "python": 'printf "%s\\0" "$@" > "$HT_ARGV"; printf "%s" "${HPC_TRAIN_EXAMPLE-}" > "$HT_ENV"',
+    "python": 'printf "%s\\0" "$@" > "$HT_ARGV"; printf "%s" "${HPC_TRAIN_EXAMPLE-}" > "$HT_ENV"; '
+              'printf "%s %s" "${MASTER_ADDR-}" "${MASTER_PORT-}" > "$HT_ENV.rdzv"',
 }
 
 
@@ -154,8 +154,11 @@ def test_accepted_values_really_are_exercised(tmp_path: Path) -> None:
     text = render_script(_plan(tmp_path, job, site), "srun").text
     assert _run_script(tmp_path, text).returncode == 0
     assert (tmp_path / "env").read_text() == "$(touch X) `y` 'q'"
+    # The script's rendezvous is the one every rank computes in Python (one formula, two places).
+    from hpc_train.dist.rendezvous import derive_port
+
+    assert (tmp_path / "env.rdzv").read_text() == f"n1 {derive_port('4242', 0, 20000, 60000)}"
     assert not (tmp_path / "X").exists()
-    assert "SECRET" not in os.environ.get("HPC_TRAIN_EXAMPLE", "")
 
 
 SUBMITIT_FIELDS = [("job", "name"), ("job", "partition"), ("job", "account"), ("job", "constraint"),

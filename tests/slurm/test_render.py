@@ -93,15 +93,20 @@ def test_torchrun_asks_one_task_per_node_with_all_cores() -> None:
     assert "--nproc-per-node=\"$nproc\"" in text
 
 
-def test_forwarded_variables_are_named_never_written() -> None:
+def test_forwarded_variables_are_named_never_written(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The value of a forwarded variable is in the submitting shell: neither the script, nor the plan, nor the
+    submitit parameters may carry it; only its name travels (sbatch --export)."""
+    from hpc_train.slurm.executors import submitit_parameters
+
+    monkeypatch.setenv("WANDB_API_KEY", "secret-value-123")
     job = {"job": {"nodes": 1, "tasks_per_node": 2, "forward_env": ["WANDB_API_KEY", "HOME"]}}
-    os.environ["WANDB_API_KEY"] = "secret-value-123"
-    try:
-        text = render_script(plan_for("local-slurm", job), "srun").text
-    finally:
-        del os.environ["WANDB_API_KEY"]
+    plan = plan_for("local-slurm", job)
+    text = render_script(plan, "srun").text
+    params = submitit_parameters(plan)
     assert "#SBATCH --export=WANDB_API_KEY,HOME" in text
-    assert "secret-value-123" not in text
+    assert params["additional_parameters"]["export"] == "WANDB_API_KEY,HOME"
+    for written in (text, plan.to_json(), repr(params)):
+        assert "secret-value-123" not in written
 
 
 def test_gres_sites_ask_for_gres() -> None:
