@@ -94,7 +94,7 @@ CASES = [
     ("set-unknown-section", "", ["--set", "trian.lr=1"], 'unknown section "trian", did you mean "train"'),
     ("set-wrong-type", "", ["--set", "train.steps=many"], "train.steps: expected an integer, got 'many'"),
     ("site-unknown", "", ["--site", "locall"], 'no site named "locall", did you mean "local"'),
-    ("executor-slurm-on-local-site", "", ["--executor", "slurm"], "--executor"),
+    ("executor-slurm-on-local-site", "", ["--executor", "slurm"], "--executor: slurm, but "),
     ("executor-bad-choice", "", ["--executor", "cloud"], "argument --executor: invalid choice"),
     ("gpus-over-node", "[job]\ngpus_per_node = 8\n", ["--site", "@bad"],
      "job.gpus_per_node: 8 is more than the 4 GPUs"),
