@@ -38,11 +38,16 @@ def weight_decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dic
 
 
 def build_engine(model: torch.nn.Module, config: dict[str, Any], data_parallel: int, mpu: Any,
-                 run_dir: Path | None) -> Any:
+                 run_dir: Path | None, local_rank: int | None = None) -> Any:
     """``deepspeed.initialize`` with our optimizer (by default torch's AdamW: nothing is compiled), schedule and
-    groups; rank 0 writes ``deepspeed_config.json`` into the run folder."""
+    groups; rank 0 writes ``deepspeed_config.json`` into the run folder. The ops DeepSpeed compiles during
+    ``initialize`` are built first by local rank 0 of each node (:mod:`hpc_train.train.jit_ops`)."""
     import deepspeed
     import torch.distributed as dist
+
+    from hpc_train.train.jit_ops import prepare_for_initialize
+
+    prepare_for_initialize(local_rank, dist.barrier)
 
     train = config["train"]
     ds = deepspeed_config(config, data_parallel)

@@ -88,15 +88,16 @@ def _evaluate(engine: Any, source: Any, config: dict[str, Any], groups: Parallel
 
 
 def _model_and_engine(model_config: GPTConfig, topology: Topology, groups: ParallelGroups, config: dict[str, Any],
-                      run_dir: Path) -> tuple[Any, Any]:
+                      run_dir: Path, local_rank: int) -> tuple[Any, Any]:
     """The GPT, or its pipeline stages, inside a DeepSpeed engine. The layers always get the tensor group, even
     of size 1: they read None as "the default group", which would be every rank."""
     seed, data_parallel = config["train"]["seed"], topology.sizes["dp"]
     if topology.sizes["pp"] > 1:  # DeepSpeed's pipeline engine brings its own grid: no mpu
         model = build_pipeline_model(model_config, topology, groups.group("tp"), seed=seed)
-        return model, build_engine(model, config, data_parallel, None, run_dir)
+        return model, build_engine(model, config, data_parallel, None, run_dir, local_rank)
     model = GPT(model_config, groups.group("tp"), seed=seed)
-    return model, build_engine(model, config, data_parallel, ModelParallelUnit(groups), run_dir)
+    return model, build_engine(model, config, data_parallel, ModelParallelUnit(groups), run_dir,
+                                local_rank)
 
 
 def train(plan: Plan, info: LaunchInfo, run_dir: Path, log: Callable[[str], None] = print) -> dict[str, Any]:
@@ -111,7 +112,7 @@ def train(plan: Plan, info: LaunchInfo, run_dir: Path, log: Callable[[str], None
                               order=layout.order)
     groups = ParallelGroups(topology, "cuda" if context.backend == "nccl" else "cpu")
     model_config = GPTConfig.from_preset(tcfg["model"], config["data"]["vocab_size"], tcfg["seq_len"])
-    model, engine = _model_and_engine(model_config, topology, groups, config, run_dir)
+    model, engine = _model_and_engine(model_config, topology, groups, config, run_dir, info.local_rank)
     pipelined = layout.pipeline > 1
     source = make_source(config["data"]["source"], config["data"]["path"], config["data"]["vocab_size"],
                          tcfg["seed"])

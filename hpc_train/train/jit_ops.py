@@ -1,0 +1,136 @@
+"""DeepSpeed's just-in-time compiled ops, built once per node and never waited on forever.
+
+DeepSpeed compiles some ops on first use (on CPU the shared-memory all-reduce, ``deepspeed_shm_comm``) under
+torch's extension folder, guarded by a ``lock`` file that the builder deletes when it is done. A rank killed
+while compiling (preempted, timed out, Ctrl-C) leaves that file behind, and from then on every job of that user
+waits for it without end and without a word. Here the ops are built before ``deepspeed.initialize`` by one
+rank per node while the others wait at a barrier, and a lock older than any build is removed with a warning.
+``python -m hpc_train.train.jit_ops`` does the same from a shell (``scripts/bootstrap.sh`` runs it).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["STALE_AFTER_S", "StaleLock", "build_ops", "extensions_root", "prepare_for_initialize", "remove_stale_locks"]
+
+# A build of the shm op takes about 35 s on two busy cores; ten times that is no longer a build.
+STALE_AFTER_S = float(os.environ.get("HPC_TRAIN_JIT_LOCK_STALE_S", "600"))
+# The ops DeepSpeed loads by itself during ``initialize`` (the others only when the config asks for them).
+INIT_OPS = ("ShareMemCommBuilder",)
+
+
+@dataclass(frozen=True)
+class StaleLock:
+    """A build lock that was removed, and how old it was."""
+
+    path: Path
+    age_s: float
+
+
+def extensions_root() -> Path:
+    """The folder torch builds extensions under: ``TORCH_EXTENSIONS_DIR``, else its per-user cache folder with the
+    Python and accelerator tag (``~/.cache/torch_extensions/py311_cpu``), as ``torch.utils.cpp_extension`` does."""
+    configured = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if configured:
+        return Path(configured)
+    import torch
+    from torch.utils.cpp_extension import get_default_build_root
+
+    if torch.version.hip is not None:
+        accelerator = f"rocm{torch.version.hip.replace('.', '')}"
+    elif torch.version.cuda is not None:
+        accelerator = f"cu{torch.version.cuda.replace('.', '')}"
+    else:
+        accelerator = "cpu"
+    python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
+    return Path(get_default_build_root()) / f"{python}_{accelerator}"
+
+
+def _warn(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _age_s(path: Path, now: float) -> float | None:
+    try:
+        return now - path.stat().st_mtime
+    except FileNotFoundError:
+        return None
+
+
+def remove_stale_locks(root: Path, stale_after_s: float = STALE_AFTER_S, wait: bool = True,
+                       clock: Callable[[], float] = time.time, sleep: Callable[[float], None] = time.sleep,
+                       warn: Callable[[str], None] = _warn) -> list[StaleLock]:
+    """Remove every ``<root>/<op>/lock`` older than ``stale_after_s``. With ``wait``, a younger lock (a build in
+    progress, perhaps on another node sharing the home folder) is waited on until it goes or turns stale.
+
+    The age is read again just before removing, so a lock that a live builder has just created is left alone."""
+    removed: list[StaleLock] = []
+    if not root.is_dir():
+        return removed
+    for lock in sorted(root.glob("*/lock")):
+        while True:
+            age = _age_s(lock, clock())
+            if age is None:
+                break
+            if age > stale_after_s:
+                again = _age_s(lock, clock())
+                if again is not None and again > stale_after_s:
+                    try:
+                        lock.unlink()
+                    except FileNotFoundError:
+                        break
+                    removed.append(StaleLock(lock, again))
+                    warn(f"hpc_train: removed the build lock {lock}: it is {again:.0f} s old, left by a build that "
+                         f"was killed (builds take well under {stale_after_s:.0f} s; set HPC_TRAIN_JIT_LOCK_STALE_S "
+                         "to change that limit)")
+                break
+            if not wait:
+                break
+            sleep(min(1.0, stale_after_s - age + 0.01))
+    return removed
+
+
+def build_ops(names: tuple[str, ...] = INIT_OPS, stale_after_s: float = STALE_AFTER_S,
+              warn: Callable[[str], None] = _warn) -> list[str]:
+    """Clear stale locks, then load (building if needed) each op this accelerator has and can compile.
+    Returns the names of the ops that were loaded."""
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
+
+    remove_stale_locks(extensions_root(), stale_after_s, warn=warn)
+    loaded = []
+    for name in names:
+        builder = get_accelerator().create_op_builder(name)
+        if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
+            continue
+        builder.load(verbose=False)
+        loaded.append(builder.NAME)
+    return loaded
+
+
+def prepare_for_initialize(local_rank: int | None, barrier: Callable[[], None]) -> None:
+    """One rank per node (local rank 0) builds the ops ``deepspeed.initialize`` needs while the others wait at
+    ``barrier`` (a collective over all ranks), so no rank races the build or waits on a dead builder's lock.
+    Without a known local rank every rank clears stale locks and loads; torch's lock then orders the builds."""
+    if local_rank is None or local_rank == 0:
+        build_ops()
+    barrier()
+
+
+def main() -> int:
+    """Build the ops for this machine now, so that no job pays for (or hangs on) the first compile."""
+    started = time.monotonic()
+    loaded = build_ops()
+    names = ", ".join(loaded) or "none needed on this accelerator"
+    print(f"jit_ops: ready in {time.monotonic() - started:.1f} s under {extensions_root()}: {names}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
