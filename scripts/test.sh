@@ -20,5 +20,9 @@ if [ "$(id -u)" = 0 ]; then
     export HPC_TRAIN_REQUIRE_SLURM=1
 fi
 
+# DeepSpeed's CPU shm all-reduce buffers (66 MB of RAM each) that runs before hpc_train.train.dscomm leaked
+# would crowd out the tests' memory; an hour-old one belongs to no live test run.
+find /dev/shm -maxdepth 1 -name 'deepspeed_allreduce_buffer_*' -mmin +60 -delete 2>/dev/null || true
+
 .venv/bin/ruff check hpc_train tests benchmarks
 .venv/bin/python -m pytest -q -p no:cacheprovider "$@"

@@ -40,14 +40,14 @@ def weight_decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dic
 def build_engine(model: torch.nn.Module, config: dict[str, Any], data_parallel: int, mpu: Any,
                  run_dir: Path | None, local_rank: int | None = None) -> Any:
     """``deepspeed.initialize`` with our optimizer (by default torch's AdamW: nothing is compiled), schedule and
-    groups; rank 0 writes ``deepspeed_config.json`` into the run folder. The ops DeepSpeed compiles during
-    ``initialize`` are built first by local rank 0 of each node (:mod:`hpc_train.train.jit_ops`)."""
+    groups; rank 0 writes ``deepspeed_config.json`` into the run folder. DeepSpeed's communication layer
+    starts first (:mod:`hpc_train.train.dscomm`): its ops built by local rank 0 of each node, no shm buffers."""
     import deepspeed
     import torch.distributed as dist
 
-    from hpc_train.train.jit_ops import prepare_for_initialize
+    from hpc_train.train.dscomm import init_deepspeed_comm
 
-    prepare_for_initialize(local_rank, dist.barrier)
+    init_deepspeed_comm(local_rank)
 
     train = config["train"]
     ds = deepspeed_config(config, data_parallel)

@@ -44,6 +44,7 @@ from hpc_train.dist.tensor_parallel import (
     vocab_parallel_cross_entropy,
 )
 from hpc_train.dist.topology import Topology
+from hpc_train.train.dscomm import init_deepspeed_comm
 from hpc_train.train.model import Block, GPTConfig, _mark_sharded, make_embeddings
 
 __all__ = [
@@ -131,7 +132,8 @@ def _mark_replicated(module: nn.Module, group: Any) -> None:
             param.model_parallel = first
 
 
-def build_pipeline_model(config: GPTConfig, topology: Topology, tp_group: Any, seed: int) -> PipelineModule:
+def build_pipeline_model(config: GPTConfig, topology: Topology, tp_group: Any, seed: int,
+                         local_rank: int | None = None) -> PipelineModule:
     """``GPT(config, tp_group, seed)`` as a DeepSpeed PipelineModule of ``topology.sizes["pp"]`` stages.
 
     Layers: 0 the embedding, 1..layers the blocks, layers + 1 the final LayerNorm and head; cut into stages with
@@ -145,8 +147,7 @@ def build_pipeline_model(config: GPTConfig, topology: Topology, tp_group: Any, s
         raise ValueError(f"the pipeline needs torch.distributed with {topology.world} ranks (the topology's world), "
                          f"found {found}")
     _check_tp_group(topology, tp_group)
-    if not deepspeed.comm.is_initialized():  # PipelineModule talks through deepspeed.comm: adopt our group
-        deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
+    init_deepspeed_comm(local_rank)  # PipelineModule talks through deepspeed.comm: adopt our group
     layers = [LayerSpec(EmbeddingStage, config, tp_group, seed)]
     layers += [LayerSpec(Block, config, tp_group, seed + 100 * (i + 1)) for i in range(config.layers)]
     layers.append(LayerSpec(HeadStage, config, tp_group, seed))

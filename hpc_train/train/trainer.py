@@ -93,7 +93,7 @@ def _model_and_engine(model_config: GPTConfig, topology: Topology, groups: Paral
     of size 1: they read None as "the default group", which would be every rank."""
     seed, data_parallel = config["train"]["seed"], topology.sizes["dp"]
     if topology.sizes["pp"] > 1:  # DeepSpeed's pipeline engine brings its own grid: no mpu
-        model = build_pipeline_model(model_config, topology, groups.group("tp"), seed=seed)
+        model = build_pipeline_model(model_config, topology, groups.group("tp"), seed=seed, local_rank=local_rank)
         return model, build_engine(model, config, data_parallel, None, run_dir, local_rank)
     model = GPT(model_config, groups.group("tp"), seed=seed)
     return model, build_engine(model, config, data_parallel, ModelParallelUnit(groups), run_dir,

@@ -296,6 +296,7 @@ def _measure(case: tuple[int, str, int], groups: Any, world: int) -> dict[str, i
 
 
 def _deepspeed_worker(rank: int, world: int, cases: list[tuple[int, str, int]]) -> dict[str, Any]:
+    # LOCAL_SIZE as DeepSpeed's launcher sets it; build_engine hides it from DeepSpeed's shm all-reduce.
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_SIZE=str(world),
                       LOCAL_WORLD_SIZE=str(world))
     import torch.distributed as dist
