@@ -70,6 +70,11 @@ def run_rank(run_dir: Path) -> dict[str, Any]:
                   "traceback": text}
         atomic_write(rank_error_path(run_dir, info.rank), json.dumps(report, indent=2) + "\n")
         raise
+    if "stopped" in result:  # saved after a preemption signal: leave without a result, with the agreed status
+        stopped = result["stopped"]
+        logger.info("stopped after step %d on %s (%s: %s); exit status %d", stopped["step"], stopped["signal"],
+                    stopped["requeue"], stopped["reason"], stopped["exit_code"])
+        raise SystemExit(stopped["exit_code"])
     if "all_reduce" in result:
         logger.info("smoke: all_reduce of ranks = %s (expected %s) over %s, rendezvous %s; groups %s",
                     result["all_reduce"], result["expected"], result["backend"], result["rendezvous"],

@@ -10,6 +10,7 @@ rank per node while the others wait at a barrier, and a lock older than any buil
 
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
 import time
@@ -17,7 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["STALE_AFTER_S", "StaleLock", "build_ops", "extensions_root", "prepare_for_initialize", "remove_stale_locks"]
+__all__ = ["STALE_AFTER_S", "StaleLock", "build_ops", "extensions_root", "prepare_for_initialize", "remove_stale_locks",
+           "use_extensions_root"]
 
 # A build of the shm op takes about 35 s on two busy cores; ten times that is no longer a build.
 STALE_AFTER_S = float(os.environ.get("HPC_TRAIN_JIT_LOCK_STALE_S", "600"))
@@ -34,11 +36,16 @@ class StaleLock:
 
 
 def extensions_root() -> Path:
-    """The folder torch builds extensions under: ``TORCH_EXTENSIONS_DIR``, else its per-user cache folder with the
-    Python and accelerator tag (``~/.cache/torch_extensions/py311_cpu``), as ``torch.utils.cpp_extension`` does."""
+    """Where torch builds DeepSpeed's ops: ``TORCH_EXTENSIONS_DIR`` when the user set it, else a folder of torch's
+    per-user cache (``~/.cache/torch_extensions/py311_cpu/``) keyed by this installation of DeepSpeed and torch.
+
+    torch's own default is one folder for every environment of a user; a build there records the source paths of
+    the environment that built it, so two virtual environments (a checkout and a CI clone, two projects) rebuild
+    the op in turn in the same folder, each waiting on the other's lock."""
     configured = os.environ.get("TORCH_EXTENSIONS_DIR")
     if configured:
         return Path(configured)
+    import deepspeed
     import torch
     from torch.utils.cpp_extension import get_default_build_root
 
@@ -49,7 +56,16 @@ def extensions_root() -> Path:
     else:
         accelerator = "cpu"
     python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
-    return Path(get_default_build_root()) / f"{python}_{accelerator}"
+    install = f"{Path(deepspeed.__file__).resolve().parent}|{deepspeed.__version__}|{torch.__version__}"
+    key = hashlib.sha256(install.encode()).hexdigest()[:12]
+    return Path(get_default_build_root()) / f"{python}_{accelerator}" / f"hpc_train-{key}"
+
+
+def use_extensions_root() -> Path:
+    """Point torch (and so DeepSpeed) at :func:`extensions_root` for this process and its children."""
+    root = extensions_root()
+    os.environ["TORCH_EXTENSIONS_DIR"] = str(root)
+    return root
 
 
 def _warn(message: str) -> None:
@@ -103,7 +119,7 @@ def build_ops(names: tuple[str, ...] = INIT_OPS, stale_after_s: float = STALE_AF
     import deepspeed.ops
     from deepspeed.accelerator import get_accelerator
 
-    remove_stale_locks(extensions_root(), stale_after_s, warn=warn)
+    remove_stale_locks(use_extensions_root(), stale_after_s, warn=warn)
     loaded = []
     for name in names:
         builder = get_accelerator().create_op_builder(name)
@@ -118,6 +134,7 @@ def prepare_for_initialize(local_rank: int | None, barrier: Callable[[], None]) 
     """One rank per node (local rank 0) builds the ops ``deepspeed.initialize`` needs while the others wait at
     ``barrier`` (a collective over all ranks), so no rank races the build or waits on a dead builder's lock.
     Without a known local rank every rank clears stale locks and loads; torch's lock then orders the builds."""
+    use_extensions_root()  # every rank, before DeepSpeed loads an op
     if local_rank is None or local_rank == 0:
         build_ops()
     barrier()

@@ -29,6 +29,8 @@ from hpc_train.train.flops import flops_per_token, peak_flops
 from hpc_train.train.model import GPT, GPTConfig, count_parameters
 from hpc_train.train.monitor import Monitor
 from hpc_train.train.pipeline import build_pipeline_model, eval_step, train_step
+from hpc_train.train.preemption import PreemptionWatch, arm_force_exit
+from hpc_train.train.stopping import AttemptRecorder, signal_name
 
 __all__ = ["train"]
 
@@ -70,8 +72,10 @@ def _batches(source: Any, sampler: ResumableSampler, seq_len: int, device: Any) 
         yield tuple(t.to(device) for t in batch(source, sampler.next_indices(), seq_len))
 
 
-def _evaluate(engine: Any, source: Any, config: dict[str, Any], groups: ParallelGroups, batches: int = 4) -> float:
-    """Loss on a fixed set of batches (the same at every evaluation), averaged over data-parallel ranks."""
+def _evaluate(engine: Any, source: Any, config: dict[str, Any], groups: ParallelGroups, watch: PreemptionWatch,
+              batches: int = 4) -> float | None:
+    """Loss on a fixed set of batches (the same at every evaluation), averaged over data-parallel ranks; None
+    when a preemption signal cut it short (the ranks agree on that between batches)."""
     train = config["train"]
     sampler = ResumableSampler(source.num_samples(train["seq_len"]), groups.coord("dp"), groups.size("dp"),
                                train["micro_batch"], seed=train["seed"] + 7919)
@@ -80,10 +84,14 @@ def _evaluate(engine: Any, source: Any, config: dict[str, Any], groups: Parallel
         return eval_step(engine, stream, micro_batches=batches)
     engine.eval()
     total = 0.0
-    with torch.no_grad():
-        for _ in range(batches):
-            total += float(engine(*next(stream)))
-    engine.train()
+    try:
+        with torch.no_grad():
+            for _ in range(batches):
+                if watch.agreed(engine.device):
+                    return None
+                total += float(engine(*next(stream)))
+    finally:
+        engine.train()
     return _mean_over(total / batches, groups.group("dp"))
 
 
@@ -100,8 +108,43 @@ def _model_and_engine(model_config: GPTConfig, topology: Topology, groups: Paral
                                 local_rank)
 
 
+def _stop(plan: Plan, info: LaunchInfo, engine: Any, checkpointer: Checkpointer, recorder: AttemptRecorder,
+          sampler: ResumableSampler, step: int, signum: int, watch: PreemptionWatch,
+          log: Callable[[str], None]) -> dict[str, Any]:
+    """All ranks agreed on a preemption signal after ``step``: save it (a force-exit timer guards the save), let
+    rank 0 record the attempt and requeue, and return how this rank must exit."""
+    name = signal_name(signum)
+    received = watch.received_at or time.time()
+    budget = max(10.0, plan.lead_seconds - (time.time() - received) - 5)
+    log(f"{name} received: saving step {step}, then stopping (the save must finish within {budget:.0f} s)")
+    timer = arm_force_exit(budget, log)
+    try:
+        saved = time.perf_counter()
+        checkpointer.save(engine, step, sampler.state_dict())
+        recorder.save_time(time.perf_counter() - saved)
+        preempt = plan.config["preempt"]
+        requeue = recorder.stopped(step, signum, preempt["requeue"], preempt["max_requeues"])
+    finally:
+        timer.cancel()
+    log(f"saved step {step} {time.time() - received:.1f} s after {name}; "
+        + ("requeued: " if requeue.action != "none" else "not requeued: ") + requeue.reason)
+    shutdown()
+    return {"rank": info.rank, "steps": plan.config["train"]["steps"], "stopped": {
+        "signal": name, "step": step, "requeue": requeue.action, "exit_code": requeue.exit_code,
+        "reason": requeue.reason}, "world_size": info.world_size, "launcher": info.launcher}
+
+
 def train(plan: Plan, info: LaunchInfo, run_dir: Path, log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Train ``plan`` on this rank; ``log`` takes rank 0's progress lines. Returns this rank's summary."""
+    """Train ``plan`` on this rank; ``log`` takes rank 0's progress lines. Returns this rank's summary.
+
+    The preemption signals are caught from the start: one that lands while the job is still starting (which can
+    take minutes on a large job) stops it after its first step instead of being lost."""
+    with PreemptionWatch([plan.signal]) as watch:
+        return _train(plan, info, run_dir, log, watch)
+
+
+def _train(plan: Plan, info: LaunchInfo, run_dir: Path, log: Callable[[str], None],
+           watch: PreemptionWatch) -> dict[str, Any]:
     config = plan.config
     tcfg, layout = config["train"], plan.layout
     context = bootstrap(info, port_range=(plan.port_range[0], plan.port_range[1]), fabric_suffix=plan.fabric_suffix,
@@ -140,33 +183,53 @@ def train(plan: Plan, info: LaunchInfo, run_dir: Path, log: Callable[[str], None
                              console=Console(file=_LogLines(log), width=200), start_step=start_step)
     loss = eval_loss = float("nan")
     stream = _batches(source, sampler, tcfg["seq_len"], engine.device)
-    with monitor:
-        for step in range(start_step + 1, tcfg["steps"] + 1):
-            start = time.perf_counter()
-            lr = engine.get_lr()[0]  # the rate this step uses; the scheduler moves on inside engine.step()
-            logged = monitor.log_due(step)
-            if pipelined:
-                loss = train_step(engine, stream)  # already the global batch's mean, on every rank
-            else:
-                total = 0.0
-                for _ in range(tcfg["grad_accum"]):
-                    inputs, targets = next(stream)
-                    micro_loss = engine(inputs, targets)
-                    engine.backward(micro_loss)
-                    engine.step()
-                    total += float(micro_loss)
-                # The loss average and the gradient norm cost a collective each: only on logged steps.
-                loss = _mean_over(total / tcfg["grad_accum"], groups.group("dp")) if logged else float("nan")
-            norm = engine.get_global_grad_norm() if logged else None
-            monitor.step(step, loss, lr, None if norm is None else float(norm), tokens_per_step,
-                         time.perf_counter() - start, _memory_bytes() if logged else None)
-            if monitor.histograms_due(step):
-                monitor.histograms(step, model.named_parameters())
-            if monitor_config["eval_every"] and (step % monitor_config["eval_every"] == 0 or step == tcfg["steps"]):
-                eval_loss = _evaluate(engine, source, config, groups)
-                monitor.eval(step, eval_loss)
-            if checkpointer.due(step, tcfg["steps"]):
-                checkpointer.save(engine, step, sampler.state_dict())
+    recorder = AttemptRecorder(run_dir, info, start_step, plan.lead_seconds, log)
+    step, stopped_by = start_step, 0
+    try:
+        with monitor:
+            for step in range(start_step + 1, tcfg["steps"] + 1):
+                start = time.perf_counter()
+                lr = engine.get_lr()[0]  # the rate this step uses; the scheduler moves on inside engine.step()
+                logged = monitor.log_due(step)
+                if pipelined:
+                    loss = train_step(engine, stream)  # already the global batch's mean, on every rank
+                else:
+                    total = 0.0
+                    for _ in range(tcfg["grad_accum"]):
+                        inputs, targets = next(stream)
+                        micro_loss = engine(inputs, targets)
+                        engine.backward(micro_loss)
+                        engine.step()
+                        total += float(micro_loss)
+                    # The loss average and the gradient norm cost a collective each: only on logged steps.
+                    loss = _mean_over(total / tcfg["grad_accum"], groups.group("dp")) if logged else float("nan")
+                norm = engine.get_global_grad_norm() if logged else None
+                elapsed = time.perf_counter() - start
+                monitor.step(step, loss, lr, None if norm is None else float(norm), tokens_per_step, elapsed,
+                             _memory_bytes() if logged else None)
+                if step > start_step + 1:  # the first step of an attempt also warms up
+                    recorder.step_time(elapsed)
+                stopped_by = watch.agreed(engine.device) if step < tcfg["steps"] else 0
+                if not stopped_by and monitor.histograms_due(step):
+                    monitor.histograms(step, model.named_parameters())
+                if not stopped_by and monitor_config["eval_every"] and (
+                        step % monitor_config["eval_every"] == 0 or step == tcfg["steps"]):
+                    result = _evaluate(engine, source, config, groups, watch)
+                    if result is None:
+                        stopped_by = watch.agreed(engine.device)
+                    else:
+                        eval_loss = result
+                        monitor.eval(step, eval_loss)
+                if stopped_by:
+                    return _stop(plan, info, engine, checkpointer, recorder, sampler, step, stopped_by, watch, log)
+                if checkpointer.due(step, tcfg["steps"]):
+                    saved = time.perf_counter()
+                    checkpointer.save(engine, step, sampler.state_dict())
+                    recorder.save_time(time.perf_counter() - saved)
+    except BaseException as error:
+        recorder.failed(step, error)
+        raise
+    recorder.completed(step)
     shutdown()
     return {"rank": info.rank, "steps": tcfg["steps"], "start_step": start_step, "final_loss": loss,
             "eval_loss": eval_loss,

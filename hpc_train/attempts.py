@@ -1,0 +1,102 @@
+"""``RUN_DIR/attempts.jsonl``: one line per attempt of a run (first start, each requeue, each resubmission).
+
+Rank 0 writes a line with outcome ``running`` when an attempt starts and rewrites it when the attempt ends
+(``completed``, ``preempted``, ``failed``); a line still ``running`` when the next attempt starts was killed
+without a word (SIGKILL, node failure, a requeue without a signal) and becomes ``killed``. The measured step and
+save times feed the preemption lead time of the next submission. Plain JSON, no torch: the login node reads it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+from hpc_train.runfolder import atomic_write
+
+__all__ = ["ATTEMPTS_FILE", "Attempt", "AttemptLog", "recommended_lead_seconds", "requeues_so_far"]
+
+ATTEMPTS_FILE = "attempts.jsonl"
+OUTCOMES = ("running", "completed", "preempted", "failed", "killed")
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """One attempt: where and when it ran, the steps it covered, and how it ended."""
+
+    attempt: int
+    job_id: str
+    restart: int
+    host: str
+    started: float
+    start_step: int
+    outcome: str = "running"
+    ended: float | None = None
+    end_step: int | None = None
+    signal: str | None = None
+    requeued: bool = False
+    step_s_max: float | None = None
+    save_s_max: float | None = None
+    note: str = ""
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Attempt:
+        known = {f.name for f in fields(cls)}
+        return cls(**{key: value for key, value in data.items() if key in known})
+
+
+class AttemptLog:
+    """The attempts of one run folder; only rank 0 writes, so a whole-file rewrite per change is safe."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.path = Path(run_dir) / ATTEMPTS_FILE
+
+    def read(self) -> list[Attempt]:
+        """Every readable line; a torn or foreign line is skipped rather than failing the run."""
+        if not self.path.exists():
+            return []
+        attempts = []
+        for line in self.path.read_text(encoding="utf-8").splitlines():
+            try:
+                attempts.append(Attempt.from_dict(json.loads(line)))
+            except (ValueError, TypeError):
+                continue
+        return attempts
+
+    def _write(self, attempts: list[Attempt]) -> None:
+        text = "".join(json.dumps(asdict(a), sort_keys=True) + "\n" for a in attempts)
+        atomic_write(self.path, text)
+
+    def begin(self, job_id: str, restart: int, host: str, started: float, start_step: int) -> Attempt:
+        """Close an attempt left ``running`` as ``killed`` and open the next one."""
+        attempts = [replace(a, outcome="killed") if a.outcome == "running" else a for a in self.read()]
+        current = Attempt(attempt=len(attempts) + 1, job_id=job_id, restart=restart, host=host, started=started,
+                          start_step=start_step)
+        self._write([*attempts, current])
+        return current
+
+    def finish(self, current: Attempt, **changes: Any) -> Attempt:
+        """Rewrite ``current``'s line with how it ended."""
+        if changes.get("outcome", current.outcome) not in OUTCOMES:
+            raise ValueError(f"outcome must be one of {', '.join(OUTCOMES)}, not {changes['outcome']!r}")
+        ended = replace(current, **changes)
+        self._write([ended if a.attempt == current.attempt else a for a in self.read()])
+        return ended
+
+
+def requeues_so_far(attempts: list[Attempt]) -> int:
+    """How many times this run has requeued itself."""
+    return sum(1 for a in attempts if a.requeued)
+
+
+def recommended_lead_seconds(attempts: list[Attempt], floor: int) -> int:
+    """Signal lead time that fits the slowest measured step plus save, with room to spare: twice the step (the
+    signal can land just after one starts) plus 1.5 times the save plus 10 s, never below ``floor``."""
+    steps = [a.step_s_max for a in attempts if a.step_s_max is not None]
+    saves = [a.save_s_max for a in attempts if a.save_s_max is not None]
+    if not steps and not saves:
+        return floor
+    needed = 2 * max(steps, default=0.0) + 1.5 * max(saves, default=0.0) + 10
+    return max(floor, math.ceil(needed))

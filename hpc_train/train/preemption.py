@@ -1,0 +1,122 @@
+"""Preemption and time limits on the ranks: a signal only sets a flag; the ranks act on it together.
+
+Slurm sends the site's signal (``USR2`` by default) ``lead_seconds`` before a time limit or a preemption, and
+``SIGTERM`` when it ends or requeues a job. A handler that saved inside the signal would save mid-step on one
+rank while the others sit in a collective; here the handler only records the signal. After every step (and
+between evaluation batches) the ranks all-reduce the flag, so they stop at the same step boundary, save once,
+and rank 0 requeues the job: ``scontrol requeue`` under Slurm (the same call submitit makes), exit status 144
+under submitit's local executor (its requeue code). A force-exit timer ends a save that hangs before Slurm's
+SIGKILL would leave no word of it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["EXIT_SAVE_HUNG", "EXIT_STOPPED", "LOCAL_REQUEUE_EXIT", "PreemptionWatch", "Requeue", "arm_force_exit",
+           "decide_requeue", "perform_requeue"]
+
+EXIT_STOPPED = 75  # EX_TEMPFAIL: saved and stopped on a signal, not requeued; run the same command to go on
+EXIT_SAVE_HUNG = 76  # the force-exit timer ended a save that did not finish within the lead time
+LOCAL_REQUEUE_EXIT = 144  # submitit's LocalExecutor restarts the job's tasks when one exits with this
+
+
+class PreemptionWatch:
+    """Records the first of ``signal_names`` (and SIGTERM) that arrives; :meth:`agreed` tells every rank whether
+    any rank has one. Use as a context manager: handlers are restored on exit."""
+
+    def __init__(self, signal_names: Sequence[str]) -> None:
+        names = dict.fromkeys([*(n.upper().removeprefix("SIG") for n in signal_names), "TERM"])
+        self.signals = [getattr(signal, f"SIG{name}") for name in names]
+        self.received = 0
+        self.received_at: float | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> PreemptionWatch:
+        if threading.current_thread() is threading.main_thread():
+            for number in self.signals:
+                self._previous[number] = signal.signal(number, self._on_signal)
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        for number, handler in self._previous.items():
+            signal.signal(number, handler)
+        self._previous.clear()
+
+    def _on_signal(self, number: int, _frame: object) -> None:
+        if not self.received:  # the first one counts: TERM after USR2 changes nothing
+            self.received, self.received_at = number, time.time()
+
+    def agreed(self, device: torch.device | str = "cpu") -> int:
+        """The signal number if any rank received one (the largest, so every rank gets the same), else 0."""
+        flag = torch.tensor([self.received], dtype=torch.int64, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag.item())
+
+
+def arm_force_exit(seconds: float, log: Callable[[str], None]) -> threading.Timer:
+    """Exit with :data:`EXIT_SAVE_HUNG` if the caller has not cancelled the timer within ``seconds``."""
+    def expire() -> None:
+        log(f"the save after the signal did not finish within {seconds:.0f} s; exiting with status "
+            f"{EXIT_SAVE_HUNG} so that the job ends with a word (the previous checkpoint is still the good one)")
+        os._exit(EXIT_SAVE_HUNG)
+
+    timer = threading.Timer(seconds, expire)
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
+@dataclass(frozen=True)
+class Requeue:
+    """What rank 0 does after the save: ``scontrol``, ``local`` (submitit's local executor) or ``none``; the exit
+    status every rank leaves with, and why."""
+
+    action: str
+    exit_code: int
+    reason: str
+
+
+def decide_requeue(env: dict[str, str], enabled: bool, max_requeues: int, requeued_before: int) -> Requeue:
+    """Requeue when the config allows it, the run has requeues left, and something can requeue it."""
+    if not enabled:
+        return Requeue("none", EXIT_STOPPED, "preempt.requeue is false")
+    if requeued_before >= max_requeues:
+        return Requeue("none", EXIT_STOPPED, f"the run has requeued {requeued_before} times, "
+                                             f"preempt.max_requeues = {max_requeues}; resubmit to go on")
+    if env.get("SUBMITIT_EXECUTOR") == "local":
+        return Requeue("local", LOCAL_REQUEUE_EXIT, "submitit's local executor restarts the tasks")
+    if env.get("SLURM_JOB_ID"):
+        return Requeue("scontrol", 0, f"scontrol requeue {env['SLURM_JOB_ID']}")
+    return Requeue("none", EXIT_STOPPED, "not under Slurm or submitit; run the same command again to resume")
+
+
+def perform_requeue(decision: Requeue, env: dict[str, str],
+                    run: Callable[..., subprocess.CompletedProcess[str]] = subprocess.run) -> Requeue:
+    """Carry out a ``scontrol`` requeue (the others need nothing here); a failure becomes ``none`` with why."""
+    if decision.action != "scontrol":
+        return decision
+    scontrol = shutil.which("scontrol")
+    if scontrol is None:
+        return Requeue("none", EXIT_STOPPED, "scontrol is not on PATH on the node, so the job cannot requeue "
+                                             "itself; resubmit to resume")
+    job_id = env["SLURM_JOB_ID"]
+    try:
+        result = run([scontrol, "requeue", job_id], capture_output=True, text=True, timeout=60, check=False)
+    except subprocess.TimeoutExpired:
+        return Requeue("none", EXIT_STOPPED, f"scontrol requeue {job_id} did not answer within 60 s")
+    if result.returncode != 0:
+        detail = (result.stderr or result.stdout).strip().splitlines()
+        return Requeue("none", EXIT_STOPPED, f"scontrol requeue {job_id} failed: {detail[-1] if detail else ''}")
+    return decision

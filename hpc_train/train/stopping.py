@@ -1,0 +1,87 @@
+"""How an attempt ends, as every rank sees it: the record in ``attempts.jsonl`` (rank 0 writes it) and, after a
+preemption signal, the requeue decision rank 0 makes and broadcasts so that all ranks leave with the same
+exit status."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from hpc_train.attempts import Attempt, AttemptLog, recommended_lead_seconds, requeues_so_far
+from hpc_train.dist.launchers import LaunchInfo
+from hpc_train.train.preemption import Requeue, decide_requeue, perform_requeue
+
+__all__ = ["AttemptRecorder", "signal_name"]
+
+
+def signal_name(number: int) -> str:
+    return signal.Signals(number).name
+
+
+class AttemptRecorder:
+    """Times steps and saves, and keeps this attempt's line in ``attempts.jsonl``; a no-op on ranks other than 0
+    except for the collectives, which every rank must join."""
+
+    def __init__(self, run_dir: Path, info: LaunchInfo, start_step: int, lead_seconds: int,
+                 log: Callable[[str], None]) -> None:
+        self.is_writer = info.rank == 0
+        self.lead_seconds = lead_seconds
+        self.log = log
+        self.step_s_max: float | None = None
+        self.save_s_max: float | None = None
+        self._warned = False
+        self.attempts = AttemptLog(run_dir)
+        self.current: Attempt | None = None
+        if self.is_writer:
+            self.current = self.attempts.begin(job_id=info.job_id or "", restart=info.restart,
+                                               host=socket.gethostname(), started=time.time(), start_step=start_step)
+
+    def step_time(self, seconds: float) -> None:
+        self.step_s_max = max(self.step_s_max or 0.0, seconds)
+
+    def save_time(self, seconds: float) -> None:
+        """Record a save and say once when a step plus a save no longer fit in the signal's lead time."""
+        self.save_s_max = max(self.save_s_max or 0.0, seconds)
+        if not self.is_writer or self._warned or self.current is None:
+            return
+        measured = Attempt(**{**self.current.__dict__, "step_s_max": self.step_s_max,
+                                 "save_s_max": self.save_s_max})
+        needed = recommended_lead_seconds([measured], floor=0)
+        if needed > self.lead_seconds:
+            self._warned = True
+            self.log(f"warning: a step ({self.step_s_max or 0:.1f} s) and a save ({self.save_s_max:.1f} s) need "
+                     f"about {needed} s after a preemption signal, but the signal comes {self.lead_seconds} s "
+                     f"ahead; raise preempt.lead_seconds to {needed} (the next submission of this run folder "
+                     "uses the measured value by itself)")
+
+    def _finish(self, **changes: Any) -> None:
+        if self.current is not None:
+            self.current = self.attempts.finish(self.current, ended=time.time(), step_s_max=self.step_s_max,
+                                                save_s_max=self.save_s_max, **changes)
+
+    def completed(self, step: int) -> None:
+        self._finish(outcome="completed", end_step=step)
+
+    def failed(self, step: int, error: BaseException) -> None:
+        self._finish(outcome="failed", end_step=step, note=repr(error)[:500])
+
+    def stopped(self, step: int, signum: int, requeue_enabled: bool, max_requeues: int) -> Requeue:
+        """After the save that followed a signal: rank 0 records the attempt, requeues if it may, and tells every
+        rank what it did."""
+        decision = None
+        if self.is_writer:
+            env = dict(os.environ)
+            decision = decide_requeue(env, requeue_enabled, max_requeues, requeues_so_far(self.attempts.read()))
+            decision = perform_requeue(decision, env)
+            self._finish(outcome="preempted", end_step=step, signal=signal_name(signum),
+                         requeued=decision.action != "none", note=decision.reason)
+        box = [decision]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]

@@ -1,0 +1,156 @@
+"""Preemption on submitit's local executor, for real: signals sent to one rank at random steps, several per run.
+Every time, the ranks agree, save, requeue (exit 144, the local executor restarts them) and resume; the run ends
+with exactly the weights and optimizer state of an uninterrupted run, and attempts.jsonl tells the story."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.slow
+STEPS = 40
+ARGS = ["--site", "local", "--set", f"train.steps={STEPS}", "--set", "checkpoint.every_steps=100", "--set",
+        "train.precision=fp32", "--set", "monitor.log_every=1", "--set", "monitor.eval_every=5", "--set",
+        "train.warmup_steps=2", "--set", "train.seq_len=64"]
+
+
+def _submit(cwd: Path, *extra: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "hpc_train.submit", str(REPO / "examples" / "tiny_gpt.toml"),
+                             *ARGS, *extra], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _last_step(metrics: Path) -> int:
+    if not metrics.exists():
+        return 0
+    steps = [json.loads(line).get("step", 0) for line in metrics.read_text().splitlines() if line.strip()]
+    return max(steps, default=0)
+
+
+def _rank_pid(run_dir: Path, rank: int) -> int | None:
+    """The pid of the live rank ``rank`` of this run (submitit's local tasks carry their rank in the env)."""
+    marker = str(run_dir / "submitit").encode()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+            if b"submitit.core._submit" not in cmdline or marker not in cmdline:
+                continue
+            env = dict(item.split(b"=", 1) for item in (entry / "environ").read_bytes().split(b"\0") if b"=" in item)
+        except OSError:
+            continue
+        if env.get(b"SUBMITIT_LOCAL_GLOBALID") == str(rank).encode():
+            return int(entry.name)
+    return None
+
+
+def _final_state(run_dir: Path) -> dict[str, torch.Tensor]:
+    state = run_dir / "checkpoints" / f"step-{STEPS:08d}" / "state"
+    model = torch.load(state / "mp_rank_00_model_states.pt", weights_only=False)["module"]
+    tensors = {f"model.{k}": v for k, v in model.items()}
+    for shard in sorted(state.glob("*optim_states.pt")):
+        optim = torch.load(shard, weights_only=False)["optimizer_state_dict"]
+        for i, flat in enumerate(optim["single_partition_of_fp32_groups"]):
+            tensors[f"{shard.name}.fp32.{i}"] = flat
+        for group, states in optim["base_optimizer_state"]["state"].items():
+            for key, value in states.items():
+                if isinstance(value, torch.Tensor):
+                    tensors[f"{shard.name}.{group}.{key}"] = value
+    return tensors
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    work = tmp_path_factory.mktemp("plain")
+    process = _submit(work)
+    output, _ = process.communicate(timeout=300)
+    assert process.returncode == 0, output[-4000:]
+    return _final_state(work / "runs" / "tiny-gpt")
+
+
+def test_signals_at_random_steps_end_with_the_uninterrupted_weights(
+        uninterrupted: dict[str, torch.Tensor], tmp_path: Path) -> None:
+    run_dir = tmp_path / "runs" / "tiny-gpt"
+    seed = int(time.time())  # printed on failure: the steps are reproducible
+    plan = sorted(random.Random(seed).sample(range(3, STEPS - 5), 3))  # noqa: S311 - not a secret
+    process = _submit(tmp_path)
+    sent: list[tuple[int, str]] = []
+    try:
+        for index, at_step in enumerate(plan):
+            deadline = time.monotonic() + 180
+            while not _running(run_dir, attempt=index + 1, past=at_step):
+                assert process.poll() is None and time.monotonic() < deadline, f"run ended before step {at_step}"
+                time.sleep(0.02)
+            number = signal.SIGUSR2 if index % 2 == 0 else signal.SIGTERM  # the site's signal, and Slurm's TERM
+            os.kill(_rank_pid(run_dir, 1), number)  # one rank only: the others learn of it at the step boundary
+            sent.append((at_step, number.name))
+            deadline = time.monotonic() + 180  # wait until the ranks have stopped before the next signal
+            while len([a for a in _attempts(run_dir) if a["outcome"] != "running"]) <= index:
+                assert process.poll() is None and time.monotonic() < deadline, "no stop after the signal"
+                time.sleep(0.05)
+        output, _ = process.communicate(timeout=300)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 0, output[-4000:]
+    attempts = _attempts(run_dir)
+    assert [a["outcome"] for a in attempts] == ["preempted"] * 3 + ["completed"], (seed, attempts)
+    assert [a["signal"] for a in attempts[:3]] == [name for _, name in sent]
+    assert all(a["requeued"] for a in attempts[:3]) and attempts[-1]["end_step"] == STEPS
+    for before, after in itertools.pairwise(attempts):
+        assert after["start_step"] == before["end_step"]  # nothing lost: each attempt starts where one stopped
+    for (at_step, _), attempt in zip(sent, attempts, strict=False):
+        assert attempt["end_step"] <= max(at_step, attempt["start_step"] + 1) + 3  # stopped within a few steps
+    resumed = _final_state(run_dir)
+    assert resumed.keys() == uninterrupted.keys()
+    for name, tensor in uninterrupted.items():
+        assert torch.equal(resumed[name], tensor), f"{name} differs after {len(sent)} preemptions at {plan}"
+    steps = sorted(json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+                   if "loss" in json.loads(line))
+    assert steps == list(range(1, STEPS + 1))  # one metrics line per step across all attempts
+
+
+def _running(run_dir: Path, attempt: int, past: int) -> bool:
+    """Attempt number ``attempt`` is training and has logged a step at or after ``past`` (or after its start)."""
+    attempts = _attempts(run_dir)
+    if len(attempts) != attempt or attempts[-1]["outcome"] != "running" or _rank_pid(run_dir, 1) is None:
+        return False
+    return _last_step(run_dir / "metrics.jsonl") >= max(past, int(attempts[-1]["start_step"]) + 1)
+
+
+def _attempts(run_dir: Path) -> list[dict[str, object]]:
+    path = run_dir / "attempts.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_without_requeue_the_run_stops_with_its_documented_status(tmp_path: Path) -> None:
+    run_dir = tmp_path / "runs" / "tiny-gpt"
+    process = _submit(tmp_path, "--set", "preempt.requeue=false")
+    try:
+        deadline = time.monotonic() + 180
+        while not _running(run_dir, attempt=1, past=5):
+            assert process.poll() is None and time.monotonic() < deadline
+            time.sleep(0.02)
+        os.kill(_rank_pid(run_dir, 0), signal.SIGUSR2)
+        output, _ = process.communicate(timeout=300)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    attempts = _attempts(run_dir)
+    assert [a["outcome"] for a in attempts] == ["preempted"] and not attempts[0]["requeued"]
+    assert attempts[0]["note"] == "preempt.requeue is false"
+    end = attempts[0]["end_step"]
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step-{end:08d}"
+    assert process.returncode != 0 and "75" in output, output[-3000:]
