@@ -1,0 +1,200 @@
+"""``ckpt export``: one consolidated fp32 state dict of the model from a DeepSpeed checkpoint folder.
+
+Why a separate module: it is the only ``ckpt`` command that loads checkpoint files, so it is the only one that
+imports torch and DeepSpeed (lazily, inside the functions), and it loads nothing before the caller has checked
+every file against the manifest with sha256: DeepSpeed's files are pickles that run code when loaded.
+
+What comes out is a plain ``dict`` of name -> contiguous fp32 CPU tensor, named as in
+``GPT.named_parameters()``, saved with ``torch.save`` so ``torch.load(FILE, weights_only=True)`` reads it:
+
+* ZeRO 1-3 without a pipeline: DeepSpeed's ``get_fp32_state_dict_from_zero_checkpoint`` merges the fp32 master
+  partitions of every data-parallel rank (whatever the training dtype);
+* ZeRO-0 or a pipeline, trained in fp32: the module weights DeepSpeed saved are the fp32 weights themselves
+  (``mp_rank_00_model_states.pt``, or one ``layer_XX-...-model_states.pt`` per pipeline layer, renamed with
+  :func:`~hpc_train.train.pipeline.gpt_parameter_name`).
+
+Tensor-parallel checkpoints (tensor > 1), and ZeRO-0 or pipeline checkpoints trained in bf16/fp16 (their fp32
+master copy lives in optimizer files export does not merge), are refused with a ConfigError that says so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hpc_train.ckpt.manifest import Manifest
+from hpc_train.errors import ConfigError
+
+__all__ = ["ExportResult", "check_out_path", "check_supported", "export_checkpoint"]
+
+STATE_TAG = "state"  # DeepSpeed's tag folder inside a step folder (hpc_train.train.checkpointing.TAG)
+_LAYER_FILE = re.compile(r"^layer_(\d{2,})-(?:model_00-)?model_states\.pt$")
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    """What was written: the file, the step folder it came from, and how much it holds."""
+
+    out: Path
+    source: Path
+    step: int
+    tensors: int
+    parameters: int
+    bytes: int
+    file_bytes: int
+
+
+def check_out_path(out: Path, force: bool) -> None:
+    """Refuse an output path that cannot be written as asked, before anything is loaded."""
+    parent = out.parent if str(out.parent) else Path(".")
+    if not parent.is_dir():
+        raise ConfigError("--out", f"the folder {parent} does not exist", f"create it (mkdir -p {parent}) or pick "
+                          "a path in an existing folder")
+    if out.is_dir():
+        raise ConfigError("--out", f"{out} is a folder", "give a file name, like model.pt")
+    if (out.exists() or out.is_symlink()) and not force:
+        raise ConfigError("--out", f"{out} already exists", "pick another name, or pass --force to replace it")
+
+
+def _layout_text(manifest: Manifest) -> str:
+    layout = manifest.layout
+    return (f"tensor {layout['tensor']} x pipeline {layout['pipeline']} x data {layout['data']} x context "
+            f"{layout['context']}, ZeRO-{manifest.zero_stage}, {manifest.dtype}")
+
+
+def check_supported(folder: Path, manifest: Manifest) -> None:
+    """Refuse, naming the layout and the way out, a checkpoint this exporter cannot consolidate exactly."""
+    layout, where = manifest.layout, str(folder)
+    if layout["tensor"] > 1:
+        raise ConfigError(where, f"its layout is {_layout_text(manifest)}; export supports tensor = 1 (merging "
+                          "tensor-parallel shards is not built)",
+                          "export a checkpoint of a run trained with parallel.tensor = 1, or gather the shards "
+                          "in a job of the same layout (DeepSpeed load_checkpoint)")
+    if (layout["pipeline"] > 1 or manifest.zero_stage == 0) and manifest.dtype != "fp32":
+        raise ConfigError(where, f"its layout is {_layout_text(manifest)}; without ZeRO 1-3 on a single pipeline "
+                          "stage the fp32 master weights sit in optimizer files export does not merge",
+                          'export runs trained with train.precision = "fp32" there, or use zero.stage >= 1 '
+                          "with parallel.pipeline = 1")
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """DeepSpeed prints progress to stdout and stderr while consolidating; keep the command's output ours."""
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        yield
+
+
+def _zero_state(state_dir: Path) -> dict[str, Any]:
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    return dict(get_fp32_state_dict_from_zero_checkpoint(str(state_dir.parent), tag=state_dir.name))
+
+
+def _module_state(state_dir: Path) -> dict[str, Any]:
+    import torch
+
+    saved = torch.load(state_dir / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=True)
+    return dict(saved["module"])
+
+
+def _pipeline_state(state_dir: Path) -> dict[str, Any]:
+    """Every layer file of the tensor rank 0, renamed from ``"<layer>.<name>"`` to GPT's names."""
+    import torch
+
+    from hpc_train.train.pipeline import gpt_parameter_name
+
+    files = {int(m.group(1)): state_dir / name for name in os.listdir(state_dir) if (m := _LAYER_FILE.match(name))}
+    if not files or sorted(files) != list(range(len(files))) or len(files) < 3:
+        raise ValueError(f"expected layer_00 ... layer_NN model-state files (embedding, blocks, head), found layers "
+                         f"{sorted(files)}")
+    blocks = len(files) - 2
+    state: dict[str, Any] = {}
+    for index, path in sorted(files.items()):
+        for name, tensor in torch.load(path, map_location="cpu", weights_only=True).items():
+            state[gpt_parameter_name(f"{index}.{name}", blocks)] = tensor
+    return state
+
+
+def _load_fp32(folder: Path, manifest: Manifest) -> dict[str, Any]:
+    """The consolidated state as fresh contiguous fp32 tensors (no views into DeepSpeed's flat buffers, which
+    torch.save would otherwise write whole)."""
+    import torch
+
+    state_dir = folder / STATE_TAG
+    if manifest.layout["pipeline"] > 1:
+        loader = _pipeline_state
+    else:
+        loader = _zero_state if manifest.zero_stage >= 1 else _module_state
+    try:
+        with _quiet():
+            state = loader(state_dir)
+    except (OSError, ValueError, KeyError, RuntimeError, TypeError) as error:
+        raise ConfigError(str(folder), f"verifies, but DeepSpeed's files cannot be consolidated "
+                          f"({type(error).__name__}: {error})", "export another step") from None
+    return {name: tensor.detach().to(dtype=torch.float32, device="cpu").contiguous().clone()
+            for name, tensor in state.items() if torch.is_tensor(tensor) and tensor.is_floating_point()}
+
+
+def _fsync_folder(folder: Path) -> None:
+    descriptor = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def _publish(tmp: Path, out: Path, force: bool) -> None:
+    """Move the finished file into place; without ``force`` a hard link refuses, atomically, to replace a file
+    that appeared since the first check."""
+    if force:
+        os.replace(tmp, out)
+        return
+    try:
+        os.link(tmp, out)
+    except FileExistsError:
+        raise ConfigError("--out", f"{out} already exists", "pick another name, or pass --force to replace it") \
+            from None
+    except OSError:  # a file system without hard links
+        if out.exists() or out.is_symlink():
+            raise ConfigError("--out", f"{out} already exists", "pick another name, or pass --force") from None
+        os.replace(tmp, out)
+        return
+    tmp.unlink()
+
+
+def _write(state: dict[str, Any], out: Path, force: bool) -> None:
+    """torch.save into a private (0600) temporary file beside ``out``, fsync, then rename: never a half file."""
+    import torch
+
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    descriptor = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        with open(descriptor, "wb") as handle:
+            torch.save(state, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.chmod(tmp, 0o600)
+        _publish(tmp, out, force)
+    finally:
+        tmp.unlink(missing_ok=True)
+    _fsync_folder(out.parent if str(out.parent) else Path("."))
+
+
+def export_checkpoint(folder: Path, manifest: Manifest, out: Path, force: bool = False) -> ExportResult:
+    """Consolidate the verified step folder ``folder`` into ``out``. The caller has verified it with sha256."""
+    check_out_path(out, force)
+    check_supported(folder, manifest)
+    state = _load_fp32(folder, manifest)
+    if not state:
+        raise ConfigError(str(folder), "holds no floating-point model weights", "export another step")
+    _write(state, out, force)
+    return ExportResult(out=out, source=folder, step=manifest.step, tensors=len(state),
+                        parameters=sum(t.numel() for t in state.values()),
+                        bytes=sum(t.numel() * t.element_size() for t in state.values()),
+                        file_bytes=out.stat().st_size)
