@@ -60,7 +60,9 @@ class AttemptLog:
         attempts = []
         for line in self.path.read_text(encoding="utf-8").splitlines():
             try:
-                attempts.append(Attempt.from_dict(json.loads(line)))
+                data = json.loads(line)
+                if isinstance(data, dict):
+                    attempts.append(Attempt.from_dict(data))
             except (ValueError, TypeError):
                 continue
         return attempts

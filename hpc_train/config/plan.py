@@ -120,6 +120,15 @@ def _run_dir(cfg: JobConfig, site: SiteConfig, cwd: Path) -> str:
     return path
 
 
+def _lead_seconds(configured: int, run_dir: str, time_seconds: int) -> int:
+    """The configured lead time, raised to what this run's earlier attempts measured (twice a step plus 1.5 times a
+    save, ``attempts.jsonl``) when that is longer and still shorter than the time limit."""
+    from hpc_train.attempts import AttemptLog, recommended_lead_seconds  # it imports the run folder's writer
+
+    measured = recommended_lead_seconds(AttemptLog(Path(run_dir)).read(), floor=configured)
+    return measured if not time_seconds or measured < time_seconds else configured
+
+
 def make_plan(cfg: JobConfig, site: SiteConfig, executor: str, *, python: str | None = None,
               cwd: Path | None = None) -> Plan:
     """Resolve site defaults, run every cross-field check and return the plan.
@@ -147,13 +156,15 @@ def make_plan(cfg: JobConfig, site: SiteConfig, executor: str, *, python: str | 
     if config["data"]["path"]:  # ranks run in the run folder (sbatch --chdir): a relative path would move
         config["data"]["path"] = os.path.normpath(Path(cwd or Path.cwd()) / config["data"]["path"])
     train = cfg.train
+    run_dir = _run_dir(cfg, site, cwd or Path.cwd())
+    lead = _lead_seconds(lead, run_dir, parse_time_seconds(job.time) or 0)
     return Plan(
         name=job.name,
         site=site.name,
         executor=executor,
         launcher=site.launch.launcher,
         srun_args=list(site.launch.srun_args),
-        run_dir=_run_dir(cfg, site, cwd or Path.cwd()),
+        run_dir=run_dir,
         python=site.software.python or python or sys.executable,
         resources=Resources(
             nodes=job.nodes, tasks_per_node=job.tasks_per_node, gpus_per_node=gpus, cpus_per_task=cpus,

@@ -1,0 +1,60 @@
+"""attempts.jsonl: one line per attempt, a killed attempt recognised as such, and the lead time it implies."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from hpc_train.attempts import Attempt, AttemptLog, recommended_lead_seconds, requeues_so_far
+
+
+def test_an_attempt_is_written_when_it_starts_and_rewritten_when_it_ends(tmp_path: Path) -> None:
+    log = AttemptLog(tmp_path)
+    first = log.begin(job_id="7", restart=0, host="n1", started=1.0, start_step=0)
+    assert [a.outcome for a in log.read()] == ["running"]
+    log.finish(first, outcome="preempted", end_step=12, requeued=True, signal="SIGUSR2", ended=2.0)
+    second = log.begin(job_id="7", restart=1, host="n2", started=3.0, start_step=12)
+    log.finish(second, outcome="completed", end_step=40, ended=4.0)
+    lines = [json.loads(line) for line in (tmp_path / "attempts.jsonl").read_text().splitlines()]
+    assert [(a["attempt"], a["outcome"], a["start_step"], a["end_step"]) for a in lines] == [
+        (1, "preempted", 0, 12), (2, "completed", 12, 40)]
+    assert requeues_so_far(log.read()) == 1
+
+
+def test_an_attempt_still_running_when_the_next_starts_was_killed(tmp_path: Path) -> None:
+    log = AttemptLog(tmp_path)
+    log.begin(job_id="7", restart=0, host="n1", started=1.0, start_step=0)  # then SIGKILL: no end written
+    log.begin(job_id="7", restart=1, host="n1", started=2.0, start_step=10)
+    assert [a.outcome for a in log.read()] == ["killed", "running"]
+
+
+def test_torn_and_foreign_lines_are_skipped(tmp_path: Path) -> None:
+    log = AttemptLog(tmp_path)
+    log.begin(job_id="7", restart=0, host="n1", started=1.0, start_step=0)
+    with (tmp_path / "attempts.jsonl").open("a") as handle:
+        handle.write('{"attempt": 2, "job_id"\n[1, 2]\n')
+    assert len(log.read()) == 1
+
+
+def test_an_unknown_outcome_is_refused(tmp_path: Path) -> None:
+    log = AttemptLog(tmp_path)
+    current = log.begin(job_id="7", restart=0, host="n1", started=1.0, start_step=0)
+    with pytest.raises(ValueError, match="outcome must be one of"):
+        log.finish(current, outcome="paused")
+
+
+def _attempt(step: float | None, save: float | None) -> Attempt:
+    return Attempt(attempt=1, job_id="1", restart=0, host="n", started=0.0, start_step=0, step_s_max=step,
+                   save_s_max=save)
+
+
+@pytest.mark.parametrize(("attempts", "floor", "lead"), [
+    ([], 60, 60),                                   # nothing measured: the configured lead
+    ([_attempt(1.0, 4.0)], 60, 60),                 # 2 + 6 + 10 = 18 s fits in 60
+    ([_attempt(30.0, 40.0)], 60, 130),              # 60 + 60 + 10
+    ([_attempt(30.0, None), _attempt(5.0, 80.0)], 60, 190),  # the slowest step and the slowest save
+])
+def test_recommended_lead_seconds(attempts: list[Attempt], floor: int, lead: int) -> None:
+    assert recommended_lead_seconds(attempts, floor) == lead
