@@ -18,6 +18,7 @@ from typing import Any
 
 from hpc_train.config.plan import Plan
 from hpc_train.runfolder import PLAN_FILE, atomic_write
+from hpc_train.train.preemption import PreemptionWatch
 
 __all__ = ["RankEntry", "main", "rank_error_path", "run_rank"]
 
@@ -45,11 +46,18 @@ def _rank_logger(run_dir: Path, rank: int) -> logging.Logger:
 
 def run_rank(run_dir: Path) -> dict[str, Any]:
     """Run this rank's share of the job in ``run_dir``; return its result."""
+    os.umask(0o077)  # logs and results of a run are private, like the run folder
+    plan = Plan.from_json((run_dir / PLAN_FILE).read_text(encoding="utf-8"))
+    if plan.config["job"]["program"] != "train":  # nothing to save: signals keep their usual meaning
+        return _run_rank(run_dir, plan, None)
+    with PreemptionWatch([plan.signal]) as watch:  # first thing: a signal while starting up is kept for later
+        return _run_rank(run_dir, plan, watch)
+
+
+def _run_rank(run_dir: Path, plan: Plan, watch: PreemptionWatch | None) -> dict[str, Any]:
     from hpc_train.dist.launchers import detect_launch
     from hpc_train.dist.smoke import run_smoke  # the trainer is imported only when the job trains
 
-    os.umask(0o077)  # logs and results of a run are private, like the run folder
-    plan = Plan.from_json((run_dir / PLAN_FILE).read_text(encoding="utf-8"))
     info = detect_launch(expected_world=plan.layout.world)
     logger = _rank_logger(run_dir, info.rank)
     rank_error_path(run_dir, info.rank).unlink(missing_ok=True)  # from an earlier attempt
@@ -62,7 +70,7 @@ def run_rank(run_dir: Path) -> dict[str, Any]:
         else:
             from hpc_train.train.trainer import train
 
-            result = train(plan, info, run_dir, logger.info)
+            result = train(plan, info, run_dir, logger.info, watch)
     except BaseException as error:
         text = traceback.format_exc()
         logger.error("failed:\n%s", text)
@@ -96,6 +104,13 @@ class RankEntry:
 
     def __call__(self) -> dict[str, Any]:
         return run_rank(Path(self.run_dir))
+
+    def checkpoint(self) -> Any:
+        """submitit calls this when its own signal handler still holds the preemption signal (the first moments
+        of a rank, before :func:`run_rank` installs ours): requeue as is; the run folder holds the state."""
+        from submitit.helpers import DelayedSubmission
+
+        return DelayedSubmission(RankEntry(self.run_dir))
 
 
 def main(argv: list[str] | None = None) -> int:

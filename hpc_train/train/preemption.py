@@ -21,9 +21,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-import torch.distributed as dist
-
 __all__ = ["EXIT_SAVE_HUNG", "EXIT_STOPPED", "LOCAL_REQUEUE_EXIT", "PreemptionWatch", "Requeue", "arm_force_exit",
            "decide_requeue", "perform_requeue"]
 
@@ -58,8 +55,11 @@ class PreemptionWatch:
         if not self.received:  # the first one counts: TERM after USR2 changes nothing
             self.received, self.received_at = number, time.time()
 
-    def agreed(self, device: torch.device | str = "cpu") -> int:
+    def agreed(self, device: Any = "cpu") -> int:
         """The signal number if any rank received one (the largest, so every rank gets the same), else 0."""
+        import torch  # not at import time: the watch is installed before the ranks import torch
+        import torch.distributed as dist
+
         flag = torch.tensor([self.received], dtype=torch.int64, device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return int(flag.item())

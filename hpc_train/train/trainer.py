@@ -134,13 +134,16 @@ def _stop(plan: Plan, info: LaunchInfo, engine: Any, checkpointer: Checkpointer,
         "reason": requeue.reason}, "world_size": info.world_size, "launcher": info.launcher}
 
 
-def train(plan: Plan, info: LaunchInfo, run_dir: Path, log: Callable[[str], None] = print) -> dict[str, Any]:
+def train(plan: Plan, info: LaunchInfo, run_dir: Path, log: Callable[[str], None] = print,
+          watch: PreemptionWatch | None = None) -> dict[str, Any]:
     """Train ``plan`` on this rank; ``log`` takes rank 0's progress lines. Returns this rank's summary.
 
-    The preemption signals are caught from the start: one that lands while the job is still starting (which can
-    take minutes on a large job) stops it after its first step instead of being lost."""
-    with PreemptionWatch([plan.signal]) as watch:
-        return _train(plan, info, run_dir, log, watch)
+    ``watch`` should be installed as the rank starts (``hpc_train.launch`` does): a signal that lands while the
+    job is still starting (minutes on a large job) then stops it after its first step instead of being lost."""
+    if watch is None:
+        with PreemptionWatch([plan.signal]) as own:
+            return _train(plan, info, run_dir, log, own)
+    return _train(plan, info, run_dir, log, watch)
 
 
 def _train(plan: Plan, info: LaunchInfo, run_dir: Path, log: Callable[[str], None],

@@ -1,0 +1,176 @@
+"""Preemption on the real local Slurm cluster, 2 nodes, submitted through submitit: a job preempted by a
+higher-priority job, one that reaches its time limit, one sent ``scancel --signal=USR2``, one requeued from
+outside with ``scontrol requeue``. Each finishes, and its exported weights are bitwise identical to an
+uninterrupted run of the same config (fp32, CPU)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import REPO
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("slurm_cluster")]
+EXAMPLE = str(REPO / "examples" / "tiny_gpt.toml")
+STEPS = 60
+BASE = ["--site", "local-slurm", "--set", "job.nodes=2", "--set", "job.tasks_per_node=1", "--set",
+        "train.precision=fp32", "--set", "train.seq_len=64", "--set", "monitor.log_every=1", "--set",
+        "monitor.eval_every=0", "--set", "train.warmup_steps=2", "--set", "checkpoint.every_steps=10"]
+BAD_STATES = {"FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
+
+
+def _submit(cwd: Path, steps: int, *extra: str, follow: bool = False) -> str:
+    args = [sys.executable, "-m", "hpc_train.submit", EXAMPLE, *BASE, "--set", f"train.steps={steps}", *extra]
+    result = subprocess.run([*args, *([] if follow else ["--no-follow"])], cwd=cwd, capture_output=True, text=True,
+                            timeout=300, check=False)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    (job_id,) = re.findall(r"submitted job (\d+)", result.stdout)
+    return job_id
+
+
+def _state(job_id: str) -> str:
+    out = subprocess.run(["sacct", "-n", "-P", "-X", "-j", job_id, "-o", "State"], capture_output=True, text=True,
+                         timeout=30, check=False).stdout.split()
+    return out[-1].split()[0] if out else ""
+
+
+def _logs(run_dir: Path) -> str:
+    parts = [p.read_text(errors="replace")[-3000:] for p in sorted((run_dir / "logs").glob("rank-*.log"))]
+    attempts = run_dir / "attempts.jsonl"
+    return "\n".join([*parts, attempts.read_text() if attempts.exists() else "no attempts.jsonl"])
+
+
+def _last_step(run_dir: Path) -> int:
+    metrics = run_dir / "metrics.jsonl"
+    if not metrics.exists():
+        return 0
+    return max((json.loads(line).get("step", 0) for line in metrics.read_text().splitlines() if line.strip()),
+               default=0)
+
+
+def _wait_for_step(job_id: str, run_dir: Path, step: int, timeout_s: float = 180) -> None:
+    deadline = time.monotonic() + timeout_s
+    while _last_step(run_dir) < step:
+        state = _state(job_id)
+        assert state not in BAD_STATES | {"COMPLETED"}, f"job {job_id} {state} before step {step}\n{_logs(run_dir)}"
+        assert time.monotonic() < deadline, f"job {job_id} did not reach step {step}\n{_logs(run_dir)}"
+        time.sleep(0.2)
+
+
+def _wait_until_completed(job_id: str, run_dir: Path, timeout_s: float = 420) -> None:
+    """Through any number of PREEMPTED / REQUEUED / PENDING rounds, until the job completes."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        state = _state(job_id)
+        attempts = _attempts(run_dir)
+        if state == "COMPLETED" and attempts and attempts[-1]["outcome"] == "completed":
+            return
+        assert state not in BAD_STATES, f"job {job_id} ended {state}\n{_logs(run_dir)}"
+        if time.monotonic() > deadline:
+            subprocess.run(["scancel", job_id], check=False)
+            raise AssertionError(f"job {job_id} did not complete within {timeout_s} s ({state})\n{_logs(run_dir)}")
+        time.sleep(1)
+
+
+def _attempts(run_dir: Path) -> list[dict[str, object]]:
+    path = run_dir / "attempts.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _exported(run_dir: Path, out: Path) -> dict[str, torch.Tensor]:
+    result = subprocess.run([sys.executable, "-m", "hpc_train", "ckpt", "export", str(run_dir), "--out", str(out)],
+                            capture_output=True, text=True, timeout=180, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return torch.load(out, weights_only=True)
+
+
+def _assert_same(weights: dict[str, torch.Tensor], reference: dict[str, torch.Tensor], run_dir: Path) -> None:
+    assert weights.keys() == reference.keys()
+    different = [name for name, tensor in reference.items() if not torch.equal(weights[name], tensor)]
+    assert not different, f"{len(different)} tensors differ, e.g. {different[:3]}\n{_logs(run_dir)}"
+
+
+def _finished_run(run_dir: Path, job_id: str) -> list[dict[str, object]]:
+    """The run's attempts once done: it ends completed at the last step, and every attempt after the first
+    starts at the step of a checkpoint the one before it reached."""
+    attempts = _attempts(run_dir)
+    assert len(attempts) >= 2, f"the job was never interrupted\n{_logs(run_dir)}"
+    assert attempts[-1]["outcome"] == "completed" and attempts[-1]["end_step"] == STEPS
+    assert all(a["job_id"] == job_id for a in attempts)  # requeued, not resubmitted
+    for before, after in itertools.pairwise(attempts):
+        assert int(after["start_step"]) <= int(before["end_step"] or after["start_step"])
+    return attempts
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    work = tmp_path_factory.mktemp("uninterrupted")
+    _submit(work, STEPS, follow=True)
+    return _exported(work / "runs" / "tiny-gpt", work / "weights.pt")
+
+
+def test_scancel_signal_usr2(uninterrupted: dict[str, torch.Tensor], tmp_path: Path) -> None:
+    run_dir = tmp_path / "runs" / "tiny-gpt"
+    job_id = _submit(tmp_path, STEPS)
+    _wait_for_step(job_id, run_dir, 15)
+    subprocess.run(["scancel", "--signal=USR2", job_id], check=True, timeout=30)
+    _wait_until_completed(job_id, run_dir)
+    first = _finished_run(run_dir, job_id)[0]
+    assert first["outcome"] == "preempted" and first["signal"] == "SIGUSR2" and first["requeued"]
+    assert _attempts(run_dir)[1]["start_step"] == first["end_step"]  # saved at the signal: no step lost
+    _assert_same(_exported(run_dir, tmp_path / "weights.pt"), uninterrupted, run_dir)
+
+
+def test_scontrol_requeue_from_outside(uninterrupted: dict[str, torch.Tensor], tmp_path: Path) -> None:
+    """No user signal: Slurm sends SIGTERM and requeues the job itself; the run resumes from its newest
+    checkpoint (the one TERM gave it time to write, or else a periodic one)."""
+    run_dir = tmp_path / "runs" / "tiny-gpt"
+    job_id = _submit(tmp_path, STEPS)
+    _wait_for_step(job_id, run_dir, 15)
+    subprocess.run(["scontrol", "requeue", job_id], check=True, timeout=30)
+    _wait_until_completed(job_id, run_dir)
+    first = _finished_run(run_dir, job_id)[0]
+    assert first["outcome"] in {"preempted", "killed"}
+    _assert_same(_exported(run_dir, tmp_path / "weights.pt"), uninterrupted, run_dir)
+
+
+def test_preempted_by_a_higher_priority_job(uninterrupted: dict[str, torch.Tensor], tmp_path: Path) -> None:
+    run_dir = tmp_path / "runs" / "tiny-gpt"
+    job_id = _submit(tmp_path, STEPS)
+    _wait_for_step(job_id, run_dir, 15)
+    urgent = subprocess.run(["sbatch", "--parsable", "-p", "urgent", "-N", "2", "--exclusive", "-t", "1",
+                             "-o", str(tmp_path / "urgent.out"), "--wrap", "sleep 3"],
+                            capture_output=True, text=True, check=True, timeout=30).stdout.strip()
+    _wait_until_completed(job_id, run_dir)
+    assert _state(urgent) == "COMPLETED"
+    first = _finished_run(run_dir, job_id)[0]
+    assert first["outcome"] in {"preempted", "killed"}
+    _assert_same(_exported(run_dir, tmp_path / "weights.pt"), uninterrupted, run_dir)
+
+
+def test_time_limit(tmp_path: Path) -> None:
+    """A 2-minute job asking for its signal 60 s ahead, with more steps than one attempt can do: each attempt
+    gets the signal from Slurm, saves and requeues until the run is done. The weights are checked against an
+    uninterrupted run of the same length."""
+    steps = 600
+    run_dir = tmp_path / "runs" / "tiny-gpt"
+    job_id = _submit(tmp_path, steps, "--set", "job.time=00:02:00", "--set", "preempt.lead_seconds=60")
+    _wait_until_completed(job_id, run_dir, timeout_s=600)
+    attempts = _attempts(run_dir)
+    assert attempts[0]["outcome"] == "preempted" and attempts[0]["signal"] == "SIGUSR2" and attempts[0]["requeued"]
+    assert attempts[-1]["outcome"] == "completed" and attempts[-1]["end_step"] == steps
+    for before, after in itertools.pairwise(attempts):
+        assert after["start_step"] == before["end_step"], attempts  # each saved at its signal: no step lost
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    _submit(plain, steps, "--set", "job.time=00:10:00", follow=True)
+    reference = _exported(plain / "runs" / "tiny-gpt", plain / "weights.pt")
+    _assert_same(_exported(run_dir, tmp_path / "weights.pt"), reference, run_dir)
