@@ -174,3 +174,20 @@ def test_time_limit(tmp_path: Path) -> None:
     _submit(plain, steps, "--set", "job.time=00:10:00", follow=True)
     reference = _exported(plain / "runs" / "tiny-gpt", plain / "weights.pt")
     _assert_same(_exported(run_dir, tmp_path / "weights.pt"), reference, run_dir)
+
+
+def test_rendered_sbatch_script_requeues_itself(uninterrupted: dict[str, torch.Tensor], tmp_path: Path) -> None:
+    """The sbatch path has no submitit: rank 0 runs ``scontrol requeue`` itself and Slurm runs the script again."""
+    rendered = subprocess.run([sys.executable, "-m", "hpc_train", "render", EXAMPLE, *BASE, "--set",
+                               f"train.steps={STEPS}", "--template", "srun", "--json"], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=60, check=True)
+    script = json.loads(rendered.stdout)["script"]
+    job_id = subprocess.run(["sbatch", "--parsable", script], capture_output=True, text=True, check=True,
+                            timeout=30).stdout.strip().split(";")[0]
+    run_dir = tmp_path / "runs" / "tiny-gpt"
+    _wait_for_step(job_id, run_dir, 15)
+    subprocess.run(["scancel", "--signal=USR2", job_id], check=True, timeout=30)
+    _wait_until_completed(job_id, run_dir)
+    first = _finished_run(run_dir, job_id)[0]
+    assert first["outcome"] == "preempted" and first["requeued"] and first["note"] == f"scontrol requeue {job_id}"
+    _assert_same(_exported(run_dir, tmp_path / "weights.pt"), uninterrupted, run_dir)
