@@ -4,22 +4,48 @@ Every rank writes its DeepSpeed shards and its own random state into the tempora
 after a barrier rank 0 seals it (manifest, rename, ``latest``). On start, rank 0 picks the newest checkpoint
 that verifies and every rank loads it: the model, optimizer and scheduler through DeepSpeed, the sampler's
 position and the step from the client state, and each rank's Python and torch random state.
+
+A checkpoint saved at another data-parallel size (same tensor and pipeline sizes) is resumed through DeepSpeed's
+universal checkpoint: rank 0 converts it once into ``checkpoints/.universal/`` while the other ranks wait
+(:mod:`hpc_train.ckpt.universal`), and every rank loads that copy with ``load_universal`` switched on for this
+one load. Nothing else needs converting: the sampler's state is the global position ``(epoch, offset)`` in
+samples, the same on every rank and independent of the data-parallel size (:class:`ResumableSampler`), so the
+run goes on with the next unseen sample of the global stream; a rank that did not exist at save time finds no
+``rng/rank-N.pt`` and keeps its freshly seeded random state. A change of a model axis is refused, on every
+rank, before anything is loaded.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import random
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from hpc_train.ckpt import CheckpointManager
+from hpc_train.ckpt import MANIFEST_NAME, CheckpointError, CheckpointManager, Manifest
+from hpc_train.ckpt.universal import (
+    cached_copy,
+    clear_cache,
+    compare_layouts,
+    convert_to_universal,
+    describe_layout,
+    optimizer_is_partitioned,
+)
+from hpc_train.errors import ConfigError
 
 __all__ = ["TAG", "Checkpointer"]
 
 TAG = "state"  # DeepSpeed's tag inside a checkpoint folder: the folder name already says the step
+# Rank 0 converts while the others wait in a collective: it gives up a little before they would time out.
+_CONVERT_SHARE_OF_TIMEOUT = 0.9
+_CONVERT_WORKERS = 4
 
 
 def _broadcast(value: Any) -> Any:
@@ -28,20 +54,81 @@ def _broadcast(value: Any) -> Any:
     return box[0]
 
 
+@dataclass(frozen=True)
+class _Load:
+    """What rank 0 chose to resume from, sent to every rank: the sealed folder (random states, and the load
+    itself unless converted) and the folder DeepSpeed loads."""
+
+    sealed: str
+    load_dir: str
+    universal: bool
+
+
+@dataclass(frozen=True)
+class _Refusal:
+    """Rank 0's reason not to resume, sent to the other ranks so that all stop with the same message."""
+
+    message: str
+    config_error: bool
+
+    def error(self) -> Exception:
+        if self.config_error:
+            return ConfigError("", self.message)
+        return CheckpointError(f"rank 0 could not prepare the checkpoint: {self.message}")
+
+
+@contextmanager
+def _universal_load(engine: Any, universal: bool) -> Iterator[None]:
+    """DeepSpeed reads ``checkpoint.load_universal`` from its config at load time only (ZeRO keeps the
+    bookkeeping a universal load needs in any case), so it is switched for this one load, not for the run."""
+    config = engine._config
+    before = config.load_universal_checkpoint
+    config.load_universal_checkpoint = universal
+    try:
+        yield
+    finally:
+        config.load_universal_checkpoint = before
+
+
+def _repair_zero3_universal_load(engine: Any, copy: Path) -> None:
+    """Undo two slips of DeepSpeed's ZeRO-3 universal load (0.19) that would make the run drift from an
+    uninterrupted one: every parameter group gets the settings of the first (so the biases and norms kept free of
+    weight decay would decay), and all groups share one ``step`` tensor (which Adam then advances once per group
+    per step). ZeRO 1-2 load both right."""
+    if engine.zero_optimization_stage() != 3:
+        return
+    # DeepSpeed has just loaded this file the same way; it lives in the private cache rank 0 wrote.
+    state = torch.load(copy / TAG / "zero" / "optimizer_state.pt", map_location="cpu", weights_only=False)
+    optimizer = engine.optimizer.optimizer
+    saved, groups = state["param_groups"], optimizer.param_groups
+    if len(saved) != len(groups):
+        raise CheckpointError(f"{copy}: {len(saved)} optimizer parameter groups saved, {len(groups)} in this model")
+    for group, settings in zip(groups, saved, strict=True):
+        group.update({key: value for key, value in settings.items() if key != "params"})
+    for param_state in optimizer.state.values():
+        if torch.is_tensor(param_state.get("step")):
+            param_state["step"] = param_state["step"].clone()
+
+
 class Checkpointer:
     """Rank 0 owns the checkpoint folder (one writer); every rank takes part in each save and load."""
 
-    def __init__(self, run_dir: Path, config: dict[str, Any], layout: Any, config_hash: str) -> None:
+    def __init__(self, run_dir: Path, config: dict[str, Any], layout: Any, config_hash: str,
+                 log: Callable[[str], None] | None = None) -> None:
         checkpoint = config["checkpoint"]
         self.every = checkpoint["every_steps"]
         self.resume_enabled = checkpoint["resume"]
         self.rank = dist.get_rank()
+        # The trainer's progress log; by default the rank's own logger, which hpc_train.launch sets up.
+        self.log = log or logging.getLogger(f"hpc_train.rank{self.rank}").info
+        self.convert_timeout_s = config["dist"]["timeout_s"] * _CONVERT_SHARE_OF_TIMEOUT
         self.manager = CheckpointManager(run_dir / "checkpoints", keep=checkpoint["keep"],
                                          verify=checkpoint["verify"]) if self.rank == 0 else None
         self.fields = {"world_size": layout.world, "zero_stage": config["zero"]["stage"],
                        "dtype": config["train"]["precision"], "config_hash": config_hash,
                        "layout": {"tensor": layout.tensor, "pipeline": layout.pipeline, "data": layout.data,
                                   "context": layout.context}}
+        self._error: Exception | None = None
 
     def due(self, step: int, last: int) -> bool:
         return step == last or bool(self.every and step % self.every == 0)
@@ -60,16 +147,59 @@ class Checkpointer:
         dist.barrier()
 
     def resume(self, engine: Any) -> tuple[int, dict[str, int] | None]:
-        """(the last completed step, the sampler state) of the newest good checkpoint, or (0, None)."""
+        """(the last completed step, the sampler state) of the newest good checkpoint, or (0, None).
+
+        The sampler state is the global sample position, valid at any data-parallel size (see the module doc).
+        """
         if not self.resume_enabled:
             return 0, None
-        found = _broadcast(str(path) if self.manager and (path := self.manager.latest_verified()) else None)
-        if found is None:
+        # The other ranks wait here while rank 0 converts.
+        chosen = _broadcast(self._choose(self.manager) if self.manager else None)
+        if isinstance(chosen, _Refusal):
+            raise self._error or chosen.error()
+        if chosen is None:
             return 0, None
-        _, client = engine.load_checkpoint(found, tag=TAG)
-        rng_file = Path(found) / "rng" / f"rank-{self.rank}.pt"
+        with _universal_load(engine, chosen.universal):
+            _, client = engine.load_checkpoint(chosen.load_dir, tag=TAG)
+        if chosen.universal:
+            _repair_zero3_universal_load(engine, Path(chosen.load_dir))
+        self._load_rng(Path(chosen.sealed))
+        return int(client["step"]), client["sampler"]
+
+    def _load_rng(self, sealed: Path) -> None:
+        """This rank's random state; a rank that did not exist when the checkpoint was saved has none."""
+        rng_file = sealed / "rng" / f"rank-{self.rank}.pt"
         if rng_file.exists():
             state = torch.load(rng_file, weights_only=True)
             random.setstate(state["python"])
             torch.set_rng_state(state["torch"])
-        return int(client["step"]), client["sampler"]
+
+    def _choose(self, manager: CheckpointManager) -> _Load | _Refusal | None:
+        """Rank 0: the checkpoint to load and how, or why not; any error goes to every rank, not only to this one."""
+        try:
+            found = manager.latest_verified()
+            return None if found is None else self._plan(manager, found)
+        except Exception as error:
+            self._error = error
+            return _Refusal(str(error), isinstance(error, ConfigError))
+
+    def _plan(self, manager: CheckpointManager, found: Path) -> _Load:
+        """Load ``found`` as it is when the layout is the same, else (data-parallel size only) its universal form."""
+        manifest = Manifest.from_json((found / MANIFEST_NAME).read_text(encoding="utf-8"))
+        world, layout = self.fields["world_size"], self.fields["layout"]
+        if not compare_layouts(f"checkpoint {found}", manifest.layout, manifest.world_size, layout, world):
+            clear_cache(manager.root)
+            return _Load(str(found), str(found), universal=False)
+        head = f"checkpoint {found.name} was saved by {describe_layout(manifest.layout, manifest.world_size)}"
+        now = describe_layout(layout, world)
+        if not optimizer_is_partitioned(found / TAG):
+            self.log(f"{head}; its optimizer state is whole (ZeRO stage 0), so it loads as it is on {now}")
+            return _Load(str(found), str(found), universal=False)
+        copy = cached_copy(found, TAG)
+        if copy is not None:
+            self.log(f"{head}; loading the universal checkpoint converted from it earlier for {now}")
+        else:
+            self.log(f"{head}; converting to a universal checkpoint for {now}")
+            copy, _seconds = convert_to_universal(found, TAG, timeout_s=self.convert_timeout_s,
+                                                  workers=min(_CONVERT_WORKERS, len(os.sched_getaffinity(0))))
+        return _Load(str(found), str(copy), universal=True)

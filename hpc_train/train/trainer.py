@@ -164,7 +164,7 @@ def _train(plan: Plan, info: LaunchInfo, run_dir: Path, log: Callable[[str], Non
                          tcfg["seed"])
     sampler = ResumableSampler(source.num_samples(tcfg["seq_len"]), groups.coord("dp"), groups.size("dp"),
                                tcfg["micro_batch"], seed=tcfg["seed"])
-    checkpointer = Checkpointer(run_dir, config, layout, plan.config_hash)
+    checkpointer = Checkpointer(run_dir, config, layout, plan.config_hash, log=log)
     start_step, sampler_state = checkpointer.resume(engine)
     if sampler_state is not None:
         sampler.load_state_dict(sampler_state)
