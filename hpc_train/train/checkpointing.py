@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -129,12 +130,22 @@ class Checkpointer:
                        "layout": {"tensor": layout.tensor, "pipeline": layout.pipeline, "data": layout.data,
                                   "context": layout.context}}
         self._error: Exception | None = None
+        self.async_save = checkpoint["async_save"]
+        self._committer: threading.Thread | None = None
+        self._commit_error: BaseException | None = None
 
     def due(self, step: int, last: int) -> bool:
         return step == last or bool(self.every and step % self.every == 0)
 
-    def save(self, engine: Any, step: int, sampler_state: dict[str, int]) -> None:
-        tmp = Path(_broadcast(str(self.manager.begin(step)) if self.manager else None))
+    def save(self, engine: Any, step: int, sampler_state: dict[str, int], wait: bool = False) -> None:
+        """Every rank writes its files into the folder rank 0 opened; rank 0 then seals it (fsync, manifest with
+        checksums, rename, ``latest``). With ``checkpoint.async_save`` the sealing runs in a thread on rank 0 while
+        training goes on, unless ``wait``; ``latest`` still moves only once everything is durable. A previous
+        background seal always finishes first, and its failure stops every rank here."""
+        opened = _broadcast(self._open(self.manager, step) if self.manager else None)
+        if isinstance(opened, _Refusal):
+            raise self._commit_error or opened.error()
+        tmp = Path(opened)
         engine.save_checkpoint(str(tmp), tag=TAG, client_state={"step": step, "sampler": sampler_state})
         rng = tmp / "rng"
         if self.rank == 0:
@@ -143,8 +154,48 @@ class Checkpointer:
         torch.save({"python": random.getstate(), "torch": torch.get_rng_state()}, rng / f"rank-{self.rank}.pt")
         dist.barrier()  # every rank's files are on disk before rank 0 seals the folder
         if self.manager:
-            self.manager.commit(tmp, {"step": step, **self.fields})
+            fields = {"step": step, **self.fields}
+            if self.async_save and not wait:
+                self._committer = threading.Thread(target=self._commit, args=(self.manager, tmp, fields),
+                                                   name=f"seal-step-{step}", daemon=False)
+                self._committer.start()
+            else:
+                self.manager.commit(tmp, fields)
         dist.barrier()
+
+    def _open(self, manager: CheckpointManager, step: int) -> str | _Refusal:
+        """Rank 0: wait for the previous background seal, then open the next temporary folder."""
+        try:
+            self._join()
+            return str(manager.begin(step))
+        except Exception as error:
+            self._commit_error = error
+            return _Refusal(str(error), False)
+
+    def _commit(self, manager: CheckpointManager, tmp: Path, fields: dict[str, Any]) -> None:
+        try:
+            manager.commit(tmp, fields)
+        except BaseException as error:  # reported to every rank by the next save or finish()
+            self._commit_error = error
+
+    def _join(self) -> None:
+        if self._committer is not None:
+            self._committer.join()
+            self._committer = None
+        if self._commit_error is not None:
+            raise CheckpointError(f"sealing a checkpoint in the background failed: {self._commit_error}")
+
+    def finish(self) -> None:
+        """Every rank: return once rank 0's background seal (if any) is durable; raise its error on every rank."""
+        status = None
+        if self.manager:
+            try:
+                self._join()
+            except CheckpointError as error:
+                status = _Refusal(str(error), False)
+        status = _broadcast(status)
+        if isinstance(status, _Refusal):
+            raise status.error()
 
     def resume(self, engine: Any) -> tuple[int, dict[str, int] | None]:
         """(the last completed step, the sampler state) of the newest good checkpoint, or (0, None).

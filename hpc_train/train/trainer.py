@@ -120,7 +120,7 @@ def _stop(plan: Plan, info: LaunchInfo, engine: Any, checkpointer: Checkpointer,
     timer = arm_force_exit(budget, log)
     try:
         saved = time.perf_counter()
-        checkpointer.save(engine, step, sampler.state_dict())
+        checkpointer.save(engine, step, sampler.state_dict(), wait=True)  # durable before the requeue
         recorder.save_time(time.perf_counter() - saved)
         preempt = plan.config["preempt"]
         requeue = recorder.stopped(step, signum, preempt["requeue"], preempt["max_requeues"])
@@ -229,6 +229,7 @@ def _train(plan: Plan, info: LaunchInfo, run_dir: Path, log: Callable[[str], Non
                     saved = time.perf_counter()
                     checkpointer.save(engine, step, sampler.state_dict())
                     recorder.save_time(time.perf_counter() - saved)
+        checkpointer.finish()  # a background seal of the last checkpoint is durable before the attempt ends
     except BaseException as error:
         recorder.failed(step, error)
         raise

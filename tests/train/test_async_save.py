@@ -1,0 +1,50 @@
+"""checkpoint.async_save: rank 0 seals checkpoints (fsync, sha256 manifest, rename, ``latest``) in the background
+while training goes on. The run trains exactly as with synchronous saves, every checkpoint it keeps verifies,
+``latest`` names the last one, and it resumes from it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.slow
+ARGS = ["--site", "local", "--set", "train.steps=8", "--set", "checkpoint.every_steps=2", "--set",
+        "checkpoint.verify=sha256", "--set", "train.precision=fp32", "--set", "monitor.log_every=1", "--set",
+        "monitor.eval_every=0", "--set", "train.warmup_steps=2", "--set", "train.seq_len=64"]
+
+
+def _run(cwd: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    result = subprocess.run([sys.executable, "-m", "hpc_train.submit", str(REPO / "examples" / "tiny_gpt.toml"),
+                             *ARGS, *extra], cwd=cwd, capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    return result
+
+
+def _losses(run_dir: Path) -> dict[int, float]:
+    lines = map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+    return {r["step"]: r["loss"] for r in lines if "loss" in r}
+
+
+def test_async_saves_train_the_same_and_every_checkpoint_verifies(tmp_path: Path) -> None:
+    sync_dir, async_dir = tmp_path / "sync", tmp_path / "async"
+    sync_dir.mkdir()
+    async_dir.mkdir()
+    _run(sync_dir)
+    _run(async_dir, "--set", "checkpoint.async_save=true")
+    run = async_dir / "runs" / "tiny-gpt"
+    assert _losses(run) == _losses(sync_dir / "runs" / "tiny-gpt")
+    checkpoints = run / "checkpoints"
+    assert (checkpoints / "latest").read_text().strip() == "step-00000008"
+    assert sorted(p.name for p in checkpoints.glob("step-*")) == ["step-00000006", "step-00000008"]  # keep = 2
+    assert not list(checkpoints.glob(".tmp-*"))
+    verify = subprocess.run([sys.executable, "-m", "hpc_train", "ckpt", "verify", str(run), "--sha256"],
+                            capture_output=True, text=True, timeout=120, check=False)
+    assert verify.returncode == 0 and "FAILED" not in verify.stdout, verify.stdout + verify.stderr
+    again = _run(async_dir, "--set", "checkpoint.async_save=true", "--set", "train.steps=10")
+    assert "resumed from step 8" in again.stdout
