@@ -36,7 +36,7 @@ from hpc_train.errors import ConfigError
 from hpc_train.runfolder import atomic_write, refuse_shared_writable
 
 __all__ = ["LATEST_NAME", "CheckpointError", "CheckpointInfo", "CheckpointManager", "VerifyLevel",
-           "inspect_checkpoint", "step_folder_name"]
+           "inspect_checkpoint", "list_files", "seal_share", "step_folder_name"]
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +119,53 @@ def _seal_files(folder: Path) -> list[FileEntry]:
     return entries
 
 
+def list_files(folder: Path) -> list[tuple[str, int]]:
+    """``(relative path, size)`` of every file below ``folder``, sorted; links and special files refused."""
+    files = []
+    for relative, _path, info in _walk(folder):
+        if stat.S_ISDIR(info.st_mode):
+            continue
+        if not stat.S_ISREG(info.st_mode):
+            raise CheckpointError(f"{folder}: {relative} is not a regular file (links are not allowed)")
+        if relative == MANIFEST_NAME:
+            raise CheckpointError(f"{folder}: the writer left its own {MANIFEST_NAME}; that name is reserved")
+        files.append((relative, info.st_size))
+    return files
+
+
+def seal_share(folder: Path, files: list[tuple[str, int]], share: int, shares: int) -> list[FileEntry]:
+    """Hash and fsync this writer's share of ``files`` (sizes balanced greedily, the same split on every writer),
+    so that all ranks seal a checkpoint together instead of rank 0 reading all of it back alone."""
+    loads = [0] * shares
+    mine = []
+    for relative, size in sorted(files, key=lambda f: (-f[1], f[0])):
+        owner = loads.index(min(loads))
+        loads[owner] += size
+        if owner == share:
+            path = folder / relative
+            size_now, digest = sha256_file(path)
+            _fsync_path(path)
+            mine.append(FileEntry(path=relative, size=size_now, sha256=digest))
+    return mine
+
+
+def _sealed_elsewhere(folder: Path, entries: list[FileEntry]) -> list[FileEntry]:
+    """Check entries sealed by the writers against the folder (the same files, the same sizes), fsync folders."""
+    on_disk = dict(list_files(folder))
+    listed = {entry.path: entry.size for entry in entries}
+    if on_disk != listed:
+        extra = sorted(set(on_disk) - set(listed))
+        missing = sorted(set(listed) - set(on_disk))
+        changed = sorted(p for p in set(on_disk) & set(listed) if on_disk[p] != listed[p])
+        raise CheckpointError(f"{folder}: the files sealed by the ranks do not match the folder (not sealed: "
+                              f"{extra[:3]}, gone: {missing[:3]}, size changed: {changed[:3]})")
+    for _relative, path, info in reversed(list(_walk(folder))):
+        if stat.S_ISDIR(info.st_mode):
+            _fsync_path(path)
+    _fsync_path(folder)
+    return sorted(entries, key=lambda e: e.path)
+
+
 def _check_file(folder: Path, entry: FileEntry, level: VerifyLevel) -> str | None:
     """The problem with one listed file, or None. Every component is lstat'ed so no link leads outside."""
     path = folder
@@ -197,14 +244,16 @@ class CheckpointManager:
         os.chmod(tmp, 0o700)  # whatever the umask
         return tmp
 
-    def commit(self, tmp: Path, manifest_fields: Mapping[str, Any]) -> Path:
+    def commit(self, tmp: Path, manifest_fields: Mapping[str, Any], sealed: list[FileEntry] | None = None) -> Path:
         """Seal ``tmp`` (fsync, manifest), rename it to ``step-N``, then move ``latest``, then prune.
 
         ``manifest_fields`` holds the Manifest fields but ``files`` (computed here) and ``step`` (taken from
-        the folder; a different value is an error); ``created`` defaults to now.
+        the folder; a different value is an error); ``created`` defaults to now. ``sealed``: the files already
+        hashed and fsynced by the writers (:func:`seal_share`); they must be exactly the folder's files.
         """
         tmp, step = self._own_tmp(tmp)
-        manifest = self._build_manifest(step, manifest_fields, _seal_files(tmp))
+        files = _seal_files(tmp) if sealed is None else _sealed_elsewhere(tmp, sealed)
+        manifest = self._build_manifest(step, manifest_fields, files)
         self._write_manifest(tmp, manifest)
         final = self._publish(tmp, step)
         self._point_latest(final)
@@ -229,10 +278,16 @@ class CheckpointManager:
     def _publish(self, tmp: Path, step: int) -> Path:
         """Rename ``tmp`` to ``step-N`` and fsync ``checkpoints/``; an older folder of that step goes to trash."""
         final = self.root / step_folder_name(step)
-        if final.exists() or final.is_symlink():
-            os.replace(final, self.root / f".trash-{final.name}-{os.getpid()}")
+        trash = self.root / f".trash-{final.name}-{os.getpid()}"
+        replaced = final.exists() or final.is_symlink()
+        if replaced:
+            os.replace(final, trash)
         os.rename(tmp, final)
         _fsync_path(self.root)
+        if replaced and trash.is_dir() and not trash.is_symlink():  # the new folder is durable: drop the old one
+            shutil.rmtree(trash, ignore_errors=True)
+        elif replaced:
+            trash.unlink(missing_ok=True)
         return final
 
     def _point_latest(self, final: Path) -> None:

@@ -31,6 +31,8 @@ import torch
 import torch.distributed as dist
 
 from hpc_train.ckpt import MANIFEST_NAME, CheckpointError, CheckpointManager, Manifest
+from hpc_train.ckpt.manager import list_files, seal_share
+from hpc_train.ckpt.manifest import FileEntry
 from hpc_train.ckpt.universal import (
     cached_copy,
     clear_cache,
@@ -111,6 +113,25 @@ def _repair_zero3_universal_load(engine: Any, copy: Path) -> None:
             param_state["step"] = param_state["step"].clone()
 
 
+class _ToLog(logging.Handler):
+    """The checkpoint manager's warnings (a checkpoint skipped on resume, and why) in the rank-0 log that
+    ``hpc_train.submit`` follows, not only on the rank's stderr."""
+
+    def __init__(self, log: Callable[[str], None]) -> None:
+        super().__init__(logging.WARNING)
+        self.log = log
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.log(f"warning: {record.getMessage()}")
+
+
+def _forward_manager_warnings(log: Callable[[str], None]) -> None:
+    logger = logging.getLogger("hpc_train.ckpt")
+    for handler in [h for h in logger.handlers if isinstance(h, _ToLog)]:
+        logger.removeHandler(handler)
+    logger.addHandler(_ToLog(log))
+
+
 class Checkpointer:
     """Rank 0 owns the checkpoint folder (one writer); every rank takes part in each save and load."""
 
@@ -125,6 +146,8 @@ class Checkpointer:
         self.convert_timeout_s = config["dist"]["timeout_s"] * _CONVERT_SHARE_OF_TIMEOUT
         self.manager = CheckpointManager(run_dir / "checkpoints", keep=checkpoint["keep"],
                                          verify=checkpoint["verify"]) if self.rank == 0 else None
+        if self.manager:
+            _forward_manager_warnings(self.log)
         self.fields = {"world_size": layout.world, "zero_stage": config["zero"]["stage"],
                        "dtype": config["train"]["precision"], "config_hash": config_hash,
                        "layout": {"tensor": layout.tensor, "pipeline": layout.pipeline, "data": layout.data,
@@ -153,15 +176,26 @@ class Checkpointer:
         dist.barrier()
         torch.save({"python": random.getstate(), "torch": torch.get_rng_state()}, rng / f"rank-{self.rank}.pt")
         dist.barrier()  # every rank's files are on disk before rank 0 seals the folder
-        if self.manager:
-            fields = {"step": step, **self.fields}
-            if self.async_save and not wait:
+        fields = {"step": step, **self.fields}
+        if self.async_save and not wait:
+            if self.manager:  # rank 0 alone, off the training path
                 self._committer = threading.Thread(target=self._commit, args=(self.manager, tmp, fields),
                                                    name=f"seal-step-{step}", daemon=False)
                 self._committer.start()
-            else:
-                self.manager.commit(tmp, fields)
+        else:
+            sealed = self._seal_together(tmp)
+            if self.manager:
+                self.manager.commit(tmp, fields, sealed=sealed)
         dist.barrier()
+
+    def _seal_together(self, tmp: Path) -> list[FileEntry] | None:
+        """Every rank hashes and fsyncs a share of the files (by size), rank 0 gets all the entries: the sha256
+        pass is spread over the ranks (and nodes) instead of rank 0 reading the whole checkpoint back."""
+        files = _broadcast(list_files(tmp) if self.manager else None)
+        mine = seal_share(tmp, files, self.rank, dist.get_world_size())
+        shares: list[Any] | None = [None] * dist.get_world_size() if self.manager else None
+        dist.gather_object(mine, shares, dst=0)
+        return [entry for share in shares for entry in share] if shares is not None else None
 
     def _open(self, manager: CheckpointManager, step: int) -> str | _Refusal:
         """Rank 0: wait for the previous background seal, then open the next temporary folder."""

@@ -80,4 +80,7 @@ def test_a_damaged_newest_checkpoint_falls_back(trained: tuple[Path, dict[int, f
     (copy / "checkpoints" / "latest").write_text("step-00000008\n")
     result = _run(work)
     assert "resumed from step 4" in result.stdout
+    # The reason reaches the console of submit and the rank-0 log, not only the rank's stderr.
+    warning = f"warning: checkpoint {copy / 'checkpoints' / 'step-00000008'} skipped"
+    assert warning in result.stdout and warning in (copy / "logs" / "rank-0.log").read_text()
     assert _losses(copy / "metrics.jsonl") == uninterrupted
