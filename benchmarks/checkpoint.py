@@ -100,7 +100,8 @@ def _job_config(args: dict[str, Any]) -> dict[str, Any]:
     from hpc_train.config.overrides import apply_overrides
 
     overrides = [f"train.precision={args['precision']}", f"train.seq_len={args['seq_len']}",
-                 f"train.micro_batch={args['micro_batch']}", "train.warmup_steps=1", "checkpoint.keep=2"]
+                 f"train.micro_batch={args['micro_batch']}", "train.warmup_steps=1", "checkpoint.keep=2",
+                 f"checkpoint.async_save={'true' if args['async_save'] else 'false'}"]
     data = apply_overrides(load_toml(REPO / "examples" / "tiny_gpt.toml", "config"), overrides, JobConfig)
     return dataclasses.asdict(build(JobConfig, data))
 
@@ -172,12 +173,14 @@ def _save_once(engine: Any, checkpointer: Any, clock: PhaseClock, step: int, sta
     dist.barrier()
     start = time.perf_counter()
     checkpointer.save(engine, step, state)
-    seconds = time.perf_counter() - start
+    seconds = time.perf_counter() - start  # with async_save: the stall; rank 0 is still sealing
+    checkpointer.finish()
+    durable_s = time.perf_counter() - start
     after = _io_counters()
     io = _gather_io({key: after[key] - before[key] for key in ("wchar", "rchar", "write_bytes")})
     phases = {**clock.seconds, "other": seconds - sum(clock.seconds.values())}
     raw_s = (raw_before + _raw_baseline(run_dir, step, sizes)) / 2
-    return {"save_s": seconds, "io": io, "raw_s": raw_s, "phases": phases}
+    return {"save_s": seconds, "durable_s": durable_s, "io": io, "raw_s": raw_s, "phases": phases}
 
 
 def worker(args: dict[str, Any]) -> None:
@@ -211,6 +214,7 @@ def worker(args: dict[str, Any]) -> None:
         _train_step(engine, stream)
     step = WARMUP_STEPS
     checkpointer.save(engine, step, sampler.state_dict())  # untimed: first-save costs, and the file sizes
+    checkpointer.finish()
     sizes = _folder_sizes(run_dir / "checkpoints" / f"step-{step:08d}") if rank == 0 else []
     saves: list[dict[str, Any]] = []
     for _ in range(args["saves"]):
@@ -239,7 +243,7 @@ def run_ranks(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
     """Start WORLD ranks of this file in worker mode; rank 0's JSON line."""
     spec = {"run_dir": str(run_dir), "saves": args.saves, "layers": args.layers, "heads": args.heads,
             "hidden": args.hidden, "seq_len": args.seq_len, "micro_batch": args.micro_batch,
-            "precision": args.precision}
+            "precision": args.precision, "async_save": args.async_save}
     port = _free_port()
     procs = []
     for rank in range(WORLD):
@@ -266,27 +270,38 @@ def _median(saves: list[dict[str, Any]], key: Callable[[dict[str, Any]], float])
 def report(args: argparse.Namespace, result: dict[str, Any]) -> None:
     saves, sizes = result["saves"], result["sizes"]
     total = sum(sizes)
-    save_s, raw_s = _median(saves, lambda s: s["save_s"]), _median(saves, lambda s: s["raw_s"])
+    # The transaction ends when ``latest`` has moved (with async_save that is after the call returns).
+    whole_s, raw_s = _median(saves, lambda s: s["durable_s"]), _median(saves, lambda s: s["raw_s"])
+    save_s = _median(saves, lambda s: s["save_s"])
     mb = total / 1e6
     print(f"{len(saves)} saves (medians), GPT {args.layers} layers x {args.hidden} hidden, "
           f"{result['parameters'] / 1e6:.1f} M parameters, {WORLD} ranks, ZeRO-2, {args.precision}; "
           f"one checkpoint: {mb:.1f} MB in {len(sizes)} files; load average {os.getloadavg()[0]:.1f}")
-    ratio = _median(saves, lambda s: s["raw_s"] / s["save_s"])
+    ratio = _median(saves, lambda s: s["raw_s"] / s["durable_s"])
     print(f"{'path':40} {'seconds':>8} {'MB/s':>7} {'ratio':>6}")
-    print(f"{'Checkpointer.save (whole transaction)':40} {save_s:8.3f} {mb / save_s:7.0f} {ratio:6.2f}")
+    print(f"{'Checkpointer.save (whole transaction)':40} {whole_s:8.3f} {mb / whole_s:7.0f} {ratio:6.2f}")
     print(f"{'raw writes, same files, fsync each + dir':40} {raw_s:8.3f} {mb / raw_s:7.0f} {1:6.2f}")
-    each = ", ".join(f"{save['save_s']:.3f}/{save['raw_s']:.3f}" for save in saves)
+    each = ", ".join(f"{save['durable_s']:.3f}/{save['raw_s']:.3f}" for save in saves)
     hashing = _median(saves, lambda s: s["phases"].get("sha256_file", 0.0))
     print(f"each save, save/raw seconds: {each} (ratio: the median of the per-save ratios)")
     print(f"target 0.80: {'met' if ratio >= 0.8 else 'NOT met'}; "
-          f"without the sha256 pass ({hashing:.3f} s) the ratio would be {raw_s / (save_s - hashing):.2f}")
+          f"without the sha256 pass ({hashing:.3f} s) the ratio would be {raw_s / (whole_s - hashing):.2f}")
     plain = statistics.median(t for save in saves for t in save["plain"])
     with_save = _median(saves, lambda s: s["step_s"] + s["save_s"])
     after = _median(saves, lambda s: s["next_s"])
-    print("\ntraining stall per save (synchronous saves: checkpoint.async_save = false)")
+    mode = "asynchronous: checkpoint.async_save = true" if args.async_save else \
+        "synchronous saves: checkpoint.async_save = false"
+    print(f"\ntraining stall per save ({mode})")
+    if args.async_save:
+        durable = _median(saves, lambda s: s["durable_s"])
+        print(f"{'save call (what training waits for)':40} {save_s:8.3f}")
+        print(f"{'until latest moved (sealed, durable)':40} {durable:8.3f}   {mb / durable:7.0f} MB/s, ratio "
+              f"{_median(saves, lambda s: s['raw_s'] / s['durable_s']):.2f} of raw")
     print(f"{'step without a save':40} {plain:8.3f}")
     print(f"{'step with a save (step + save)':40} {with_save:8.3f}   stall {with_save - plain:.3f} s")
     print(f"{'the step after a save':40} {after:8.3f}")
+    if args.async_save:  # the phase clock is not thread-safe: no breakdown of a background seal
+        return
     print("\nwhere a save's time goes (rank 0, exclusive seconds, median)")
     for key, label in PHASES.items():
         seconds = _median(saves, lambda s, k=key: s["phases"].get(k, 0.0))
@@ -310,6 +325,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--micro-batch", type=int, default=2)
     parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
+    parser.add_argument("--async-save", action="store_true", help="seal in rank 0's background thread")
     parser.add_argument("--dir", type=Path, default=None, help="where the run folder goes (default: a temp folder)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
