@@ -39,6 +39,7 @@ class PreemptionWatch:
         self.received = 0
         self.received_at: float | None = None
         self._previous: dict[int, Any] = {}
+        self._pending: tuple[Any, Any] | None = None
 
     def __enter__(self) -> PreemptionWatch:
         if threading.current_thread() is threading.main_thread():
@@ -55,14 +56,44 @@ class PreemptionWatch:
         if not self.received:  # the first one counts: TERM after USR2 changes nothing
             self.received, self.received_at = number, time.time()
 
-    def agreed(self, device: Any = "cpu") -> int:
-        """The signal number if any rank received one (the largest, so every rank gets the same), else 0."""
+    def _start(self, device: Any) -> tuple[Any, Any]:
         import torch  # not at import time: the watch is installed before the ranks import torch
         import torch.distributed as dist
 
         flag = torch.tensor([self.received], dtype=torch.int64, device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True), flag
+
+    def _finish_pending(self) -> int:
+        if self._pending is None:
+            return 0
+        work, flag = self._pending
+        self._pending = None
+        work.wait()
         return int(flag.item())
+
+    def agreed(self, device: Any = "cpu") -> int:
+        """The signal number if any rank received one (the largest, so every rank gets the same), else 0.
+        Blocking: for places that must decide now (between evaluation batches)."""
+        earlier = self._finish_pending()
+        if earlier:
+            return earlier
+        work, flag = self._start(device)
+        work.wait()
+        return int(flag.item())
+
+    def poll(self, device: Any = "cpu") -> int:
+        """Like :meth:`agreed`, one step late and without waiting: returns what the all-reduce started at the
+        previous call found, and starts the next one. Every rank calls it at the same steps, so every rank gets
+        the same answer at the same step; the step does not wait for the round trip (a blocking all-reduce per
+        step cost 5 % of a small model's step time)."""
+        earlier = self._finish_pending()
+        if not earlier:
+            self._pending = self._start(device)
+        return earlier
+
+    def settle(self) -> None:
+        """Wait for an all-reduce still in flight (before the process group goes away)."""
+        self._finish_pending()
 
 
 def arm_force_exit(seconds: float, log: Callable[[str], None]) -> threading.Timer:

@@ -212,7 +212,7 @@ def _train(plan: Plan, info: LaunchInfo, run_dir: Path, log: Callable[[str], Non
                              _memory_bytes() if logged else None)
                 if step > start_step + 1:  # the first step of an attempt also warms up
                     recorder.step_time(elapsed)
-                stopped_by = watch.agreed(engine.device) if step < tcfg["steps"] else 0
+                stopped_by = watch.poll(engine.device) if step < tcfg["steps"] else 0
                 if not stopped_by and monitor.histograms_due(step):
                     monitor.histograms(step, model.named_parameters())
                 if not stopped_by and monitor_config["eval_every"] and (
@@ -229,6 +229,7 @@ def _train(plan: Plan, info: LaunchInfo, run_dir: Path, log: Callable[[str], Non
                     saved = time.perf_counter()
                     checkpointer.save(engine, step, sampler.state_dict())
                     recorder.save_time(time.perf_counter() - saved)
+        watch.settle()
         checkpointer.finish()  # a background seal of the last checkpoint is durable before the attempt ends
     except BaseException as error:
         recorder.failed(step, error)

@@ -45,6 +45,15 @@ def test_a_signal_only_sets_the_flag_and_handlers_come_back(one_rank_group: None
     assert signal.getsignal(signal.SIGUSR2) is before
 
 
+def test_poll_answers_one_step_late_without_waiting(one_rank_group: None) -> None:
+    with PreemptionWatch(["USR2"]) as watch:
+        assert watch.poll() == 0  # starts the first all-reduce
+        os.kill(os.getpid(), signal.SIGUSR2)
+        assert watch.poll() == 0  # the all-reduce in flight was started before the signal
+        assert watch.poll() == signal.SIGUSR2  # the next one saw it
+        watch.settle()
+
+
 @pytest.mark.parametrize(("env", "enabled", "before", "action", "code"), [
     ({"SLURM_JOB_ID": "42"}, True, 0, "scontrol", 0),
     ({"SLURM_JOB_ID": "42", "SUBMITIT_EXECUTOR": "local"}, True, 0, "local", LOCAL_REQUEUE_EXIT),
