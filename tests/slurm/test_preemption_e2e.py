@@ -160,10 +160,10 @@ def test_time_limit(tmp_path: Path) -> None:
     """A 2-minute job asking for its signal 60 s ahead, with more steps than one attempt can do: each attempt
     gets the signal from Slurm, saves and requeues until the run is done. The weights are checked against an
     uninterrupted run of the same length."""
-    steps = 600
+    steps = 1000  # about 70 s of steps on a quiet machine: longer than the ~60 s before the first signal
     run_dir = tmp_path / "runs" / "tiny-gpt"
     job_id = _submit(tmp_path, steps, "--set", "job.time=00:02:00", "--set", "preempt.lead_seconds=60")
-    _wait_until_completed(job_id, run_dir, timeout_s=600)
+    _wait_until_completed(job_id, run_dir, timeout_s=900)
     attempts = _attempts(run_dir)
     assert attempts[0]["outcome"] == "preempted" and attempts[0]["signal"] == "SIGUSR2" and attempts[0]["requeued"]
     assert attempts[-1]["outcome"] == "completed" and attempts[-1]["end_step"] == steps
