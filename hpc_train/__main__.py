@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from hpc_train import __version__
+from hpc_train.bench.cli import add_parser as add_bench_parser
 from hpc_train.ckpt.cli import add_parser as add_ckpt_parser
 from hpc_train.cli.common import ArgumentParser, add_plan_arguments, plan_from_args, run_command
 
@@ -143,6 +144,7 @@ def _build_parser() -> ArgumentParser:
     render.add_argument("--json", action="store_true", help="print the written paths as JSON")
     render.set_defaults(run=_render)
     add_ckpt_parser(commands)
+    add_bench_parser(commands)
     return parser
 
 
