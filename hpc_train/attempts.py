@@ -74,7 +74,8 @@ class AttemptLog:
     def begin(self, job_id: str, restart: int, host: str, started: float, start_step: int) -> Attempt:
         """Close an attempt left ``running`` as ``killed`` and open the next one."""
         attempts = [replace(a, outcome="killed") if a.outcome == "running" else a for a in self.read()]
-        current = Attempt(attempt=len(attempts) + 1, job_id=job_id, restart=restart, host=host, started=started,
+        number = max((a.attempt for a in attempts), default=0) + 1
+        current = Attempt(attempt=number, job_id=job_id, restart=restart, host=host, started=started,
                           start_step=start_step)
         self._write([*attempts, current])
         return current
@@ -88,17 +89,19 @@ class AttemptLog:
         return ended
 
 
-def requeues_so_far(attempts: list[Attempt]) -> int:
-    """How many times this run has requeued itself."""
-    return sum(1 for a in attempts if a.requeued)
+def requeues_so_far(attempts: list[Attempt], job_id: str | None = None) -> int:
+    """How many times job ``job_id`` (a requeue keeps the id; a new submission gets a new one) has requeued
+    itself; every job of the run when ``job_id`` is None."""
+    return sum(1 for a in attempts if a.requeued and (job_id is None or a.job_id == job_id))
 
 
 def recommended_lead_seconds(attempts: list[Attempt], floor: int) -> int:
-    """Signal lead time that fits the slowest measured step plus save, with room to spare: twice the step (the
-    signal can land just after one starts) plus 1.5 times the save plus 10 s, never below ``floor``."""
+    """Signal lead time that fits the slowest measured step plus save, with room to spare: three steps (the ranks
+    act on a signal at the second step boundary after it at the latest) plus 1.5 times the save plus 10 s, never
+    below ``floor``."""
     steps = [a.step_s_max for a in attempts if a.step_s_max is not None]
     saves = [a.save_s_max for a in attempts if a.save_s_max is not None]
     if not steps and not saves:
         return floor
-    needed = 2 * max(steps, default=0.0) + 1.5 * max(saves, default=0.0) + 10
+    needed = 3 * max(steps, default=0.0) + 1.5 * max(saves, default=0.0) + 10
     return max(floor, math.ceil(needed))

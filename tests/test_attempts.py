@@ -21,6 +21,17 @@ def test_an_attempt_is_written_when_it_starts_and_rewritten_when_it_ends(tmp_pat
     assert [(a["attempt"], a["outcome"], a["start_step"], a["end_step"]) for a in lines] == [
         (1, "preempted", 0, 12), (2, "completed", 12, 40)]
     assert requeues_so_far(log.read()) == 1
+    assert requeues_so_far(log.read(), "7") == 1 and requeues_so_far(log.read(), "8") == 0  # a new submission
+
+
+def test_attempt_numbers_stay_unique_past_a_torn_line(tmp_path: Path) -> None:
+    log = AttemptLog(tmp_path)
+    log.begin(job_id="7", restart=0, host="n1", started=1.0, start_step=0)
+    log.begin(job_id="7", restart=1, host="n1", started=2.0, start_step=0)
+    lines = (tmp_path / "attempts.jsonl").read_text().splitlines()
+    (tmp_path / "attempts.jsonl").write_text(lines[0][:10] + "\n" + lines[1] + "\n")  # line 1 torn
+    third = log.begin(job_id="7", restart=2, host="n1", started=3.0, start_step=0)
+    assert third.attempt == 3 and [a.attempt for a in log.read()] == [2, 3]
 
 
 def test_an_attempt_still_running_when_the_next_starts_was_killed(tmp_path: Path) -> None:
@@ -52,9 +63,9 @@ def _attempt(step: float | None, save: float | None) -> Attempt:
 
 @pytest.mark.parametrize(("attempts", "floor", "lead"), [
     ([], 60, 60),                                   # nothing measured: the configured lead
-    ([_attempt(1.0, 4.0)], 60, 60),                 # 2 + 6 + 10 = 18 s fits in 60
-    ([_attempt(30.0, 40.0)], 60, 130),              # 60 + 60 + 10
-    ([_attempt(30.0, None), _attempt(5.0, 80.0)], 60, 190),  # the slowest step and the slowest save
+    ([_attempt(1.0, 4.0)], 60, 60),                 # 3 + 6 + 10 = 19 s fits in 60
+    ([_attempt(30.0, 40.0)], 60, 160),              # 90 + 60 + 10
+    ([_attempt(30.0, None), _attempt(5.0, 80.0)], 60, 220),  # the slowest step and the slowest save
 ])
 def test_recommended_lead_seconds(attempts: list[Attempt], floor: int, lead: int) -> None:
     assert recommended_lead_seconds(attempts, floor) == lead

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import pickle
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -58,6 +59,8 @@ def check_out_path(out: Path, force: bool) -> None:
                           "a path in an existing folder")
     if out.is_dir():
         raise ConfigError("--out", f"{out} is a folder", "give a file name, like model.pt")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError("--out", f"the folder {parent} is not writable for you", "pick a folder you can write")
     if (out.exists() or out.is_symlink()) and not force:
         raise ConfigError("--out", f"{out} already exists", "pick another name, or pass --force to replace it")
 
@@ -134,7 +137,7 @@ def _load_fp32(folder: Path, manifest: Manifest) -> dict[str, Any]:
     try:
         with _quiet():
             state = loader(state_dir)
-    except (OSError, ValueError, KeyError, RuntimeError, TypeError) as error:
+    except (OSError, ValueError, KeyError, RuntimeError, TypeError, pickle.UnpicklingError) as error:
         raise ConfigError(str(folder), f"verifies, but DeepSpeed's files cannot be consolidated "
                           f"({type(error).__name__}: {error})", "export another step") from None
     return {name: tensor.detach().to(dtype=torch.float32, device="cpu").contiguous().clone()

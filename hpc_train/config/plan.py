@@ -121,12 +121,15 @@ def _run_dir(cfg: JobConfig, site: SiteConfig, cwd: Path) -> str:
 
 
 def _lead_seconds(configured: int, run_dir: str, time_seconds: int) -> int:
-    """The configured lead time, raised to what this run's earlier attempts measured (twice a step plus 1.5 times a
-    save, ``attempts.jsonl``) when that is longer and still shorter than the time limit."""
+    """The configured lead time, raised to what this run's earlier attempts measured (three steps plus 1.5 times
+    a save, ``attempts.jsonl``) when that is longer, but never past half the time limit: one slow save must not
+    leave every later attempt only a sliver of its time to train."""
     from hpc_train.attempts import AttemptLog, recommended_lead_seconds  # it imports the run folder's writer
 
     measured = recommended_lead_seconds(AttemptLog(Path(run_dir)).read(), floor=configured)
-    return measured if not time_seconds or measured < time_seconds else configured
+    if time_seconds:
+        measured = min(measured, max(configured, time_seconds // 2))
+    return measured
 
 
 def make_plan(cfg: JobConfig, site: SiteConfig, executor: str, *, python: str | None = None,

@@ -16,6 +16,7 @@ from typing import Any
 from rich.console import Console
 from rich.markup import escape
 
+from hpc_train.attempts import Attempt, AttemptLog
 from hpc_train.slurm.jobstate import SlurmQueryError, query_states
 
 __all__ = ["FollowedJob", "LogTail", "follow"]
@@ -110,9 +111,21 @@ def _tail(text: str, lines: int = 12) -> str:
     return "\n".join(text.strip().splitlines()[-lines:])
 
 
+def _stopped_attempt(run_dir: Path) -> Attempt | None:
+    """The last attempt, when it saved after a signal and did not requeue (the ranks exited with status 75)."""
+    attempts = AttemptLog(run_dir).read()
+    last = attempts[-1] if attempts else None
+    return last if last is not None and last.outcome == "preempted" and not last.requeued else None
+
+
 def _report_failure(console: Console, job: FollowedJob) -> None:
     errors = job.rank_errors()
     name = f"job {job.job_id}" + (f" ({job.label})" if job.label else "")
+    stopped = None if errors else _stopped_attempt(job.run_dir)
+    if stopped is not None:
+        console.print(f"[bold yellow]{name} stopped[/] after {stopped.signal} and saved step {stopped.end_step}; "
+                      f"not requeued: {escape(stopped.note)}. Run the same command again to resume.")
+        return
     if errors:
         first = errors[0]
         ranks = ", ".join(str(error.get("rank")) for error in errors)

@@ -32,7 +32,6 @@ import torch.distributed as dist
 
 from hpc_train.ckpt import MANIFEST_NAME, CheckpointError, CheckpointManager, Manifest
 from hpc_train.ckpt.manager import list_files, seal_share
-from hpc_train.ckpt.manifest import FileEntry
 from hpc_train.ckpt.universal import (
     cached_copy,
     clear_cache,
@@ -183,19 +182,41 @@ class Checkpointer:
                                                    name=f"seal-step-{step}", daemon=False)
                 self._committer.start()
         else:
-            sealed = self._seal_together(tmp)
-            if self.manager:
-                self.manager.commit(tmp, fields, sealed=sealed)
+            self._seal_together(tmp, fields)
         dist.barrier()
 
-    def _seal_together(self, tmp: Path) -> list[FileEntry] | None:
-        """Every rank hashes and fsyncs a share of the files (by size), rank 0 gets all the entries: the sha256
-        pass is spread over the ranks (and nodes) instead of rank 0 reading the whole checkpoint back."""
-        files = _broadcast(list_files(tmp) if self.manager else None)
-        mine = seal_share(tmp, files, self.rank, dist.get_world_size())
+    def _seal_together(self, tmp: Path, fields: dict[str, Any]) -> None:
+        """Every rank hashes and fsyncs a share of the files (by size), rank 0 gets all the entries and commits:
+        the sha256 pass is spread over the ranks (and nodes) instead of rank 0 reading the whole checkpoint back.
+        A failure on any rank reaches every rank as the same error, instead of leaving the others in a
+        collective until the timeout."""
+        files: Any = None
+        if self.manager:
+            try:
+                files = list_files(tmp)
+            except Exception as error:
+                files = _Refusal(str(error), False)
+        files = _broadcast(files)
+        if isinstance(files, _Refusal):
+            raise files.error()
+        try:
+            mine: Any = seal_share(tmp, files, self.rank, dist.get_world_size())
+        except Exception as error:
+            mine = f"rank {self.rank}: {error}"
         shares: list[Any] | None = [None] * dist.get_world_size() if self.manager else None
         dist.gather_object(mine, shares, dst=0)
-        return [entry for share in shares for entry in share] if shares is not None else None
+        status = None
+        if self.manager and shares is not None:
+            problems = [share for share in shares if isinstance(share, str)]
+            try:
+                if problems:
+                    raise CheckpointError(f"sealing {tmp.name} failed on {'; '.join(problems)}")
+                self.manager.commit(tmp, fields, sealed=[entry for share in shares for entry in share])
+            except Exception as error:
+                status = _Refusal(str(error), False)
+        status = _broadcast(status)
+        if isinstance(status, _Refusal):
+            raise status.error()
 
     def _open(self, manager: CheckpointManager, step: int) -> str | _Refusal:
         """Rank 0: wait for the previous background seal, then open the next temporary folder."""

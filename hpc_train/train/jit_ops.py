@@ -14,7 +14,7 @@ import hashlib
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -81,15 +81,18 @@ def _age_s(path: Path, now: float) -> float | None:
 
 def remove_stale_locks(root: Path, stale_after_s: float = STALE_AFTER_S, wait: bool = True,
                        clock: Callable[[], float] = time.time, sleep: Callable[[float], None] = time.sleep,
-                       warn: Callable[[str], None] = _warn) -> list[StaleLock]:
-    """Remove every ``<root>/<op>/lock`` older than ``stale_after_s``. With ``wait``, a younger lock (a build in
-    progress, perhaps on another node sharing the home folder) is waited on until it goes or turns stale.
+                       warn: Callable[[str], None] = _warn, ops: Collection[str] | None = None) -> list[StaleLock]:
+    """Remove every ``<root>/<op>/lock`` (of ``ops`` only, when given) older than ``stale_after_s``. With
+    ``wait``, a younger lock (a build in progress, perhaps on another node sharing the home folder) is waited on
+    until it goes or turns stale.
 
-    The age is read again just before removing, so a lock that a live builder has just created is left alone."""
+    The age is read again just before removing, so a lock that a live builder has just created is left alone
+    (a small window remains between that read and the unlink; torch's lock offers nothing better)."""
     removed: list[StaleLock] = []
     if not root.is_dir():
         return removed
-    for lock in sorted(root.glob("*/lock")):
+    locks = sorted(root.glob("*/lock")) if ops is None else [root / op / "lock" for op in sorted(ops)]
+    for lock in locks:
         while True:
             age = _age_s(lock, clock())
             if age is None:
@@ -119,15 +122,13 @@ def build_ops(names: tuple[str, ...] = INIT_OPS, stale_after_s: float = STALE_AF
     import deepspeed.ops
     from deepspeed.accelerator import get_accelerator
 
-    remove_stale_locks(use_extensions_root(), stale_after_s, warn=warn)
-    loaded = []
-    for name in names:
-        builder = get_accelerator().create_op_builder(name)
-        if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
-            continue
+    builders = [get_accelerator().create_op_builder(name) for name in names]
+    builders = [b for b in builders if b is not None and deepspeed.ops.__compatible_ops__.get(b.NAME, False)]
+    # Only the locks of the ops built here: another op's build (a long CUDA one) may be alive and older.
+    remove_stale_locks(use_extensions_root(), stale_after_s, warn=warn, ops=[b.name for b in builders])
+    for builder in builders:
         builder.load(verbose=False)
-        loaded.append(builder.NAME)
-    return loaded
+    return [builder.NAME for builder in builders]
 
 
 def prepare_for_initialize(local_rank: int | None, barrier: Callable[[], None]) -> None:

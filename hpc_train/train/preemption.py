@@ -1,12 +1,12 @@
 """Preemption and time limits on the ranks: a signal only sets a flag; the ranks act on it together.
 
 Slurm sends the site's signal (``USR2`` by default) ``lead_seconds`` before a time limit or a preemption, and
-``SIGTERM`` when it ends or requeues a job. A handler that saved inside the signal would save mid-step on one
-rank while the others sit in a collective; here the handler only records the signal. After every step (and
-between evaluation batches) the ranks all-reduce the flag, so they stop at the same step boundary, save once,
-and rank 0 requeues the job: ``scontrol requeue`` under Slurm (the same call submitit makes), exit status 144
-under submitit's local executor (its requeue code). A force-exit timer ends a save that hangs before Slurm's
-SIGKILL would leave no word of it.
+``SIGTERM`` when it ends or requeues a job itself. A handler that saved inside the signal would save mid-step on
+one rank while the others sit in a collective; here the handler only records the signal. After every step (and
+between evaluation batches) the ranks all-reduce the flag, so they stop at the same step boundary and save once.
+After the site's signal rank 0 then requeues the job: ``scontrol requeue`` under Slurm (the same call submitit
+makes), exit status 144 under submitit's local executor (its requeue code); after SIGTERM the run stops and
+Slurm decides. A force-exit timer ends a save that hangs before Slurm's SIGKILL would leave no word of it.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ __all__ = ["EXIT_SAVE_HUNG", "EXIT_STOPPED", "LOCAL_REQUEUE_EXIT", "PreemptionWa
 EXIT_STOPPED = 75  # EX_TEMPFAIL: saved and stopped on a signal, not requeued; run the same command to go on
 EXIT_SAVE_HUNG = 76  # the force-exit timer ended a save that did not finish within the lead time
 LOCAL_REQUEUE_EXIT = 144  # submitit's LocalExecutor restarts the job's tasks when one exits with this
+LOCAL_MAX_RESTARTS = 5  # ... at most this often (its controller's max_retry is 6 starts)
 
 
 class PreemptionWatch:
@@ -119,14 +120,27 @@ class Requeue:
     reason: str
 
 
-def decide_requeue(env: dict[str, str], enabled: bool, max_requeues: int, requeued_before: int) -> Requeue:
-    """Requeue when the config allows it, the run has requeues left, and something can requeue it."""
+def decide_requeue(env: dict[str, str], enabled: bool, max_requeues: int, requeued_before: int,
+                   requeue_signal: bool = True) -> Requeue:
+    """Requeue when the signal was the site's preemption signal (not SIGTERM), the config allows it, this job has
+    requeues left, and something can requeue it.
+
+    SIGTERM means Slurm is ending the job itself: ``scancel`` (which a requeue would undo: ``scontrol requeue``
+    also takes back cancelled jobs), ``scontrol requeue`` from outside, or a preemption that requeues the job
+    on its own. The run saves and stops; whatever sent the TERM decides what comes next."""
+    if not requeue_signal:
+        return Requeue("none", EXIT_STOPPED, "SIGTERM: Slurm is ending the job (cancelled, or requeued or "
+                                             "preempted by Slurm itself, which then requeues it)")
     if not enabled:
         return Requeue("none", EXIT_STOPPED, "preempt.requeue is false")
-    if requeued_before >= max_requeues:
-        return Requeue("none", EXIT_STOPPED, f"the run has requeued {requeued_before} times, "
-                                             f"preempt.max_requeues = {max_requeues}; resubmit to go on")
-    if env.get("SUBMITIT_EXECUTOR") == "local":
+    local = env.get("SUBMITIT_EXECUTOR") == "local"
+    limit = min(max_requeues, LOCAL_MAX_RESTARTS) if local else max_requeues
+    if requeued_before >= limit:
+        why = f"preempt.max_requeues = {max_requeues}" if limit == max_requeues else \
+            f"submitit's local executor restarts a job at most {LOCAL_MAX_RESTARTS} times"
+        return Requeue("none", EXIT_STOPPED, f"this job has requeued {requeued_before} times, {why}; "
+                                             "resubmit to go on")
+    if local:
         return Requeue("local", LOCAL_REQUEUE_EXIT, "submitit's local executor restarts the tasks")
     if env.get("SLURM_JOB_ID"):
         return Requeue("scontrol", 0, f"scontrol requeue {env['SLURM_JOB_ID']}")

@@ -72,13 +72,16 @@ class AttemptRecorder:
     def failed(self, step: int, error: BaseException) -> None:
         self._finish(outcome="failed", end_step=step, note=repr(error)[:500])
 
-    def stopped(self, step: int, signum: int, requeue_enabled: bool, max_requeues: int) -> Requeue:
+    def stopped(self, step: int, signum: int, requeue_signal: bool, requeue_enabled: bool,
+                max_requeues: int) -> Requeue:
         """After the save that followed a signal: rank 0 records the attempt, requeues if it may, and tells every
         rank what it did."""
         decision = None
         if self.is_writer:
             env = dict(os.environ)
-            decision = decide_requeue(env, requeue_enabled, max_requeues, requeues_so_far(self.attempts.read()))
+            job = self.current.job_id if self.current else None
+            decision = decide_requeue(env, requeue_enabled, max_requeues,
+                                      requeues_so_far(self.attempts.read(), job), requeue_signal)
             decision = perform_requeue(decision, env)
             self._finish(outcome="preempted", end_step=step, signal=signal_name(signum),
                          requeued=decision.action != "none", note=decision.reason)

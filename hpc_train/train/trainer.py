@@ -72,10 +72,11 @@ def _batches(source: Any, sampler: ResumableSampler, seq_len: int, device: Any) 
         yield tuple(t.to(device) for t in batch(source, sampler.next_indices(), seq_len))
 
 
-def _evaluate(engine: Any, source: Any, config: dict[str, Any], groups: ParallelGroups, watch: PreemptionWatch,
-              batches: int = 4) -> float | None:
+def _evaluate(engine: Any, source: Any, config: dict[str, Any], groups: ParallelGroups,
+              watch: PreemptionWatch | None, batches: int = 4) -> float | None:
     """Loss on a fixed set of batches (the same at every evaluation), averaged over data-parallel ranks; None
-    when a preemption signal cut it short (the ranks agree on that between batches)."""
+    when a preemption signal cut it short (the ranks agree on that between batches; not with ``watch`` None,
+    the evaluation after the last step, which a signal no longer stops)."""
     train = config["train"]
     sampler = ResumableSampler(source.num_samples(train["seq_len"]), groups.coord("dp"), groups.size("dp"),
                                train["micro_batch"], seed=train["seed"] + 7919)
@@ -87,7 +88,7 @@ def _evaluate(engine: Any, source: Any, config: dict[str, Any], groups: Parallel
     try:
         with torch.no_grad():
             for _ in range(batches):
-                if watch.agreed(engine.device):
+                if watch is not None and watch.agreed(engine.device):
                     return None
                 total += float(engine(*next(stream)))
     finally:
@@ -123,7 +124,8 @@ def _stop(plan: Plan, info: LaunchInfo, engine: Any, checkpointer: Checkpointer,
         checkpointer.save(engine, step, sampler.state_dict(), wait=True)  # durable before the requeue
         recorder.save_time(time.perf_counter() - saved)
         preempt = plan.config["preempt"]
-        requeue = recorder.stopped(step, signum, preempt["requeue"], preempt["max_requeues"])
+        requeue = recorder.stopped(step, signum, name == f"SIG{plan.signal}", preempt["requeue"],
+                                   preempt["max_requeues"])
     finally:
         timer.cancel()
     log(f"saved step {step} {time.time() - received:.1f} s after {name}; "
@@ -139,7 +141,7 @@ def train(plan: Plan, info: LaunchInfo, run_dir: Path, log: Callable[[str], None
     """Train ``plan`` on this rank; ``log`` takes rank 0's progress lines. Returns this rank's summary.
 
     ``watch`` should be installed as the rank starts (``hpc_train.launch`` does): a signal that lands while the
-    job is still starting (minutes on a large job) then stops it after its first step instead of being lost."""
+    job is still starting (minutes on a large job) then stops it within its first steps instead of being lost."""
     if watch is None:
         with PreemptionWatch([plan.signal]) as own:
             return _train(plan, info, run_dir, log, own)
@@ -212,12 +214,15 @@ def _train(plan: Plan, info: LaunchInfo, run_dir: Path, log: Callable[[str], Non
                              _memory_bytes() if logged else None)
                 if step > start_step + 1:  # the first step of an attempt also warms up
                     recorder.step_time(elapsed)
-                stopped_by = watch.poll(engine.device) if step < tcfg["steps"] else 0
+                last = step == tcfg["steps"]
+                if last:
+                    watch.settle()  # the run is done: a signal now needs no save and no requeue
+                stopped_by = 0 if last else watch.poll(engine.device)
                 if not stopped_by and monitor.histograms_due(step):
                     monitor.histograms(step, model.named_parameters())
                 if not stopped_by and monitor_config["eval_every"] and (
                         step % monitor_config["eval_every"] == 0 or step == tcfg["steps"]):
-                    result = _evaluate(engine, source, config, groups, watch)
+                    result = _evaluate(engine, source, config, groups, None if last else watch)
                     if result is None:
                         stopped_by = watch.agreed(engine.device)
                     else:

@@ -69,6 +69,17 @@ def test_decide_requeue(env: dict[str, str], enabled: bool, before: int, action:
         assert "preempt.max_requeues = 3" in decision.reason
 
 
+def test_after_sigterm_slurm_decides() -> None:
+    """A plain scancel sends TERM: requeueing would undo it (scontrol requeue takes back cancelled jobs)."""
+    decision = decide_requeue({"SLURM_JOB_ID": "42"}, True, 3, 0, requeue_signal=False)
+    assert decision.action == "none" and decision.exit_code == EXIT_STOPPED and "SIGTERM" in decision.reason
+
+
+def test_the_local_executor_restarts_at_most_five_times() -> None:
+    decision = decide_requeue({"SUBMITIT_EXECUTOR": "local"}, True, max_requeues=10, requeued_before=5)
+    assert decision.action == "none" and "at most 5 times" in decision.reason
+
+
 def _fake_scontrol(tmp_path: Path, body: str) -> dict[str, str]:
     folder = tmp_path / "bin"
     folder.mkdir()
@@ -122,4 +133,7 @@ def test_the_next_plan_takes_its_lead_time_from_the_run_folder(tmp_path: Path) -
     log.finish(log.begin(job_id="1", restart=0, host="n", started=0.0, start_step=0), outcome="preempted",
                step_s_max=40.0, save_s_max=100.0)
     second = make_plan(load_job(job, []), site, "local", cwd=tmp_path)
-    assert first.lead_seconds == 60 and second.lead_seconds == 2 * 40 + 150 + 10
+    assert first.lead_seconds == 60 and second.lead_seconds == 3 * 40 + 150 + 10
+    log.finish(log.begin(job_id="2", restart=0, host="n", started=0.0, start_step=0), outcome="preempted",
+               save_s_max=3000.0)  # one pathological save: capped at half the hour
+    assert make_plan(load_job(job, []), site, "local", cwd=tmp_path).lead_seconds == 1800
