@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hpc_train.ckpt.manager import fsync_path
 from hpc_train.ckpt.manifest import Manifest
 from hpc_train.errors import ConfigError
 
@@ -144,14 +145,6 @@ def _load_fp32(folder: Path, manifest: Manifest) -> dict[str, Any]:
             for name, tensor in state.items() if torch.is_tensor(tensor) and tensor.is_floating_point()}
 
 
-def _fsync_folder(folder: Path) -> None:
-    descriptor = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
-
-
 def _publish(tmp: Path, out: Path, force: bool) -> None:
     """Move the finished file into place; without ``force`` a hard link refuses, atomically, to replace a file
     that appeared since the first check."""
@@ -186,7 +179,7 @@ def _write(state: dict[str, Any], out: Path, force: bool) -> None:
         _publish(tmp, out, force)
     finally:
         tmp.unlink(missing_ok=True)
-    _fsync_folder(out.parent if str(out.parent) else Path("."))
+    fsync_path(out.parent if str(out.parent) else Path("."))
 
 
 def export_checkpoint(folder: Path, manifest: Manifest, out: Path, force: bool = False) -> ExportResult:

@@ -36,7 +36,7 @@ from hpc_train.errors import ConfigError
 from hpc_train.runfolder import atomic_write, refuse_shared_writable
 
 __all__ = ["LATEST_NAME", "CheckpointError", "CheckpointInfo", "CheckpointManager", "VerifyLevel",
-           "inspect_checkpoint", "list_files", "seal_share", "step_folder_name"]
+           "fsync_path", "inspect_checkpoint", "list_files", "seal_share", "step_folder_name"]
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,8 @@ def step_folder_name(step: int) -> str:
     return f"step-{step:08d}"
 
 
-def _fsync_path(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """fsync a file or folder (never through a symlink): what makes a write or a rename durable."""
     descriptor = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     try:
         os.fsync(descriptor)
@@ -112,10 +113,10 @@ def _seal_files(folder: Path) -> list[FileEntry]:
             raise CheckpointError(f"{folder}: the writer left its own {MANIFEST_NAME}; that name is reserved")
         else:
             size, digest = sha256_file(path)
-            _fsync_path(path)
+            fsync_path(path)
             entries.append(FileEntry(path=relative, size=size, sha256=digest))
     for sub in [*reversed(folders), folder]:
-        _fsync_path(sub)
+        fsync_path(sub)
     return entries
 
 
@@ -144,7 +145,7 @@ def seal_share(folder: Path, files: list[tuple[str, int]], share: int, shares: i
         if owner == share:
             path = folder / relative
             size_now, digest = sha256_file(path)
-            _fsync_path(path)
+            fsync_path(path)
             mine.append(FileEntry(path=relative, size=size_now, sha256=digest))
     return mine
 
@@ -161,8 +162,8 @@ def _sealed_elsewhere(folder: Path, entries: list[FileEntry]) -> list[FileEntry]
                               f"{extra[:3]}, gone: {missing[:3]}, size changed: {changed[:3]})")
     for _relative, path, info in reversed(list(_walk(folder))):
         if stat.S_ISDIR(info.st_mode):
-            _fsync_path(path)
-    _fsync_path(folder)
+            fsync_path(path)
+    fsync_path(folder)
     return sorted(entries, key=lambda e: e.path)
 
 
@@ -283,7 +284,7 @@ class CheckpointManager:
         if replaced:
             os.replace(final, trash)
         os.rename(tmp, final)
-        _fsync_path(self.root)
+        fsync_path(self.root)
         if replaced and trash.is_dir() and not trash.is_symlink():  # the new folder is durable: drop the old one
             shutil.rmtree(trash, ignore_errors=True)
         elif replaced:
@@ -318,7 +319,7 @@ class CheckpointManager:
         """Rename to ``.trash-*`` first, so a crash mid-delete never leaves a half folder named ``step-N``."""
         trash = self.root / f".trash-{step_folder_name(step)}-{os.getpid()}"
         os.replace(path, trash)
-        _fsync_path(self.root)
+        fsync_path(self.root)
         shutil.rmtree(trash, ignore_errors=True)
 
     # ----- reading -----

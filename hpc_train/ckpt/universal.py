@@ -36,7 +36,7 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from hpc_train.ckpt.manager import CheckpointError
+from hpc_train.ckpt.manager import CheckpointError, fsync_path
 from hpc_train.ckpt.manifest import MANIFEST_NAME
 from hpc_train.errors import ConfigError
 from hpc_train.runfolder import atomic_write, refuse_shared_writable
@@ -115,7 +115,7 @@ def convert_to_universal(sealed: Path, tag: str, timeout_s: float | None = None,
                                                      "seconds": round(seconds, 3)}, indent=1) + "\n")
         final = cache / sealed.name
         os.rename(tmp, final)
-        _fsync(cache)
+        fsync_path(cache)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -193,20 +193,12 @@ def _convert(source: Path, output: Path, timeout_s: float | None, workers: int) 
                               f"the ranks that saved it, or set checkpoint.resume = false. Its output ends:\n{tail}")
 
 
-def _fsync(path: Path) -> None:
-    descriptor = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
-
-
 def _fsync_tree(folder: Path) -> None:
     """Every file, then every folder bottom-up: the rename that publishes the copy comes after its data."""
     folders = []
     for root, _dirs, files in os.walk(folder):
         folders.append(Path(root))
         for name in files:
-            _fsync(Path(root) / name)
+            fsync_path(Path(root) / name)
     for path in reversed(folders):
-        _fsync(path)
+        fsync_path(path)

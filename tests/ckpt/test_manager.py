@@ -132,7 +132,7 @@ def test_commit_order_is_fsync_manifest_rename_fsync_latest(root: Path, monkeypa
     tmp = manager.begin(7)
     write_files(tmp, 7)
     events: list[str] = []
-    real_fsync, real_write, real_rename = manager_module._fsync_path, manager_module.atomic_write, os.rename
+    real_fsync, real_write, real_rename = manager_module.fsync_path, manager_module.atomic_write, os.rename
 
     def fsync(path: Path) -> None:
         events.append(f"fsync {Path(path).relative_to(root.parent)}")
@@ -146,7 +146,7 @@ def test_commit_order_is_fsync_manifest_rename_fsync_latest(root: Path, monkeypa
         events.append(f"rename {Path(dst).relative_to(root.parent)}")
         real_rename(src, dst)
 
-    monkeypatch.setattr(manager_module, "_fsync_path", fsync)
+    monkeypatch.setattr(manager_module, "fsync_path", fsync)
     monkeypatch.setattr(manager_module, "atomic_write", write)
     monkeypatch.setattr(manager_module.os, "rename", rename)
     manager.commit(tmp, FIELDS)
