@@ -99,8 +99,12 @@ def _repair_zero3_universal_load(engine: Any, copy: Path) -> None:
     per step). ZeRO 1-2 load both right."""
     if engine.zero_optimization_stage() != 3:
         return
-    # DeepSpeed has just loaded this file the same way; it lives in the private cache rank 0 wrote.
-    state = torch.load(copy / TAG / "zero" / "optimizer_state.pt", map_location="cpu", weights_only=False)
+    # weights_only, with the two DeepSpeed classes this file pickles allowed by name: nothing else can run.
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    with torch.serialization.safe_globals([LossScaler, ZeroStageEnum]):
+        state = torch.load(copy / TAG / "zero" / "optimizer_state.pt", map_location="cpu", weights_only=True)
     optimizer = engine.optimizer.optimizer
     saved, groups = state["param_groups"], optimizer.param_groups
     if len(saved) != len(groups):
