@@ -64,6 +64,7 @@ def _run_rank(run_dir: Path, plan: Plan, watch: PreemptionWatch | None) -> dict[
     logger.info("start: %s rank %d/%d (local %d/%d, node %d/%d) job %s restart %d", info.launcher, info.rank,
                 info.world_size, info.local_rank, info.local_world_size, info.node_rank, info.num_nodes,
                 info.job_id, info.restart)
+    _prepare_fabric(run_dir, plan, info.local_rank, logger)
     try:
         if plan.config["job"]["program"] == "smoke":
             result = run_smoke(plan, info)
@@ -94,6 +95,32 @@ def _run_rank(run_dir: Path, plan: Plan, watch: PreemptionWatch | None) -> dict[
         name = "smoke.json" if "all_reduce" in result else "train.json"
         atomic_write(run_dir / name, json.dumps(result, indent=2) + "\n")
     return result
+
+
+_FABRIC_VARIABLES = ("NCCL_", "GLOO_", "TORCH_NCCL_", "TORCH_FR_")
+
+
+def _prepare_fabric(run_dir: Path, plan: Plan, local_rank: int, logger: logging.Logger) -> None:
+    """Complete the NCCL environment from this node's fabric before torch starts, and say what contradicts it.
+
+    The first rank of each node also leaves ``logs/fabric-HOST.json`` (what the node showed, what was set, what
+    was found) for ``doctor`` and for whoever debugs a slow or hung job later.
+    """
+    from hpc_train.fabric.nccl import prepare_node_env
+    from hpc_train.fabric.sysfs import read_fabric
+
+    fabric = read_fabric(os.environ.get("HPC_TRAIN_SYSFS", "/sys"))
+    node = prepare_node_env(os.environ, plan.interconnect, plan.nccl_detect, fabric)
+    for name, value in node.detected.items():
+        logger.info("fabric: %s=%s (detected on this node)", name, value)
+    for finding in node.findings:
+        logger.warning("fabric: %s: %s; fix: %s", finding.variable, finding.message, finding.fix)
+    if local_rank == 0:
+        report = {"host": socket.gethostname(), "kind": fabric.kind,
+                  "active_ports": [f"{d.name}:{p.number}" for d, p in fabric.active_ib_ports()],
+                  "detected": node.detected, "findings": [vars(f) for f in node.findings],
+                  "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith(_FABRIC_VARIABLES)}}
+        atomic_write(run_dir / "logs" / f"fabric-{socket.gethostname()}.json", json.dumps(report, indent=2) + "\n")
 
 
 class RankEntry:

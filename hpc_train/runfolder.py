@@ -7,6 +7,7 @@ import os
 import stat
 from pathlib import Path
 
+from hpc_train.config.environment import FLIGHT_RECORDER_DIR
 from hpc_train.config.plan import Plan
 from hpc_train.config.tomlwrite import dumps
 from hpc_train.errors import ConfigError
@@ -64,6 +65,7 @@ def prepare_run_folder(plan: Plan) -> Path:
         run_dir.mkdir(parents=True, exist_ok=True)
         refuse_shared_writable(run_dir)
         (run_dir / "logs").mkdir(exist_ok=True)
+        (run_dir / FLIGHT_RECORDER_DIR).mkdir(exist_ok=True)  # torch writes its dumps here, never creates it
     except OSError as error:
         raise ConfigError(str(run_dir), f"cannot create the run folder ({error.strerror or error})",
                           "pick a job.run_root you can write to") from None

@@ -31,6 +31,8 @@ def test_submit_local_runs_every_rank_in_one_group(tmp_path: Path, ranks: int) -
         assert "smoke: all_reduce of ranks" in (run_dir / "logs" / f"rank-{rank}.log").read_text()
     assert (run_dir / "plan.json").exists() and (run_dir / "config.toml").exists()
     assert oct((run_dir / "submitit").stat().st_mode & 0o777) == "0o700"
+    [fabric] = [json.loads(path.read_text()) for path in (run_dir / "logs").glob("fabric-*.json")]  # one node
+    assert fabric["findings"] == [] and fabric["env"]["NCCL_IB_DISABLE"] == "1", fabric
 
 
 def test_eight_ranks_build_every_group_of_a_3d_layout(tmp_path: Path) -> None:

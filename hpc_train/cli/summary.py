@@ -11,6 +11,7 @@ from rich.syntax import Syntax
 from rich.table import Table
 
 from hpc_train.config.plan import Plan
+from hpc_train.fabric.nccl import detected_rows
 
 __all__ = ["print_summary", "rank_placement"]
 
@@ -61,6 +62,7 @@ def print_summary(console: Console, plan: Plan, extra_title: str = "", extra: st
         *rank_placement(plan),
     ])
     env_rows = [(name, value) for name, value in sorted(plan.env.items())]
+    env_rows += [(name, f"({text})") for name, text in detected_rows(plan.nccl_detect, plan.interconnect)]
     env_rows += [(name, "(passed from your shell, not written anywhere)") for name in plan.forward_env]
     environment = _table("Rank environment", env_rows)
     parts: list[Any] = [head, resources, layout, environment]

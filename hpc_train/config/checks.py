@@ -15,6 +15,7 @@ __all__ = [
     "check_constraint",
     "check_env_name",
     "check_env_value",
+    "check_gdr_level",
     "check_hca",
     "check_hostlist",
     "check_ifname",
@@ -139,6 +140,16 @@ def check_nccl_name(value: str) -> tuple[str, str] | None:
     if value.startswith("NCCL_") and _ENV_NAME.fullmatch(value):
         return None
     return (f"{value!r} is not an NCCL variable", "put NCCL_* settings here and other variables in [env]")
+
+
+GDR_LEVELS = ("LOC", "PIX", "PXB", "PHB", "SYS")
+
+
+def check_gdr_level(value: str) -> tuple[str, str] | None:
+    """NCCL_NET_GDR_LEVEL by name: how far apart a NIC and a GPU may be for GPUDirect RDMA."""
+    if value == "" or value in GDR_LEVELS:
+        return None
+    return (f"{value!r} is not a GPUDirect RDMA level", f"use one of {', '.join(GDR_LEVELS)}, or leave it empty")
 
 
 def check_signal(value: str) -> tuple[str, str] | None:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from hpc_train.config.checks import check_path, parse_time_seconds
-from hpc_train.config.environment import rank_env
+from hpc_train.config.environment import detected_on_node, rank_env
 from hpc_train.config.job import JobConfig
 from hpc_train.config.loader import build, load_toml
 from hpc_train.config.overrides import apply_overrides
@@ -87,6 +87,8 @@ class Plan:
     fabric_suffix: str
     config: dict[str, Any]
     config_hash: str
+    interconnect: str = "tcp"
+    nccl_detect: list[str] = dataclasses.field(default_factory=list)  # filled in by each node (fabric.nccl)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True) + "\n"
@@ -182,7 +184,7 @@ def make_plan(cfg: JobConfig, site: SiteConfig, executor: str, *, python: str | 
             micro_batch=train.micro_batch, grad_accum=train.grad_accum,
             global_batch=train.micro_batch * train.grad_accum * data_parallel,
         ),
-        env=rank_env(cfg, site, cpus),
+        env=rank_env(cfg, site, cpus, gpus, run_dir),
         forward_env=list(job.forward_env),
         modules=list(site.software.modules),
         container=dataclasses.asdict(site.container),
@@ -194,4 +196,6 @@ def make_plan(cfg: JobConfig, site: SiteConfig, executor: str, *, python: str | 
         fabric_suffix=site.network.fabric_suffix,
         config=config,
         config_hash=_config_hash(config),
+        interconnect=site.network.interconnect,
+        nccl_detect=detected_on_node(site.network),
     )

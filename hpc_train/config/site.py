@@ -13,6 +13,7 @@ from typing import Literal
 from hpc_train.config.checks import (
     check_constraint,
     check_env_name,
+    check_gdr_level,
     check_hca,
     check_ifname,
     check_image,
@@ -71,12 +72,20 @@ class NetworkSite:
     """``[network]``: the fabric between nodes and how NCCL should use it."""
 
     interconnect: Literal["ib", "roce", "tcp"] = option("tcp", "ib (InfiniBand), roce (RDMA over Ethernet) or tcp.")
-    hcas: list[str] = option(list, 'RDMA devices for NCCL_IB_HCA ("mlx5_0:1"; "=mlx5_0" first for exact names).',
+    hcas: list[str] = option(list, 'RDMA devices for NCCL_IB_HCA, exact names ("mlx5_0", "mlx5_0:1"; "^mlx5_1" '
+                             "first to exclude); empty: each node uses its active ports.",
                              check_hca, factory=True)
     socket_ifname: str = option("", 'Interface for bootstrap traffic (NCCL_SOCKET_IFNAME; GLOO_SOCKET_IFNAME when '
                                 'it is one exact name): "ib0", "=eth0", "^docker,lo".', check_ifname)
-    gid_index: int = option(-1, "RoCE GID index (NCCL_IB_GID_INDEX); -1 leaves NCCL's choice.")
+    gid_index: int = option(-1, "RoCE GID index (NCCL_IB_GID_INDEX); -1: each node finds its RoCE v2 index.")
     fabric_suffix: str = option("", 'Appended to node names to reach the fast fabric ("-ib").', check_module)
+    ib_timeout: int = option(20, "NCCL_IB_TIMEOUT: a verbs retry waits 4.096 us * 2^N (1-31); 22 (~17 s) on "
+                             "congested fabrics. Pinned because NCCL's default has changed between versions.")
+    ib_retry_cnt: int = option(7, "NCCL_IB_RETRY_CNT: verbs retries before NCCL gives up (0-7).")
+    gdr_level: str = option("", "NCCL_NET_GDR_LEVEL: LOC, PIX, PXB, PHB or SYS; empty leaves NCCL's choice "
+                            "from the PCI topology (GPUs only).", check_gdr_level)
+    flight_recorder: int = option(2000, "Collectives torch's NCCL flight recorder keeps per rank and dumps into "
+                                  "logs/ on a timeout (TORCH_NCCL_TRACE_BUFFER_SIZE); 0 turns it off. GPUs only.")
     nccl: dict[str, str] = option(dict, "Extra NCCL_* settings, each with a reason in a comment.", check_nccl_name,
                                   factory=True)
 

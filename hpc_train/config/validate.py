@@ -206,6 +206,17 @@ def _check_preempt(cfg: JobConfig, site: SiteConfig, lead_seconds: int) -> None:
                           f'"{cfg.job.time}"', "give the job more time or a shorter lead")
 
 
+def _check_network(site: SiteConfig) -> None:
+    """Numbers NCCL takes only within a range; outside it NCCL ignores or rejects them at the first collective."""
+    network = site.network
+    for key, value, low, high in (("ib_timeout", network.ib_timeout, 1, 31),
+                                  ("ib_retry_cnt", network.ib_retry_cnt, 0, 7),
+                                  ("flight_recorder", network.flight_recorder, 0, 1_000_000)):
+        if not low <= value <= high:
+            raise ConfigError(f"site {site.name}: network.{key}", f"{value} is outside {low}..{high}",
+                              f"use a value from {low} to {high}")
+
+
 def validate(cfg: JobConfig, site: SiteConfig, gpus_per_node: int, cpus_per_task: int, lead_seconds: int) -> int:
     """Run every cross-field rule; return the derived data-parallel size."""
     _check_counts(cfg)
@@ -213,4 +224,5 @@ def validate(cfg: JobConfig, site: SiteConfig, gpus_per_node: int, cpus_per_task
     data_parallel = _check_layout(cfg, gpus_per_node)
     _check_training(cfg, data_parallel)
     _check_preempt(cfg, site, lead_seconds)
+    _check_network(site)
     return data_parallel

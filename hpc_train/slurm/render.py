@@ -11,6 +11,7 @@ import jinja2
 from hpc_train import __version__
 from hpc_train.config.plan import Plan
 from hpc_train.errors import ConfigError, did_you_mean
+from hpc_train.fabric.nccl import detected_rows
 from hpc_train.resources import shipped_dir
 from hpc_train.slurm.directives import container_srun_flags, sbatch_directives
 
@@ -79,6 +80,7 @@ def render_script(plan: Plan, template: str | None = None) -> RenderedScript:
         plan=plan,
         directives=sbatch_directives(plan, name),
         env=sorted(plan.env.items()),
+        detected=detected_rows(plan.nccl_detect, plan.interconnect),
         srun_flags=[*plan.srun_args, *srun_flags],
         command=[*prefix, plan.python, "-u"],
         port_low=low,
