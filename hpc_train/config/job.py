@@ -31,7 +31,9 @@ __all__ = [
     "MonitorSection",
     "ParallelSection",
     "PreemptSection",
+    "RetrySection",
     "TrainSection",
+    "WatchdogSection",
     "ZeroSection",
 ]
 
@@ -165,6 +167,30 @@ class PreemptSection:
 
 
 @dataclass(frozen=True, kw_only=True)
+class WatchdogSection:
+    """``[watchdog]``: how long a rank may go without progress before the job fails as hung, not at the
+    collective timeout or the time limit."""
+
+    enabled: bool = option(True, "Watch every rank for hangs.")
+    startup_timeout_s: int = option(1800, "From a rank's start to the end of its first step: bootstrap, model, "
+                                    "resume and the first (compiling) step.")
+    step_timeout_s: int = option(600, "Longest one step or one evaluation may take.")
+    checkpoint_timeout_s: int = option(1800, "Longest one checkpoint save may take.")
+    straggler_factor: float = option(1.5, "Name a rank whose forward pass takes this many times the median of all "
+                                     "ranks in the log and metrics; 0 turns it off.")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RetrySection:
+    """``[retry]``: which failures requeue the job and how often (preemptions and time limits: ``[preempt]``).
+    A user error (an exception in the program) and running out of memory are never retried."""
+
+    hang: int = option(2, "Requeues after a hang the watchdog found.")
+    node_failure: int = option(3, "Requeues after a node failure, each with the failed node excluded.")
+    infrastructure: int = option(3, "Requeues after NCCL, CUDA or network errors, with the node excluded.")
+
+
+@dataclass(frozen=True, kw_only=True)
 class JobConfig:
     """A whole job file. ``env`` holds extra variables exported on every rank."""
 
@@ -177,6 +203,8 @@ class JobConfig:
     checkpoint: CheckpointSection = option(CheckpointSection, "", factory=True)
     monitor: MonitorSection = option(MonitorSection, "", factory=True)
     preempt: PreemptSection = option(PreemptSection, "", factory=True)
+    watchdog: WatchdogSection = option(WatchdogSection, "", factory=True)
+    retry: RetrySection = option(RetrySection, "", factory=True)
     env: dict[str, str] = option(dict, "Variables exported on every rank (no secrets).", check_env_name, factory=True)
     deepspeed: dict[str, Any] = option(dict, "DeepSpeed config keys hpc_train does not model, merged into the "
                                        "engine's config; a key the typed config sets is an error.", factory=True)

@@ -55,6 +55,11 @@ def _check_counts(cfg: JobConfig) -> None:
         ("checkpoint.keep", cfg.checkpoint.keep, 1), ("monitor.log_every", cfg.monitor.log_every, 1),
         ("monitor.eval_every", cfg.monitor.eval_every, 0), ("monitor.histogram_every", cfg.monitor.histogram_every, 0),
         ("preempt.lead_seconds", cfg.preempt.lead_seconds, 0), ("preempt.max_requeues", cfg.preempt.max_requeues, 0),
+        ("watchdog.startup_timeout_s", cfg.watchdog.startup_timeout_s, 10),
+        ("watchdog.step_timeout_s", cfg.watchdog.step_timeout_s, 10),
+        ("watchdog.checkpoint_timeout_s", cfg.watchdog.checkpoint_timeout_s, 10),
+        ("watchdog.straggler_factor", cfg.watchdog.straggler_factor, 0), ("retry.hang", cfg.retry.hang, 0),
+        ("retry.node_failure", cfg.retry.node_failure, 0), ("retry.infrastructure", cfg.retry.infrastructure, 0),
     ):
         _at_least(where, value, low)
     if cfg.job.gpus_per_node is not None:

@@ -1,7 +1,10 @@
 """Deliberate faults for testing failure handling on a real cluster: ``HPC_TRAIN_INJECT_FAULT``.
 
-Values: ``raise:R`` (rank R raises), ``hang:R`` (rank R sleeps forever), ``exit:R:CODE`` (rank R exits).
-Set it in a job's ``[env]`` to see what a failing rank looks like; unset, it does nothing.
+Values: ``raise:R`` (rank R raises), ``hang:R`` (rank R sleeps forever), ``exit:R:CODE`` (rank R exits),
+``slow:R:MS`` (rank R spends MS more milliseconds in every forward pass: a straggler).
+``HPC_TRAIN_INJECT_FAULT_STEP=N`` fires the fault at training step N instead of at start-up, and
+``HPC_TRAIN_INJECT_FAULT_RESTART=K`` only in the attempt with that Slurm restart count (so a requeued job can
+show that it recovers). Set them in a job's ``[env]``; unset, nothing happens.
 """
 
 from __future__ import annotations
@@ -9,25 +12,54 @@ from __future__ import annotations
 import os
 import sys
 import time
+from dataclasses import dataclass
 
-__all__ = ["maybe_inject_fault", "FAULT_VARIABLE"]
+__all__ = ["FAULT_VARIABLE", "injected_delay_s", "maybe_inject_fault"]
 
 FAULT_VARIABLE = "HPC_TRAIN_INJECT_FAULT"
+STEP_VARIABLE = "HPC_TRAIN_INJECT_FAULT_STEP"
+RESTART_VARIABLE = "HPC_TRAIN_INJECT_FAULT_RESTART"
 
 
-def maybe_inject_fault(rank: int) -> None:
-    """Raise, hang or exit on the rank the variable names; return at once otherwise."""
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    rank: int
+    argument: str
+    step: int | None
+
+
+def _fault(rank: int) -> Fault | None:
+    """The fault aimed at ``rank`` in this attempt, if any."""
     spec = os.environ.get(FAULT_VARIABLE, "")
-    if not spec:
-        return
     kind, _, rest = spec.partition(":")
-    target, _, code = rest.partition(":")
+    target, _, argument = rest.partition(":")
     if not target.isdigit() or int(target) != rank:
+        return None
+    restart = os.environ.get(RESTART_VARIABLE, "")
+    if restart and restart != os.environ.get("SLURM_RESTART_COUNT", "0"):
+        return None
+    step = os.environ.get(STEP_VARIABLE, "")
+    return Fault(kind, rank, argument, int(step) if step.isdigit() else None)
+
+
+def maybe_inject_fault(rank: int, step: int | None = None) -> None:
+    """Raise, hang or exit on the rank the variable names, at start-up (``step`` None) or at its step."""
+    fault = _fault(rank)
+    if fault is None or fault.step != step:
         return
-    if kind == "raise":
-        raise RuntimeError(f"injected fault on rank {rank} ({FAULT_VARIABLE}={spec})")
-    if kind == "hang":
+    if fault.kind == "raise":
+        raise RuntimeError(f"injected fault on rank {rank} ({FAULT_VARIABLE}={os.environ[FAULT_VARIABLE]})")
+    if fault.kind == "hang":
         while True:
             time.sleep(60)
-    if kind == "exit":
-        sys.exit(int(code or 1))
+    if fault.kind == "exit":
+        sys.exit(int(fault.argument or 1))
+
+
+def injected_delay_s(rank: int) -> float:
+    """Seconds a ``slow`` fault adds to each forward pass of ``rank``; 0 otherwise."""
+    fault = _fault(rank)
+    if fault is None or fault.kind != "slow" or not fault.argument.isdigit():
+        return 0.0
+    return int(fault.argument) / 1000

@@ -118,9 +118,22 @@ def _stopped_attempt(run_dir: Path) -> Attempt | None:
     return last if last is not None and last.outcome == "preempted" and not last.requeued else None
 
 
+def _hung_attempt(run_dir: Path) -> Attempt | None:
+    """The last attempt, when the watchdog ended it as hung and it was not requeued (exit status 77)."""
+    attempts = AttemptLog(run_dir).read()
+    last = attempts[-1] if attempts else None
+    return last if last is not None and last.outcome == "hang" and not last.requeued else None
+
+
 def _report_failure(console: Console, job: FollowedJob) -> None:
     errors = job.rank_errors()
     name = f"job {job.job_id}" + (f" ({job.label})" if job.label else "")
+    hung = None if errors else _hung_attempt(job.run_dir)
+    if hung is not None:
+        console.print(f"[bold red]{name} hung[/]: {escape(hung.note)}. Every rank's Python stacks are in "
+                      f"{escape(str(job.run_dir / 'logs'))}/stacks-rank-N.txt; the checkpoint of step "
+                      f"{hung.start_step if hung.end_step is None else hung.end_step} or earlier is intact.")
+        return
     stopped = None if errors else _stopped_attempt(job.run_dir)
     if stopped is not None:
         console.print(f"[bold yellow]{name} stopped[/] after {stopped.signal} and saved step {stopped.end_step}; "

@@ -17,8 +17,9 @@ import torch.distributed as dist
 from hpc_train.attempts import Attempt, AttemptLog, recommended_lead_seconds, requeues_so_far
 from hpc_train.dist.launchers import LaunchInfo
 from hpc_train.train.preemption import Requeue, decide_requeue, perform_requeue
+from hpc_train.train.watchdog import EXIT_HUNG, Hang
 
-__all__ = ["AttemptRecorder", "signal_name"]
+__all__ = ["AttemptRecorder", "decide_hang", "signal_name"]
 
 
 def signal_name(number: int) -> str:
@@ -88,3 +89,32 @@ class AttemptRecorder:
         box = [decision]
         dist.broadcast_object_list(box, src=0)
         return box[0]
+
+
+def decide_hang(run_dir: Path, info: LaunchInfo, recorder: AttemptRecorder | None, hang: Hang, retries: int,
+                log: Callable[[str], None]) -> tuple[int, str]:
+    """Rank 0, from the watchdog thread: record the attempt as ``hang`` and requeue while ``[retry] hang``
+    allows (counted per job: a new submission starts again). Returns the exit status and why.
+
+    No collectives here: the other ranks are stuck, or waiting for this decision in a file."""
+    attempts = AttemptLog(run_dir)
+    current = recorder.current if recorder is not None else None
+    if current is None:  # hung before the trainer had opened the attempt (bootstrap, model, resume)
+        current = attempts.begin(job_id=info.job_id or "", restart=info.restart, host=socket.gethostname(),
+                                 started=time.time(), start_step=hang.step)
+    hangs = sum(1 for a in attempts.read() if a.outcome == "hang" and a.job_id == current.job_id)
+    env = dict(os.environ)
+    if hangs >= retries:
+        decision = Requeue("none", EXIT_HUNG, f"not requeued: {hangs} earlier hang(s) of this job, retry.hang = "
+                                              f"{retries}")
+    else:
+        decision = perform_requeue(decide_requeue(env, True, retries, hangs), env)
+        if decision.action == "none":
+            decision = Requeue("none", EXIT_HUNG, decision.reason)
+        elif decision.action == "scontrol":
+            decision = Requeue("scontrol", EXIT_HUNG, f"requeued (hang {hangs + 1} of retry.hang = {retries}): "
+                                                      f"{decision.reason}")
+    attempts.finish(current, outcome="hang", ended=time.time(), end_step=hang.step, requeued=decision.action != "none",
+                    note=f"{hang.describe()}; {decision.reason}"[:500])
+    log(f"hang: {decision.reason}")
+    return decision.exit_code, decision.reason

@@ -18,7 +18,7 @@ from rich.console import Console
 
 from hpc_train.config.plan import Plan
 from hpc_train.dist.bootstrap import bootstrap, shutdown
-from hpc_train.dist.faults import maybe_inject_fault
+from hpc_train.dist.faults import injected_delay_s, maybe_inject_fault
 from hpc_train.dist.launchers import LaunchInfo
 from hpc_train.dist.mesh import ModelParallelUnit, ParallelGroups
 from hpc_train.dist.topology import Topology
@@ -30,7 +30,9 @@ from hpc_train.train.model import GPT, GPTConfig, count_parameters
 from hpc_train.train.monitor import Monitor
 from hpc_train.train.pipeline import build_pipeline_model, eval_step, train_step
 from hpc_train.train.preemption import PreemptionWatch, arm_force_exit
-from hpc_train.train.stopping import AttemptRecorder, signal_name
+from hpc_train.train.stopping import AttemptRecorder, decide_hang, signal_name
+from hpc_train.train.stragglers import StragglerCheck
+from hpc_train.train.watchdog import Timeouts, Watchdog
 
 __all__ = ["train"]
 
@@ -109,9 +111,14 @@ def _model_and_engine(model_config: GPTConfig, topology: Topology, groups: Paral
                                 local_rank)
 
 
+def _progress(watchdog: Watchdog | None, phase: str, step: int) -> None:
+    if watchdog is not None:
+        watchdog.enter(phase, step)
+
+
 def _stop(plan: Plan, info: LaunchInfo, engine: Any, checkpointer: Checkpointer, recorder: AttemptRecorder,
           sampler: ResumableSampler, step: int, signum: int, watch: PreemptionWatch,
-          log: Callable[[str], None]) -> dict[str, Any]:
+          log: Callable[[str], None], watchdog: Watchdog | None) -> dict[str, Any]:
     """All ranks agreed on a preemption signal after ``step``: save it (a force-exit timer guards the save), let
     rank 0 record the attempt and requeue, and return how this rank must exit."""
     name = signal_name(signum)
@@ -119,6 +126,8 @@ def _stop(plan: Plan, info: LaunchInfo, engine: Any, checkpointer: Checkpointer,
     budget = max(10.0, plan.lead_seconds - (time.time() - received) - 5)
     log(f"{name} received: saving step {step}, then stopping (the save must finish within {budget:.0f} s)")
     timer = arm_force_exit(budget, log)
+    if watchdog is not None:
+        watchdog.enter("checkpoint", step)
     try:
         saved = time.perf_counter()
         checkpointer.save(engine, step, sampler.state_dict(), wait=True)  # durable before the requeue
@@ -148,8 +157,34 @@ def train(plan: Plan, info: LaunchInfo, run_dir: Path, log: Callable[[str], None
     return _train(plan, info, run_dir, log, watch)
 
 
+def _watchdog(plan: Plan, info: LaunchInfo, run_dir: Path, log: Callable[[str], None],
+              recorder: list[AttemptRecorder]) -> Watchdog | None:
+    """The hang watchdog of ``[watchdog]``; rank 0's decides with the attempt recorder once there is one."""
+    wcfg = plan.config["watchdog"]
+    if not wcfg["enabled"]:
+        return None
+    retries = plan.config["retry"]["hang"]
+
+    def decide(hang: Any) -> tuple[int, str]:
+        return decide_hang(run_dir, info, recorder[0] if recorder else None, hang, retries, log)
+
+    return Watchdog(run_dir, info.rank, info.world_size, f"{info.job_id or 'local'}.{info.restart}",
+                    Timeouts(wcfg["startup_timeout_s"], wcfg["step_timeout_s"], wcfg["checkpoint_timeout_s"]),
+                    decide if info.rank == 0 else None, log)
+
+
 def _train(plan: Plan, info: LaunchInfo, run_dir: Path, log: Callable[[str], None],
            watch: PreemptionWatch) -> dict[str, Any]:
+    recorder_box: list[AttemptRecorder] = []  # filled once the attempt is open; the watchdog's decision reads it
+    watchdog = _watchdog(plan, info, run_dir, log, recorder_box)
+    if watchdog is None:
+        return _train_watched(plan, info, run_dir, log, watch, None, recorder_box)
+    with watchdog:
+        return _train_watched(plan, info, run_dir, log, watch, watchdog, recorder_box)
+
+
+def _train_watched(plan: Plan, info: LaunchInfo, run_dir: Path, log: Callable[[str], None], watch: PreemptionWatch,
+                   watchdog: Watchdog | None, recorder_box: list[AttemptRecorder]) -> dict[str, Any]:
     config = plan.config
     tcfg, layout = config["train"], plan.layout
     context = bootstrap(info, port_range=(plan.port_range[0], plan.port_range[1]), fabric_suffix=plan.fabric_suffix,
@@ -189,6 +224,9 @@ def _train(plan: Plan, info: LaunchInfo, run_dir: Path, log: Callable[[str], Non
     loss = eval_loss = float("nan")
     stream = _batches(source, sampler, tcfg["seq_len"], engine.device)
     recorder = AttemptRecorder(run_dir, info, start_step, plan.lead_seconds, log)
+    recorder_box.append(recorder)
+    stragglers = StragglerCheck(config["watchdog"]["straggler_factor"], info.rank, log)
+    delay = injected_delay_s(info.rank)
     step, stopped_by = start_step, 0
     try:
         with monitor:
@@ -202,12 +240,19 @@ def _train(plan: Plan, info: LaunchInfo, run_dir: Path, log: Callable[[str], Non
                     total = 0.0
                     for _ in range(tcfg["grad_accum"]):
                         inputs, targets = next(stream)
+                        forward = time.perf_counter()
+                        if delay:
+                            time.sleep(delay)  # an injected straggler (HPC_TRAIN_INJECT_FAULT=slow:R:MS)
                         micro_loss = engine(inputs, targets)
+                        stragglers.forward_time(time.perf_counter() - forward)
                         engine.backward(micro_loss)
                         engine.step()
                         total += float(micro_loss)
                     # The loss average and the gradient norm cost a collective each: only on logged steps.
                     loss = _mean_over(total / tcfg["grad_accum"], groups.group("dp")) if logged else float("nan")
+                maybe_inject_fault(info.rank, step)
+                if logged:
+                    stragglers.check(step, engine.device)
                 norm = engine.get_global_grad_norm() if logged else None
                 elapsed = time.perf_counter() - start
                 monitor.step(step, loss, lr, None if norm is None else float(norm), tokens_per_step, elapsed,
@@ -229,12 +274,16 @@ def _train(plan: Plan, info: LaunchInfo, run_dir: Path, log: Callable[[str], Non
                         eval_loss = result
                         monitor.eval(step, eval_loss)
                 if stopped_by:
-                    return _stop(plan, info, engine, checkpointer, recorder, sampler, step, stopped_by, watch, log)
+                    return _stop(plan, info, engine, checkpointer, recorder, sampler, step, stopped_by, watch, log,
+                                 watchdog)
                 if checkpointer.due(step, tcfg["steps"]):
+                    _progress(watchdog, "checkpoint", step)
                     saved = time.perf_counter()
                     checkpointer.save(engine, step, sampler.state_dict())
                     recorder.save_time(time.perf_counter() - saved)
+                _progress(watchdog, "step", step)
         watch.settle()
+        _progress(watchdog, "checkpoint", step)
         checkpointer.finish()  # a background seal of the last checkpoint is durable before the attempt ends
     except BaseException as error:
         recorder.failed(step, error)

@@ -1,0 +1,78 @@
+"""Name the straggler: the rank (and node) whose forward pass is much slower than the others'.
+
+A synchronous job runs at its slowest rank's pace, and every rank's step time shows the same number: the fast
+ranks wait inside the gradient collectives. The forward pass has no collective before ZeRO-3 and pipelines, so
+its time is the rank's own; on logged steps the ranks all-gather their mean forward time since the last log and
+rank 0 names an outlier (a throttled GPU, a busy node, a bad NUMA binding).
+"""
+
+from __future__ import annotations
+
+import socket
+import statistics
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["StragglerCheck", "find_straggler", "others_median"]
+
+MIN_GAP_S = 0.010  # below 10 ms a gap is noise on a busy CPU, not a straggler
+
+
+def find_straggler(times: list[float], factor: float) -> tuple[int, float] | None:
+    """(rank, its multiple of the median) when one rank's time exceeds ``factor`` times the median; else None."""
+    if factor <= 0 or sum(1 for t in times if t > 0) < 2:
+        return None
+    rank = max(range(len(times)), key=times.__getitem__)
+    slowest = times[rank]
+    median = others_median(times, rank)
+    if median > 0 and slowest > factor * median and slowest - median > MIN_GAP_S:
+        return rank, slowest / median
+    return None
+
+
+def others_median(times: list[float], rank: int) -> float:
+    """The median of every other rank's time: with few ranks, the outlier itself would drag a plain median."""
+    others = [t for r, t in enumerate(times) if r != rank and t > 0]
+    return statistics.median(others) if others else 0.0
+
+
+class StragglerCheck:
+    """Collects this rank's forward times; :meth:`check` is a collective every rank calls on the same steps."""
+
+    def __init__(self, factor: float, rank: int, log: Callable[[str], None]) -> None:
+        self.factor, self.rank, self.log = factor, rank, log
+        self.samples: list[float] = []
+        self.hosts: list[str] | None = None
+        self.previous: int | None = -1  # -1: the first check, whose window holds the warm-up, never names anyone
+
+    def forward_time(self, seconds: float) -> None:
+        self.samples.append(seconds)
+
+    def check(self, step: int, device: Any = "cpu") -> tuple[int, str, float] | None:
+        """Gather every rank's mean forward time; rank 0 logs a straggler. Returns (rank, host, ratio) or None."""
+        if self.factor <= 0 or not dist.is_initialized():
+            return None
+        mean = sum(self.samples) / len(self.samples) if self.samples else 0.0
+        self.samples.clear()
+        if self.hosts is None:
+            hosts: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(hosts, socket.gethostname())
+            self.hosts = [str(h) for h in hosts]
+        mine = torch.tensor([mean], dtype=torch.float64, device=device)
+        gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(gathered, mine)
+        times = [float(t.item()) for t in gathered]
+        found = find_straggler(times, self.factor)
+        previous, self.previous = self.previous, (found[0] if found else None)
+        if found is None or self.rank != 0 or previous != found[0]:
+            return None  # named only when the same rank is the outlier twice running: one slow log is noise
+        rank, ratio = found
+        host = self.hosts[rank]
+        median = others_median(times, rank)
+        self.log(f"straggler at step {step}: rank {rank} on {host} takes {times[rank] * 1000:.0f} ms per forward "
+                 f"pass, {ratio:.1f}x the median {median * 1000:.0f} ms of the other {len(times) - 1}; check that node "
+                 "(nvidia-smi clocks and temperature, other processes, CPU binding)")
+        return rank, host, ratio
