@@ -11,6 +11,7 @@ from hpc_train import __version__
 from hpc_train.bench.cli import add_parser as add_bench_parser
 from hpc_train.ckpt.cli import add_parser as add_ckpt_parser
 from hpc_train.cli.common import ArgumentParser, add_plan_arguments, plan_from_args, run_command
+from hpc_train.doctor.cli import add_parser as add_doctor_parser
 
 __all__ = ["main"]
 
@@ -145,6 +146,7 @@ def _build_parser() -> ArgumentParser:
     render.set_defaults(run=_render)
     add_ckpt_parser(commands)
     add_bench_parser(commands)
+    add_doctor_parser(commands)
     return parser
 
 
