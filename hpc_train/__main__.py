@@ -12,6 +12,7 @@ from hpc_train.bench.cli import add_parser as add_bench_parser
 from hpc_train.ckpt.cli import add_parser as add_ckpt_parser
 from hpc_train.cli.common import ArgumentParser, add_plan_arguments, plan_from_args, run_command
 from hpc_train.doctor.cli import add_parser as add_doctor_parser
+from hpc_train.ops.cli import add_logs_parser, add_status_parser
 
 __all__ = ["main"]
 
@@ -146,6 +147,8 @@ def _build_parser() -> ArgumentParser:
     render.set_defaults(run=_render)
     add_ckpt_parser(commands)
     add_bench_parser(commands)
+    add_logs_parser(commands)
+    add_status_parser(commands)
     add_doctor_parser(commands)
     return parser
 

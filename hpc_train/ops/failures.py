@@ -1,0 +1,684 @@
+"""Failure classes: why one attempt of a run ended, from Slurm's accounting and the ranks' own evidence.
+
+:func:`classify` is a pure function of a :class:`~hpc_train.ops.scheduler.SlurmRecord` (state, exit codes of the
+allocation and its steps, reason, nodes) and an :class:`Evidence` (what :func:`collect_evidence` read from the run
+folder: ``logs/rank-N.error.json``, this attempt's part of ``logs/rank-N.log``, ``logs/stacks-rank-N.txt``, and
+the batch output Slurm and srun wrote). The first rule that matches decides; the order is the point:
+
+1. ``COMPLETED`` with status 0 everywhere: **completed**.
+2. The scheduler saw a node die (``NODE_FAIL``, ``BOOT_FAIL``, "DUE TO NODE FAILURE"): **node_failure**. It comes
+   before the rank evidence because every surviving rank then shows a traceback ("connection closed by peer",
+   NCCL errors) that would otherwise read as a program error.
+3. Slurm's preemption and time limit: ``PREEMPTED``, "DUE TO PREEMPTION" or hpc_train's status 144 (local
+   requeue): **preempted**; ``TIMEOUT``, ``DEADLINE``, "DUE TO TIME LIMIT": **time_limit**. Slurm's verdict beats
+   whatever the signalled ranks printed on the way out.
+4. The cgroup out-of-memory killer (``OUT_OF_MEMORY`` on the job or a step, "oom-kill" or srun's "Out Of Memory"
+   in the batch output): **out_of_memory** (host memory; the killed rank leaves no traceback).
+5. The first rank to fail with an error of its own (a *primary* error; earliest by its error file's time, then
+   rank) decides: CUDA out of memory or ``MemoryError``: **out_of_memory**; a GPU or driver fault (ECC, illegal
+   memory access, fallen off the bus, Xid) or a network fault (NCCL "unhandled system error", InfiniBand errors):
+   **infrastructure** on that rank's node; any other exception: **user_error** on that rank. *Secondary* errors
+   (NCCL / gloo timeouts, "connection closed by peer", aborted communicators) are what the other ranks see when
+   one fails, so a NCCL timeout caused by one rank's exception is that rank's user error. ``SystemExit`` and
+   ``KeyboardInterrupt`` are not primary.
+6. The hang watchdog (status 77, ``logs/stacks-rank-N.txt``, an attempt recorded as ``hang``), a save that hung
+   after a signal (status 76), or collective timeouts that no primary error explains: **hang**. Suspects: the
+   ranks the watchdog named ("hang: rank N is not in a collective"), else those whose dumped main thread is
+   outside torch.distributed / DeepSpeed comm, else those that reported no timeout while the others did. It
+   comes after 5 because a rank that raised leaves the others waiting until something times out.
+7. The run saved and stopped on a signal (status 75, "saved step N ... after SIGUSR2", attempt ``preempted``) or
+   Slurm requeued it (``REQUEUED``): **preempted**, or **time_limit** when it ended within the smaller of 10
+   minutes and 10 % of its time limit; with ``CANCELLED`` it is **cancelled** (scancel, which the run saved for).
+8. ``CANCELLED`` with nothing above: **cancelled** (someone ran scancel; never retried).
+9. A rank that ended on a signal without a traceback (srun "task N: Killed", signal 9, SIGSEGV): **unknown**,
+   naming rank, node and signal (the kernel's OOM killer outside a cgroup looks like this too).
+10. Status 126/127 (command not found) or a launch error line ("hpc_train.launch: ..."): **user_error**.
+11. Anything else: **unknown** (ranks that only lost their peers name the silent ranks' nodes, not excluded).
+
+Suspect nodes are Slurm node names (what ``--exclude`` takes): a rank's host when it is one of the allocation's
+nodes, else the node srun named for that task, else the allocation's node at the rank's node index.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import re
+from collections.abc import Collection, Iterable
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from hpc_train.attempts import AttemptLog
+from hpc_train.dist.hostlist import expand
+from hpc_train.ops.scheduler import SlurmRecord
+from hpc_train.train.preemption import EXIT_SAVE_HUNG, EXIT_STOPPED, LOCAL_REQUEUE_EXIT
+from hpc_train.train.watchdog import COLLECTIVE_FRAMES, EXIT_HUNG  # both modules import no torch
+
+__all__ = ["CLASSES", "Classification", "Evidence", "RankReport", "classify", "collect_evidence"]
+
+CLASSES = ("completed", "preempted", "time_limit", "node_failure", "infrastructure", "out_of_memory", "hang",
+           "user_error", "cancelled", "unknown")
+_NEAR_LIMIT = 600.0  # an attempt that stopped this close to its limit (or 10 % of it, if less) met it
+
+_GPU_OOM = re.compile(r"CUDA out of memory|OutOfMemoryError|CUDA error: out of memory|CUBLAS_STATUS_ALLOC_FAILED|"
+                      r"cudaErrorMemoryAllocation|HIP out of memory")
+_HOST_OOM = re.compile(r"oom[-_]kill|Out Of Memory|out-of-memory handler|OOM Killed")  # Slurm's and the kernel's
+_PY_OOM = re.compile(r"\bMemoryError\b|Cannot allocate memory")  # a rank's own traceback: host memory
+_HARDWARE = re.compile(r"uncorrectable ECC|ECC error|illegal memory access|fallen off the bus|\bXid\b|"
+                       r"unspecified launch failure|NVLink|cudaErrorECCUncorrectable|CUDA error: unknown error|"
+                       r"no CUDA-capable device|CUDA-capable device\(s\) is/are busy or unavailable|"
+                       r"CUDA driver version is insufficient|CUDA error: uncorrectable")
+_NETWORK = re.compile(r"unhandled system error|NET/IB|ibv_\w+ failed|IBV_WC_\w+|Transport retry count exceeded|"
+                      r"unhandled cuda error|NCCL error.*internal error")
+_TIMEOUT = re.compile(r"Watchdog caught collective operation timeout|collective operation timeout|NCCL timeout|"
+                      r"Timeout\(ms\)=|Timed out waiting \d+ ?ms|[Gg]loo.*[Tt]imed out|Socket Timeout|"
+                      r"Application timeout caused pair closure")
+_SECONDARY = re.compile(r"Connection closed by peer|Connection reset by peer|Broken pipe|ncclRemoteError|"
+                        r"remote process exited|NCCL communicator was aborted|Some NCCL operations have failed|"
+                        r"DistNetworkError|failed to recv, got 0 bytes|ProcessGroup\w* .*abort", re.IGNORECASE)
+_NOT_PRIMARY = re.compile(r"^(SystemExit|KeyboardInterrupt|GeneratorExit)\b")
+_FRAME = re.compile(r'File "([^"]+)", line (\d+)(?:, in (\S+))?')
+_START = re.compile(r"start: (\S+) rank (\d+)/(\d+) \(local \d+/\d+, node (\d+)/(\d+)\) job (\S+) restart (\d+)")
+_RANK_LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) rank\d+ ([A-Z]+) ")
+_STOPPED = re.compile(r"saved step (\d+) [\d.]+ s after (SIG\w+)|stopped after step (\d+) on (SIG\w+)")
+_SRUN = re.compile(r"srun: error: (\S+): tasks? ([\d,\-]+): (.+)")
+_SLURM_DUE = re.compile(r"\*\*\* (?:JOB|STEP) \S+ ON (\S+) CANCELLED AT \S+(?: DUE TO ([A-Z ]+?))? \*\*\*")
+_NOT_IN_COLLECTIVE = re.compile(r"hang: rank (\d+) is not in a collective")  # the watchdog on rank 0
+_SIGNALS = {1: "SIGHUP", 2: "SIGINT", 6: "SIGABRT", 7: "SIGBUS", 9: "SIGKILL", 11: "SIGSEGV", 15: "SIGTERM"}
+_TAIL_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class RankReport:
+    """What one rank left behind in one attempt."""
+
+    rank: int
+    host: str = ""
+    node_index: int | None = None
+    error: str = ""
+    error_time: float | None = None
+    traceback: str = ""
+    log_tail: tuple[str, ...] = ()
+    stacks: str = ""
+    stderr: tuple[str, ...] = ()
+    launcher: str = ""
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """The run folder's side of one attempt (see :func:`collect_evidence`)."""
+
+    ranks: tuple[RankReport, ...] = ()
+    batch_log: str = ""
+    outcome: str = ""  # what rank 0 wrote into attempts.jsonl for this attempt (hang, preempted, failed, ...)
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class Classification:
+    """Why an attempt ended: a class from :data:`CLASSES`, one line that says why, and what showed it."""
+
+    failure_class: str
+    reason: str
+    evidence: tuple[str, ...] = ()
+    nodes: tuple[str, ...] = ()
+    ranks: tuple[int, ...] = ()
+    job_id: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        return {"class": data.pop("failure_class"), **data}
+
+
+# -- classification ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Finding:
+    """One rank's own diagnosis: primary (``out_of_memory``, ``infrastructure``, ``user_error``: its own
+    failure), secondary (``timeout``, ``comms``: a symptom of another rank's), or ``none``."""
+
+    report: RankReport
+    kind: str
+    text: str
+    when: float = float("inf")
+
+
+_PRIMARY = ("out_of_memory", "infrastructure", "user_error")
+
+
+@dataclass
+class _Attempt:
+    """Everything the rules look at, worked out once."""
+
+    record: SlurmRecord | None
+    evidence: Evidence
+    down_nodes: frozenset[str]
+    facts: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        record = self.record
+        self.job_id = record.job_id if record else ""
+        self.state = record.base_state if record else ""
+        self.statuses = record.exit_statuses() if record else []
+        self.codes = {rc for rc, _ in self.statuses}
+        self.allocation = _nodes(record)
+        batch = self.evidence.batch_log
+        tasks_are_ranks = all(r.launcher in ("", "srun") for r in self.evidence.ranks)
+        self.srun = _srun_tasks(batch) if tasks_are_ranks else {}
+        self.srun_lines = [m[0] for m in _SRUN.finditer(batch)]
+        self.due = [(m[1], (m[2] or "").strip()) for m in _SLURM_DUE.finditer(batch)]
+        self.findings = [_finding(report) for report in self.evidence.ranks]
+        self.stop = _stop_line(self.evidence)
+        if record is not None:
+            self.facts.append(_describe(record))
+
+    def node_of(self, report: RankReport) -> str:
+        """The Slurm node name of a rank: its host when that is an allocated node, else what srun said for its
+        task, else the allocated node at its node index, else its host name."""
+        short = report.host.split(".")[0]
+        if short and short in self.allocation:
+            return short
+        if report.rank in self.srun:
+            return self.srun[report.rank][0]
+        if report.node_index is not None and 0 <= report.node_index < len(self.allocation):
+            return self.allocation[report.node_index]
+        return short
+
+    def rank_node(self, rank: int) -> str:
+        report = next((r for r in self.evidence.ranks if r.rank == rank), RankReport(rank))
+        return self.node_of(report)
+
+    def silent_nodes(self) -> list[str]:
+        """Nodes whose ranks said nothing while others reported errors: where a dead node's ranks were."""
+        if not any(f.kind != "none" for f in self.findings):
+            return []
+        loud = {self.node_of(f.report) for f in self.findings if f.kind != "none"}
+        silent = [self.node_of(f.report) for f in self.findings if f.kind == "none"]
+        return list(dict.fromkeys(n for n in silent if n and n not in loud))
+
+    def saved(self) -> str:
+        return f" (saved step {self.stop[0]} after {self.stop[1]})" if self.stop else ""
+
+    def stop_fact(self) -> list[str]:
+        return [f"rank log: saved step {self.stop[0]} after {self.stop[1]}"] if self.stop else []
+
+    def result(self, kind: str, reason: str, nodes: Iterable[str] = (), ranks: Iterable[int] = (),
+               extra: Iterable[str] = ()) -> Classification:
+        return Classification(kind, reason, tuple(dict.fromkeys([*self.facts, *extra])),
+                              tuple(dict.fromkeys(n for n in nodes if n)), tuple(sorted(set(ranks))), self.job_id)
+
+
+def classify(record: SlurmRecord | None, evidence: Evidence, down_nodes: Collection[str] = ()) -> Classification:
+    """The failure class of one attempt; the first rule that matches decides (the order is in the module
+    docstring). ``record``: the attempt's sacct record (None when there is none: local executor, no accounting).
+    ``down_nodes``: nodes the scheduler reports DOWN or DRAINED now, when the caller asked ``sinfo``; they name
+    the failed node of a ``NODE_FAIL`` that the ranks cannot."""
+    attempt = _Attempt(record, evidence, frozenset(down_nodes))
+    for rule in _RULES:
+        found = rule(attempt)
+        if found is not None:
+            return found
+    return _fallback(attempt)
+
+
+def _completed(a: _Attempt) -> Classification | None:
+    if a.state == "COMPLETED" and a.codes <= {0} and not any(f.kind in _PRIMARY for f in a.findings):
+        return a.result("completed", f"completed: job {a.job_id} ended COMPLETED")
+    return None
+
+
+def _node_failure(a: _Attempt) -> Classification | None:
+    due_nodes = [node for node, why in a.due if why == "NODE FAILURE"]
+    if a.state not in ("NODE_FAIL", "BOOT_FAIL") and not due_nodes:
+        return None
+    suspects = [n for n in a.allocation if n in a.down_nodes] or due_nodes or a.silent_nodes()
+    where = f" on {', '.join(suspects)}" if suspects else " (the failed node is not named; nothing to exclude)"
+    why = "a node failed to boot" if a.state == "BOOT_FAIL" else "Slurm lost a node"
+    return a.result("node_failure", f"node failure: {why}{where}; the ranks' errors follow from it", suspects,
+                    extra=[f"slurm: {node} CANCELLED DUE TO NODE FAILURE" for node in due_nodes])
+
+
+def _scheduler_stop(a: _Attempt) -> Classification | None:
+    """Preemption and time limits as Slurm (or hpc_train's local requeue status) declares them."""
+    due = {why for _, why in a.due}
+    if a.state == "PREEMPTED" or LOCAL_REQUEUE_EXIT in a.codes or "PREEMPTION" in due:
+        return a.result("preempted", f"preempted: job {a.job_id or '?'} was preempted{a.saved()}", extra=a.stop_fact())
+    if a.state in ("TIMEOUT", "DEADLINE") or "TIME LIMIT" in due:
+        what = "deadline" if a.state == "DEADLINE" else "time limit"
+        return a.result("time_limit", f"time limit: job {a.job_id or '?'} reached its {what}{a.saved()}",
+                        extra=a.stop_fact())
+    return None
+
+
+def _host_oom(a: _Attempt) -> Classification | None:
+    """The cgroup out-of-memory killer: SIGKILL, no traceback; Slurm and slurmstepd say it."""
+    steps = a.record.steps if a.record else ()
+    lines = [line.strip() for line in a.evidence.batch_log.splitlines() if _HOST_OOM.search(line)]
+    if a.state != "OUT_OF_MEMORY" and not any(s.state.startswith("OUT_OF_MEMORY") for s in steps) and not lines:
+        return None
+    killed = {task: node for task, (node, _tasks, message) in a.srun.items() if _HOST_OOM.search(message)}
+    nodes = [*killed.values(), *(m[1] for line in lines if (m := re.match(r"slurmstepd-(\S+?):", line)))]
+    where = f" on {', '.join(dict.fromkeys(nodes))}" if nodes else ""
+    return a.result("out_of_memory", f"out of memory: the node's memory limit killed a rank{where} (no traceback); "
+                    "ask for more memory (job.mem) or lower train.micro_batch", nodes, killed, lines[:3])
+
+
+def _first_rank_error(a: _Attempt) -> Classification | None:
+    """The earliest rank with an error of its own; everything the other ranks reported follows from it."""
+    primary = sorted((f for f in a.findings if f.kind in _PRIMARY), key=lambda f: (f.when, f.report.rank))
+    if not primary:
+        return None
+    first = primary[0]
+    report = first.report
+    node = a.node_of(report)
+    others = [f.report.rank for f in a.findings if f is not first and f.kind != "none"]
+    extra = [f"rank {report.rank} ({node or '?'}): {_short(first.text)}"]
+    if others:
+        extra.append(f"rank {_ranges(others)} failed after it")
+    on = f"rank {report.rank}" + (f" ({node})" if node else "")
+    if first.kind == "out_of_memory":
+        host = bool(_PY_OOM.search(first.text))
+        fix = "ask for more host memory (job.mem) or lower train.micro_batch" if host else \
+            "lower train.micro_batch, raise zero.stage or offload (python -m hpc_train validate --memory)"
+        return a.result("out_of_memory", f"out of memory: {_short(report.error or first.text, 80)} on {on}; {fix}",
+                        [node], [report.rank], extra)
+    if first.kind == "infrastructure":
+        return a.result("infrastructure", f"infrastructure: {_short(first.text, 100)} on {on}", [node],
+                        [report.rank], extra)
+    where = _location(report.traceback or "\n".join(report.log_tail))
+    return a.result("user_error", f"user error: {_short(report.error or first.text, 100)} raised on {on}"
+                    + (f" in {where}" if where else ""), [], [report.rank], extra)
+
+
+def _hang(a: _Attempt) -> Classification | None:
+    """The watchdog's verdict (status 77, stacks, an attempt recorded as hang), a hung save (76), or collective
+    timeouts that no rank's own error explains."""
+    stacks = [f.report for f in a.findings if f.report.stacks]
+    timeouts = [f for f in a.findings if f.kind == "timeout"]
+    watchdog = EXIT_HUNG in a.codes or bool(stacks) or a.evidence.outcome == "hang"
+    if not (watchdog or EXIT_SAVE_HUNG in a.codes or timeouts):
+        return None
+    named = sorted({int(m[1]) for f in a.findings for line in f.report.log_tail
+                    if (m := _NOT_IN_COLLECTIVE.search(line))})
+    silent = [f.report.rank for f in a.findings if f.kind == "none"] if timeouts else []
+    suspects = named or _stack_suspects(stacks) or silent
+    nodes = list(dict.fromkeys(n for rank in suspects if (n := a.rank_node(rank))))
+    if EXIT_SAVE_HUNG in a.codes and not watchdog:
+        why = "hang: the checkpoint save after the signal did not finish in time (exit 76)"
+    else:
+        how = "the watchdog found no progress" if watchdog else \
+            f"a collective timed out on rank {_ranges(f.report.rank for f in timeouts)}"
+        who = ""
+        if suspects:
+            who = f"; rank {_ranges(suspects)}" + (" not in a collective" if named or stacks else
+                                                  " reported no timeout (the others waited for it)")
+        why = f"hang: {how}{who}" + (f" on {', '.join(nodes)}" if nodes else "")
+    extra = [f"stacks dumped by rank {_ranges(r.rank for r in stacks)}"] if stacks else []
+    if a.evidence.outcome == "hang" and a.evidence.note:
+        extra.append(f"attempts.jsonl: {_short(a.evidence.note)}")
+    extra += [f"rank {f.report.rank}: {_short(f.text)}" for f in timeouts[:3]]
+    return a.result("hang", why, nodes, suspects, extra)
+
+
+def _signalled_stop(a: _Attempt) -> Classification | None:
+    """The run saved and stopped on a signal (status 75, "saved step N after SIG..."), or Slurm requeued it:
+    preempted, or time limit when it ran to the end of its time; after scancel, cancelled."""
+    if a.state == "CANCELLED" and a.stop is not None:
+        return a.result("cancelled", f"cancelled: {_cancelled_by(a.record)}{a.saved()}", extra=a.stop_fact())
+    if not (a.state == "REQUEUED" or EXIT_STOPPED in a.codes or a.stop is not None
+            or a.evidence.outcome == "preempted"):
+        return None
+    if _near_limit(a.record):
+        return a.result("time_limit", f"time limit: the run stopped near its time limit{a.saved()}",
+                        extra=a.stop_fact())
+    how = "requeued" if a.state == "REQUEUED" else "stopped"
+    return a.result("preempted", f"preempted: the run was signalled and {how}{a.saved()}", extra=a.stop_fact())
+
+
+def _cancelled(a: _Attempt) -> Classification | None:
+    if a.state != "CANCELLED":
+        return None
+    return a.result("cancelled", f"cancelled: {_cancelled_by(a.record)}; no rank reported an error")
+
+
+def _killed(a: _Attempt) -> Classification | None:
+    """A rank that ended on a signal without a traceback (SIGKILL, SIGSEGV, ...)."""
+    for task, (node, _tasks, message) in sorted(a.srun.items()):
+        if re.search(r"Killed|Segmentation|Bus error|Aborted|signal", message):
+            return a.result("unknown", f"unknown: rank {task} on {node} ended without a traceback "
+                            f"({message.strip()})", [node], [task], [f"srun: {node}: task {task}: {message}"])
+    signals = [sig for _rc, sig in a.statuses if sig and sig != 15]
+    signals += [rc - 128 for rc in a.codes if 128 < rc < 160 and rc != LOCAL_REQUEUE_EXIT]
+    if signals:
+        name = _SIGNALS.get(signals[0], f"signal {signals[0]}")
+        return a.result("unknown", f"unknown: a process ended on {name} without a traceback")
+    return None
+
+
+def _could_not_start(a: _Attempt) -> Classification | None:
+    launch = [line.strip() for line in a.evidence.batch_log.splitlines() if "hpc_train.launch: " in line]
+    if not a.codes & {126, 127} and not launch:
+        return None
+    detail = launch[0].split("hpc_train.launch: ", 1)[1] if launch else \
+        f"exit status {max(a.codes & {126, 127})}: a command was not found or not executable"
+    return a.result("user_error", f"user error: the ranks could not start: {_short(detail, 120)}",
+                    extra=launch[:2])
+
+
+def _fallback(a: _Attempt) -> Classification:
+    comms = [f for f in a.findings if f.kind == "comms"]
+    if comms:
+        silent = a.silent_nodes()
+        return a.result("unknown", f"unknown: ranks lost their peers ({_short(comms[0].text, 60)}) but none reported "
+                        "a cause" + (f"; silent ranks on {', '.join(silent)}" if silent else ""), silent,
+                        extra=[f"rank {f.report.rank}: {_short(f.text)}" for f in comms[:3]])
+    if a.record is None and not a.evidence.ranks:
+        return a.result("unknown", "unknown: no accounting record and no rank evidence")
+    status = ", ".join(f"{rc}:{sig}" for rc, sig in a.statuses) or "?"
+    return a.result("unknown", f"unknown: job {a.job_id or '?'} ended {a.state or 'without a record'} (exit "
+                    f"{status}) and no rank reported an error; see python -m hpc_train logs RUN_DIR",
+                    extra=a.srun_lines[:3])
+
+
+_RULES = (_completed, _node_failure, _scheduler_stop, _host_oom, _first_rank_error, _hang, _signalled_stop,
+          _cancelled, _killed, _could_not_start)
+
+
+def _finding(report: RankReport) -> _Finding:
+    """Sort one rank's evidence into primary (its own failure) or secondary (a symptom of another's). Only
+    error records of its log count: info lines (the fabric report, say) name NCCL things without anything
+    being wrong."""
+    text = "\n".join([report.error, report.traceback, *_error_records(report.log_tail), *report.stderr])
+    error_line = report.error or _last_exception(report.traceback or text)
+    when = report.error_time if report.error_time is not None else _first_error_time(report.log_tail)
+    for kind, pattern in (("out_of_memory", _GPU_OOM), ("out_of_memory", _PY_OOM), ("infrastructure", _HARDWARE),
+                          ("timeout", _TIMEOUT), ("infrastructure", _NETWORK), ("comms", _SECONDARY)):
+        if pattern.search(text):
+            return _Finding(report, kind, _matching_line(text, pattern) or error_line, when)
+    if error_line and not _NOT_PRIMARY.match(error_line):
+        return _Finding(report, "user_error", error_line, when)
+    return _Finding(report, "none", error_line, when)
+
+
+def _error_records(lines: Iterable[str], lowest: str = "ERROR") -> list[str]:
+    """The lines of log records at ``lowest`` level or above, continuation lines included."""
+    levels = ("WARNING", "ERROR", "CRITICAL") if lowest == "WARNING" else ("ERROR", "CRITICAL")
+    kept, keep = [], False
+    for line in lines:
+        m = _RANK_LINE.match(line)
+        if m:
+            keep = m[2] in levels
+        if keep:
+            kept.append(line)
+    return kept
+
+
+def _cancelled_by(record: SlurmRecord | None) -> str:
+    by = record.state.partition(" by ")[2] if record else ""
+    return f"scancel by uid {by}" if by else "the job was cancelled"
+
+
+def _describe(record: SlurmRecord) -> str:
+    steps = "; ".join(f"step {s.step} {s.state} {s.exit_code}" for s in record.steps if s.step not in ("extern",))
+    reason = f", reason {record.reason}" if record.reason else ""
+    return f"sacct: job {record.job_id} {record.state} exit {record.exit_code} on {record.nodes or '?'}{reason}" + \
+        (f" ({steps})" if steps else "")
+
+
+def _nodes(record: SlurmRecord | None) -> list[str]:
+    if record is None or not record.nodes or record.nodes in ("None assigned", "(null)"):
+        return []
+    try:
+        return expand(record.nodes)
+    except ValueError:
+        return []
+
+
+def _srun_tasks(batch: str) -> dict[int, tuple[str, str, str]]:
+    """``{task: (node, task list, message)}`` from srun's "srun: error: n1: task 1: Exited with exit code 1"."""
+    tasks: dict[int, tuple[str, str, str]] = {}
+    for m in _SRUN.finditer(batch):
+        for part in m[2].split(","):
+            low, _, high = part.partition("-")
+            if low.isdigit() and (high.isdigit() or not high):
+                for task in range(int(low), int(high or low) + 1):
+                    tasks.setdefault(task, (m[1], m[2], m[3]))
+    return tasks
+
+
+
+
+
+
+def _stop_line(evidence: Evidence) -> tuple[int, str] | None:
+    for report in evidence.ranks:
+        for line in reversed(report.log_tail):
+            if m := _STOPPED.search(line):
+                return int(m[1] or m[3]), m[2] or m[4]
+    return None
+
+
+
+
+
+
+def _near_limit(record: SlurmRecord | None) -> bool:
+    if record is None or record.elapsed_s is None or record.limit_s is None:
+        return False
+    return record.limit_s - record.elapsed_s <= min(_NEAR_LIMIT, 0.1 * record.limit_s)
+
+
+def _stack_suspects(stacks: list[RankReport]) -> list[int]:
+    """Ranks whose main thread (in the last dump of ``stacks-rank-N.txt``) is not inside torch.distributed or
+    DeepSpeed's communication while the other ranks' are: the ones the others wait for."""
+    outside = [r.rank for r in stacks if not _in_collective(r.stacks)]
+    return sorted(outside) if len(outside) < len(stacks) else []
+
+
+def _in_collective(dump: str) -> bool:
+    last = dump.rsplit("\n# rank ", 1)[-1]
+    main = re.search(r"^# main thread (0x[0-9a-f]+)$", last, re.MULTILINE)
+    frames: list[str] = []
+    inside = main is None
+    for line in last.splitlines():
+        if line.startswith(("Thread 0x", "Current thread 0x")):
+            inside = main is not None and main[1] in line.split()
+        elif inside and line.strip().startswith("File"):
+            frames.append(line)
+    return any(marker in frame for frame in frames for marker in COLLECTIVE_FRAMES)
+
+
+def _last_exception(text: str) -> str:
+    """The exception line that ends a traceback (``ValueError: bad``), or ''."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if not any("Traceback (most recent call last)" in line for line in lines):
+        return ""
+    for line in reversed(lines):
+        if re.match(r"^[\w.]+(Error|Exception|Exit|Interrupt|Warning)\b|^[\w.]+: ", line):
+            return line
+    return lines[-1]
+
+
+def _first_error_time(lines: Iterable[str]) -> float:
+    """When a rank first logged an ERROR record (for ranks without an error file)."""
+    for line in lines:
+        m = _RANK_LINE.match(line)
+        if m and m[2] in ("ERROR", "CRITICAL"):
+            stamp = _stamp(line)
+            return float("inf") if stamp is None else stamp
+    return float("inf")
+
+
+def _matching_line(text: str, pattern: re.Pattern[str]) -> str:
+    return next((line.strip() for line in text.splitlines() if pattern.search(line)), "")
+
+
+def _location(traceback_text: str) -> str:
+    """``dist/faults.py:28``: the innermost frame, with the last two parts of its path."""
+    frames = _FRAME.findall(traceback_text)
+    if not frames:
+        return ""
+    path, line, _function = frames[-1]
+    return f"{'/'.join(Path(path).parts[-2:])}:{line}"
+
+
+def _short(text: str, limit: int = 160) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _ranges(numbers: Iterable[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``0-2,5``."""
+    values = sorted(set(numbers))
+    parts: list[str] = []
+    start = prev = None
+    for value in [*values, None]:
+        if value is not None and prev is not None and value == prev + 1:
+            prev = value
+            continue
+        if start is not None:
+            parts.append(str(start) if start == prev else f"{start}-{prev}")
+        start = prev = value
+    return ",".join(parts)
+
+
+# -- reading the run folder ----------------------------------------------------------------------------------
+
+
+def collect_evidence(run_dir: Path, job_id: str | None = None, restart: int | None = None,
+                     tail_lines: int = 200) -> Evidence:
+    """What the ranks of one attempt left in ``run_dir``: error files, the attempt's log lines, dumped stacks and
+    the batch output of ``job_id`` (Slurm's ``logs/slurm-JOB.*``, submitit's ``submitit/JOB_*_log.err``).
+
+    A rank log holds every attempt (it is appended to); the attempt's part starts at its "start: ... job J restart
+    R" line. Without ``job_id`` the newest part of each log is read. Error and stack files are per rank, rewritten
+    by each attempt, so they count only when the attempt asked for is that rank's newest one.
+    """
+    run_dir = Path(run_dir)
+    logs = run_dir / "logs"
+    batch = _batch_log(run_dir, job_id, restart, tail_lines)
+    stderr: dict[int, list[str]] = {}
+    for line in batch.splitlines():
+        if m := re.match(r"\[rank(\d+)\]:(.*)", line):
+            stderr.setdefault(int(m[1]), []).append(m[2])
+    names = [p.name for p in logs.glob("*rank-*")] if logs.is_dir() else []
+    ranks = sorted({int(m[1]) for name in names if (m := re.match(r"(?:stacks-)?rank-(\d+)\.", name))} | set(stderr))
+    reports = []
+    for rank in ranks:
+        lines = _read_tail(logs / f"rank-{rank}.log").splitlines()
+        part = _segment(lines, job_id, restart)
+        error = _read_json(logs / f"rank-{rank}.error.json") if part.newest else {}
+        stacks_path = logs / f"stacks-rank-{rank}.txt"
+        stacks = _read_tail(stacks_path) if part.newest and _after(stacks_path, part.started) else ""
+        if not part.lines and not error and not stacks and rank not in stderr:
+            continue
+        when = error.get("time")
+        reports.append(RankReport(
+            rank=rank, host=str(error.get("host", "")), node_index=part.node_index, error=str(error.get("error", "")),
+            error_time=float(when) if isinstance(when, int | float) else None,
+            traceback=str(error.get("traceback", "")), log_tail=tuple(part.lines[-tail_lines:]), stacks=stacks,
+            stderr=tuple(stderr.get(rank, ())[-tail_lines:]), launcher=part.launcher))
+    attempts = [a for a in AttemptLog(run_dir).read()
+                if job_id is None or (a.job_id == job_id and (restart is None or a.restart == restart))]
+    last = attempts[-1] if attempts else None
+    return Evidence(tuple(reports), batch, last.outcome if last else "", last.note if last else "")
+
+
+@dataclass(frozen=True)
+class _Segment:
+    lines: list[str]
+    newest: bool
+    node_index: int | None = None
+    started: float | None = None
+    launcher: str = ""
+
+
+def _segment(lines: list[str], job_id: str | None, restart: int | None) -> _Segment:
+    """One attempt's lines of a rank log (from its start line to the next one), and what the start line says."""
+    starts = [(i, m) for i, line in enumerate(lines) if (m := _START.search(line))]
+    if not starts:
+        return _Segment(lines, True)
+    chosen = len(starts) - 1
+    if job_id is not None:
+        matching = [k for k, (_, m) in enumerate(starts)
+                    if m[6] == job_id and (restart is None or int(m[7]) == restart)]
+        if not matching:
+            return _Segment([], False)
+        chosen = matching[-1]
+    first, start = starts[chosen]
+    end = starts[chosen + 1][0] if chosen + 1 < len(starts) else len(lines)
+    return _Segment(lines[first:end], chosen == len(starts) - 1, int(start[4]), _stamp(lines[first]), start[1])
+
+
+def _stamp(line: str) -> float | None:
+    """Seconds since the epoch of a rank log line's timestamp (local time, as logging wrote it)."""
+    m = _RANK_LINE.match(line)
+    if not m:
+        return None
+    try:
+        return datetime.strptime(m[1], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+    except ValueError:
+        return None
+
+
+def _after(path: Path, started: float | None) -> bool:
+    try:
+        return started is None or path.stat().st_mtime >= started - 1
+    except OSError:
+        return False
+
+
+def _batch_log(run_dir: Path, job_id: str | None, restart: int | None, tail_lines: int) -> str:
+    """The batch step's output of this job: where srun and slurmstepd say what happened to the tasks. A
+    requeued job appends to the same files; each attempt starts at the template's "hpc_train: job J restart R"
+    line or submitit's "Starting with JobEnvironment"."""
+    if job_id:
+        ident = glob.escape(job_id)
+        patterns = [f"logs/slurm-{ident}.out", f"logs/slurm-{ident}.err", f"submitit/{ident}_*_log.err"]
+    else:
+        patterns = ["logs/slurm-*.out", "logs/slurm-*.err", "submitit/*_log.err"]
+    paths = sorted({p for pattern in patterns for p in run_dir.glob(pattern) if p.is_file()})
+    if not job_id and paths:  # the newest job's files only
+        newest = _file_job(max(paths, key=lambda p: p.stat().st_mtime).name)
+        paths = [p for p in paths if _file_job(p.name) == newest]
+    parts = []
+    for path in paths:
+        lines = _read_tail(path).splitlines()
+        marks = [i for i, line in enumerate(lines)
+                 if re.match(r"hpc_train: job \S+ restart \d+", line) or "Starting with JobEnvironment" in line]
+        if marks:
+            index = restart if restart is not None and restart < len(marks) else len(marks) - 1
+            lines = lines[marks[index]:marks[index + 1] if index + 1 < len(marks) else len(lines)]
+        parts.extend(lines[-tail_lines:])
+    return "\n".join(parts)
+
+
+def _file_job(name: str) -> str:
+    """The job id in ``slurm-123.err`` or ``123_0_log.err``."""
+    if name.startswith("slurm-"):
+        return name.removeprefix("slurm-").rsplit(".", 1)[0]
+    return name.rsplit("_", 2)[0]
+
+
+def _read_tail(path: Path, limit: int = _TAIL_BYTES) -> str:
+    try:
+        with open(path, "rb") as handle:
+            size = handle.seek(0, 2)
+            handle.seek(max(0, size - limit))
+            data = handle.read()
+    except OSError:
+        return ""
+    text = data.decode("utf-8", errors="replace")
+    return text if len(data) < limit else text.partition("\n")[2]
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+

@@ -1,0 +1,447 @@
+"""``python -m hpc_train status [RUN_DIR ...]``: where each run stands, from the scheduler and the run folder.
+
+One poll = one ``squeue`` + one ``sacct`` call for all runs shown (:mod:`hpc_train.ops.scheduler`), joined with
+what each run folder says: ``metrics.jsonl`` (last step, loss, tokens/s, MFU, and the recent step rate for the
+ETA), ``checkpoints/latest``, ``attempts.jsonl`` (the attempts timeline) and the rank evidence of a failed attempt
+(:mod:`hpc_train.ops.failures`). Without Slurm the run-folder side is shown alone, and the view says so.
+
+How a run folder names its jobs: ``attempts.jsonl`` (rank 0 writes the job id when an attempt starts), the file
+names submitit writes at submit time (``submitit/JOB_submitted.pkl``, ``JOB_0_log.out``), Slurm's output files of a
+rendered script (``logs/slurm-JOB.out``), and, for a job nothing has been written for yet, the queue itself: a
+queued job whose output path or working folder lies in the run folder belongs to it. So a job submitted a second
+ago shows as PENDING.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+import re
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hpc_train.attempts import Attempt, AttemptLog
+from hpc_train.errors import ConfigError
+from hpc_train.ops import scheduler
+from hpc_train.ops.failures import Classification, classify, collect_evidence
+from hpc_train.ops.policy import read_exclusions
+
+__all__ = ["AttemptView", "CheckpointState", "RunFolder", "RunStatus", "Telemetry", "build_status", "collect",
+           "find_run_dirs", "read_folder", "render", "to_json"]
+
+_SUBMITIT_FILE = re.compile(r"^(\d+(?:_\d+)?)_(?:submitted\.pkl|submission\.sh|\d+_log\.(?:out|err)|\d+_result\.pkl)$")
+_SLURM_FILE = re.compile(r"^slurm-(\d+(?:_\d+)?)\.(?:out|err)$")
+_ENDED_BADLY = {"FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL",
+                "DEADLINE", "KILLED", "STOPPED", "HUNG"}
+_FAILED_OUTCOMES = ("failed", "killed", "hang")
+_METRICS_BYTES = 256 << 10
+_RATE_RECORDS = 20  # the ETA uses the step rate over this many recent metrics records
+_CLASSIFIED_ATTEMPTS = 5  # failed attempts explained per run, newest first
+
+
+@dataclass
+class Telemetry:
+    """What rank 0's ``metrics.jsonl`` says, and the ETA from the recent step rate."""
+
+    step: int | None = None
+    total_steps: int | None = None
+    loss: float | None = None
+    tokens_per_s: float | None = None
+    mfu: float | None = None
+    seconds_per_step: float | None = None
+    eta_s: float | None = None
+    updated: float | None = None
+
+
+@dataclass
+class CheckpointState:
+    name: str
+    step: int | None
+    time: float | None
+
+
+@dataclass
+class AttemptView:
+    """One line of ``attempts.jsonl``, with the failure class of an attempt that failed."""
+
+    attempt: int
+    job_id: str
+    restart: int
+    started: float
+    ended: float | None
+    outcome: str
+    start_step: int
+    end_step: int | None
+    note: str = ""
+    failure: dict[str, Any] | None = None
+
+
+@dataclass
+class RunFolder:
+    """The run folder's side, read without the scheduler."""
+
+    path: Path
+    name: str
+    executor: str
+    program: str
+    total_steps: int | None
+    attempts: list[Attempt]
+    job_ids: list[str]
+    metrics: list[dict[str, Any]]
+    checkpoint: CheckpointState | None
+    excluded: list[str]
+    notes: list[str] = field(default_factory=list)
+    finished: str = ""  # smoke.json / train.json: "completed"; a rank error file: "failed"
+
+
+@dataclass
+class RunStatus:
+    """One row of the view (``--json`` gives all of it)."""
+
+    run_dir: str
+    name: str
+    executor: str
+    state: str
+    job_id: str
+    nodes: str
+    reason: str
+    telemetry: Telemetry
+    checkpoint: CheckpointState | None
+    attempts: list[AttemptView]
+    failure: Classification | None
+    excluded: list[str]
+    job_ids: list[str]
+    notes: list[str]
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["failure"] = self.failure.to_dict() if self.failure else None
+        return data
+
+
+# -- the run folder ------------------------------------------------------------------------------------------
+
+
+def find_run_dirs(paths: list[Path]) -> list[Path]:
+    """The run folders asked for (or every ``./runs/*`` with a ``plan.json``), each checked once."""
+    if not paths:
+        found = sorted(p.parent for p in Path("runs").glob("*/plan.json"))
+        if not found:
+            raise ConfigError("RUN_DIR", "none given, and ./runs holds no run folder",
+                              "give run folders: python -m hpc_train status runs/NAME [runs/OTHER ...]")
+        return found
+    unique: list[Path] = []
+    for path in paths:
+        if not path.is_dir():
+            raise ConfigError("RUN_DIR", f"{path} is not a folder", "give a run folder, like runs/tiny-gpt")
+        if not any((path / name).exists() for name in ("plan.json", "attempts.jsonl", "logs")):
+            raise ConfigError("RUN_DIR", f"{path} is not a run folder (no plan.json, attempts.jsonl or logs/)",
+                              "give a folder that submit or render made, like runs/tiny-gpt")
+        if path.resolve() not in {p.resolve() for p in unique}:
+            unique.append(path)
+    return unique
+
+
+def read_folder(path: Path) -> RunFolder:
+    """Everything the view needs from one run folder; a file that is missing or torn leaves its part empty."""
+    notes: list[str] = []
+    plan = _read_json(path / "plan.json")
+    config = plan.get("config", {}) if isinstance(plan.get("config"), dict) else {}
+    steps = config.get("train", {}).get("steps") if isinstance(config.get("train"), dict) else None
+    program = str(config.get("job", {}).get("program", "")) if isinstance(config.get("job"), dict) else ""
+    executor = str(plan.get("executor", ""))
+    attempts = AttemptLog(path).read()
+    ids = [] if executor == "local" else _folder_job_ids(path, attempts)
+    try:
+        excluded = [e.node for e in read_exclusions(path)]
+    except ConfigError as error:
+        excluded, notes = [], [*notes, str(error)]
+    finished = "completed" if (path / "train.json").exists() or (path / "smoke.json").exists() else ""
+    if not finished and any((path / "logs").glob("rank-*.error.json")):
+        finished = "failed"
+    return RunFolder(path, str(plan.get("name") or path.name), executor, program,
+                     steps if isinstance(steps, int) else None, attempts, ids, _metrics_tail(path / "metrics.jsonl"),
+                     _checkpoint(path), excluded, notes, finished)
+
+
+def _folder_job_ids(path: Path, attempts: list[Attempt]) -> list[str]:
+    ids = {a.job_id for a in attempts if a.job_id}
+    for folder, pattern in ((path / "submitit", _SUBMITIT_FILE), (path / "logs", _SLURM_FILE)):
+        if folder.is_dir():
+            ids |= {m[1] for name in os.listdir(folder) if (m := pattern.match(name))}
+    return sorted((i for i in ids if re.fullmatch(r"\d+(_\d+)?", i)), key=_id_key)
+
+
+def _id_key(job_id: str) -> tuple[int, int]:
+    base, _, task = job_id.partition("_")
+    return int(base), int(task or -1)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _metrics_tail(path: Path) -> list[dict[str, Any]]:
+    """The last training records (those with a loss; eval lines are left out)."""
+    try:
+        with open(path, "rb") as handle:
+            size = handle.seek(0, 2)
+            handle.seek(max(0, size - _METRICS_BYTES))
+            text = handle.read().decode("utf-8", errors="replace")
+    except OSError:
+        return []
+    records = []
+    for line in text.splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int) and "loss" in record:
+            records.append(record)
+    return records[-_RATE_RECORDS * 2:]
+
+
+def _checkpoint(path: Path) -> CheckpointState | None:
+    latest = path / "checkpoints" / "latest"
+    try:
+        name = latest.read_text(encoding="utf-8").strip()
+        moment = latest.stat().st_mtime
+    except OSError:
+        return None
+    m = re.fullmatch(r"step-(\d+)", name)
+    return CheckpointState(name, int(m[1]) if m else None, moment)
+
+
+def telemetry(folder: RunFolder, since: float | None = None) -> Telemetry:
+    """The last step's numbers, and the step rate over recent records written after ``since`` (the current
+    attempt's start: a requeue's pause is not a slow step)."""
+    info = Telemetry(total_steps=folder.total_steps)
+    if not folder.metrics:
+        return info
+    last = folder.metrics[-1]
+    info.step, info.updated = last["step"], _number(last.get("time"))
+    info.loss, info.tokens_per_s, info.mfu = (_number(last.get(k)) for k in ("loss", "tokens_per_s", "mfu"))
+    recent = [r for r in folder.metrics[-_RATE_RECORDS:] if _number(r.get("time")) is not None
+              and (since is None or r["time"] >= since)]
+    seconds = steps = 0.0
+    for before, after in itertools.pairwise(recent):
+        if after["step"] > before["step"] and after["time"] > before["time"]:
+            seconds += after["time"] - before["time"]
+            steps += after["step"] - before["step"]
+    if steps:
+        info.seconds_per_step = seconds / steps
+    elif (step_time := _number(last.get("step_time_s"))) is not None:
+        info.seconds_per_step = step_time
+    if info.total_steps is not None and info.seconds_per_step is not None:
+        info.eta_s = max(info.total_steps - info.step, 0) * info.seconds_per_step
+    return info
+
+
+def _number(value: Any) -> float | None:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(
+        value) else None
+
+
+# -- joining the scheduler ----------------------------------------------------------------------------------
+
+
+Poll = Callable[[list[str], list[Path]], scheduler.SchedulerAnswer]
+
+
+def collect(run_dirs: list[Path], poll: Poll = scheduler.poll) -> tuple[list[RunStatus], scheduler.SchedulerAnswer]:
+    """Read every run folder, poll the scheduler once for all of them, and join the two (``poll``: a fake
+    scheduler in tests)."""
+    folders = [read_folder(path) for path in run_dirs]
+    slurm_runs = [f for f in folders if f.executor != "local"]
+    if slurm_runs:
+        answer = poll([i for f in slurm_runs for i in f.job_ids], [f.path for f in slurm_runs])
+    else:
+        answer = scheduler.SchedulerAnswer(False, ["no run here uses Slurm (executor local)"])
+    return [build_status(folder, answer) for folder in folders], answer
+
+
+def build_status(folder: RunFolder, answer: scheduler.SchedulerAnswer) -> RunStatus:
+    """One run's row: its newest job's state and nodes, telemetry, attempts and the class of a failure."""
+    notes = list(folder.notes)
+    ids = list(folder.job_ids)
+    if folder.executor != "local":
+        ids += [i for e in answer.queue if scheduler.queue_matches(e, folder.path) for i in [e.array_id or e.job_id]
+                if i and i not in ids and re.fullmatch(r"\d+(_\d+)?", i)]
+    ids.sort(key=_id_key)
+    job_id = ids[-1] if ids else (folder.attempts[-1].job_id if folder.attempts else "")
+    state, nodes, reason, record = _state(folder, answer, job_id, notes)
+    last = folder.attempts[-1] if folder.attempts else None
+    info = telemetry(folder, since=last.started if last else None)
+    if state not in ("RUNNING", "COMPLETING"):
+        info.eta_s = None
+    failure = None
+    if state in _ENDED_BADLY:
+        restart = last.restart if last is not None and last.job_id == job_id else None
+        failure = classify(record, collect_evidence(folder.path, job_id or None, restart))
+        if failure.failure_class == "completed":
+            failure = None
+    failed = [a.attempt for a in folder.attempts if a.outcome in _FAILED_OUTCOMES][-_CLASSIFIED_ATTEMPTS:]
+    views = [_attempt_view(folder, a, answer, a.attempt in failed) for a in folder.attempts]
+    return RunStatus(str(folder.path), folder.name, folder.executor or "?", state, job_id, nodes, reason, info,
+                     folder.checkpoint, views, failure, folder.excluded, ids, notes)
+
+
+def _state(folder: RunFolder, answer: scheduler.SchedulerAnswer, job_id: str,
+           notes: list[str]) -> tuple[str, str, str, scheduler.SlurmRecord | None]:
+    """State, nodes and reason of the run's newest job: the queue first (live), then accounting, then the run
+    folder (the local executor, or no Slurm here)."""
+    if folder.executor != "local" and answer.available and job_id:
+        queued = answer.queued(job_id)
+        record = answer.last_record(job_id)
+        if queued is not None:
+            return queued.state, queued.nodes if queued.state != "PENDING" else "", queued.reason, record
+        if record is not None:
+            return record.base_state, record.nodes, record.reason, record
+        notes.append(f"job {job_id} is neither queued nor in sacct (purged, or another cluster's)")
+    last = folder.attempts[-1] if folder.attempts else None
+    if last is None:
+        return (folder.finished.upper() or ("NO JOB" if not job_id else "UNKNOWN")), "", "", None
+    if last.outcome == "running" and folder.executor == "local" and not _alive(last):
+        return "KILLED", last.host, "", None
+    state = {"running": "RUNNING", "completed": "COMPLETED", "preempted": "STOPPED", "failed": "FAILED",
+             "killed": "KILLED", "hang": "HUNG"}.get(last.outcome, last.outcome.upper())
+    return state, last.host, last.note, None
+
+
+def _alive(attempt: Attempt) -> bool:
+    """Whether a local run's controller (its job id is that process's id, on this host) still runs."""
+    import socket
+
+    if attempt.host != socket.gethostname() or not attempt.job_id.isdigit():
+        return True  # cannot tell from here
+    try:
+        os.kill(int(attempt.job_id), 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
+
+
+def _attempt_view(folder: RunFolder, attempt: Attempt, answer: scheduler.SchedulerAnswer,
+                  explain: bool) -> AttemptView:
+    """One attempt; ``explain``: classify it (the newest failed attempts only: each reads the rank logs)."""
+    failure = None
+    if explain:
+        records = answer.history.get(attempt.job_id, [])
+        record = records[attempt.restart] if attempt.restart < len(records) else None
+        found = classify(record, collect_evidence(folder.path, attempt.job_id, attempt.restart))
+        failure = found.to_dict()
+    return AttemptView(attempt.attempt, attempt.job_id, attempt.restart, attempt.started, attempt.ended,
+                       attempt.outcome, attempt.start_step, attempt.end_step, attempt.note, failure)
+
+
+# -- output ------------------------------------------------------------------------------------------------
+
+
+def to_json(statuses: list[RunStatus], answer: scheduler.SchedulerAnswer, now: float | None = None,
+            indent: int | None = 2) -> str:
+    """Everything of one poll; ``slurm.calls`` counts the scheduler calls it took (at most 2)."""
+    return json.dumps({"time": time.time() if now is None else now,
+                       "slurm": {"available": answer.available, "notes": answer.notes, "calls": answer.calls},
+                       "runs": [s.to_dict() for s in statuses]}, indent=indent, default=str)
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None or not math.isfinite(seconds) or seconds < 0:
+        return "-"
+    whole = round(seconds)
+    days, rest = divmod(whole, 86400)
+    hours, rest = divmod(rest, 3600)
+    minutes, secs = divmod(rest, 60)
+    return (f"{days}d " if days else "") + f"{hours}:{minutes:02d}:{secs:02d}"
+
+
+def _ago(moment: float | None, now: float) -> str:
+    if moment is None:
+        return ""
+    return f"{_duration(max(0.0, now - moment))} ago"
+
+
+def _clock(moment: float | None) -> str:
+    return "-" if moment is None else time.strftime("%m-%d %H:%M:%S", time.localtime(moment))
+
+
+_STYLE = {"RUNNING": "bold green", "COMPLETED": "green", "PENDING": "yellow", "REQUEUED": "yellow",
+          "COMPLETING": "green", "FAILED": "bold red", "NODE_FAIL": "bold red", "OUT_OF_MEMORY": "bold red",
+          "TIMEOUT": "magenta", "PREEMPTED": "magenta", "CANCELLED": "red", "KILLED": "red", "STOPPED": "magenta",
+          "HUNG": "bold red", "HANG": "bold red"}
+
+
+def render(statuses: list[RunStatus], answer: scheduler.SchedulerAnswer, now: float | None = None) -> Any:
+    """The rich renderable of one poll: a row per run; for a single run also its attempts and failure."""
+    from rich import box
+    from rich.console import Group
+    from rich.markup import escape
+    from rich.table import Table
+    from rich.text import Text
+
+    now = time.time() if now is None else now
+    table = Table(title=f"hpc_train status at {_clock(now)}", title_justify="left", box=box.SIMPLE_HEAD)
+    for column in ("run", "state", "job", "nodes", "step", "loss", "tok/s", "MFU", "ETA", "checkpoint",
+                   "attempts"):
+        table.add_column(column, justify="right" if column in ("step", "loss", "tok/s", "MFU") else "left")
+    for s in statuses:
+        t = s.telemetry
+        step = "-" if t.step is None else f"{t.step}/{t.total_steps}" if t.total_steps else str(t.step)
+        ckpt = "-"
+        if s.checkpoint is not None:
+            where = s.checkpoint.step if s.checkpoint.step is not None else s.checkpoint.name
+            ckpt = f"step {where} ({_ago(s.checkpoint.time, now)})"
+        failed = sum(1 for a in s.attempts if a.outcome in _FAILED_OUTCOMES)
+        attempts = f"{len(s.attempts)}" + (f" ({failed} failed)" if failed else "")
+        state = Text(s.state + (f" ({s.reason})" if s.reason and s.state == "PENDING" else ""),
+                     style=_STYLE.get(s.state, ""))
+        table.add_row(escape(s.name), state, s.job_id or "-", escape(s.nodes or "-"), step,
+                      "-" if t.loss is None else f"{t.loss:.4f}",
+                      "-" if t.tokens_per_s is None else f"{t.tokens_per_s:,.0f}",
+                      f"{100 * t.mfu:.1f}%" if t.mfu else "n/a", _duration(t.eta_s), ckpt, attempts)
+    parts: list[Any] = [table]
+    for s in statuses:
+        if s.failure is not None:
+            parts.append(Text.assemble((f"{s.name}: ", "bold"), (s.failure.failure_class, "bold red"), "  ",
+                                       s.failure.reason))
+    if len(statuses) == 1:
+        parts += _details(statuses[0], now)
+    parts += [Text(f"note: {note}", style="dim") for note in [*answer.notes, *(n for s in statuses for n in s.notes)]]
+    return Group(*parts)
+
+
+def _details(s: RunStatus, now: float) -> list[Any]:
+    from rich import box
+    from rich.table import Table
+    from rich.text import Text
+
+    parts: list[Any] = [Text(f"run folder {s.run_dir}; executor {s.executor}; jobs {', '.join(s.job_ids) or '-'}",
+                             style="dim")]
+    if s.attempts:
+        table = Table(title="attempts", title_justify="left", box=box.SIMPLE_HEAD)
+        for column in ("#", "job", "restart", "start", "end", "outcome", "steps", "why"):
+            table.add_column(column)
+        for a in s.attempts:
+            steps = f"{a.start_step}->{a.end_step if a.end_step is not None else '...'}"
+            why = a.failure["reason"] if a.failure else a.note
+            table.add_row(str(a.attempt), a.job_id, str(a.restart), _clock(a.started), _clock(a.ended),
+                          Text(a.outcome, style=_STYLE.get(a.outcome.upper(), "")), steps, why)
+        parts.append(table)
+    if s.excluded:
+        parts.append(Text(f"excluded nodes: {', '.join(s.excluded)}"))
+    t = s.telemetry
+    if t.updated is not None:
+        rate = f"; {t.seconds_per_step:.2f} s per step recently" if t.seconds_per_step else ""
+        parts.append(Text(f"last metrics {_ago(t.updated, now)}{rate}", style="dim"))
+    return parts
