@@ -1,9 +1,11 @@
 """``RUN_DIR/attempts.jsonl``: one line per attempt of a run (first start, each requeue, each resubmission).
 
 Rank 0 writes a line with outcome ``running`` when an attempt starts and rewrites it when the attempt ends
-(``completed``, ``preempted``, ``failed``, ``hang``); a line still ``running`` when the next attempt starts was killed
-without a word (SIGKILL, node failure, a requeue without a signal) and becomes ``killed``. The measured step and
-save times feed the preemption lead time of the next submission. Plain JSON, no torch: the login node reads it.
+(``completed``, ``preempted``, ``failed``, ``hang``; the next attempt may name a ``node_failure`` or an
+``infrastructure`` fault it found, ``hpc_train.slurm.recovery``); a line still ``running`` when the next attempt
+starts was killed without a word (SIGKILL, node failure, a requeue without a signal) and becomes ``killed``. The
+measured step and save times feed the preemption lead time of the next submission. Plain JSON, no torch: the
+login node reads it.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from hpc_train.runfolder import atomic_write
 __all__ = ["ATTEMPTS_FILE", "Attempt", "AttemptLog", "recommended_lead_seconds", "requeues_so_far"]
 
 ATTEMPTS_FILE = "attempts.jsonl"
-OUTCOMES = ("running", "completed", "preempted", "failed", "hang", "killed")
+OUTCOMES = ("running", "completed", "preempted", "failed", "hang", "node_failure", "infrastructure", "killed")
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from typing import Any
 
 from hpc_train.config.plan import Plan
 from hpc_train.runfolder import PLAN_FILE, atomic_write
-from hpc_train.train.preemption import PreemptionWatch
+from hpc_train.train.preemption import EXIT_STOPPED, PreemptionWatch
 
 __all__ = ["RankEntry", "main", "rank_error_path", "run_rank"]
 
@@ -61,10 +61,13 @@ def _run_rank(run_dir: Path, plan: Plan, watch: PreemptionWatch | None) -> dict[
     info = detect_launch(expected_world=plan.layout.world)
     logger = _rank_logger(run_dir, info.rank)
     rank_error_path(run_dir, info.rank).unlink(missing_ok=True)  # from an earlier attempt
-    logger.info("start: %s rank %d/%d (local %d/%d, node %d/%d) job %s restart %d", info.launcher, info.rank,
+    logger.info("start: %s rank %d/%d (local %d/%d, node %d/%d) job %s restart %d on %s", info.launcher, info.rank,
                 info.world_size, info.local_rank, info.local_world_size, info.node_rank, info.num_nodes,
-                info.job_id, info.restart)
+                info.job_id, info.restart, os.environ.get("SLURMD_NODENAME") or socket.gethostname())
     _prepare_fabric(run_dir, plan, info.local_rank, logger)
+    on_slurm = bool(os.environ.get("SLURM_JOB_ID")) and os.environ.get("SUBMITIT_EXECUTOR") != "local"
+    if on_slurm and info.rank == 0 and plan.config["job"]["program"] == "train":
+        _look_back(run_dir, plan, info, logger)
     try:
         if plan.config["job"]["program"] == "smoke":
             result = run_smoke(plan, info)
@@ -78,6 +81,8 @@ def _run_rank(run_dir: Path, plan: Plan, watch: PreemptionWatch | None) -> dict[
         report = {"rank": info.rank, "host": socket.gethostname(), "time": time.time(), "error": repr(error),
                   "traceback": text}
         atomic_write(rank_error_path(run_dir, info.rank), json.dumps(report, indent=2) + "\n")
+        if on_slurm and plan.config["job"]["program"] == "train" and not isinstance(error, SystemExit):
+            _requeue_after_error(run_dir, plan, info, repr(error), text, logger)
         raise
     if "stopped" in result:  # saved after a preemption signal: leave without a result, with the agreed status
         stopped = result["stopped"]
@@ -95,6 +100,40 @@ def _run_rank(run_dir: Path, plan: Plan, watch: PreemptionWatch | None) -> dict[
         name = "smoke.json" if "all_reduce" in result else "train.json"
         atomic_write(run_dir / name, json.dumps(result, indent=2) + "\n")
     return result
+
+
+EXIT_NOT_RETRIED = 78  # a failure the retry policy does not retry (again); the reason is in rank 0's log
+
+
+def _look_back(run_dir: Path, plan: Plan, info: Any, logger: logging.Logger) -> None:
+    """A requeued attempt: act on why the previous one ended (node failure, infrastructure) before training."""
+    from hpc_train.dist.hostlist import expand
+    from hpc_train.ops.policy import RetryPolicy
+    from hpc_train.slurm.recovery import look_back
+
+    recovery = look_back(run_dir, info.job_id, info.restart, RetryPolicy.from_config(plan.config),
+                         expand(info.nodelist) if info.nodelist else [socket.gethostname()], logger.info)
+    if recovery.failure_class:
+        logger.info("previous attempt: %s: %s", recovery.failure_class, recovery.message)
+    if recovery.action == "stop":
+        logger.error("not retried: %s", recovery.message)
+        raise SystemExit(EXIT_NOT_RETRIED)
+    if recovery.action == "requeue":
+        logger.info("%s", recovery.message)
+        raise SystemExit(EXIT_STOPPED)
+
+
+def _requeue_after_error(run_dir: Path, plan: Plan, info: Any, error: str, text: str,
+                         logger: logging.Logger) -> None:
+    """An infrastructure fault on this rank (not the program's error): exclude this node and requeue."""
+    from hpc_train.ops.policy import RetryPolicy
+    from hpc_train.slurm.recovery import requeue_after_error
+
+    node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()  # Slurm's name, what --exclude takes
+    recovery = requeue_after_error(run_dir, info.job_id, info.rank, node, error, text,
+                                   RetryPolicy.from_config(plan.config), logger.info)
+    if recovery.failure_class:
+        logger.info("%s: %s", recovery.failure_class, recovery.message)
 
 
 _FABRIC_VARIABLES = ("NCCL_", "GLOO_", "TORCH_NCCL_", "TORCH_FR_")

@@ -134,6 +134,13 @@ def _lead_seconds(configured: int, run_dir: str, time_seconds: int) -> int:
     return measured
 
 
+def _exclude(configured: str, run_dir: str) -> str:
+    """``job.exclude`` plus the nodes earlier attempts of this run excluded (``excluded_nodes.json``)."""
+    from hpc_train.ops.policy import exclude_expression, read_exclusions
+
+    return exclude_expression(read_exclusions(Path(run_dir)), also=configured)
+
+
 def make_plan(cfg: JobConfig, site: SiteConfig, executor: str, *, python: str | None = None,
               cwd: Path | None = None) -> Plan:
     """Resolve site defaults, run every cross-field check and return the plan.
@@ -176,7 +183,8 @@ def make_plan(cfg: JobConfig, site: SiteConfig, executor: str, *, python: str | 
             mem=job.mem or site.node.mem, time=job.time, time_seconds=parse_time_seconds(job.time) or 0,
             partition=job.partition or site.slurm.partition, account=job.account or site.slurm.account,
             qos=job.qos or site.slurm.qos, constraint=job.constraint or site.slurm.constraint,
-            exclude=job.exclude, exclusive=site.slurm.exclusive, gpu_directive=site.slurm.gpu_directive,
+            exclude=_exclude(job.exclude, run_dir), exclusive=site.slurm.exclusive,
+            gpu_directive=site.slurm.gpu_directive,
         ),
         layout=Layout(
             world=job.nodes * job.tasks_per_node, tensor=cfg.parallel.tensor, pipeline=cfg.parallel.pipeline,

@@ -1,0 +1,181 @@
+"""Looking back as a requeued attempt starts: why did the job's previous attempt end, and what follows from it.
+
+A node that dies takes its ranks with it, so nothing of the job is left to decide anything at that moment:
+Slurm requeues the job by itself (``--requeue``, ``JobRequeue=1``). The next attempt's rank 0 therefore asks
+before it trains: sacct for the previous attempt, slurmdbd's node events for the node that went down, the run
+folder for what the ranks said. A node failure or an infrastructure fault puts the node on the run's exclusion
+list (``excluded_nodes.json``) and on the job (``ExcNodeList``, so later requeues avoid it too); if this attempt
+landed on an excluded node again, it requeues at once; past ``[retry]``'s limit it stops with the reason.
+
+Ranks that raise an infrastructure error (an NCCL system error, a GPU fault) are alive and decide for
+themselves: :func:`requeue_after_error`.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from datetime import datetime, timedelta
+from pathlib import Path
+
+from hpc_train.attempts import AttemptLog
+from hpc_train.dist.hostlist import expand
+from hpc_train.ops.failures import Classification, Evidence, RankReport, classify, collect_evidence
+from hpc_train.ops.policy import RetryPolicy, add_exclusions, decide, exclude_expression, read_exclusions
+from hpc_train.ops.scheduler import SlurmRecord, parse_sacct, sacct_argv
+
+__all__ = ["RETRIED_CLASSES", "Recovery", "down_nodes", "look_back", "requeue_after_error"]
+
+RETRIED_CLASSES = ("node_failure", "infrastructure")  # hangs requeue from the watchdog; preemption on its own
+DOWN_STATES = ("DOWN", "DRAIN", "FAIL", "NOT_RESPONDING", "NO_RESPOND")
+Runner = Callable[..., "subprocess.CompletedProcess[str]"]
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """What this attempt does: ``continue`` training, ``requeue`` (landed on an excluded node) or ``stop``."""
+
+    action: str
+    message: str = ""
+    failure_class: str = ""
+
+
+def _run(run: Runner, argv: list[str]) -> str | None:
+    """stdout of a Slurm command, or None when it is missing, fails or does not answer: looking back must never
+    keep an attempt from training."""
+    if shutil.which(argv[0]) is None:
+        return None
+    try:
+        result = run(argv, capture_output=True, text=True, timeout=30, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return result.stdout if result.returncode == 0 else None
+
+
+def _shift(stamp: str, seconds: int) -> str:
+    try:
+        return (datetime.fromisoformat(stamp) + timedelta(seconds=seconds)).isoformat(timespec="seconds")
+    except ValueError:
+        return stamp
+
+
+def down_nodes(record: SlurmRecord, run: Runner = subprocess.run) -> list[str]:
+    """The previous attempt's nodes that went DOWN (or drained, failed, stopped responding) while it ran: from
+    slurmdbd's node events (a node back in service by now still shows there), then from sinfo now."""
+    nodes = expand(record.nodes) if record.nodes and record.nodes != "None assigned" else []
+    if not nodes:
+        return []
+    found: set[str] = set()
+    if record.start and record.end:
+        text = _run(run, ["sacctmgr", "--noheader", "--parsable2", "show", "event", f"Nodes={','.join(nodes)}",
+                          f"Start={_shift(record.start, -60)}", f"End={_shift(record.end, 120)}",
+                          "format=NodeName,State"]) or ""
+        for line in text.splitlines():
+            name, _, state = line.partition("|")
+            if name in nodes and any(word in state.upper() for word in DOWN_STATES):
+                found.add(name)
+    text = _run(run, ["sinfo", "--noheader", "--Node", "--nodes", ",".join(nodes), "--format=%N|%T"]) or ""
+    for line in text.splitlines():
+        name, _, state = line.partition("|")
+        if name in nodes and any(word in state.upper() for word in DOWN_STATES):
+            found.add(name)
+    return sorted(found)
+
+
+def _previous_record(job_id: str, run: Runner) -> SlurmRecord | None:
+    """sacct's record of the attempt before this one (sacct lists a requeued job once per attempt)."""
+    history = parse_sacct(_run(run, sacct_argv([job_id])) or "").get(job_id, [])
+    return history[-2] if len(history) >= 2 else None
+
+
+def _earlier_failures(run_dir: Path) -> list[str]:
+    return [a.outcome for a in AttemptLog(run_dir).read() if a.outcome in ("node_failure", "infrastructure", "hang")]
+
+
+def _exclude_on_job(job_id: str, expression: str, run: Runner, attempts: int = 10) -> bool:
+    """Put the exclusion on the job itself so that Slurm's own requeues avoid the nodes. Slurm takes it only
+    while the job is pending, so this follows a requeue and retries while the job leaves the running state."""
+    for _ in range(attempts):
+        result = _run(run, ["scontrol", "update", f"JobId={job_id}", f"ExcNodeList={expression}"])
+        if result is not None:
+            return True
+        time.sleep(0.5)
+    return False
+
+
+def _requeue_avoiding(run_dir: Path, job_id: str, allocation: list[str], log: Callable[[str], None],
+                      run: Runner) -> Recovery | None:
+    """When this attempt runs on a node the run excludes: requeue with the exclusion on the job."""
+    excluded = read_exclusions(run_dir)
+    bad = sorted(set(allocation) & {e.node for e in excluded})
+    if not bad:
+        return None
+    if _run(run, ["scontrol", "requeue", job_id]) is None:
+        return Recovery("stop", f"this attempt runs on excluded node(s) {', '.join(bad)} and scontrol requeue "
+                                f"{job_id} failed")
+    expression = exclude_expression(excluded)
+    placed = _exclude_on_job(job_id, expression, run)
+    log(f"recovery: this attempt landed on excluded node(s) {', '.join(bad)}: requeued "
+        + (f"with ExcNodeList={expression}" if placed else "(Slurm did not take ExcNodeList; it may land there "
+                                                           "again, and will requeue again)"))
+    return Recovery("requeue", f"landed on excluded node(s) {', '.join(bad)}: requeued")
+
+
+def _apply(run_dir: Path, job_id: str, classification: Classification, policy: RetryPolicy,
+           allocation: list[str], log: Callable[[str], None], run: Runner) -> Recovery:
+    """The policy's decision for ``classification``, carried out: exclusion list, then a requeue if this attempt
+    runs on an excluded node."""
+    excluded = read_exclusions(run_dir)
+    decision = decide(classification, _earlier_failures(run_dir), policy, excluded=[e.node for e in excluded])
+    kind = classification.failure_class
+    if not decision.retry:
+        return Recovery("stop", decision.message, kind)
+    if decision.exclude_nodes:
+        add_exclusions(run_dir, decision.exclude_nodes, kind, job_id, classification.reason)
+    log(f"recovery: {decision.message}")
+    moved = _requeue_avoiding(run_dir, job_id, allocation, log, run)
+    return replace(moved, failure_class=kind) if moved else Recovery("continue", decision.message, kind)
+
+
+def look_back(run_dir: Path, job_id: str, restart: int, policy: RetryPolicy, allocation: list[str],
+              log: Callable[[str], None], run: Runner = subprocess.run) -> Recovery:
+    """Rank 0, before training, in an attempt with ``restart`` > 0: classify the job's previous attempt and act.
+
+    Only node failures and infrastructure faults are decided here: a hang was decided by the watchdog, and a
+    preemption or time limit by the preemption path, before their attempts ended."""
+    if not job_id:
+        return Recovery("continue")
+    if restart <= 0:  # a new submission already got the exclusions as --exclude (plan); a requeue may not have
+        return _requeue_avoiding(run_dir, job_id, allocation, log, run) or Recovery("continue")
+    record = _previous_record(job_id, run)
+    attempts = AttemptLog(run_dir)
+    previous = attempts.read()[-1:] or [None]
+    if record is None or (previous[0] is not None and previous[0].outcome in ("hang", "completed")):
+        return _requeue_avoiding(run_dir, job_id, allocation, log, run) or Recovery("continue")
+    evidence = collect_evidence(run_dir, job_id, restart - 1)
+    classification = classify(record, evidence, down_nodes(record, run))
+    if classification.failure_class not in RETRIED_CLASSES:
+        moved = _requeue_avoiding(run_dir, job_id, allocation, log, run)
+        return moved or Recovery("continue", classification.reason, classification.failure_class)
+    recovery = _apply(run_dir, job_id, classification, policy, allocation, log, run)
+    if previous[0] is not None:  # the attempt Slurm ended says why, for status and for the retry count
+        attempts.finish(previous[0], outcome=classification.failure_class,
+                        note=f"{classification.reason}; {recovery.message}"[:500])
+    return recovery
+
+
+def requeue_after_error(run_dir: Path, job_id: str, rank: int, host: str, error: str, traceback: str,
+                        policy: RetryPolicy, log: Callable[[str], None], run: Runner = subprocess.run) -> Recovery:
+    """A rank that raised: when its error is an infrastructure fault (not the program's), exclude its node and
+    requeue the job within ``[retry] infrastructure``; anything else is left to fail."""
+    if not job_id:
+        return Recovery("continue")
+    report = RankReport(rank=rank, host=host, error=error, traceback=traceback)
+    classification = classify(None, Evidence(ranks=(report,)))
+    if classification.failure_class != "infrastructure":
+        return Recovery("continue", classification.reason, classification.failure_class)
+    classification = replace(classification, nodes=classification.nodes or (host,))
+    return _apply(run_dir, job_id, classification, policy, [host], log, run)

@@ -1,0 +1,93 @@
+"""Operations on the real local Slurm cluster: a rank that hangs (found by the watchdog within its timeout,
+stacks dumped, requeued, resumed to the end) and a node that goes down mid-run (requeued on the other node
+with the failed one excluded, resumed from its checkpoint)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.slurm.test_preemption_e2e import _attempts, _last_step, _logs, _state, _submit, _wait_until_completed
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("slurm_cluster")]
+
+
+def test_a_hung_rank_is_found_dumped_and_requeued(tmp_path: Path) -> None:
+    timeout_s = 15
+    job_id = _submit(tmp_path, 30, "--set", "env.HPC_TRAIN_INJECT_FAULT=hang:1", "--set",
+                     "env.HPC_TRAIN_INJECT_FAULT_STEP=15", "--set", "env.HPC_TRAIN_INJECT_FAULT_RESTART=0",
+                     "--set", f"watchdog.step_timeout_s={timeout_s}", "--set", "retry.hang=1")
+    run_dir = tmp_path / "runs" / "tiny-gpt"
+    _wait_until_completed(job_id, run_dir, timeout_s=420)
+    first, second = _attempts(run_dir)
+    assert first["outcome"] == "hang" and first["requeued"], first
+    assert first["end_step"] == 14, first  # the last step that finished before rank 1 stopped
+    waited = float(str(first["note"]).split("no progress for ")[1].split(" s")[0])
+    assert timeout_s <= waited <= timeout_s + 5, first["note"]
+    assert "rank 1 in" in str(first["note"]) and "maybe_inject_fault" in str(first["note"])
+    for rank in (0, 1):
+        assert "# main thread 0x" in (run_dir / "logs" / f"stacks-rank-{rank}.txt").read_text()
+    assert second["outcome"] == "completed" and second["start_step"] == 10, second  # the checkpoint of step 10
+    assert _last_step(run_dir) == 30
+
+
+def _wait_through_node_failure(job_id: str, run_dir: Path, timeout_s: float) -> None:
+    """Until the job completes; NODE_FAIL is a passing state here (Slurm requeues the job by itself)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        state = _state(job_id)
+        attempts = _attempts(run_dir)
+        if state == "COMPLETED" and attempts and attempts[-1]["outcome"] == "completed":
+            return
+        assert state not in ("FAILED", "CANCELLED", "TIMEOUT"), f"job {job_id} ended {state}\n{_logs(run_dir)}"
+        if time.monotonic() > deadline:
+            subprocess.run(["scancel", job_id], check=False)
+            raise AssertionError(f"job {job_id} did not complete within {timeout_s} s ({state})\n{_logs(run_dir)}")
+        time.sleep(1)
+
+
+def _resume_if_down(node: str) -> None:
+    state = subprocess.run(["sinfo", "-h", "-N", "-n", node, "-o", "%T"], capture_output=True, text=True,
+                           timeout=30, check=False).stdout
+    if any(word in state.upper() for word in ("DOWN", "DRAIN", "FAIL")):
+        subprocess.run(["scontrol", "update", f"nodename={node}", "state=resume"], check=False, timeout=30)
+
+
+def _node_of(job_id: str) -> str:
+    out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%N"], capture_output=True, text=True, timeout=30,
+                         check=False).stdout.strip()
+    return out
+
+
+def test_a_node_that_goes_down_is_excluded_and_the_run_resumes(tmp_path: Path) -> None:
+    job_id = _submit(tmp_path, 40, "--set", "job.nodes=1", "--set", "job.tasks_per_node=2")
+    run_dir = tmp_path / "runs" / "tiny-gpt"
+    deadline = time.monotonic() + 240
+    while _last_step(run_dir) < 13:
+        assert time.monotonic() < deadline, _logs(run_dir)
+        time.sleep(0.5)
+    node = _node_of(job_id)
+    assert node in ("n1", "n2"), node
+    try:
+        subprocess.run(["scontrol", "update", f"nodename={node}", "state=down", "reason=hpc_train test"],
+                       check=True, timeout=30)
+        _wait_through_node_failure(job_id, run_dir, timeout_s=300)
+    finally:
+        _resume_if_down(node)
+    attempts = _attempts(run_dir)
+    assert attempts[0]["outcome"] == "node_failure" and node in str(attempts[0]["note"]), attempts
+    excluded = json.loads((run_dir / "excluded_nodes.json").read_text())
+    assert [entry["node"] for entry in excluded["nodes"]] == [node], excluded
+    # The slurmd of a node set DOWN here still delivers SIGTERM, so the ranks saved; a dead node saves nothing
+    # and the run resumes from its last periodic checkpoint instead.
+    assert attempts[-1]["outcome"] == "completed", attempts
+    assert attempts[-1]["start_step"] == attempts[0]["end_step"] >= 13, attempts
+    rows = subprocess.run(["sacct", "-n", "-P", "-X", "-D", "-j", job_id, "-o", "State,NodeList"],
+                          capture_output=True, text=True, timeout=30, check=True).stdout.split()
+    assert rows[-1] == f"COMPLETED|{'n2' if node == 'n1' else 'n1'}", rows  # the last attempt avoided the node
+    show = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True, timeout=30).stdout
+    assert f"ExcNodeList={node}" in show, show

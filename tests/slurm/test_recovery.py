@@ -1,0 +1,135 @@
+"""Looking back as a requeued attempt starts, with Slurm's answers scripted: node failures are excluded and put on
+the job, an attempt on an excluded node requeues, the retry limit stops, and program errors are left alone."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from hpc_train.attempts import AttemptLog
+from hpc_train.ops.policy import RetryPolicy, read_exclusions
+from hpc_train.slurm import recovery
+from hpc_train.slurm.recovery import look_back, requeue_after_error
+
+FIELDS = "|".join(["{id}", "{id}", "{state}", "{code}", "{nodes}", "None", "{start}", "{end}", "00:01:00",
+                   "01:00:00"])
+
+
+def _sacct(*attempts: tuple[str, str, str]) -> str:
+    return "".join(FIELDS.format(id="77", state=state, code="0:0", nodes=nodes, start=start, end="Unknown"
+                                 if state == "RUNNING" else "2026-11-30T03:20:52") + "\n"
+                   for state, nodes, start in attempts)
+
+
+class FakeSlurm:
+    """Answers each Slurm command from a table and records every call."""
+
+    def __init__(self, answers: dict[str, str]) -> None:
+        self.answers = answers
+        self.calls: list[list[str]] = []
+
+    def __call__(self, argv: list[str], **_: object) -> subprocess.CompletedProcess[str]:
+        self.calls.append(argv)
+        key = " ".join(argv[:2])
+        text = next((value for prefix, value in self.answers.items() if key.startswith(prefix)), "")
+        return subprocess.CompletedProcess(argv, 0, text, "")
+
+    def called(self, *words: str) -> list[list[str]]:
+        return [argv for argv in self.calls if all(word in argv for word in words)]
+
+
+@pytest.fixture(autouse=True)
+def _slurm_on_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(recovery.shutil, "which", lambda name: f"/usr/bin/{name}")
+    monkeypatch.setattr(recovery.time, "sleep", lambda _: None)
+
+
+def _run_dir(tmp_path: Path, outcome: str = "preempted") -> Path:
+    (tmp_path / "logs").mkdir()
+    log = AttemptLog(tmp_path)
+    log.finish(log.begin("77", 0, "vm", 0.0, 0), outcome=outcome, end_step=19)
+    return tmp_path
+
+
+NODE_FAIL = {
+    "sacct --noheader": _sacct(("NODE_FAIL", "n1", "2026-11-30T03:20:46"), ("RUNNING", "n1", "2026-11-30T03:21:06")),
+    "sacctmgr --noheader": "n1|DOWN\n",
+    "sinfo --noheader": "n1|idle\n",
+}
+
+
+def test_a_node_failure_excludes_the_node_and_moves_off_it(tmp_path: Path) -> None:
+    run_dir = _run_dir(tmp_path)
+    slurm = FakeSlurm(NODE_FAIL)
+    logs: list[str] = []
+    result = look_back(run_dir, "77", 1, RetryPolicy(), ["n1"], logs.append, run=slurm)
+    assert result.action == "requeue" and result.failure_class == "node_failure"
+    assert [e.node for e in read_exclusions(run_dir)] == ["n1"]
+    assert slurm.called("scontrol", "requeue", "77")
+    assert slurm.called("scontrol", "update", "JobId=77", "ExcNodeList=n1")
+    [attempt] = AttemptLog(run_dir).read()
+    assert attempt.outcome == "node_failure" and "n1" in attempt.note
+
+
+def test_landing_elsewhere_continues(tmp_path: Path) -> None:
+    run_dir = _run_dir(tmp_path)
+    slurm = FakeSlurm(NODE_FAIL)
+    result = look_back(run_dir, "77", 1, RetryPolicy(), ["n2"], lambda _: None, run=slurm)
+    assert result.action == "continue" and "excluding n1" in result.message
+    assert not slurm.called("scontrol", "requeue")
+
+
+def test_the_retry_limit_stops_the_run(tmp_path: Path) -> None:
+    run_dir = _run_dir(tmp_path, outcome="node_failure")  # an earlier node failure already counted
+    log = AttemptLog(run_dir)
+    log.finish(log.begin("77", 1, "vm", 0.0, 19), outcome="preempted", end_step=25)
+    result = look_back(run_dir, "77", 2, RetryPolicy(max_node_failure=1), ["n2"], lambda _: None,
+                       run=FakeSlurm(NODE_FAIL))
+    assert result.action == "stop" and "the policy allows 1 retry" in result.message
+
+
+def test_a_first_attempt_on_an_excluded_node_requeues(tmp_path: Path) -> None:
+    run_dir = _run_dir(tmp_path)
+    (run_dir / "excluded_nodes.json").write_text(json.dumps({"nodes": [{"node": "n2", "class": "node_failure"}]}))
+    slurm = FakeSlurm({})
+    assert look_back(run_dir, "80", 0, RetryPolicy(), ["n1"], lambda _: None, run=slurm).action == "continue"
+    assert look_back(run_dir, "80", 0, RetryPolicy(), ["n2"], lambda _: None, run=slurm).action == "requeue"
+
+
+def test_a_program_error_is_not_retried(tmp_path: Path) -> None:
+    run_dir = _run_dir(tmp_path)
+    slurm = FakeSlurm({})
+    text = 'Traceback (most recent call last):\n  File "/x/train.py", line 3, in f\nValueError: bad batch\n'
+    result = requeue_after_error(run_dir, "77", 1, "n2", "ValueError('bad batch')", text, RetryPolicy(),
+                                 lambda _: None, run=slurm)
+    assert result.action == "continue" and result.failure_class == "user_error"
+    assert slurm.calls == [] and read_exclusions(run_dir) == []
+
+
+def test_an_infrastructure_error_excludes_its_node_and_requeues(tmp_path: Path) -> None:
+    run_dir = _run_dir(tmp_path)
+    slurm = FakeSlurm({})
+    text = ("Traceback (most recent call last):\n  File \"/x/torch/distributed/c10d.py\", line 3, in all_reduce\n"
+            "torch.distributed.DistBackendError: NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled system "
+            "error (run with NCCL_DEBUG=INFO for details), NCCL version 2.21.5\n")
+    result = requeue_after_error(run_dir, "77", 3, "gpu017", "DistBackendError('NCCL error')", text,
+                                 RetryPolicy(), lambda _: None, run=slurm)
+    assert result.failure_class == "infrastructure" and result.action == "requeue", result
+    assert [e.node for e in read_exclusions(run_dir)] == ["gpu017"]
+    assert slurm.called("scontrol", "requeue", "77") and slurm.called("ExcNodeList=gpu017")
+
+
+def test_a_new_submission_of_the_run_excludes_its_nodes(tmp_path: Path) -> None:
+    from hpc_train.config.plan import load_job, make_plan
+    from hpc_train.config.sites import load_site
+    from tests.conftest import REPO
+
+    run_dir = tmp_path / "runs" / "tiny-gpt"
+    run_dir.mkdir(parents=True)
+    (run_dir / "excluded_nodes.json").write_text(json.dumps({"nodes": [{"node": "n3"}, {"node": "n2"}]}))
+    cfg = load_job(REPO / "examples" / "tiny_gpt.toml", ["job.exclude=n7"])
+    plan = make_plan(cfg, load_site("local-slurm"), "slurm", cwd=tmp_path)
+    assert plan.resources.exclude == "n[2-3,7]"
