@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -91,3 +92,26 @@ def test_a_node_that_goes_down_is_excluded_and_the_run_resumes(tmp_path: Path) -
     assert rows[-1] == f"COMPLETED|{'n2' if node == 'n1' else 'n1'}", rows  # the last attempt avoided the node
     show = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True, timeout=30).stdout
     assert f"ExcNodeList={node}" in show, show
+
+
+def test_a_rank_that_raises_is_a_user_error_and_not_retried(tmp_path: Path) -> None:
+    job_id = _submit(tmp_path, 30, "--set", "env.HPC_TRAIN_INJECT_FAULT=raise:1", "--set",
+                     "env.HPC_TRAIN_INJECT_FAULT_STEP=5")
+    run_dir = tmp_path / "runs" / "tiny-gpt"
+    deadline = time.monotonic() + 180
+    while _state(job_id) not in ("FAILED", "CANCELLED", "COMPLETED"):
+        assert time.monotonic() < deadline, _logs(run_dir)
+        time.sleep(1)
+    time.sleep(3)  # a requeue, if there were one, would show by now
+    rows = subprocess.run(["sacct", "-n", "-P", "-X", "-D", "-j", job_id, "-o", "State"], capture_output=True,
+                          text=True, timeout=30, check=True).stdout.split()
+    assert rows == ["FAILED"], rows  # one attempt: never requeued
+    assert not (run_dir / "excluded_nodes.json").exists()
+    status = subprocess.run([sys.executable, "-m", "hpc_train", "status", str(run_dir), "--json"],
+                            capture_output=True, text=True, timeout=60, check=False)
+    assert status.returncode == 0, status.stderr
+    text = status.stdout
+    assert "user_error" in text and "injected fault on rank 1" in text, text
+    logs = subprocess.run([sys.executable, "-m", "hpc_train", "logs", str(run_dir), "--errors-only"],
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert logs.returncode == 0 and "RuntimeError: injected fault on rank 1" in logs.stdout, logs.stdout
