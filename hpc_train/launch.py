@@ -130,7 +130,7 @@ def _requeue_after_error(run_dir: Path, plan: Plan, info: Any, error: str, text:
     from hpc_train.slurm.recovery import requeue_after_error
 
     node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()  # Slurm's name, what --exclude takes
-    recovery = requeue_after_error(run_dir, info.job_id, info.rank, node, error, text,
+    recovery = requeue_after_error(run_dir, info.job_id, info.restart, info.rank, node, error, text,
                                    RetryPolicy.from_config(plan.config), logger.info)
     if recovery.failure_class:
         logger.info("%s: %s", recovery.failure_class, recovery.message)

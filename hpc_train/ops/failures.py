@@ -56,7 +56,7 @@ from hpc_train.ops.scheduler import SlurmRecord
 from hpc_train.train.preemption import EXIT_SAVE_HUNG, EXIT_STOPPED, LOCAL_REQUEUE_EXIT
 from hpc_train.train.watchdog import COLLECTIVE_FRAMES, EXIT_HUNG  # both modules import no torch
 
-__all__ = ["CLASSES", "Classification", "Evidence", "RankReport", "classify", "collect_evidence"]
+__all__ = ["CLASSES", "Classification", "Evidence", "RankReport", "classify", "collect_evidence", "is_hardware_fault"]
 
 CLASSES = ("completed", "preempted", "time_limit", "node_failure", "infrastructure", "out_of_memory", "hang",
            "user_error", "cancelled", "unknown")
@@ -70,6 +70,14 @@ _HARDWARE = re.compile(r"uncorrectable ECC|ECC error|illegal memory access|falle
                        r"unspecified launch failure|NVLink|cudaErrorECCUncorrectable|CUDA error: unknown error|"
                        r"no CUDA-capable device|CUDA-capable device\(s\) is/are busy or unavailable|"
                        r"CUDA driver version is insufficient|CUDA error: uncorrectable")
+
+
+def is_hardware_fault(text: str) -> bool:
+    """Whether an error names a fault of the rank's own GPU or driver (ECC, Xid, fallen off the bus): the one
+    infrastructure error whose node is surely the bad one. A network error shows on both ends of a link."""
+    return bool(_HARDWARE.search(text))
+
+
 _NETWORK = re.compile(r"unhandled system error|NET/IB|ibv_\w+ failed|IBV_WC_\w+|Transport retry count exceeded|"
                       r"unhandled cuda error|NCCL error.*internal error")
 _TIMEOUT = re.compile(r"Watchdog caught collective operation timeout|collective operation timeout|NCCL timeout|"

@@ -13,6 +13,7 @@ themselves: :func:`requeue_after_error`.
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import time
@@ -23,7 +24,14 @@ from pathlib import Path
 
 from hpc_train.attempts import AttemptLog
 from hpc_train.dist.hostlist import expand
-from hpc_train.ops.failures import Classification, Evidence, RankReport, classify, collect_evidence
+from hpc_train.ops.failures import (
+    Classification,
+    Evidence,
+    RankReport,
+    classify,
+    collect_evidence,
+    is_hardware_fault,
+)
 from hpc_train.ops.policy import RetryPolicy, add_exclusions, decide, exclude_expression, read_exclusions
 from hpc_train.ops.scheduler import SlurmRecord, parse_sacct, sacct_argv
 
@@ -152,7 +160,8 @@ def look_back(run_dir: Path, job_id: str, restart: int, policy: RetryPolicy, all
         return _requeue_avoiding(run_dir, job_id, allocation, log, run) or Recovery("continue")
     record = _previous_record(job_id, run)
     attempts = AttemptLog(run_dir)
-    previous = attempts.read()[-1:] or [None]
+    # The attempt this job's previous run opened; none when a node died before rank 0 could write it.
+    previous = [a for a in attempts.read() if a.job_id == job_id and a.restart == restart - 1][-1:] or [None]
     if record is None or (previous[0] is not None and previous[0].outcome in ("hang", "completed")):
         return _requeue_avoiding(run_dir, job_id, allocation, log, run) or Recovery("continue")
     evidence = collect_evidence(run_dir, job_id, restart - 1)
@@ -167,15 +176,38 @@ def look_back(run_dir: Path, job_id: str, restart: int, policy: RetryPolicy, all
     return recovery
 
 
-def requeue_after_error(run_dir: Path, job_id: str, rank: int, host: str, error: str, traceback: str,
-                        policy: RetryPolicy, log: Callable[[str], None], run: Runner = subprocess.run) -> Recovery:
-    """A rank that raised: when its error is an infrastructure fault (not the program's), exclude its node and
-    requeue the job within ``[retry] infrastructure``; anything else is left to fail."""
+def _claim(run_dir: Path, job_id: str, restart: int) -> bool:
+    """One decider per attempt: the first rank to fail. The others' errors are mostly what they saw of its
+    failure, and a dozen ranks requeueing and excluding at once would race on the list and on the job."""
+    folder = run_dir / "heartbeats"
+    folder.mkdir(mode=0o700, exist_ok=True)
+    try:
+        os.close(os.open(folder / f"recovery-{job_id}.{restart}", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    except FileExistsError:
+        return False
+    return True
+
+
+def requeue_after_error(run_dir: Path, job_id: str, restart: int, rank: int, host: str, error: str,
+                        traceback: str, policy: RetryPolicy, log: Callable[[str], None],
+                        run: Runner = subprocess.run) -> Recovery:
+    """A rank that raised: when its error is an infrastructure fault (not the program's), requeue the job within
+    ``[retry] infrastructure``, excluding this node when the fault is its own GPU's; anything else fails.
+
+    Only the first failing rank of an attempt decides. A network error (an NCCL system error, an InfiniBand
+    completion error) shows on both ends of the link, so it requeues without excluding a node: the next attempt
+    may land elsewhere, and a node that keeps failing shows up in ``status``."""
     if not job_id:
         return Recovery("continue")
     report = RankReport(rank=rank, host=host, error=error, traceback=traceback)
     classification = classify(None, Evidence(ranks=(report,)))
-    if classification.failure_class != "infrastructure":
+    if classification.failure_class != "infrastructure" or not _claim(run_dir, job_id, restart):
         return Recovery("continue", classification.reason, classification.failure_class)
-    classification = replace(classification, nodes=classification.nodes or (host,))
-    return _apply(run_dir, job_id, classification, policy, [host], log, run)
+    own = is_hardware_fault(f"{error}\n{traceback}")
+    classification = replace(classification, nodes=(host,) if own else ())
+    recovery = _apply(run_dir, job_id, classification, policy, [host] if own else [], log, run)
+    if recovery.action == "continue":  # retried without moving off this node: requeue all the same
+        if _run(run, ["scontrol", "requeue", job_id]) is None:
+            return Recovery("stop", f"{recovery.message}; scontrol requeue {job_id} failed", "infrastructure")
+        recovery = Recovery("requeue", recovery.message, "infrastructure")
+    return recovery

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import socket
 import statistics
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -39,22 +40,52 @@ def others_median(times: list[float], rank: int) -> float:
     return statistics.median(others) if others else 0.0
 
 
+class _ForwardTimer:
+    def __init__(self, check: StragglerCheck, device: Any) -> None:
+        self.check, self.cuda = check, getattr(device, "type", str(device)).startswith("cuda")
+
+    def __enter__(self) -> None:
+        if self.cuda:
+            self.start = torch.cuda.Event(enable_timing=True)
+            self.start.record()
+        else:
+            self.begun = time.perf_counter()
+
+    def __exit__(self, *_: object) -> None:
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.check.events.append((self.start, end))
+        else:
+            self.check.forward_time(time.perf_counter() - self.begun)
+
+
 class StragglerCheck:
     """Collects this rank's forward times; :meth:`check` is a collective every rank calls on the same steps."""
 
     def __init__(self, factor: float, rank: int, log: Callable[[str], None]) -> None:
         self.factor, self.rank, self.log = factor, rank, log
         self.samples: list[float] = []
+        self.events: list[tuple[Any, Any]] = []  # CUDA (start, end) pairs not read yet
         self.hosts: list[str] | None = None
         self.previous: int | None = -1  # -1: the first check, whose window holds the warm-up, never names anyone
 
     def forward_time(self, seconds: float) -> None:
         self.samples.append(seconds)
 
+    def timed(self, device: Any) -> _ForwardTimer:
+        """A context around one forward pass. On a GPU it records CUDA events, read at the next check: host
+        time would only measure the kernel launches, and a slow GPU would show up later, in ``.item()``."""
+        return _ForwardTimer(self, device)
+
     def check(self, step: int, device: Any = "cpu") -> tuple[int, str, float] | None:
         """Gather every rank's mean forward time; rank 0 logs a straggler. Returns (rank, host, ratio) or None."""
         if self.factor <= 0 or not dist.is_initialized():
             return None
+        if self.events:
+            torch.cuda.synchronize()
+            self.samples += [start.elapsed_time(end) / 1000 for start, end in self.events]
+            self.events.clear()
         mean = sum(self.samples) / len(self.samples) if self.samples else 0.0
         self.samples.clear()
         if self.hosts is None:

@@ -240,11 +240,10 @@ def _train_watched(plan: Plan, info: LaunchInfo, run_dir: Path, log: Callable[[s
                     total = 0.0
                     for _ in range(tcfg["grad_accum"]):
                         inputs, targets = next(stream)
-                        forward = time.perf_counter()
-                        if delay:
-                            time.sleep(delay)  # an injected straggler (HPC_TRAIN_INJECT_FAULT=slow:R:MS)
-                        micro_loss = engine(inputs, targets)
-                        stragglers.forward_time(time.perf_counter() - forward)
+                        with stragglers.timed(engine.device):
+                            if delay:
+                                time.sleep(delay)  # an injected straggler (HPC_TRAIN_INJECT_FAULT=slow:R:MS)
+                            micro_loss = engine(inputs, targets)
                         engine.backward(micro_loss)
                         engine.step()
                         total += float(micro_loss)

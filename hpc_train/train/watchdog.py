@@ -23,6 +23,7 @@ import json
 import os
 import re
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -61,16 +62,23 @@ def _main_thread_frames(dump: str) -> list[str]:
     return frames
 
 
-def suspects(run_dir: Path, world_size: int) -> dict[int, str]:
+def suspects(run_dir: Path, world_size: int, hang_id: float | None = None) -> dict[int, str]:
     """Ranks whose main thread is not waiting in a collective, with the frame it is in: in a hang, every other
-    rank waits for these. Reads the last dump of each ``stacks-rank-N.txt``; ranks without one are left out."""
+    rank waits for these. Reads each ``stacks-rank-N.txt``'s dump of hang ``hang_id`` (else its last dump); ranks
+    without one are left out. On NCCL a waiting rank may sit in ``.item()`` rather than torch.distributed, so
+    this names more ranks than it should there; the flight recorder (``logs/nccl-trace/``) tells them apart."""
     found: dict[int, str] = {}
     for rank in range(world_size):
         try:
             text = stacks_path(run_dir, rank).read_text(encoding="utf-8", errors="replace")
         except OSError:
             continue
-        frames = _main_thread_frames(text.rsplit("\n# rank ", 1)[-1])
+        dumps = text.split("\n# rank ")
+        if hang_id is not None:
+            dumps = [d for d in dumps if f"# hang-id {hang_id!r}" in d]
+            if not dumps:
+                continue
+        frames = _main_thread_frames(dumps[-1])
         if frames and not any(marker in frame for frame in frames for marker in COLLECTIVE_FRAMES):
             found[rank] = frames[0].removeprefix("File ")
     return found
@@ -116,18 +124,21 @@ class Watchdog:
 
     def __init__(self, run_dir: Path, rank: int, world_size: int, attempt: str, timeouts: Timeouts,
                  decide: Decide | None, log: Callable[[str], None], *, poll_s: float = 1.0,
-                 heartbeat_s: float = 10.0, grace_s: float = 30.0, exit: Callable[[int], None] = os._exit) -> None:
+                 heartbeat_s: float = 10.0, grace_s: float = 90.0, exit: Callable[[int], None] = os._exit) -> None:
         self.run_dir, self.rank, self.world_size, self.timeouts = run_dir, rank, world_size, timeouts
         self.decide, self.log = decide, log
-        self.poll_s, self.heartbeat_s, self.grace_s = poll_s, heartbeat_s, grace_s
+        self.poll_s, self.heartbeat_s = poll_s, heartbeat_s
+        self.grace_s = grace_s  # rank 0 may wait 10 s for the dumps and 60 s for scontrol: others wait longer
         self._exit = exit
         self.host = socket.gethostname()
         folder = run_dir / HEARTBEAT_DIR
         self.marker = folder / f"hang-{attempt}.json"
         self.decision = folder / f"hang-{attempt}.decided.json"
         self.heartbeat = folder / f"rank-{rank}.json"
-        self.phase, self.step, self.since = "startup", 0, time.monotonic()
-        self._stop = threading.Event()
+        # A restart of the local executor reuses the attempt's name: anything older than this start is history.
+        self.started = time.time()
+        self._progress = ("startup", 0, time.monotonic())  # one tuple: the thread never pairs a phase with a
+        self._stop = threading.Event()                     # time from another
         self._thread = threading.Thread(target=self._run, name="hpc_train-watchdog", daemon=True)
         self.fired: Hang | None = None
 
@@ -140,100 +151,151 @@ class Watchdog:
         self._stop.set()
         self._thread.join(timeout=5)
 
+    @property
+    def phase(self) -> str:
+        return self._progress[0]
+
+    @property
+    def step(self) -> int:
+        return self._progress[1]
+
     def enter(self, phase: str, step: int | None = None) -> None:
-        """Progress: the rank starts ``phase`` now (plain attribute writes: safe from the main thread)."""
-        self.since = time.monotonic()
-        self.phase = phase
-        if step is not None:
-            self.step = step
+        """Progress: the rank starts ``phase`` now (one attribute write: safe from the main thread)."""
+        self._progress = (phase, self._progress[1] if step is None else step, time.monotonic())
 
     # --- the thread ------------------------------------------------------------------------------------------
 
     def _run(self) -> None:
         last_beat = 0.0
         while not self._stop.wait(self.poll_s):
+            phase, step, since = self._progress
             now = time.monotonic()
-            if now - last_beat >= self.heartbeat_s:
-                last_beat = now
-                self._write_heartbeat(now)
-            waited = now - self.since
-            timeout = self.timeouts.of(self.phase)
-            if waited > timeout:
-                self._on_hang(Hang(self.rank, self.host, self.phase, self.step, waited, timeout, time.time()),
+            timeout = self.timeouts.of(phase)
+            if now - since > timeout:  # before any file I/O, which a stuck file system could block
+                self._on_hang(Hang(self.rank, self.host, phase, step, now - since, timeout, time.time()),
                               first=True)
                 return
-            if self.marker.exists():
-                self._on_hang(self._read_marker(), first=False)
+            seen = self._current_marker()
+            if seen is not None:
+                self._on_hang(seen, first=False)
                 return
+            if now - last_beat >= self.heartbeat_s:
+                last_beat = now
+                self._write_heartbeat(phase, step, now - since)
 
-    def _write_heartbeat(self, now: float) -> None:
-        beat = {"rank": self.rank, "host": self.host, "pid": os.getpid(), "phase": self.phase, "step": self.step,
-                "since_progress_s": round(now - self.since, 1), "time": time.time()}
+    def _write_heartbeat(self, phase: str, step: int, waited: float) -> None:
+        beat = {"rank": self.rank, "host": self.host, "pid": os.getpid(), "phase": phase, "step": step,
+                "since_progress_s": round(waited, 1), "time": time.time()}
         with contextlib.suppress(OSError):  # a full or flaky file system must not take the watchdog down
             atomic_write(self.heartbeat, json.dumps(beat) + "\n")
 
-    def _read_marker(self) -> Hang:
+    def _current_marker(self) -> Hang | None:
+        """This attempt's marker, once it is complete: a marker is written whole (link of a full file), and one
+        from before this watchdog started belongs to an earlier run of the same attempt name."""
         try:
-            return Hang(**json.loads(self.marker.read_text(encoding="utf-8")))
+            hang = Hang(**json.loads(self.marker.read_text(encoding="utf-8")))
         except (OSError, ValueError, TypeError):
-            return Hang(-1, "?", "?", 0, 0.0, 0.0, time.time())
+            return None
+        return hang if hang.time >= self.started - 1 else None
 
     def _claim_marker(self, hang: Hang) -> Hang:
-        """The first rank to notice writes the marker; a later one reads what the first saw."""
+        """The first rank to notice publishes the marker; a later one takes what the first saw. The file is
+        written under a private name and linked into place, so no rank ever reads half of it."""
+        private = self.marker.with_name(f"{self.marker.name}.{self.rank}.{os.getpid()}")
+        private.write_text(json.dumps(asdict(hang)) + "\n", encoding="utf-8")
         try:
-            fd = os.open(self.marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            os.link(private, self.marker)
         except FileExistsError:
-            return self._read_marker()
-        with os.fdopen(fd, "w", encoding="utf-8") as out:
-            out.write(json.dumps(asdict(hang)) + "\n")
+            earlier = self._current_marker()
+            if earlier is not None:
+                return earlier
+            os.replace(private, self.marker)  # a stale marker of an earlier run: this hang replaces it
+            return hang
+        finally:
+            private.unlink(missing_ok=True)
         return hang
 
     def _dump_stacks(self, hang: Hang) -> None:
         path = stacks_path(self.run_dir, self.rank)
+        phase, step, since = self._progress
         with open(path, "a", encoding="utf-8") as out:
             out.write(f"# rank {self.rank} on {self.host}, pid {os.getpid()}, {time.strftime('%Y-%m-%d %H:%M:%S')}: "
-                      f"phase {self.phase}, step {self.step}, {time.monotonic() - self.since:.0f} s since progress\n"
-                      f"# hang: {hang.describe()}\n# main thread 0x{threading.main_thread().ident or 0:016x}\n")
+                      f"phase {phase}, step {step}, {time.monotonic() - since:.0f} s since progress\n"
+                      f"# hang: {hang.describe()}\n# hang-id {hang.time!r}\n"
+                      f"# main thread 0x{threading.main_thread().ident or 0:016x}\n")
             out.flush()
             faulthandler.dump_traceback(file=out, all_threads=True)
             out.write("\n")
+        _dump_flight_recorder(self.run_dir, self.rank)
 
     def _on_hang(self, seen: Hang, first: bool) -> None:
-        hang = self._claim_marker(seen) if first else seen
-        self.fired = hang
-        self._dump_stacks(hang)
-        self.log(f"hang: {hang.describe()}; stacks of every thread in {stacks_path(self.run_dir, self.rank)}")
-        if self.rank == 0:
-            self._wait_for_stacks()
-            culprits = suspects(self.run_dir, self.world_size)
-            for rank, frame in culprits.items():
-                self.log(f"hang: rank {rank} is not in a collective: {frame}")
-            if culprits:
-                where = "; ".join(f"rank {rank} in {frame}" for rank, frame in culprits.items())
-                hang = dataclasses.replace(hang, suspects=where)
-            code, why = self.decide(hang) if self.decide is not None else (EXIT_HUNG, "no decision")
-            atomic_write(self.decision, json.dumps({"exit_code": code, "reason": why}) + "\n")
-        else:
-            code, why = self._wait_for_decision()
-        self.log(f"hang: exiting with status {code}: {why}")
-        self._exit(code)
+        """Whatever goes wrong in here, the rank exits: a watchdog that died would leave the job hanging."""
+        code, why = EXIT_HUNG, "the watchdog failed while handling the hang"
+        try:
+            hang = self._claim_marker(seen) if first else seen
+            self.fired = hang
+            self._dump_stacks(hang)
+            self.log(f"hang: {hang.describe()}; stacks of every thread in {stacks_path(self.run_dir, self.rank)}")
+            if self.rank == 0:
+                code, why = self._decide(hang)
+            else:
+                code, why = self._wait_for_decision(hang)
+        except Exception as error:  # logged; the exit in finally still happens
+            self.log(f"hang: the watchdog failed while handling it: {error!r}")
+        finally:
+            self.log(f"hang: exiting with status {code}: {why}")
+            self._exit(code)
 
-    def _wait_for_stacks(self, wait_s: float = 10.0) -> None:
-        """Give every rank's watchdog a moment to see the marker and dump (they poll every second)."""
+    def _decide(self, hang: Hang) -> tuple[int, str]:
+        self._wait_for_stacks(hang)
+        culprits = suspects(self.run_dir, self.world_size, hang.time)
+        for rank, frame in culprits.items():
+            self.log(f"hang: rank {rank} is not in a collective: {frame}")
+        if culprits and len(culprits) < self.world_size:  # every rank "outside": the dumps cannot tell (NCCL)
+            where = "; ".join(f"rank {rank} in {frame}" for rank, frame in culprits.items())
+            hang = dataclasses.replace(hang, suspects=where)
+        code, why = self.decide(hang) if self.decide is not None else (EXIT_HUNG, "no decision")
+        atomic_write(self.decision, json.dumps({"hang": hang.time, "exit_code": code, "reason": why}) + "\n")
+        return code, why
+
+    def _wait_for_stacks(self, hang: Hang, wait_s: float = 10.0) -> None:
+        """Give every rank's watchdog a moment to see the marker and dump this hang (they poll every second)."""
         deadline = time.monotonic() + wait_s
+        token = f"# hang-id {hang.time!r}"
         while time.monotonic() < deadline:
-            if all(stacks_path(self.run_dir, r).exists() for r in range(self.world_size)):
+            if all(_has_dump(stacks_path(self.run_dir, r), token) for r in range(self.world_size)):
                 return
             time.sleep(0.2)
 
-    def _wait_for_decision(self) -> tuple[int, str]:
+    def _wait_for_decision(self, hang: Hang) -> tuple[int, str]:
         """Other ranks leave only after rank 0 has recorded and requeued: an early exit would break rank 0's
         collective and turn the hang into an ordinary failure."""
         deadline = time.monotonic() + self.grace_s
         while time.monotonic() < deadline:
             try:
                 data = json.loads(self.decision.read_text(encoding="utf-8"))
-                return int(data["exit_code"]), str(data["reason"])
+                if data.get("hang") == hang.time:
+                    return int(data["exit_code"]), str(data["reason"])
             except (OSError, ValueError, KeyError, TypeError):
-                time.sleep(0.2)
+                pass
+            time.sleep(0.2)
         return EXIT_HUNG, f"rank 0 decided nothing within {self.grace_s:.0f} s"
+
+
+def _has_dump(path: Path, token: str) -> bool:
+    try:
+        return token in path.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return False
+
+
+def _dump_flight_recorder(run_dir: Path, rank: int) -> None:
+    """On NCCL, also write torch's flight recorder (the last collectives) where its own timeout would: the
+    watchdog ends the rank before NCCL's timeout fires. Best effort: absent on CPU builds and older torch."""
+    torch = sys.modules.get("torch")
+    dump = getattr(getattr(getattr(torch, "_C", None), "_distributed_c10d", None), "_dump_nccl_trace", None)
+    if dump is None or not os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE"):
+        return
+    with contextlib.suppress(Exception):
+        (run_dir / "logs" / "nccl-trace").mkdir(exist_ok=True)
+        (run_dir / "logs" / "nccl-trace" / f"rank-{rank}").write_bytes(dump())

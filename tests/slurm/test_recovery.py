@@ -103,23 +103,47 @@ def test_a_program_error_is_not_retried(tmp_path: Path) -> None:
     run_dir = _run_dir(tmp_path)
     slurm = FakeSlurm({})
     text = 'Traceback (most recent call last):\n  File "/x/train.py", line 3, in f\nValueError: bad batch\n'
-    result = requeue_after_error(run_dir, "77", 1, "n2", "ValueError('bad batch')", text, RetryPolicy(),
+    result = requeue_after_error(run_dir, "77", 0, 1, "n2", "ValueError('bad batch')", text, RetryPolicy(),
                                  lambda _: None, run=slurm)
     assert result.action == "continue" and result.failure_class == "user_error"
     assert slurm.calls == [] and read_exclusions(run_dir) == []
 
 
-def test_an_infrastructure_error_excludes_its_node_and_requeues(tmp_path: Path) -> None:
+NCCL_SYSTEM_ERROR = ("Traceback (most recent call last):\n  File \"/x/torch/distributed/c10d.py\", line 3, in f\n"
+                     "torch.distributed.DistBackendError: NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled system "
+                     "error (run with NCCL_DEBUG=INFO for details), NCCL version 2.21.5\n")
+ECC_ERROR = ("Traceback (most recent call last):\n  File \"/x/model.py\", line 3, in forward\n"
+             "RuntimeError: CUDA error: uncorrectable ECC error encountered\n")
+
+
+def test_a_gpu_fault_excludes_its_node_and_requeues(tmp_path: Path) -> None:
     run_dir = _run_dir(tmp_path)
     slurm = FakeSlurm({})
-    text = ("Traceback (most recent call last):\n  File \"/x/torch/distributed/c10d.py\", line 3, in all_reduce\n"
-            "torch.distributed.DistBackendError: NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled system "
-            "error (run with NCCL_DEBUG=INFO for details), NCCL version 2.21.5\n")
-    result = requeue_after_error(run_dir, "77", 3, "gpu017", "DistBackendError('NCCL error')", text,
+    result = requeue_after_error(run_dir, "77", 0, 3, "gpu017", "RuntimeError('CUDA error')", ECC_ERROR,
                                  RetryPolicy(), lambda _: None, run=slurm)
     assert result.failure_class == "infrastructure" and result.action == "requeue", result
     assert [e.node for e in read_exclusions(run_dir)] == ["gpu017"]
     assert slurm.called("scontrol", "requeue", "77") and slurm.called("ExcNodeList=gpu017")
+
+
+def test_a_network_error_requeues_once_per_attempt_without_excluding(tmp_path: Path) -> None:
+    """Every rank of a broken link reports the NCCL error; the first decides, nobody's node is excluded."""
+    run_dir = _run_dir(tmp_path)
+    slurm = FakeSlurm({})
+    results = [requeue_after_error(run_dir, "77", 0, rank, f"gpu0{rank}", "DistBackendError('NCCL error')",
+                                   NCCL_SYSTEM_ERROR, RetryPolicy(), lambda _: None, run=slurm) for rank in range(4)]
+    assert [r.action for r in results] == ["requeue", "continue", "continue", "continue"]
+    assert read_exclusions(run_dir) == [] and len(slurm.called("scontrol", "requeue")) == 1
+
+
+def test_a_node_that_died_before_its_attempt_was_written(tmp_path: Path) -> None:
+    """The last line of attempts.jsonl belongs to an older job: it is not rewritten, the node still excluded."""
+    run_dir = _run_dir(tmp_path, outcome="completed")  # job 77 restart 0 completed long ago...
+    slurm = FakeSlurm({**NODE_FAIL, "sacct --noheader": NODE_FAIL["sacct --noheader"].replace("77", "91")})
+    result = look_back(run_dir, "91", 1, RetryPolicy(), ["n2"], lambda _: None, run=slurm)
+    assert result.failure_class == "node_failure" and [e.node for e in read_exclusions(run_dir)] == ["n1"]
+    [attempt] = AttemptLog(run_dir).read()
+    assert attempt.outcome == "completed"
 
 
 def test_a_new_submission_of_the_run_excludes_its_nodes(tmp_path: Path) -> None:

@@ -77,14 +77,36 @@ def test_a_hang_dumps_every_rank_and_rank_0_decides_for_all(tmp_path: Path) -> N
     assert any("exiting with status 144" in line for line in logs)
 
 
-def test_a_late_attempt_does_not_see_an_earlier_marker(tmp_path: Path) -> None:
+def test_a_restart_under_the_same_name_ignores_the_earlier_hang(tmp_path: Path) -> None:
+    """The local executor restarts a job under the same job id and restart 0: the old marker and decision must
+    neither stop the new attempt nor answer for its own hang."""
     run_dir = _run_dir(tmp_path)
     (run_dir / "heartbeats").mkdir()
-    (run_dir / "heartbeats" / "hang-7.0.json").write_text("{}")
+    old = Hang(1, "n2", "step", 3, 31.0, 30.0, time.time() - 3600)
+    (run_dir / "heartbeats" / "hang-7.0.json").write_text(json.dumps(old.__dict__))
+    (run_dir / "heartbeats" / "hang-7.0.decided.json").write_text(json.dumps(
+        {"hang": old.time, "exit_code": LOCAL_REQUEUE_EXIT, "reason": "old"}))
+    (run_dir / "heartbeats" / "hang-7.0.partial.json").write_text('{"rank": 1, "ho')
     exits = Exits()
-    with Watchdog(run_dir, 0, 1, "7.1", LONG, None, lambda _: None, poll_s=0.05, exit=exits):
-        time.sleep(0.3)
+    with Watchdog(run_dir, 0, 1, "7.0", LONG, None, lambda _: None, poll_s=0.05, exit=exits):
+        time.sleep(0.4)
     assert exits.codes == []
+    exits1 = Exits()
+    with Watchdog(run_dir, 1, 2, "7.0", SHORT, None, lambda _: None, poll_s=0.05, grace_s=1.0, exit=exits1):
+        assert exits1.done.wait(10)
+    assert exits1.codes == [EXIT_HUNG]  # the old decision (144) was not taken for this hang
+    assert json.loads((run_dir / "heartbeats" / "hang-7.0.json").read_text())["step"] == 0
+
+
+def test_the_watchdog_exits_even_when_the_decision_fails(tmp_path: Path) -> None:
+    def decide(_: Hang) -> tuple[int, str]:
+        raise OSError("disk full")
+
+    exits = Exits()
+    logs: list[str] = []
+    with Watchdog(_run_dir(tmp_path), 0, 1, "9.0", SHORT, decide, logs.append, poll_s=0.05, exit=exits):
+        assert exits.done.wait(20)
+    assert exits.codes == [EXIT_HUNG] and any("disk full" in line for line in logs)
 
 
 def _dump(main: str, frames: list[str]) -> str:
@@ -155,3 +177,20 @@ def test_faults_fire_at_their_step_and_restart(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setenv(faults.FAULT_VARIABLE, "slow:1:250")
     monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
     assert faults.injected_delay_s(1) == 0.25 and faults.injected_delay_s(0) == 0.0
+
+
+def test_a_slow_rank_is_named_with_its_node(tmp_path: Path) -> None:
+    """A real local run: rank 1 spends 150 ms more in each forward pass; rank 0's log names it."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    result = subprocess.run([sys.executable, "-m", "hpc_train.submit", str(REPO / "examples" / "tiny_gpt.toml"),
+                             "--site", "local", "--set", "train.steps=8", "--set", "train.warmup_steps=2",
+                             "--set", "monitor.log_every=2", "--set", "monitor.eval_every=0",
+                             "--set", "env.HPC_TRAIN_INJECT_FAULT=slow:1:150"],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    named = [line for line in result.stdout.splitlines() if "straggler at step" in line]
+    assert named and all("rank 1 on " in line for line in named), result.stdout[-3000:]
