@@ -115,7 +115,9 @@ class LaunchSite:
     launcher: Literal["srun", "torchrun", "mpirun"] = option("srun", "srun, torchrun or mpirun.")
     srun_args: list[str] = option(list, 'Extra srun flags the site needs ("--mpi=pmi2", "--cpu-bind=none").',
                                   check_srun_arg, factory=True)
-    port_range: list[int] = option(lambda: [20000, 60000], "Rendezvous ports are chosen in [low, high).",
+    port_range: list[int] = option(lambda: [20000, 32768], "Rendezvous ports are chosen in [low, high); the default "
+                                   "stays below Linux's ephemeral range (32768-60999), where any outgoing "
+                                   "connection on the node may already hold the port.",
                                    factory=True)
 
 

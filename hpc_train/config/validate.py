@@ -112,7 +112,7 @@ def _check_resources(cfg: JobConfig, site: SiteConfig, gpus_per_node: int, cpus_
     low, high = [*site.launch.port_range, 0, 0][:2]
     if len(site.launch.port_range) != 2 or not 1024 <= low < high <= 65536:
         raise ConfigError(f"site {site.name}: launch.port_range", f"{site.launch.port_range} is not [low, high)",
-                          "use two ports with 1024 <= low < high <= 65536, like [20000, 60000]")
+                          "use two ports with 1024 <= low < high <= 65536, like [20000, 32768]")
 
 
 def _check_layout(cfg: JobConfig, gpus_per_node: int) -> int:

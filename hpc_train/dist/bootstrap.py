@@ -49,7 +49,7 @@ def _store(info: LaunchInfo, rendezvous: Rendezvous, timeout: timedelta) -> Any:
 
 
 def bootstrap(info: LaunchInfo | None = None, expected_world: int | None = None,
-              port_range: tuple[int, int] = (20000, 60000), fabric_suffix: str = "", init_timeout_s: float = 300,
+              port_range: tuple[int, int] = (20000, 32768), fabric_suffix: str = "", init_timeout_s: float = 300,
               timeout_s: float = 1800) -> DistContext:
     """Detect (unless ``info`` is given), agree on the rendezvous, export RANK/WORLD_SIZE/LOCAL_RANK/
     MASTER_ADDR/MASTER_PORT/LOCAL_SIZE, and init the process group."""

@@ -48,7 +48,7 @@ def _mpi_bcast_rendezvous(info: LaunchInfo, low: int, high: int) -> Rendezvous:
     return Rendezvous(addr, port)
 
 
-def choose_rendezvous(info: LaunchInfo, port_range: tuple[int, int] = (20000, 60000),
+def choose_rendezvous(info: LaunchInfo, port_range: tuple[int, int] = (20000, 32768),
                       fabric_suffix: str = "") -> Rendezvous:
     """The address and port every rank of this job computes alike."""
     low, high = port_range
