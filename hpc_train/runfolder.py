@@ -6,13 +6,14 @@ import json
 import os
 import stat
 from pathlib import Path
+from typing import Any
 
 from hpc_train.config.environment import FLIGHT_RECORDER_DIR
 from hpc_train.config.plan import Plan
 from hpc_train.config.tomlwrite import dumps
 from hpc_train.errors import ConfigError
 
-__all__ = ["CONFIG_FILE", "PLAN_FILE", "atomic_write", "prepare_run_folder"]
+__all__ = ["CONFIG_FILE", "PLAN_FILE", "atomic_write", "prepare_run_folder", "read_json_object"]
 
 PLAN_FILE = "plan.json"
 CONFIG_FILE = "config.toml"
@@ -33,6 +34,16 @@ def atomic_write(path: Path, text: str, mode: int = 0o600) -> None:
         os.fsync(folder)
     finally:
         os.close(folder)
+
+
+def read_json_object(path: Path) -> dict[str, Any]:
+    """A JSON object from the run folder, or {} when it is missing, torn or not an object: readers on the login
+    node show what is there and never fail on a file a rank is rewriting."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 def refuse_shared_writable(path: Path) -> None:

@@ -42,7 +42,6 @@ nodes, else the node srun named for that task, else the allocation's node at the
 from __future__ import annotations
 
 import glob
-import json
 import re
 from collections.abc import Collection, Iterable
 from dataclasses import asdict, dataclass, field
@@ -53,6 +52,7 @@ from typing import Any
 from hpc_train.attempts import AttemptLog
 from hpc_train.dist.hostlist import expand
 from hpc_train.ops.scheduler import SlurmRecord
+from hpc_train.runfolder import read_json_object
 from hpc_train.train.preemption import EXIT_SAVE_HUNG, EXIT_STOPPED, LOCAL_REQUEUE_EXIT
 from hpc_train.train.watchdog import COLLECTIVE_FRAMES, EXIT_HUNG  # both modules import no torch
 
@@ -578,7 +578,7 @@ def collect_evidence(run_dir: Path, job_id: str | None = None, restart: int | No
     for rank in ranks:
         lines = _read_tail(logs / f"rank-{rank}.log").splitlines()
         part = _segment(lines, job_id, restart)
-        error = _read_json(logs / f"rank-{rank}.error.json") if part.newest else {}
+        error = read_json_object(logs / f"rank-{rank}.error.json") if part.newest else {}
         stacks_path = logs / f"stacks-rank-{rank}.txt"
         stacks = _read_tail(stacks_path) if part.newest and _after(stacks_path, part.started) else ""
         if not part.lines and not error and not stacks and rank not in stderr:
@@ -682,11 +682,4 @@ def _read_tail(path: Path, limit: int = _TAIL_BYTES) -> str:
     text = data.decode("utf-8", errors="replace")
     return text if len(data) < limit else text.partition("\n")[2]
 
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
 

@@ -30,6 +30,7 @@ from hpc_train.errors import ConfigError
 from hpc_train.ops import scheduler
 from hpc_train.ops.failures import Classification, classify, collect_evidence
 from hpc_train.ops.policy import read_exclusions
+from hpc_train.runfolder import read_json_object
 
 __all__ = ["AttemptView", "CheckpointState", "RunFolder", "RunStatus", "Telemetry", "build_status", "collect",
            "find_run_dirs", "read_folder", "render", "to_json"]
@@ -150,7 +151,7 @@ def find_run_dirs(paths: list[Path]) -> list[Path]:
 def read_folder(path: Path) -> RunFolder:
     """Everything the view needs from one run folder; a file that is missing or torn leaves its part empty."""
     notes: list[str] = []
-    plan = _read_json(path / "plan.json")
+    plan = read_json_object(path / "plan.json")
     config = plan.get("config", {}) if isinstance(plan.get("config"), dict) else {}
     steps = config.get("train", {}).get("steps") if isinstance(config.get("train"), dict) else None
     program = str(config.get("job", {}).get("program", "")) if isinstance(config.get("job"), dict) else ""
@@ -181,13 +182,6 @@ def _id_key(job_id: str) -> tuple[int, int]:
     base, _, task = job_id.partition("_")
     return int(base), int(task or -1)
 
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
 
 
 def _metrics_tail(path: Path) -> list[dict[str, Any]]:

@@ -65,7 +65,8 @@ def _wait_for_step(job_id: str, run_dir: Path, step: int, timeout_s: float = 180
         time.sleep(0.2)
 
 
-def _wait_until_completed(job_id: str, run_dir: Path, timeout_s: float = 420) -> None:
+def _wait_until_completed(job_id: str, run_dir: Path, timeout_s: float = 420,
+                          bad_states: set[str] = BAD_STATES) -> None:
     """Through any number of PREEMPTED / REQUEUED / PENDING rounds, until the job completes."""
     deadline = time.monotonic() + timeout_s
     while True:
@@ -73,7 +74,7 @@ def _wait_until_completed(job_id: str, run_dir: Path, timeout_s: float = 420) ->
         attempts = _attempts(run_dir)
         if state == "COMPLETED" and attempts and attempts[-1]["outcome"] == "completed":
             return
-        assert state not in BAD_STATES, f"job {job_id} ended {state}\n{_logs(run_dir)}"
+        assert state not in bad_states, f"job {job_id} ended {state}\n{_logs(run_dir)}"
         if time.monotonic() > deadline:
             subprocess.run(["scancel", job_id], check=False)
             raise AssertionError(f"job {job_id} did not complete within {timeout_s} s ({state})\n{_logs(run_dir)}")
