@@ -2,7 +2,13 @@
 
 Two ways to run: ``--ranks N`` (default 2 outside a job) spawns N local processes in a gloo group over
 127.0.0.1; inside a job (RANK/WORLD_SIZE or SLURM_PROCID set, no ``--ranks``) every rank joins the job's
-process group through :func:`hpc_train.dist.bootstrap.bootstrap` (NCCL on GPUs) and rank 0 prints.
+process group through :func:`hpc_train.dist.bootstrap.bootstrap` (NCCL on GPUs) and rank 0 prints. Under srun
+nothing needs setting: the rendezvous is the job's first node and a port derived from the job id, e.g.
+
+    sbatch -N2 --ntasks-per-node=1 --wrap "srun python -m hpc_train bench allreduce --out bench.json"
+
+Rank 0 names the nodes and the transport (NCCL's own log on GPUs; gloo says it has none) and, with ``--out``,
+writes the JSON report to a file, so a batch job leaves it beside its log.
 
 Options are checked before torch is imported, so ``--help`` and bad input answer at once.
 Exit status: 0 done; 1 a failure at run time (a rank died, a wrong collective result); 2 bad input.
@@ -14,7 +20,11 @@ import argparse
 import json
 import os
 import re
+import shutil
+import socket
 import sys
+import tempfile
+from pathlib import Path
 from typing import Any
 
 from hpc_train.bench.collectives import OPS, BenchError, Result
@@ -66,11 +76,11 @@ def format_size(nbytes: int) -> str:
     return str(nbytes)
 
 
-def format_table(results: list[Result], title: str) -> str:
-    """The text table rank 0 prints: one row per size."""
+def format_table(results: list[Result], title: str, notes: tuple[str, ...] = ()) -> str:
+    """The text table rank 0 prints: one row per size, after the title and one ``#`` line per note."""
     header = (f"{'size':>8} {'count':>10} {'time (us)':>12} {'algbw (GB/s)':>13} {'busbw (GB/s)':>13} "
               f"{'copy (GB/s)':>12} {'ratio':>8} {'check':>6}")
-    lines = [f"# {title}", header]
+    lines = [f"# {title}", *(f"# {note}" for note in notes), header]
     for r in results:
         lines.append(f"{format_size(r.size):>8} {r.count:>10} {r.time_us:>12.1f} {r.algbw:>13.4f} {r.busbw:>13.4f} "
                      f"{r.copy_gbps:>12.2f} {r.ratio:>8.4f} {'ok' if r.correct else 'WRONG':>6}")
@@ -99,22 +109,106 @@ def _checked(args: argparse.Namespace) -> list[int]:
         raise ConfigError("--iters", f"{args.iters} timed calls measure nothing", "give 1 or more (default 20)")
     if args.warmup < 0:
         raise ConfigError("--warmup", f"{args.warmup} is negative", "give 0 or more (default 5)")
+    if args.out is not None and _launch_rank() == 0:  # only rank 0 writes it; it may be local to its node
+        _check_out(Path(args.out))
     return sizes
 
 
+def _launch_rank() -> int:
+    """This process's rank as the launcher gave it, before any process group (0 outside a job)."""
+    for name in ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK"):
+        value = os.environ.get(name, "")
+        if value.isdigit():
+            return int(value)
+    return 0
+
+
+def _check_out(path: Path) -> None:
+    """The report file must be writable where rank 0 runs: refuse a missing folder or a folder given as file."""
+    if path.is_dir():
+        raise ConfigError("--out", f'"{path}" is a folder', f"name a file in it, e.g. {path / 'bench.json'}")
+    if not path.parent.resolve().is_dir():
+        raise ConfigError("--out", f'the folder of "{path}" does not exist',
+                          f"create it first (mkdir -p {path.parent}) or write into an existing one")
+
+
 def _in_job_results(args: argparse.Namespace, sizes: list[int]) -> tuple[list[Result], dict[str, Any], bool]:
-    """Join the job's process group (the launcher's variables, as every rank of a job does) and measure."""
+    """Join the job's process group (the launcher's variables, as every rank of a job does) and measure.
+
+    NCCL is asked for its INFO log in a private folder before the group starts; each rank keeps the lines
+    that name a transport, and rank 0 receives every rank's lines and node name with one gather.
+    """
     import torch
 
+    from hpc_train.bench import report
     from hpc_train.bench.collectives import measure
     from hpc_train.dist.bootstrap import bootstrap, shutdown
 
-    context = bootstrap()
-    device = torch.device("cuda", context.info.local_rank) if context.backend == "nccl" else torch.device("cpu")
-    results = measure(args.op, sizes, args.iters, args.warmup, device=device)
-    shutdown()
-    about = {"where": f"job ({context.info.launcher})", "backend": context.backend, "device": device.type}
+    log_dir = tempfile.mkdtemp(prefix="hpc_train-bench-")
+    try:
+        pattern = report.request_nccl_log(os.environ, log_dir)
+        context = bootstrap()
+        nccl = context.backend == "nccl"
+        device = torch.device("cuda", context.info.local_rank) if nccl else torch.device("cpu")
+        results = measure(args.op, sizes, args.iters, args.warmup, device=device)
+        mine = (report.node_name(), report.transport_lines(report.read_nccl_log(pattern)) if nccl else [])
+        everyone = _gather(mine, context.info.world_size)
+        shutdown()
+    finally:
+        shutil.rmtree(log_dir, ignore_errors=True)
+    transport = (report.nccl_transport([lines for _, lines in everyone], report.expects_ib()) if nccl
+                 else report.gloo_transport())
+    about = {"where": f"job ({context.info.launcher})", "backend": context.backend, "device": device.type,
+             "hosts": [host for host, _ in everyone],
+             "rendezvous": f"{context.rendezvous.addr}:{context.rendezvous.port}", **transport}
     return results, about, context.info.rank == 0
+
+
+def _gather(mine: Any, world_size: int) -> list[Any]:
+    """Every rank's ``mine``, in rank order, on every rank."""
+    import torch.distributed as dist
+
+    everyone: list[Any] = [None] * world_size
+    dist.all_gather_object(everyone, mine)
+    return everyone
+
+
+def _local_results(args: argparse.Namespace, sizes: list[int]) -> tuple[list[Result], dict[str, Any], bool]:
+    """``--ranks N`` processes on this machine, in a gloo group over loopback."""
+    from hpc_train.bench.collectives import run_local
+    from hpc_train.bench.report import gloo_transport
+
+    ranks = args.ranks or DEFAULT_RANKS
+    results = run_local(args.op, sizes, args.iters, args.warmup, ranks)
+    about = {"where": "local", "backend": "gloo", "device": "cpu", "hosts": [socket.gethostname()] * ranks,
+             **gloo_transport({"GLOO_SOCKET_IFNAME": "lo"})}  # what run_local's ranks set
+    return results, about, True
+
+
+def _report(args: argparse.Namespace, results: list[Result], about: dict[str, Any]) -> dict[str, Any]:
+    """The JSON report (``--json``, ``--out``): the run's facts first, then one row per size."""
+    return {"op": args.op, "world_size": results[0].world_size, **about, "iters": args.iters,
+            "warmup": args.warmup, "results": [r.to_dict() for r in results]}
+
+
+def _table(args: argparse.Namespace, results: list[Result], about: dict[str, Any]) -> str:
+    from hpc_train.bench.report import describe_hosts
+
+    title = (f"{args.op} on {results[0].world_size} ranks, {about['where']}, {about['backend']} on {about['device']}, "
+             f"{describe_hosts(about['hosts'])}; mean of {args.iters} calls after {args.warmup} warm-up, slowest rank")
+    return format_table(results, title, (f"transport: {about['transport']}",))
+
+
+def _speak(args: argparse.Namespace, results: list[Result], about: dict[str, Any]) -> None:
+    """Rank 0's output: the table or JSON on stdout, the JSON report in ``--out``, a fall-back on stderr."""
+    report = _report(args, results, about)
+    if args.out is not None:
+        from hpc_train.runfolder import atomic_write
+
+        atomic_write(Path(args.out), json.dumps(report, indent=2) + "\n", 0o644)
+    print(json.dumps(report, indent=2) if args.json else _table(args, results, about), flush=True)
+    if about.get("socket_fallback"):
+        print(f"warning: bench {args.op}: {about['transport']}", file=sys.stderr)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -126,27 +220,20 @@ def _run(args: argparse.Namespace) -> int:
         if args.ranks is None and _in_job(os.environ):
             results, about, speaks = _in_job_results(args, sizes)
         else:
-            from hpc_train.bench.collectives import run_local
-
-            ranks = args.ranks or DEFAULT_RANKS
-            results, speaks = run_local(args.op, sizes, args.iters, args.warmup, ranks), True
-            about = {"where": "local", "backend": "gloo", "device": "cpu"}
+            results, about, speaks = _local_results(args, sizes)
     except (BenchError, LaunchError, RendezvousError) as error:
         print(f"error: bench {args.op}: {error}", file=sys.stderr)
         return 1
-    if not speaks:
-        return 0 if all(r.correct for r in results) else 1
-    world = results[0].world_size
-    if args.json:
-        print(json.dumps({"op": args.op, "world_size": world, **about, "iters": args.iters, "warmup": args.warmup,
-                          "results": [r.to_dict() for r in results]}, indent=2))
-    else:
-        print(format_table(results, f"{args.op} on {world} ranks, {about['where']}, {about['backend']} on "
-                                    f"{about['device']}; mean of {args.iters} calls after {args.warmup} warm-up, "
-                                    "slowest rank"))
+    if speaks:
+        try:
+            _speak(args, results, about)
+        except OSError as error:
+            print(f"error: bench {args.op}: cannot write the report {args.out}: {error}", file=sys.stderr)
+            return 1
     wrong = [format_size(r.size) for r in results if not r.correct]
     if wrong:
-        print(f"error: bench {args.op}: wrong collective result at {', '.join(wrong)}", file=sys.stderr)
+        if speaks:
+            print(f"error: bench {args.op}: wrong collective result at {', '.join(wrong)}", file=sys.stderr)
         return 1
     return 0
 
@@ -165,4 +252,6 @@ def add_parser(commands: Any) -> None:
                        help=f"spawn N local processes in a gloo group (default {DEFAULT_RANKS} outside a job; "
                             "inside one, without --ranks, the job's ranks are used)")
     bench.add_argument("--json", action="store_true", help="print the results as JSON")
+    bench.add_argument("--out", metavar="FILE",
+                       help="rank 0 also writes the JSON report to FILE (relative to its working directory)")
     bench.set_defaults(run=_run)

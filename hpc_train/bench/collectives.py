@@ -110,7 +110,7 @@ class TransportReport:
     transports: tuple[str, ...]  # per channel, first seen first: "P2P/IPC", "SHM", "NET/IB", "NET/Socket"
     net: str | None  # the network plugin NCCL chose ("IB", "Socket"), from "NET/X : Using"
     devices: tuple[str, ...]  # its devices ("mlx5_0:1", "eth0")
-    ib_expected: bool  # IB was mentioned (NET/IB lines) or the caller expected it
+    ib_expected: bool  # NCCL tried IB (NET/IB lines beyond "No device found") or the caller expected it
     socket_fallback: bool  # sockets carry inter-node traffic although IB was expected
 
 
@@ -126,12 +126,16 @@ def _device_name(net: str, raw: str) -> str:
 
 
 def parse_nccl_log(text: str, expect_ib: bool = False) -> TransportReport:
-    """Read the transport lines of an NCCL_DEBUG=INFO log; any other line is ignored."""
+    """Read the transport lines of an NCCL_DEBUG=INFO log; any other line is ignored.
+
+    ``NET/IB : No device found`` alone does not make IB expected: NCCL prints it on every node without RDMA
+    devices, where sockets are the only way and no fall-back. Pass ``expect_ib`` when the node shows IB ports.
+    """
     transports: list[str] = []
     net, devices = None, []
     ib_mentioned = expect_ib
     for line in text.splitlines():
-        if "NET/IB" in line:
+        if "NET/IB" in line and "No device found" not in line:
             ib_mentioned = True
         using = _USING.search(line)
         if using:

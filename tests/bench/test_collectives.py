@@ -88,10 +88,18 @@ def test_nccl_log_infiniband() -> None:
 
 
 def test_nccl_log_socket_fallback_is_flagged() -> None:
-    line = transport_from_nccl_log(FALLBACK_LOG)
+    line = transport_from_nccl_log(FALLBACK_LOG, expect_ib=True)  # the node shows IB ports, NCCL found none
     assert line is not None
     assert line.startswith("NET/Socket (NET/Socket on eth0); WARNING: fell back to sockets")
-    assert parse_nccl_log(FALLBACK_LOG).socket_fallback
+    assert parse_nccl_log(FALLBACK_LOG, expect_ib=True).socket_fallback
+    tried = FALLBACK_LOG.replace("No device found.", "Unable to open device mlx5_0")  # NCCL tried IB itself
+    assert parse_nccl_log(tried).socket_fallback
+
+
+def test_no_rdma_device_is_no_fall_back() -> None:
+    """An Ethernet-only node: NCCL says it found no IB device and uses sockets, the only way there."""
+    assert transport_from_nccl_log(FALLBACK_LOG) == "NET/Socket (NET/Socket on eth0)"
+    assert not parse_nccl_log(FALLBACK_LOG).socket_fallback
 
 
 def test_nccl_log_single_node_and_expectations() -> None:
@@ -143,8 +151,9 @@ def test_cli_table_on_2_ranks(tmp_path: Path) -> None:
                                       "--warmup", "1"], tmp_path)
     assert result.code == 0, result.err
     lines = result.out.splitlines()
-    assert lines[0].startswith("# allreduce on 2 ranks, local, gloo on cpu")
-    rows = [line.split() for line in lines[2:-1]]
+    assert lines[0].startswith("# allreduce on 2 ranks, local, gloo on cpu, 1 node (")
+    assert lines[1].startswith("# transport: gloo over TCP on interface lo") and "no NCCL log" in lines[1]
+    rows = [line.split() for line in lines[3:-1]]
     assert [row[0] for row in rows] == ["1K", "4K", "16K"]
     for row in rows:
         assert float(row[2]) > 0 and float(row[5]) > 0 and row[-1] == "ok"
@@ -157,6 +166,7 @@ def test_cli_json_on_2_ranks(tmp_path: Path) -> None:
     assert result.code == 0, result.err
     report = json.loads(result.out)
     assert (report["op"], report["world_size"], report["where"]) == ("allgather", 2, "local")
+    assert len(report["hosts"]) == 2 and report["socket_fallback"] is False and report["nccl_log"] is False
     assert [row["size"] for row in report["results"]] == [1024, 65536]
     assert all(row["correct"] and row["busbw"] == pytest.approx(row["algbw"] / 2) for row in report["results"])
 
@@ -180,6 +190,8 @@ def test_cli_joins_the_job_ranks(tmp_path: Path) -> None:
     assert [rank.returncode for rank in ranks] == [0, 0], outputs
     report = json.loads(outputs[0][0])
     assert (report["world_size"], report["where"], report["results"][0]["size"]) == (2, "job (env)", 4096)
+    assert report["rendezvous"] == f"127.0.0.1:{base['MASTER_PORT']}"
+    assert report["transport"].startswith("gloo over TCP on interface lo") and not report["socket_fallback"]
     assert outputs[1][0] == ""  # only rank 0 speaks
 
 
@@ -191,6 +203,8 @@ BAD = [
     (["bench", "allreduce", "--ranks", "0"], "--ranks: 0 local processes cannot run a collective. Fix: give 1"),
     (["bench", "allreduce", "--sizes", "4M..1K"], "write the smaller size first: 1K..4M"),
     (["bench", "allreduce", "--iters", "0"], "--iters: 0 timed calls"),
+    (["bench", "allreduce", "--out", "no/such/folder/bench.json"], "--out: the folder of"),
+    (["bench", "allreduce", "--out", "."], '--out: "." is a folder'),
 ]
 
 
