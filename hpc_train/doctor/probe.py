@@ -309,9 +309,9 @@ class _Probe:
         for node, ranks in _by_node(missing, self.request, state, ready).items():
             self.findings.append(Finding("probe", "error", f"{_ranks(ranks)} on {node} did not get SIG{sig} within "
                                          f"{SIGNAL_WAIT_S:.0f} s of scancel --signal",
-                                         "make sure nothing between Slurm and the ranks (a wrapper script, a "
-                                         f"container entry point) catches or ignores SIG{sig}; see {self.folder}/"
-                                         f"probe-{self.job_id}.out"))
+                                         "the probe's tasks are plain srun tasks, so look at the node side: a "
+                                         "task prolog or SPANK plugin that blocks the signal, a slurmd that "
+                                         f"cannot reach the tasks; see {self.folder}/probe-{self.job_id}.out"))
         if not missing:
             nodes = sorted({str(data.get("node", "?")) for data in got.values()})
             slowest = max(float(data.get("received", sent_at)) for data in got.values()) - sent_at
