@@ -77,6 +77,8 @@ def _submit(argv: list[str] | None) -> int:
     executor = plans[0].executor
     if executor == "slurm" and not args.no_follow:
         check_slurm_available()
+    if executor == "slurm":
+        _refuse_busy_run_folders(plans)
     console = Console(stderr=args.json, soft_wrap=True)  # job output lines are never re-wrapped
     os.umask(0o077)  # submitit's folder and the ranks' files stay private
     run_dirs = [prepare_run_folder(plan) for plan in plans]
@@ -102,6 +104,39 @@ def _submit(argv: list[str] | None) -> int:
         console.print(f"stopped following; job {ids} " + ("keeps running: 'scancel " + ids + "' stops it"
                                                           if executor == "slurm" else "was stopped with it"))
         return 130
+
+
+# A job in these states is on its way out: its ranks have stopped writing, and the new job starts after it.
+_ENDING = {"COMPLETING", "COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "BOOT_FAIL", "DEADLINE",
+           "OUT_OF_MEMORY", "SPECIAL_EXIT", "PREEMPTED"}
+
+
+def _refuse_busy_run_folders(plans: list[Plan]) -> None:
+    """A run folder holds one job at a time: a second job would resume from the same checkpoints and write the
+    same files as the first. One squeue call finds a queued or running job of this user in any of the folders;
+    without squeue (or when it does not answer) nothing is refused."""
+    import shutil
+    import subprocess
+
+    from hpc_train.ops.scheduler import TIMEOUT_S, parse_squeue, queue_matches, squeue_argv
+
+    if shutil.which("squeue") is None:
+        return
+    try:
+        result = subprocess.run(squeue_argv(), capture_output=True, text=True, timeout=TIMEOUT_S, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return
+    if result.returncode != 0:
+        return
+    queue = parse_squeue(result.stdout)
+    for plan in plans:
+        busy = [entry for entry in queue if queue_matches(entry, Path(plan.run_dir))
+                and entry.state.split()[0].upper() not in _ENDING]
+        if busy:
+            entry = busy[0]
+            raise ConfigError("job.name", f'run folder {plan.run_dir} is in use by job {entry.job_id} ({entry.state})',
+                              f"wait for it to end, cancel it (scancel {entry.job_id}), or give this run another "
+                              "job.name")
 
 
 def _size(path: Path) -> int:

@@ -12,7 +12,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.slurm.test_preemption_e2e import _attempts, _last_step, _logs, _state, _submit, _wait_until_completed
+from tests.slurm.test_preemption_e2e import (
+    BASE,
+    EXAMPLE,
+    _attempts,
+    _last_step,
+    _logs,
+    _state,
+    _submit,
+    _wait_until_completed,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("slurm_cluster")]
 
@@ -102,3 +111,16 @@ def test_a_rank_that_raises_is_a_user_error_and_not_retried(tmp_path: Path) -> N
     logs = subprocess.run([sys.executable, "-m", "hpc_train", "logs", str(run_dir), "--errors-only"],
                           capture_output=True, text=True, timeout=60, check=False)
     assert logs.returncode == 0 and "RuntimeError: injected fault on rank 1" in logs.stdout, logs.stdout
+
+
+def test_a_second_submission_to_a_busy_run_folder_is_refused(tmp_path: Path) -> None:
+    job_id = _submit(tmp_path, 400)
+    try:
+        again = subprocess.run([sys.executable, "-m", "hpc_train.submit", EXAMPLE, *BASE, "--set", "train.steps=400",
+                                "--no-follow"], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                               check=False)
+        assert again.returncode == 2, again.stdout[-2000:] + again.stderr[-2000:]
+        assert f"is in use by job {job_id}" in again.stderr and f"scancel {job_id}" in again.stderr, again.stderr
+        assert "submitted job" not in again.stdout
+    finally:
+        subprocess.run(["scancel", job_id], check=False, timeout=30)
