@@ -23,7 +23,7 @@ from hpc_train.fabric.nccl import (
     prepare_node_env,
 )
 from hpc_train.fabric.sysfs import read_fabric
-from tests.fabric.test_sysfs import MAPPED, V1, V2, Node, ethernet_node, hdr_node, ndr_node, roce_node
+from tests.fabric.test_sysfs import MAPPED, V1, Node, ethernet_node, hdr_node, ndr_node, roce_node
 
 
 def network(**values: object) -> NetworkSite:
@@ -155,7 +155,8 @@ def test_gid_index_without_any_v2_entry(tmp_path: Path) -> None:
     node.hca("mlx5_0", "0000:0c:00.0", numa=0, ports={1: {"layer": "Ethernet", "gids": {1: (MAPPED, V1, None)}}})
     env, [finding] = detect_env(read_fabric(tmp_path), "roce", ["NCCL_IB_GID_INDEX"])
     assert env == {} and "no active RoCE port" in finding.message
-    assert V2 == "RoCE v2"
+    [given] = check_env({"NCCL_IB_GID_INDEX": "1"}, read_fabric(tmp_path), "roce")
+    assert "is a IB/RoCE v1 entry" in given.message and given.fix.startswith("this port has no RoCE v2 GID")
 
 
 def test_ethernet_only_node_on_an_ib_site_falls_back_to_sockets(tmp_path: Path) -> None:
