@@ -188,8 +188,8 @@ def worker(args: dict[str, Any]) -> None:
     import torch
     import torch.distributed as dist
 
-    from hpc_train.dist.mesh import ModelParallelUnit, ParallelGroups
-    from hpc_train.dist.topology import Topology
+    from hpc_train.distributed.mesh import ModelParallelUnit, ParallelGroups
+    from hpc_train.distributed.topology import Topology
     from hpc_train.train.checkpointing import Checkpointer
     from hpc_train.train.data import ResumableSampler, SyntheticTokens, batch
     from hpc_train.train.engine import build_engine

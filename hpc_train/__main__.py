@@ -20,7 +20,7 @@ __all__ = ["main"]
 def _layout_for_world(args: argparse.Namespace) -> int:
     """The rank layout of the config's parallel sizes at any world size, without the job's node shape."""
     from hpc_train.config.plan import load_job
-    from hpc_train.dist.topology import Topology
+    from hpc_train.distributed.topology import Topology
     from hpc_train.errors import ConfigError
 
     cfg = load_job(args.config, args.overrides)

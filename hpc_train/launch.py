@@ -55,8 +55,8 @@ def run_rank(run_dir: Path) -> dict[str, Any]:
 
 
 def _run_rank(run_dir: Path, plan: Plan, watch: PreemptionWatch | None) -> dict[str, Any]:
-    from hpc_train.dist.launchers import detect_launch
-    from hpc_train.dist.smoke import run_smoke  # the trainer is imported only when the job trains
+    from hpc_train.distributed.launchers import detect_launch
+    from hpc_train.distributed.smoke import run_smoke  # the trainer is imported only when the job trains
 
     info = detect_launch(expected_world=plan.layout.world)
     logger = _rank_logger(run_dir, info.rank)
@@ -107,7 +107,7 @@ EXIT_NOT_RETRIED = 78  # a failure the retry policy does not retry (again); the 
 
 def _look_back(run_dir: Path, plan: Plan, info: Any, logger: logging.Logger) -> None:
     """A requeued attempt: act on why the previous one ended (node failure, infrastructure) before training."""
-    from hpc_train.dist.hostlist import expand
+    from hpc_train.distributed.hostlist import expand
     from hpc_train.ops.policy import RetryPolicy
     from hpc_train.slurm.recovery import look_back
 
@@ -184,8 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     if len(args) != 1:
         print("usage: python -m hpc_train.launch RUN_DIR", file=sys.stderr)
         return 2
-    from hpc_train.dist.launchers import LaunchError
-    from hpc_train.dist.rendezvous import RendezvousError
+    from hpc_train.distributed.launchers import LaunchError
+    from hpc_train.distributed.rendezvous import RendezvousError
 
     try:
         run_rank(Path(args[0]))

@@ -24,5 +24,5 @@ fi
 # would crowd out the tests' memory; an hour-old one belongs to no live test run.
 find /dev/shm -maxdepth 1 -name 'deepspeed_allreduce_buffer_*' -mmin +60 -delete 2>/dev/null || true
 
-.venv/bin/ruff check hpc_train tests benchmarks
+.venv/bin/ruff check .  # every Python file of the repository (hpc_train, tests, benchmarks) but .venv
 .venv/bin/python -m pytest -q -p no:cacheprovider "$@"

@@ -11,7 +11,7 @@ import re
 from hpc_train.config.checks import parse_time_seconds
 from hpc_train.config.job import MODEL_PRESETS, JobConfig
 from hpc_train.config.site import SiteConfig
-from hpc_train.dist.topology import Topology
+from hpc_train.distributed.topology import Topology
 from hpc_train.errors import ConfigError, did_you_mean
 
 __all__ = ["SLURM_SIGNAL_SLACK_S", "looks_secret", "validate"]

@@ -185,7 +185,7 @@ def _node_of(rank: int, request: ProbeRequest, state: Mapping[str, str], seen: M
     """The node a rank reported from, else the one block distribution puts it on (rank // tasks per node)."""
     if rank in seen:
         return str(seen[rank].get("node", "?"))
-    from hpc_train.dist.hostlist import expand
+    from hpc_train.distributed.hostlist import expand
 
     try:
         hosts = expand(state.get("NodeList", ""))

@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from hpc_train.attempts import AttemptLog
-from hpc_train.dist.hostlist import expand
+from hpc_train.distributed.hostlist import expand
 from hpc_train.ops.scheduler import SlurmRecord
 from hpc_train.runfolder import read_json_object
 from hpc_train.train.preemption import EXIT_SAVE_HUNG, EXIT_STOPPED, LOCAL_REQUEUE_EXIT
@@ -525,7 +525,7 @@ def _matching_line(text: str, pattern: re.Pattern[str]) -> str:
 
 
 def _location(traceback_text: str) -> str:
-    """``dist/faults.py:28``: the innermost frame, with the last two parts of its path."""
+    """``distributed/faults.py:28``: the innermost frame, with the last two parts of its path."""
     frames = _FRAME.findall(traceback_text)
     if not frames:
         return ""

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hpc_train.dist.hostlist import compress, expand
+from hpc_train.distributed.hostlist import compress, expand
 from hpc_train.errors import ConfigError
 from hpc_train.ops.failures import CLASSES, Classification
 from hpc_train.runfolder import atomic_write

@@ -23,7 +23,7 @@ from datetime import datetime, timedelta
 from pathlib import Path
 
 from hpc_train.attempts import AttemptLog
-from hpc_train.dist.hostlist import expand
+from hpc_train.distributed.hostlist import expand
 from hpc_train.ops.failures import (
     Classification,
     Evidence,

@@ -16,7 +16,7 @@ from torch import nn
 from torch.nn import functional
 
 from hpc_train.config.job import MODEL_PRESETS
-from hpc_train.dist.tensor_parallel import (
+from hpc_train.distributed.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,

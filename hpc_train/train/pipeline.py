@@ -12,7 +12,7 @@ What this module guarantees:
   matching weight of ``GPT(config, tp_group, seed)``; a stage builds only its layers (DeepSpeed does build every
   layer once, one at a time, to count parameters for ``partition_method="parameters"``).
 * The rank layout is ours: DeepSpeed's ``PipeModelDataParallelTopology`` (axes pipe, data, model; model
-  innermost) is checked rank by rank against our :class:`~hpc_train.dist.topology.Topology`, and a layout it
+  innermost) is checked rank by rank against our :class:`~hpc_train.distributed.topology.Topology`, and a layout it
   cannot express (context parallelism, or an order other than tensor-data-pipeline from the inside out) is
   refused with a ValueError instead of training on groups that silently differ from ours.
 * Gradient norms count every gradient once. DeepSpeed hands its pipeline grid to ``clip_grad_norm_`` as the
@@ -38,12 +38,12 @@ from deepspeed.pipe import LayerSpec, PipelineModule
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 from torch import nn
 
-from hpc_train.dist.tensor_parallel import (
+from hpc_train.distributed.tensor_parallel import (
     ColumnParallelLinear,
     tp_rank,
     vocab_parallel_cross_entropy,
 )
-from hpc_train.dist.topology import Topology
+from hpc_train.distributed.topology import Topology
 from hpc_train.train.dscomm import init_deepspeed_comm
 from hpc_train.train.model import Block, GPTConfig, _mark_sharded, make_embeddings
 

@@ -15,7 +15,7 @@ from typing import Any
 import torch.distributed as dist
 
 from hpc_train.attempts import Attempt, AttemptLog, recommended_lead_seconds, requeues_so_far
-from hpc_train.dist.launchers import LaunchInfo
+from hpc_train.distributed.launchers import LaunchInfo
 from hpc_train.train.preemption import Requeue, decide_requeue, perform_requeue
 from hpc_train.train.watchdog import EXIT_HUNG, Hang
 

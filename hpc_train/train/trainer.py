@@ -17,11 +17,11 @@ import torch.distributed as dist
 from rich.console import Console
 
 from hpc_train.config.plan import Plan
-from hpc_train.dist.bootstrap import bootstrap, shutdown
-from hpc_train.dist.faults import injected_delay_s, maybe_inject_fault
-from hpc_train.dist.launchers import LaunchInfo
-from hpc_train.dist.mesh import ModelParallelUnit, ParallelGroups
-from hpc_train.dist.topology import Topology
+from hpc_train.distributed.bootstrap import bootstrap, shutdown
+from hpc_train.distributed.faults import injected_delay_s, maybe_inject_fault
+from hpc_train.distributed.launchers import LaunchInfo
+from hpc_train.distributed.mesh import ModelParallelUnit, ParallelGroups
+from hpc_train.distributed.topology import Topology
 from hpc_train.train.checkpointing import Checkpointer
 from hpc_train.train.data import ResumableSampler, batch, make_source
 from hpc_train.train.engine import build_engine

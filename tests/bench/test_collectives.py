@@ -17,7 +17,7 @@ from hpc_train.bench.cli import format_size, parse_sizes
 from hpc_train.bench.collectives import bandwidths, bus_factor, element_counts, parse_nccl_log, transport_from_nccl_log
 from hpc_train.errors import ConfigError
 from tests.conftest import PYTHON, REPO, call_cli
-from tests.dist.multiproc import run_workers
+from tests.distributed.multiproc import run_workers
 
 # ------------------------------------------------------------------------------------------- formulas
 

@@ -32,7 +32,7 @@ def traceback_text(frames: list[tuple[str, int, str]], last: str) -> str:
 
 
 def user_traceback(error: str = "RuntimeError: injected fault on rank 1 (HPC_TRAIN_INJECT_FAULT=raise:1)",
-                   where: tuple[str, int, str] = ("/work/main/hpc_train/dist/faults.py", 52,
+                   where: tuple[str, int, str] = ("/work/main/hpc_train/distributed/faults.py", 52,
                                                   "maybe_inject_fault")) -> str:
     return traceback_text([("/work/main/hpc_train/launch.py", 74, "_run_rank"),
                            ("/work/main/hpc_train/train/trainer.py", 253, "_train_watched"), where], error)

@@ -58,7 +58,7 @@ def test_a_rank_that_raises_is_a_user_error_on_that_rank_not_on_the_rank_that_lo
     found = _classify(run_dir, record("571", "FAILED", "1:0", steps=(("batch", "FAILED", "1:0"),
                                                                      ("0", "FAILED", "1:0"))))
     assert found.failure_class == "user_error"
-    assert found.reason == (f"user error: {RAISED} raised on rank 1 (n2) in dist/faults.py:52")
+    assert found.reason == (f"user error: {RAISED} raised on rank 1 (n2) in distributed/faults.py:52")
     assert found.ranks == (1,) and found.nodes == ()  # a user error blames no node
     assert any("rank 0 failed after it" in line for line in found.evidence)
 
@@ -185,12 +185,12 @@ def test_the_watchdogs_hang_requeued_names_the_rank_outside_the_collective(tmp_p
     write_rank(run_dir, "570", Rank(0, 0, [
         (17.3, "INFO", "hang: no progress for 11 s in step after step 29, noticed by rank 0 (vm) "
                        "(watchdog.step_timeout_s = 10); stacks of every thread in logs/stacks-rank-0.txt"),
-        (17.5, "INFO", 'hang: rank 1 is not in a collective: "/work/main/hpc_train/dist/faults.py", line 55 in '
+        (17.5, "INFO", 'hang: rank 1 is not in a collective: "/work/main/hpc_train/distributed/faults.py", line 55 in '
                        "maybe_inject_fault"),
         (17.6, "INFO", "hang: exiting with status 77: requeued (hang 1 of retry.hang = 1): scontrol requeue 570")],
         stacks=stacks_dump(0, ["/venv/site-packages/torch/distributed/distributed_c10d.py"])))
     write_rank(run_dir, "570", Rank(1, 1, [(17.4, "INFO", "hang: no progress for 11 s")],
-                                    stacks=stacks_dump(1, ["/work/main/hpc_train/dist/faults.py"])))
+                                    stacks=stacks_dump(1, ["/work/main/hpc_train/distributed/faults.py"])))
     write_attempts(run_dir, [{"job_id": "570", "started": 0, "outcome": "hang", "requeued": True,
                               "note": "no progress for 11 s in step after step 29"}])
     rec = record("570", "REQUEUED", steps=(("batch", "CANCELLED", "0:15"), ("0", "FAILED", "77:0")))

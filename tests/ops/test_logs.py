@@ -56,7 +56,8 @@ def test_records_are_merged_by_time_with_their_continuation_lines(run_dir: Path)
 def test_errors_come_first_earliest_first_and_folded(run_dir: Path) -> None:
     view = merged_view(run_dir)
     assert [e.rank for e in view.errors] == [1, 0]  # rank 1 failed first; rank 2's error is rank 0's
-    assert view.errors[1].same_ranks == (2,) and view.errors[0].where == "dist/faults.py:52 in maybe_inject_fault"
+    assert view.errors[1].same_ranks == (2,)
+    assert view.errors[0].where == "distributed/faults.py:52 in maybe_inject_fault"
     text = format_text(view)
     header, _, timeline = text.partition("== timeline:")
     assert header.index("rank 1 on vm") < header.index("rank 0 on vm")

@@ -155,7 +155,7 @@ def test_accepted_values_really_are_exercised(tmp_path: Path) -> None:
     assert _run_script(tmp_path, text).returncode == 0
     assert (tmp_path / "env").read_text() == "$(touch X) `y` 'q'"
     # The script's rendezvous is the one every rank computes in Python (one formula, two places).
-    from hpc_train.dist.rendezvous import derive_port
+    from hpc_train.distributed.rendezvous import derive_port
 
     assert (tmp_path / "env.rdzv").read_text() == f"n1 {derive_port('4242', 0, 20000, 32768)}"
     assert not (tmp_path / "X").exists()

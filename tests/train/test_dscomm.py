@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from hpc_train.train.dscomm import SHM_BUFFER_PREFIX
-from tests.dist.multiproc import run_workers
+from tests.distributed.multiproc import run_workers
 
 pytestmark = pytest.mark.slow
 SHM = Path("/dev/shm")

@@ -28,7 +28,7 @@ import pytest
 
 from hpc_train.train.memory import MemoryPlan, Param, memory_plan, memory_rows, stage_parameters
 from tests.conftest import REPO
-from tests.dist.multiproc import run_workers
+from tests.distributed.multiproc import run_workers
 
 TOLERANCE = 0.10
 SEQ, MICRO, VOCAB = 64, 2, 256
@@ -236,7 +236,7 @@ def _measure(case: tuple[int, str, int], groups: Any, world: int) -> dict[str, i
 
     from hpc_train.config.job import JobConfig
     from hpc_train.config.loader import build
-    from hpc_train.dist.mesh import ModelParallelUnit
+    from hpc_train.distributed.mesh import ModelParallelUnit
     from hpc_train.train.engine import build_engine
     from hpc_train.train.model import GPT, GPTConfig
 
@@ -301,8 +301,8 @@ def _deepspeed_worker(rank: int, world: int, cases: list[tuple[int, str, int]]) 
                       LOCAL_WORLD_SIZE=str(world))
     import torch.distributed as dist
 
-    from hpc_train.dist.mesh import ParallelGroups
-    from hpc_train.dist.topology import Topology
+    from hpc_train.distributed.mesh import ParallelGroups
+    from hpc_train.distributed.topology import Topology
     from hpc_train.train.model import GPT, GPTConfig
 
     groups = ParallelGroups(Topology.build(world))

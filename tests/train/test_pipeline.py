@@ -22,8 +22,8 @@ from typing import Any
 
 import pytest
 
-from hpc_train.dist.topology import Topology
-from tests.dist.multiproc import run_workers
+from hpc_train.distributed.topology import Topology
+from tests.distributed.multiproc import run_workers
 
 TOLERANCE = 1e-5
 STEPS = 6
@@ -71,7 +71,7 @@ def _pipeline_worker(rank: int, world_size: int, tp: int, pp: int, job: dict[str
     import torch
     from deepspeed.runtime.utils import clip_grad_norm_
 
-    from hpc_train.dist.mesh import ParallelGroups
+    from hpc_train.distributed.mesh import ParallelGroups
     from hpc_train.train.engine import deepspeed_config, lr_at
     from hpc_train.train.model import GPT, GPTConfig
     from hpc_train.train.pipeline import build_pipeline_model, eval_step, gpt_parameter_name, train_step

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from hpc_train.attempts import AttemptLog
-from hpc_train.dist import faults
-from hpc_train.dist.launchers import LaunchInfo
+from hpc_train.distributed import faults
+from hpc_train.distributed.launchers import LaunchInfo
 from hpc_train.train.preemption import LOCAL_REQUEUE_EXIT
 from hpc_train.train.stopping import decide_hang
 from hpc_train.train.stragglers import find_straggler

@@ -23,8 +23,8 @@ def test_mpirun_np4_bootstrap(tmp_path: Path) -> None:
             pytest.fail("mpirun is missing although scripts/test.sh installs openmpi-bin as root")
         pytest.skip("needs Open MPI's mpirun (apt-get install openmpi-bin; scripts/test.sh does it as root)")
     rendered = subprocess.run([sys.executable, "-m", "hpc_train", "render", str(REPO / "examples" / "tiny_gpt.toml"),
-                               "--site", "local-slurm", "--set", "job.tasks_per_node=4", "--set", "job.program=smoke", "--set",
-                               "parallel.tensor=2", "--json"], cwd=tmp_path, capture_output=True, text=True,
+                               "--site", "local-slurm", "--set", "job.tasks_per_node=4", "--set", "job.program=smoke",
+                               "--set", "parallel.tensor=2", "--json"], cwd=tmp_path, capture_output=True, text=True,
                               check=True, timeout=60)
     run_dir = json.loads(rendered.stdout)["run_dir"]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MASTER_", "RANK", "WORLD_SIZE"))}

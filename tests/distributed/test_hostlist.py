@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from hpc_train.dist.hostlist import DEFAULT_MAX_HOSTS, compress, expand, first_host
+from hpc_train.distributed.hostlist import DEFAULT_MAX_HOSTS, compress, expand, first_host
 
 EXPAND_CASES = [
     ("n1", ["n1"]),

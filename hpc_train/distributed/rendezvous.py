@@ -12,8 +12,8 @@ import os
 import socket
 from dataclasses import dataclass
 
-from hpc_train.dist.hostlist import first_host
-from hpc_train.dist.launchers import LaunchError, LaunchInfo
+from hpc_train.distributed.hostlist import first_host
+from hpc_train.distributed.launchers import LaunchError, LaunchInfo
 
 __all__ = ["Rendezvous", "RendezvousError", "choose_rendezvous", "derive_port", "export_rendezvous"]
 

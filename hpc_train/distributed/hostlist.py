@@ -167,8 +167,8 @@ def compress(hosts: Iterable[str], *, suffixes: bool = True) -> str:
     last run of digits share one bracket group, consecutive numbers of the same zero padding
     become ranges, and nothing is sorted or de-duplicated (``n3,n1,n2`` -> ``n[3,1-2]``,
     ``n1,gpu7,n2`` stays as is). So ``expand(compress(x)) == x`` for every non-empty ``x``;
-    pass hosts de-duplicated in natural order (n2 before n10) for the shortest form. With ``suffixes=False`` only trailing
-    digits are grouped (``node1-ib`` stays alone), which Slurm 22.05 itself can read back and
+    pass hosts de-duplicated in natural order (n2 before n10) for the shortest form. With ``suffixes=False``
+    only trailing digits are grouped (``node1-ib`` stays alone), which Slurm 22.05 itself can read back and
     matches its output byte for byte. An empty input gives ``""``.
     """
     if isinstance(hosts, str):

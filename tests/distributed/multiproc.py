@@ -28,10 +28,10 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-__all__ = ["WorkersFailed", "run_workers"]
+__all__ = ["WorkersFailedError", "run_workers"]
 
 
-class WorkersFailed(AssertionError):
+class WorkersFailedError(AssertionError):
     """Some rank did not report a result; the message holds every rank's traceback or exit status."""
 
 
@@ -102,7 +102,7 @@ def run_workers(target: Callable[[int, int], Any], world_size: int, timeout_s: f
 
     ``target`` must be picklable (a module-level function or a functools.partial of one) and return something
     ``torch.save`` can write and ``torch.load(weights_only=True)`` can read (tensors, numbers, strings, lists,
-    dicts). Raises WorkersFailed when a rank reports an error or no result within ``timeout_s``.
+    dicts). Raises WorkersFailedError when a rank reports an error or no result within ``timeout_s``.
     """
     import torch
 
@@ -143,5 +143,5 @@ def run_workers(target: Callable[[int, int], Any], world_size: int, timeout_s: f
                       else f"no result, exit status {process.exitcode} (killed if negative)")
             reports.append(f"--- rank {rank} ---\n{detail}")
         if reports:
-            raise WorkersFailed(f"{len(reports)} of {world_size} ranks reported no result:\n" + "\n".join(reports))
+            raise WorkersFailedError(f"{len(reports)} of {world_size} ranks reported no result:\n" + "\n".join(reports))
         return [torch.load(path, weights_only=True) for path in results]

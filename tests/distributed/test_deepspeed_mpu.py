@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from tests.dist.multiproc import run_workers
+from tests.distributed.multiproc import run_workers
 
 pytestmark = pytest.mark.slow
 
@@ -24,9 +24,9 @@ def _deepspeed_step(rank: int, world_size: int) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    from hpc_train.dist.mesh import ModelParallelUnit, ParallelGroups
-    from hpc_train.dist.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-    from hpc_train.dist.topology import Topology
+    from hpc_train.distributed.mesh import ModelParallelUnit, ParallelGroups
+    from hpc_train.distributed.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from hpc_train.distributed.topology import Topology
 
     groups = ParallelGroups(Topology.build(world_size, tp=2))
     tp_group = groups.group("tp")

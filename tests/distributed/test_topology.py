@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from hpc_train import __main__ as hpc_main
-from hpc_train.dist.topology import AXES, Topology
+from hpc_train.distributed.topology import AXES, Topology
 from tests.conftest import REPO, call_cli
 
 LAYOUTS = [(8, 2, 2, 1), (8, 1, 1, 1), (16, 2, 2, 2), (24, 2, 3, 1), (64, 4, 2, 2), (12, 3, 1, 2)]

@@ -13,9 +13,14 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from hpc_train.dist.launchers import LaunchInfo, detect_launch
-from hpc_train.dist.rendezvous import Rendezvous, RendezvousError, check_resolves, choose_rendezvous, \
-    export_rendezvous
+from hpc_train.distributed.launchers import LaunchInfo, detect_launch
+from hpc_train.distributed.rendezvous import (
+    Rendezvous,
+    RendezvousError,
+    check_resolves,
+    choose_rendezvous,
+    export_rendezvous,
+)
 
 __all__ = ["DistContext", "bootstrap", "shutdown"]
 

@@ -13,9 +13,9 @@ import socket
 from typing import Any
 
 from hpc_train.config.plan import Plan
-from hpc_train.dist.faults import maybe_inject_fault
-from hpc_train.dist.launchers import LaunchInfo
-from hpc_train.dist.topology import AXES, Topology
+from hpc_train.distributed.faults import maybe_inject_fault
+from hpc_train.distributed.launchers import LaunchInfo
+from hpc_train.distributed.topology import AXES, Topology
 
 __all__ = ["run_smoke"]
 
@@ -24,7 +24,7 @@ def _check_groups(topology: Topology, rank: int) -> dict[str, list[int]]:
     import torch
     import torch.distributed as dist
 
-    from hpc_train.dist.mesh import ParallelGroups
+    from hpc_train.distributed.mesh import ParallelGroups
 
     groups = ParallelGroups(topology)
     seen = {}
@@ -46,7 +46,7 @@ def run_smoke(plan: Plan, info: LaunchInfo) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    from hpc_train.dist.bootstrap import bootstrap, shutdown
+    from hpc_train.distributed.bootstrap import bootstrap, shutdown
 
     dist_config = plan.config.get("dist", {})
     context = bootstrap(info, port_range=(plan.port_range[0], plan.port_range[1]), fabric_suffix=plan.fabric_suffix,

@@ -265,7 +265,8 @@ class ColumnParallelLinear(nn.Module):
         full = _full_weight((out_features, in_features), init_method, seed, dtype)
         self.weight = nn.Parameter(shard_tensor(full, 0, group).to(device))
         if bias:
-            self.bias = nn.Parameter(torch.zeros(self.out_features_per_partition, dtype=dtype, device=self.weight.device))
+            self.bias = nn.Parameter(torch.zeros(self.out_features_per_partition, dtype=dtype,
+                                                 device=self.weight.device))
         else:
             self.register_parameter("bias", None)
 

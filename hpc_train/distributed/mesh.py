@@ -9,7 +9,7 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from hpc_train.dist.topology import AXES, Topology
+from hpc_train.distributed.topology import AXES, Topology
 
 __all__ = ["ModelParallelUnit", "ParallelGroups"]
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-from hpc_train.dist.tensor_parallel import (
+from hpc_train.distributed.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
@@ -25,7 +25,7 @@ from hpc_train.dist.tensor_parallel import (
     tp_world_size,
     vocab_parallel_cross_entropy,
 )
-from tests.dist.multiproc import WorkersFailed, run_workers
+from tests.distributed.multiproc import WorkersFailedError, run_workers
 
 HIDDEN, FFN, VOCAB, BATCH, SEQ = 8, 16, 16, 2, 6
 TOLERANCE = 1e-6
@@ -317,7 +317,8 @@ def test_tp1_layers_in_one_process_match_plain_torch(case: Tensors) -> None:
         ("mlp_gathered", tp_mlp(case, None, gathered=True), reference_mlp(case)),
         ("embedding", tp_embedding(case, None), reference_embedding(case)),
         ("cross_entropy", tp_cross_entropy(case, None), reference_cross_entropy(case)),
-        ("cross_entropy_large", tp_cross_entropy(case, None, LARGE_OFFSET), reference_cross_entropy(case, LARGE_OFFSET)),
+        ("cross_entropy_large", tp_cross_entropy(case, None, LARGE_OFFSET),
+         reference_cross_entropy(case, LARGE_OFFSET)),
         ("model", tp_model(case, None), reference_model(case)),
     ]:
         report = {"tp": 1, "tp_rank": 0, "tensors": _prefixed(check, ours)}
@@ -327,7 +328,7 @@ def test_tp1_layers_in_one_process_match_plain_torch(case: Tensors) -> None:
 def test_partition_size_error_names_sizes_and_fix() -> None:
     assert partition_size(50264, 8) == 6283
     with pytest.raises(ValueError, match=r"VocabParallelEmbedding: num_embeddings=50257 is not divisible by the "
-                                         r"tensor-parallel size 8; pad the vocabulary .* multiple of 8 \(e\.g\. 50264\)"):
+                       r"tensor-parallel size 8; pad the vocabulary .* multiple of 8 \(e\.g\. 50264\)"):
         partition_size(50257, 8, name="num_embeddings", owner="VocabParallelEmbedding", fix="pad the vocabulary to")
     with pytest.raises(ValueError, match=r"out_features=10 is not divisible by the tensor-parallel size 4; make "
                                          r"out_features a multiple of 4 \(e\.g\. 12\) or use a tensor-parallel size"):
@@ -391,6 +392,6 @@ def test_a_rank_error_is_reported_with_its_traceback_without_waiting_for_the_tim
     import time
 
     started = time.monotonic()
-    with pytest.raises(WorkersFailed, match=r"(?s)rank 1 ---.*deliberate failure on rank 1"):
+    with pytest.raises(WorkersFailedError, match=r"(?s)rank 1 ---.*deliberate failure on rank 1"):
         run_workers(fail_on_rank_1, world_size=2, timeout_s=60.0)
     assert time.monotonic() - started < 30.0

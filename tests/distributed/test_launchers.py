@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from hpc_train.dist.launchers import LaunchError, detect_launch, tasks_on_node
-from hpc_train.dist.rendezvous import RendezvousError, check_resolves, choose_rendezvous, derive_port
+from hpc_train.distributed.launchers import LaunchError, detect_launch, tasks_on_node
+from hpc_train.distributed.rendezvous import RendezvousError, check_resolves, choose_rendezvous, derive_port
 
 SRUN_RANK3 = {"SLURM_JOB_ID": "4242", "SLURM_PROCID": "3", "SLURM_LOCALID": "1", "SLURM_NODEID": "1",
               "SLURM_NTASKS": "4", "SLURM_STEP_NUM_TASKS": "4", "SLURM_STEP_ID": "0", "SLURM_NNODES": "2",
@@ -92,5 +92,5 @@ def test_tasks_per_node_reads_slurm_compression() -> None:
 
 
 def test_an_address_that_does_not_resolve_is_named() -> None:
-    with pytest.raises(RendezvousError, match="'n1-nosuchfabric.invalid' does not resolve"):
+    with pytest.raises(RendezvousError, match=r"'n1-nosuchfabric\.invalid' does not resolve"):
         check_resolves("n1-nosuchfabric.invalid")
