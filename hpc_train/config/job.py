@@ -110,7 +110,9 @@ class TrainSection:
     micro_batch: int = option(4, "Samples per rank per forward pass.")
     grad_accum: int = option(1, "Micro-batches accumulated per optimizer step.")
     global_batch: int = option(0, "Samples per step; 0 derives micro_batch x grad_accum x data, else it is checked.")
-    precision: Literal["bf16", "fp16", "fp32"] = option("bf16", "Number format: bf16, fp16 (GPU only) or fp32.")
+    precision: Literal["auto", "bf16", "fp16", "fp32"] = option(
+        "auto", "Number format: auto (decided on the nodes: bf16 on GPUs that support it and on CPUs with native "
+        "bf16, else fp32), bf16, fp16 (GPU only) or fp32.")
     optimizer: Literal["torch_adamw", "fused_adam", "cpu_adam"] = option(
         "torch_adamw", "torch_adamw compiles nothing; fused_adam / cpu_adam JIT-compile DeepSpeed ops."
     )

@@ -168,7 +168,7 @@ def _check_layout(cfg: JobConfig, gpus_per_node: int) -> int:
     if cfg.job.program == "train" and par.context > 1:
         raise ConfigError("parallel.context", f"{par.context}: context-parallel training is not built yet",
                           'train with context = 1, or check the layout with job.program = "smoke"')
-    if cfg.train.precision == "fp16" and not gpus_per_node:
+    if cfg.train.precision == "fp16" and not gpus_per_node:  # only an explicit fp16: auto never picks it
         raise ConfigError("train.precision", '"fp16" needs a GPU and this job has none',
                           'use "bf16" or "fp32" on CPUs')
     return world // model_parallel

@@ -61,7 +61,7 @@ from typing import NamedTuple
 
 from hpc_train.config.job import MODEL_PRESETS
 
-__all__ = ["MemoryPlan", "Param", "memory_plan", "memory_rows", "stage_parameters"]
+__all__ = ["MemoryPlan", "Param", "assumed_precision", "memory_plan", "memory_rows", "stage_parameters"]
 
 GIB = 2**30
 #: DeepSpeed 0.19 defaults our ``deepspeed_config`` leaves alone.
@@ -70,6 +70,18 @@ PREFETCH_BUCKET = 50_000_000  # zero_optimization.stage3_prefetch_bucket_size
 SUB_GROUP_SIZE = 1_000_000_000  # zero_optimization.sub_group_size
 ALLREDUCE_CHUNK = 500_000_000  # engine.MEMORY_OPT_ALLREDUCE_SIZE, the ZeRO-0 all-reduce buffer
 _PRECISION_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+def assumed_precision(precision: str, gpus_per_node: int) -> tuple[str, str]:
+    """What the login node plans with for ``precision``: ``"auto"`` is decided on the nodes (see
+    :mod:`hpc_train.train.precision`), so the plan assumes bf16 when the job's nodes have GPUs and fp32
+    otherwise, and says so in a note; an explicit precision comes back as it is with no note."""
+    if precision != "auto":
+        return precision, ""
+    assumed = "bf16" if gpus_per_node else "fp32"
+    where = "the nodes have GPUs" if gpus_per_node else "the nodes have no GPUs"
+    return assumed, (f"precision auto is decided on the nodes; planned as {assumed} ({where}; a CPU with native "
+                     "bf16 trains in bf16, a GPU without bf16 in fp32)")
 
 
 class Param(NamedTuple):
@@ -314,13 +326,14 @@ def _plan_stage(index: int, params: list[Param], *, shape: dict[str, int], vocab
 def memory_plan(preset: str, vocab_size: int, seq_len: int, micro_batch: int, tensor: int, pipeline: int, data: int,
                 zero_stage: int, precision: str, offload_optimizer: bool, offload_params: bool,
                 gpu_mem_gb: float = 0.0, *, grad_accum: int = 1, bucket_size: int = 50_000_000,
-                overlap_comm: bool = True) -> MemoryPlan:
+                overlap_comm: bool = True, gpus_per_node: int = 0) -> MemoryPlan:
     """Bytes per rank of one layout (see the module docstring for the accounting).
 
     ``bucket_size`` and ``overlap_comm`` are ``zero.bucket_size`` and ``zero.overlap_comm``; ``gpu_mem_gb`` is the
     site's ``node.gpu_mem_gb`` (0: unknown, ``fits`` is None). Raises ValueError for a layout the model or
-    DeepSpeed cannot run.
+    DeepSpeed cannot run. ``precision`` may be ``"auto"``: see :func:`assumed_precision` (``gpus_per_node``).
     """
+    precision, assumption = assumed_precision(precision, gpus_per_node)
     if precision not in _PRECISION_BYTES:
         raise ValueError(f"precision {precision!r} is unknown; use one of {', '.join(_PRECISION_BYTES)}")
     if zero_stage not in (0, 1, 2, 3):
@@ -341,6 +354,7 @@ def memory_plan(preset: str, vocab_size: int, seq_len: int, micro_batch: int, te
              for i, params in enumerate(stages)]
     index = max(range(len(plans)), key=lambda i: plans[i][0]["total"])
     figures, notes = plans[index]
+    notes = ([assumption] if assumption else []) + notes
     gpu_bytes = round(gpu_mem_gb * GIB)
     return MemoryPlan(preset=preset, precision=precision, zero_stage=zero_stage, tensor=tensor, pipeline=pipeline,
                       data=data, micro_batch=micro_batch, seq_len=seq_len, grad_accum=grad_accum,

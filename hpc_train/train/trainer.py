@@ -5,6 +5,8 @@ Kept to the loop itself; the pieces live in their own modules (model, engine, da
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import io
 import resource
 import time
@@ -29,6 +31,7 @@ from hpc_train.train.flops import flops_per_token, peak_flops
 from hpc_train.train.model import GPT, GPTConfig, count_parameters
 from hpc_train.train.monitor import Monitor
 from hpc_train.train.pipeline import build_pipeline_model, eval_step, train_step
+from hpc_train.train.precision import agreed_precision
 from hpc_train.train.preemption import PreemptionWatch, arm_force_exit
 from hpc_train.train.stopping import AttemptRecorder, decide_hang, signal_name
 from hpc_train.train.stragglers import StragglerCheck
@@ -109,6 +112,17 @@ def _model_and_engine(model_config: GPTConfig, topology: Topology, groups: Paral
     model = GPT(model_config, groups.group("tp"), seed=seed)
     return model, build_engine(model, config, data_parallel, ModelParallelUnit(groups), run_dir,
                                 local_rank)
+
+
+def _resolve_precision(plan: Plan, backend: str, log: Callable[[str], None]) -> Plan:
+    """``plan`` with ``train.precision`` decided on this hardware (``"auto"``), the same on every rank."""
+    requested = plan.config["train"]["precision"]
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    precision, reason = agreed_precision(requested, device)
+    log(f"precision: {requested} -> {precision} ({reason})" if requested == "auto" else f"precision: {precision}")
+    config = copy.deepcopy(plan.config)
+    config["train"]["precision"] = precision
+    return dataclasses.replace(plan, config=config)
 
 
 def _progress(watchdog: Watchdog | None, phase: str, step: int) -> None:
@@ -194,6 +208,9 @@ def _train_watched(plan: Plan, info: LaunchInfo, run_dir: Path, log: Callable[[s
     topology = Topology.build(info.world_size, tp=layout.tensor, pp=layout.pipeline, cp=layout.context,
                               order=layout.order)
     groups = ParallelGroups(topology, "cuda" if context.backend == "nccl" else "cpu")
+    plan = _resolve_precision(plan, context.backend, log)
+    config = plan.config
+    tcfg = config["train"]
     model_config = GPTConfig.from_preset(tcfg["model"], config["data"]["vocab_size"], tcfg["seq_len"])
     model, engine = _model_and_engine(model_config, topology, groups, config, run_dir, info.local_rank)
     pipelined = layout.pipeline > 1
@@ -290,5 +307,5 @@ def _train_watched(plan: Plan, info: LaunchInfo, run_dir: Path, log: Callable[[s
     recorder.completed(step)
     shutdown()
     return {"rank": info.rank, "steps": tcfg["steps"], "start_step": start_step, "final_loss": loss,
-            "eval_loss": eval_loss,
+            "eval_loss": eval_loss, "precision": tcfg["precision"],
             "world_size": info.world_size, "launcher": info.launcher, "sampler": sampler.state_dict()}

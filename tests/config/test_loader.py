@@ -12,7 +12,7 @@ from hpc_train.errors import ConfigError
 
 def test_empty_file_gives_defaults_a_new_user_can_live_with() -> None:
     cfg = build(JobConfig, {})
-    assert cfg.job.nodes == 1 and cfg.zero.stage == 2 and cfg.train.precision == "bf16"
+    assert cfg.job.nodes == 1 and cfg.zero.stage == 2 and cfg.train.precision == "auto"
 
 
 def test_unknown_key_suggests_the_close_one() -> None:

@@ -1,0 +1,75 @@
+"""``train.precision = "auto"`` decided where the ranks run: bf16 on GPUs that support it, and on CPUs that
+compute bf16 natively (``avx512_bf16`` or ``amx_bf16``); fp32 elsewhere, because emulated bf16 is several times
+slower than fp32 (the tiny GPT on an AVX2-only CPU: ~2,000 tokens/s in bf16, ~17,600 in fp32). fp16 is never
+chosen automatically: it needs loss scaling, which is a decision for the user.
+
+:func:`decide_precision` is the pure decision (a fake cpuinfo text and a fake CUDA flag test it);
+:func:`agreed_precision` probes this rank and makes every rank agree on the same answer, the weakest any rank
+found, so a job on mixed nodes never trains half its ranks in another number format.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["NATIVE_BF16_FLAGS", "agreed_precision", "cpu_flags", "decide_precision"]
+
+NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+# Codes for the agreement: the smallest wins, so fp32 (runs everywhere) beats bf16.
+_CODES = {"fp32": 0, "bf16": 1, "fp16": 2}
+
+
+def cpu_flags(cpuinfo: str) -> set[str]:
+    """The CPU feature flags of a ``/proc/cpuinfo`` text (x86 ``flags``, Arm ``Features``)."""
+    flags: set[str] = set()
+    for line in cpuinfo.splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key.strip().lower() in ("flags", "features"):
+            flags.update(value.split())
+    return flags
+
+
+def decide_precision(requested: str, *, cuda: bool, cuda_bf16: bool, cpuinfo: str) -> tuple[str, str]:
+    """The number format to train in and why. ``requested`` other than ``"auto"`` is kept as it is; ``cuda`` says
+    whether this rank trains on a GPU and ``cuda_bf16`` whether that GPU supports bf16."""
+    if requested != "auto":
+        return requested, "train.precision"
+    if cuda:
+        if cuda_bf16:
+            return "bf16", "GPU with bf16 support"
+        return "fp32", "GPU without bf16 support; fp16 is never chosen automatically"
+    found = [flag for flag in NATIVE_BF16_FLAGS if flag in cpu_flags(cpuinfo)]
+    if found:
+        return "bf16", f"CPU with native bf16: {', '.join(found)}"
+    return "fp32", "CPU without native bf16: no " + "/".join(NATIVE_BF16_FLAGS)
+
+
+def _read_cpuinfo(path: Path = Path("/proc/cpuinfo")) -> str:
+    try:
+        return path.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return ""  # no cpuinfo (not Linux): no native bf16 known, fp32
+
+
+def _local_decision(requested: str, cuda: bool) -> tuple[str, str]:
+    cuda_bf16 = bool(cuda and torch.cuda.is_bf16_supported())
+    return decide_precision(requested, cuda=cuda, cuda_bf16=cuda_bf16, cpuinfo="" if cuda else _read_cpuinfo())
+
+
+def agreed_precision(requested: str, device: torch.device) -> tuple[str, str]:
+    """This job's number format: ``requested`` when explicit; for ``"auto"`` each rank decides on its own
+    hardware and all ranks take the weakest answer (one all-reduce on ``device``, the process group's device)."""
+    if requested != "auto":
+        return requested, "train.precision"
+    precision, reason = _local_decision(requested, device.type == "cuda")
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return precision, reason
+    code = torch.tensor([_CODES[precision]], dtype=torch.int64, device=device)
+    dist.all_reduce(code, op=dist.ReduceOp.MIN)
+    agreed = next(name for name, value in _CODES.items() if value == int(code.item()))
+    if agreed != precision:
+        return agreed, f"another rank cannot train in {precision} ({reason} here)"
+    return precision, reason
