@@ -6,6 +6,7 @@ It reads ``plan.json`` from the run folder (plain JSON, no pickles), finds its r
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -17,15 +18,13 @@ from pathlib import Path
 from typing import Any
 
 from hpc_train.config.plan import Plan
-from hpc_train.runfolder import PLAN_FILE, atomic_write
-from hpc_train.train.preemption import EXIT_STOPPED, PreemptionWatch
+from hpc_train.run.exit_codes import EXIT_NOT_RETRIED, EXIT_STOPPED
+from hpc_train.run.files import atomic_write
+from hpc_train.run.loglines import format_launch_error, format_start, format_stopped, rank_log_format
+from hpc_train.run.paths import PLAN_FILE, SMOKE_FILE, TRAIN_FILE, fabric_report_path, rank_error_path, rank_log_path
+from hpc_train.train.preemption import PreemptionWatch
 
 __all__ = ["RankEntry", "main", "rank_error_path", "run_rank"]
-
-
-def rank_error_path(run_dir: Path, rank: int) -> Path:
-    """Where a failing rank leaves its traceback, for the follower on the login node to report."""
-    return run_dir / "logs" / f"rank-{rank}.error.json"
 
 
 def _rank_logger(run_dir: Path, rank: int) -> logging.Logger:
@@ -33,8 +32,8 @@ def _rank_logger(run_dir: Path, rank: int) -> logging.Logger:
     logger = logging.getLogger(f"hpc_train.rank{rank}")
     logger.setLevel(logging.INFO)
     logger.propagate = False
-    formatter = logging.Formatter(f"%(asctime)s rank{rank} %(levelname)s %(message)s")
-    handler = logging.FileHandler(run_dir / "logs" / f"rank-{rank}.log")
+    formatter = logging.Formatter(rank_log_format(rank))
+    handler = logging.FileHandler(rank_log_path(run_dir, rank))
     handler.setFormatter(formatter)
     logger.addHandler(handler)
     if rank == 0:
@@ -48,7 +47,7 @@ def run_rank(run_dir: Path) -> dict[str, Any]:
     """Run this rank's share of the job in ``run_dir``; return its result."""
     os.umask(0o077)  # logs and results of a run are private, like the run folder
     plan = Plan.from_json((run_dir / PLAN_FILE).read_text(encoding="utf-8"))
-    if plan.config["job"]["program"] != "train":  # nothing to save: signals keep their usual meaning
+    if plan.config.job.program != "train":  # nothing to save: signals keep their usual meaning
         return _run_rank(run_dir, plan, None)
     with PreemptionWatch([plan.signal]) as watch:  # first thing: a signal while starting up is kept for later
         return _run_rank(run_dir, plan, watch)
@@ -61,15 +60,15 @@ def _run_rank(run_dir: Path, plan: Plan, watch: PreemptionWatch | None) -> dict[
     info = detect_launch(expected_world=plan.layout.world)
     logger = _rank_logger(run_dir, info.rank)
     rank_error_path(run_dir, info.rank).unlink(missing_ok=True)  # from an earlier attempt
-    logger.info("start: %s rank %d/%d (local %d/%d, node %d/%d) job %s restart %d on %s", info.launcher, info.rank,
-                info.world_size, info.local_rank, info.local_world_size, info.node_rank, info.num_nodes,
-                info.job_id, info.restart, os.environ.get("SLURMD_NODENAME") or socket.gethostname())
+    logger.info("%s", format_start(info.launcher, info.rank, info.world_size, info.local_rank, info.local_world_size,
+                                   info.node_rank, info.num_nodes, info.job_id, info.restart,
+                                   os.environ.get("SLURMD_NODENAME") or socket.gethostname()))
     _prepare_fabric(run_dir, plan, info.local_rank, logger)
     on_slurm = bool(os.environ.get("SLURM_JOB_ID")) and os.environ.get("SUBMITIT_EXECUTOR") != "local"
-    if on_slurm and info.rank == 0 and plan.config["job"]["program"] == "train":
+    if on_slurm and info.rank == 0 and plan.config.job.program == "train":
         _look_back(run_dir, plan, info, logger)
     try:
-        if plan.config["job"]["program"] == "smoke":
+        if plan.config.job.program == "smoke":
             result = run_smoke(plan, info)
         else:
             from hpc_train.train.trainer import train
@@ -81,13 +80,13 @@ def _run_rank(run_dir: Path, plan: Plan, watch: PreemptionWatch | None) -> dict[
         report = {"rank": info.rank, "host": socket.gethostname(), "time": time.time(), "error": repr(error),
                   "traceback": text}
         atomic_write(rank_error_path(run_dir, info.rank), json.dumps(report, indent=2) + "\n")
-        if on_slurm and plan.config["job"]["program"] == "train" and not isinstance(error, SystemExit):
+        if on_slurm and plan.config.job.program == "train" and not isinstance(error, SystemExit):
             _requeue_after_error(run_dir, plan, info, repr(error), text, logger)
         raise
     if "stopped" in result:  # saved after a preemption signal: leave without a result, with the agreed status
         stopped = result["stopped"]
-        logger.info("stopped after step %d on %s (%s: %s); exit status %d", stopped["step"], stopped["signal"],
-                    stopped["requeue"], stopped["reason"], stopped["exit_code"])
+        logger.info("%s", format_stopped(stopped["step"], stopped["signal"], stopped["requeue"], stopped["reason"],
+                                         stopped["exit_code"]))
         raise SystemExit(stopped["exit_code"])
     if "all_reduce" in result:
         logger.info("smoke: all_reduce of ranks = %s (expected %s) over %s, rendezvous %s; groups %s",
@@ -97,12 +96,9 @@ def _run_rank(run_dir: Path, plan: Plan, watch: PreemptionWatch | None) -> dict[
         logger.info("trained steps %d-%d: loss %.4f, eval loss %.4f", result["start_step"] + 1, result["steps"],
                     result["final_loss"], result["eval_loss"])
     if info.rank == 0:
-        name = "smoke.json" if "all_reduce" in result else "train.json"
+        name = SMOKE_FILE if "all_reduce" in result else TRAIN_FILE
         atomic_write(run_dir / name, json.dumps(result, indent=2) + "\n")
     return result
-
-
-EXIT_NOT_RETRIED = 78  # a failure the retry policy does not retry (again); the reason is in rank 0's log
 
 
 def _look_back(run_dir: Path, plan: Plan, info: Any, logger: logging.Logger) -> None:
@@ -111,7 +107,7 @@ def _look_back(run_dir: Path, plan: Plan, info: Any, logger: logging.Logger) -> 
     from hpc_train.ops.policy import RetryPolicy
     from hpc_train.slurm.recovery import look_back
 
-    recovery = look_back(run_dir, info.job_id, info.restart, RetryPolicy.from_config(plan.config),
+    recovery = look_back(run_dir, info.job_id, info.restart, RetryPolicy.from_config(dataclasses.asdict(plan.config)),
                          expand(info.nodelist) if info.nodelist else [socket.gethostname()], logger.info)
     if recovery.failure_class:
         logger.info("previous attempt: %s: %s", recovery.failure_class, recovery.message)
@@ -131,7 +127,7 @@ def _requeue_after_error(run_dir: Path, plan: Plan, info: Any, error: str, text:
 
     node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()  # Slurm's name, what --exclude takes
     recovery = requeue_after_error(run_dir, info.job_id, info.restart, info.rank, node, error, text,
-                                   RetryPolicy.from_config(plan.config), logger.info)
+                                   RetryPolicy.from_config(dataclasses.asdict(plan.config)), logger.info)
     if recovery.failure_class:
         logger.info("%s: %s", recovery.failure_class, recovery.message)
 
@@ -159,7 +155,7 @@ def _prepare_fabric(run_dir: Path, plan: Plan, local_rank: int, logger: logging.
                   "active_ports": [f"{d.name}:{p.number}" for d, p in fabric.active_ib_ports()],
                   "detected": node.detected, "findings": [vars(f) for f in node.findings],
                   "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith(_FABRIC_VARIABLES)}}
-        atomic_write(run_dir / "logs" / f"fabric-{socket.gethostname()}.json", json.dumps(report, indent=2) + "\n")
+        atomic_write(fabric_report_path(run_dir, socket.gethostname()), json.dumps(report, indent=2) + "\n")
 
 
 class RankEntry:
@@ -190,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run_rank(Path(args[0]))
     except (LaunchError, RendezvousError) as error:  # a wrong launch, said in one line on every rank
-        print(f"hpc_train.launch: {error}", file=sys.stderr)
+        print(format_launch_error(error), file=sys.stderr)
         return 1
     return 0
 
