@@ -10,7 +10,13 @@ from pathlib import Path
 from hpc_train import __version__
 from hpc_train.bench.cli import add_parser as add_bench_parser
 from hpc_train.ckpt.cli import add_parser as add_ckpt_parser
-from hpc_train.cli.common import ArgumentParser, add_plan_arguments, plan_from_args, run_command
+from hpc_train.cli.common import (
+    ArgumentParser,
+    add_plan_arguments,
+    plan_from_args,
+    prepare_plan_folder,
+    run_command,
+)
 from hpc_train.doctor.cli import add_parser as add_doctor_parser
 from hpc_train.ops.cli import add_logs_parser, add_status_parser
 
@@ -113,11 +119,10 @@ def _render(args: argparse.Namespace) -> int:
         print(script.text, end="")
         return 0
     from hpc_train.errors import ConfigError
-    from hpc_train.runfolder import prepare_run_folder
 
     if args.out is not None and args.out.is_dir():
         raise ConfigError("--out", f"{args.out} is a folder", "give a file name, like job.sbatch")
-    run_dir = prepare_run_folder(plan)
+    run_dir = prepare_plan_folder(plan)
     out = args.out or run_dir / f"job-{script.template}.sbatch"
     write_script(script, out)
     print(json.dumps({"script": str(out), "run_dir": str(run_dir)}) if args.json else

@@ -8,9 +8,16 @@ import os
 import sys
 from pathlib import Path
 
-from hpc_train.cli.common import ArgumentParser, add_plan_arguments, plan_from_args, run_command
+from hpc_train.cli.common import (
+    ArgumentParser,
+    add_plan_arguments,
+    plan_from_args,
+    prepare_plan_folder,
+    run_command,
+)
 from hpc_train.config.plan import Plan
 from hpc_train.errors import ConfigError
+from hpc_train.run.paths import rank_log_path
 
 __all__ = ["build_parser", "main"]
 
@@ -69,7 +76,6 @@ def _submit(argv: list[str] | None) -> int:
         return 0
     from rich.console import Console
 
-    from hpc_train.runfolder import prepare_run_folder
     from hpc_train.slurm.executors import submit
     from hpc_train.slurm.follow import FollowedJob, follow
     from hpc_train.slurm.jobstate import check_slurm_available
@@ -81,8 +87,8 @@ def _submit(argv: list[str] | None) -> int:
         _refuse_busy_run_folders(plans)
     console = Console(stderr=args.json, soft_wrap=True)  # job output lines are never re-wrapped
     os.umask(0o077)  # submitit's folder and the ranks' files stay private
-    run_dirs = [prepare_run_folder(plan) for plan in plans]
-    offsets = [_size(Path(run_dir) / "logs" / "rank-0.log") for run_dir in run_dirs]  # follow only new lines
+    run_dirs = [prepare_plan_folder(plan) for plan in plans]
+    offsets = [_size(rank_log_path(Path(run_dir), 0)) for run_dir in run_dirs]  # follow only new lines
     try:
         jobs = submit(plans)
     except Exception as error:  # sbatch said no (submitit's FailedJobError): bad partition, account, limits

@@ -203,7 +203,7 @@ def _speak(args: argparse.Namespace, results: list[Result], about: dict[str, Any
     """Rank 0's output: the table or JSON on stdout, the JSON report in ``--out``, a fall-back on stderr."""
     report = _report(args, results, about)
     if args.out is not None:
-        from hpc_train.runfolder import atomic_write
+        from hpc_train.run.files import atomic_write
 
         atomic_write(Path(args.out), json.dumps(report, indent=2) + "\n", 0o644)
     print(json.dumps(report, indent=2) if args.json else _table(args, results, about), flush=True)

@@ -21,6 +21,7 @@ from typing import Any
 
 from hpc_train.ckpt.manager import LATEST_NAME, CheckpointInfo, CheckpointManager, VerifyLevel, inspect_checkpoint
 from hpc_train.errors import ConfigError
+from hpc_train.run.paths import CHECKPOINTS_DIR, PLAN_FILE
 
 __all__ = ["Listing", "Target", "add_parser", "collect", "resolve_target"]
 
@@ -61,9 +62,9 @@ def resolve_target(path: Path) -> Target:
     if path.name.startswith(".tmp-step-"):
         raise ConfigError(str(path), "is the temporary folder of an unfinished (or crashed) save, never resumed",
                           _WHAT)
-    if (path / "checkpoints").is_dir() or (path / "plan.json").is_file():
-        return Target(root=path / "checkpoints")
-    if path.name == "checkpoints" or (path / LATEST_NAME).is_file() or any(path.glob("step-*")):
+    if (path / CHECKPOINTS_DIR).is_dir() or (path / PLAN_FILE).is_file():
+        return Target(root=path / CHECKPOINTS_DIR)
+    if path.name == CHECKPOINTS_DIR or (path / LATEST_NAME).is_file() or any(path.glob("step-*")):
         return Target(root=path)
     raise ConfigError(str(path), "is not a run folder, a checkpoints/ folder or a step folder", _WHAT)
 

@@ -33,7 +33,7 @@ from typing import Any, Literal
 
 from hpc_train.ckpt.manifest import MANIFEST_NAME, FileEntry, Manifest, sha256_file
 from hpc_train.errors import ConfigError
-from hpc_train.runfolder import atomic_write, refuse_shared_writable
+from hpc_train.run.files import atomic_write, refuse_shared_writable
 
 __all__ = ["LATEST_NAME", "CheckpointError", "CheckpointInfo", "CheckpointManager", "VerifyLevel",
            "fsync_path", "inspect_checkpoint", "list_files", "seal_share", "step_folder_name"]

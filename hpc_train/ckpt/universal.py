@@ -39,7 +39,7 @@ from pathlib import Path
 from hpc_train.ckpt.manager import CheckpointError, fsync_path
 from hpc_train.ckpt.manifest import MANIFEST_NAME
 from hpc_train.errors import ConfigError
-from hpc_train.runfolder import atomic_write, refuse_shared_writable
+from hpc_train.run.files import atomic_write, refuse_shared_writable
 
 __all__ = ["CACHE_NAME", "MODEL_AXES", "SOURCE_NAME", "cached_copy", "clear_cache", "compare_layouts",
            "convert_to_universal", "describe_layout", "optimizer_is_partitioned"]

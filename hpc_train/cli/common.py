@@ -14,7 +14,8 @@ from hpc_train.config.plan import Plan, load_job, make_plan
 from hpc_train.config.sites import load_site
 from hpc_train.errors import ConfigError
 
-__all__ = ["EXIT_USAGE", "ArgumentParser", "add_plan_arguments", "plan_from_args", "run_command"]
+__all__ = ["EXIT_USAGE", "ArgumentParser", "add_plan_arguments", "plan_from_args", "prepare_plan_folder",
+           "run_command"]
 
 EXIT_USAGE = 2
 
@@ -50,6 +51,19 @@ def plan_from_args(args: argparse.Namespace, executor: str | None = None) -> Pla
     cfg = load_job(args.config, args.overrides)
     chosen = executor or resolve_executor(getattr(args, "executor", "auto"), site.slurm.enabled)
     return make_plan(cfg, site, chosen)
+
+
+def prepare_plan_folder(plan: Plan) -> Path:
+    """Create (or reuse) the plan's run folder and write its plan and config into it
+    (:func:`hpc_train.run.folder.prepare_run_folder`, which takes plain text so that it stays below the config)."""
+    import dataclasses
+
+    from hpc_train.config.tomlwrite import dumps
+    from hpc_train.run.folder import prepare_run_folder
+
+    config = plan.config  # the typed JobConfig, or its plain table: config.toml keeps the sections' order
+    table = dataclasses.asdict(config) if dataclasses.is_dataclass(config) else config
+    return prepare_run_folder(plan.run_dir, plan.to_json(), dumps(table), plan.config_hash)
 
 
 def run_command(command: Callable[[], int]) -> int:

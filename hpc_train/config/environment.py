@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from hpc_train.config.job import JobConfig
 from hpc_train.config.site import NetworkSite, SiteConfig
+from hpc_train.run.paths import FLIGHT_RECORDER_DIR
 
 __all__ = ["FLIGHT_RECORDER_DIR", "detected_on_node", "network_env", "rank_env", "torch_nccl_env"]
 
-FLIGHT_RECORDER_DIR = "logs/nccl-trace"  # made with the run folder: torch writes into it but never creates it
 FLIGHT_RECORDER_PREFIX = f"{FLIGHT_RECORDER_DIR}/rank-"  # torch appends the rank
 
 

@@ -23,10 +23,12 @@ from pathlib import Path
 from typing import Any
 
 from hpc_train.errors import ConfigError
+from hpc_train.run.loglines import RANK_RECORD
+from hpc_train.run.paths import LOGS_DIR, RANK_ERROR_GLOB, RANK_LOG_GLOB, SUBMITIT_DIR, rank_error_path
 
 __all__ = ["LogRecord", "MergedLogs", "RankError", "format_text", "merged_view", "read_records"]
 
-_RANK_RECORD = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) rank(\d+) ([A-Z]+) ?(.*)$")
+_RANK_RECORD = RANK_RECORD  # what launch.rank_log_format writes
 _ANY_STAMP = re.compile(r"(\d{4}-\d\d-\d\d)[ T](\d\d:\d\d:\d\d)(?:[,.](\d{1,6}))?")
 _ERROR_TEXT = re.compile(r"Traceback \(most recent call last\)|\berror\b|\bKilled\b|CANCELLED|oom[-_ ]kill|"
                          r"Out Of Memory|Segmentation fault|\bTimed? ?out\b", re.IGNORECASE)
@@ -177,7 +179,7 @@ def _stamp_time(stamp: str) -> float | None:
 def _rank_errors(logs: Path, rank: int | None) -> list[RankError]:
     """Every ``rank-N.error.json``, earliest first, identical errors (digits aside) folded into the first."""
     found = []
-    for path in logs.glob("rank-*.error.json"):
+    for path in logs.glob(RANK_ERROR_GLOB):
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, ValueError):
@@ -228,7 +230,7 @@ def merged_view(run_dir: Path, rank: int | None = None, errors_only: bool = Fals
     """Read ``RUN_DIR/logs``: the rank errors, the error records, and the merged timeline (its last ``tail``
     records when given). ``rank`` keeps one rank's files only (no batch output)."""
     run_dir = Path(run_dir)
-    logs = run_dir / "logs"
+    logs = run_dir / LOGS_DIR
     if not run_dir.is_dir():
         raise ConfigError("RUN_DIR", f"{run_dir} is not a folder", "give a run folder, like runs/tiny-gpt")
     if not logs.is_dir():
@@ -237,15 +239,15 @@ def merged_view(run_dir: Path, rank: int | None = None, errors_only: bool = Fals
     if tail is not None and tail < 0:
         raise ConfigError("--tail", f"{tail} is negative", "give the number of records to show, like --tail 50")
     view = MergedLogs(run_dir)
-    files = sorted((p for p in logs.glob("rank-*.log") if _rank_of(p) is not None), key=lambda p: _rank_of(p) or 0)
+    files = sorted((p for p in logs.glob(RANK_LOG_GLOB) if _rank_of(p) is not None), key=lambda p: _rank_of(p) or 0)
     if rank is not None:
         files = [p for p in files if _rank_of(p) == rank]
-        if not files and not (logs / f"rank-{rank}.error.json").exists():
-            ranks = ", ".join(str(_rank_of(p)) for p in sorted(logs.glob("rank-*.log"), key=lambda p: p.name))
+        if not files and not rank_error_path(run_dir, rank).exists():
+            ranks = ", ".join(str(_rank_of(p)) for p in sorted(logs.glob(RANK_LOG_GLOB), key=lambda p: p.name))
             raise ConfigError("--rank", f"{run_dir} has no log of rank {rank}", f"pick one of: {ranks or 'none'}")
     else:
         files += sorted(p for p in logs.glob("slurm-*") if p.suffix in (".out", ".err"))
-        files += sorted((run_dir / "submitit").glob("*_log.err"))
+        files += sorted((run_dir / SUBMITIT_DIR).glob("*_log.err"))
     records: list[LogRecord] = []
     for path in files:
         number = _rank_of(path)

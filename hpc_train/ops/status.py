@@ -3,7 +3,7 @@
 One poll = one ``squeue`` + one ``sacct`` call for all runs shown (:mod:`hpc_train.ops.scheduler`), joined with
 what each run folder says: ``metrics.jsonl`` (last step, loss, tokens/s, MFU, and the recent step rate for the
 ETA), ``checkpoints/latest``, ``attempts.jsonl`` (the attempts timeline) and the rank evidence of a failed attempt
-(:mod:`hpc_train.ops.failures`). Without Slurm the run-folder side is shown alone, and the view says so.
+(:mod:`hpc_train.ops.classify`). Without Slurm the run-folder side is shown alone, and the view says so.
 
 How a run folder names its jobs: ``attempts.jsonl`` (rank 0 writes the job id when an attempt starts), the file
 names submitit writes at submit time (``submitit/JOB_submitted.pkl``, ``JOB_0_log.out``), Slurm's output files of a
@@ -25,12 +25,23 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hpc_train.attempts import Attempt, AttemptLog
 from hpc_train.errors import ConfigError
 from hpc_train.ops import scheduler
-from hpc_train.ops.failures import Classification, classify, collect_evidence
-from hpc_train.ops.policy import read_exclusions
-from hpc_train.runfolder import read_json_object
+from hpc_train.ops.classify import Classification, classify
+from hpc_train.ops.evidence import collect_evidence
+from hpc_train.run.attempts import Attempt, AttemptLog
+from hpc_train.run.exclusions import read_exclusions
+from hpc_train.run.files import read_json_object
+from hpc_train.run.paths import (
+    ATTEMPTS_FILE,
+    CHECKPOINTS_DIR,
+    LOGS_DIR,
+    METRICS_FILE,
+    PLAN_FILE,
+    RANK_ERROR_GLOB,
+    RESULT_FILES,
+    SUBMITIT_DIR,
+)
 
 __all__ = ["AttemptView", "CheckpointState", "RunFolder", "RunStatus", "Telemetry", "build_status", "collect",
            "find_run_dirs", "read_folder", "render", "to_json"]
@@ -140,7 +151,7 @@ def find_run_dirs(paths: list[Path]) -> list[Path]:
     for path in paths:
         if not path.is_dir():
             raise ConfigError("RUN_DIR", f"{path} is not a folder", "give a run folder, like runs/tiny-gpt")
-        if not any((path / name).exists() for name in ("plan.json", "attempts.jsonl", "logs")):
+        if not any((path / name).exists() for name in (PLAN_FILE, ATTEMPTS_FILE, LOGS_DIR)):
             raise ConfigError("RUN_DIR", f"{path} is not a run folder (no plan.json, attempts.jsonl or logs/)",
                               "give a folder that submit or render made, like runs/tiny-gpt")
         if path.resolve() not in {p.resolve() for p in unique}:
@@ -151,7 +162,7 @@ def find_run_dirs(paths: list[Path]) -> list[Path]:
 def read_folder(path: Path) -> RunFolder:
     """Everything the view needs from one run folder; a file that is missing or torn leaves its part empty."""
     notes: list[str] = []
-    plan = read_json_object(path / "plan.json")
+    plan = read_json_object(path / PLAN_FILE)
     config = plan.get("config", {}) if isinstance(plan.get("config"), dict) else {}
     steps = config.get("train", {}).get("steps") if isinstance(config.get("train"), dict) else None
     program = str(config.get("job", {}).get("program", "")) if isinstance(config.get("job"), dict) else ""
@@ -162,17 +173,17 @@ def read_folder(path: Path) -> RunFolder:
         excluded = [e.node for e in read_exclusions(path)]
     except ConfigError as error:
         excluded, notes = [], [*notes, str(error)]
-    finished = "completed" if (path / "train.json").exists() or (path / "smoke.json").exists() else ""
-    if not finished and any((path / "logs").glob("rank-*.error.json")):
+    finished = "completed" if any((path / name).exists() for name in RESULT_FILES) else ""
+    if not finished and any((path / LOGS_DIR).glob(RANK_ERROR_GLOB)):
         finished = "failed"
     return RunFolder(path, str(plan.get("name") or path.name), executor, program,
-                     steps if isinstance(steps, int) else None, attempts, ids, _metrics_tail(path / "metrics.jsonl"),
+                     steps if isinstance(steps, int) else None, attempts, ids, _metrics_tail(path / METRICS_FILE),
                      _checkpoint(path), excluded, notes, finished)
 
 
 def _folder_job_ids(path: Path, attempts: list[Attempt]) -> list[str]:
     ids = {a.job_id for a in attempts if a.job_id}
-    for folder, pattern in ((path / "submitit", _SUBMITIT_FILE), (path / "logs", _SLURM_FILE)):
+    for folder, pattern in ((path / SUBMITIT_DIR, _SUBMITIT_FILE), (path / LOGS_DIR, _SLURM_FILE)):
         if folder.is_dir():
             ids |= {m[1] for name in os.listdir(folder) if (m := pattern.match(name))}
     return sorted((i for i in ids if re.fullmatch(r"\d+(_\d+)?", i)), key=_id_key)
@@ -205,7 +216,7 @@ def _metrics_tail(path: Path) -> list[dict[str, Any]]:
 
 
 def _checkpoint(path: Path) -> CheckpointState | None:
-    latest = path / "checkpoints" / "latest"
+    latest = path / CHECKPOINTS_DIR / "latest"
     try:
         name = latest.read_text(encoding="utf-8").strip()
         moment = latest.stat().st_mtime

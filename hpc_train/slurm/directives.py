@@ -10,6 +10,7 @@ import re
 from pathlib import PurePosixPath
 
 from hpc_train.config.plan import Plan
+from hpc_train.run.paths import LOGS_DIR
 
 __all__ = ["directive", "export_directive", "log_paths", "sbatch_directives"]
 
@@ -28,7 +29,7 @@ def directive(flag: str, value: str | int | None = None) -> str:
 
 def log_paths(plan: Plan) -> tuple[str, str]:
     """Batch-step stdout/stderr in the run folder; %j keeps attempts of a requeued job apart."""
-    logs = PurePosixPath(plan.run_dir) / "logs"
+    logs = PurePosixPath(plan.run_dir) / LOGS_DIR
     return str(logs / "slurm-%j.out"), str(logs / "slurm-%j.err")
 
 

@@ -15,7 +15,8 @@ from typing import Any
 
 from hpc_train.config.plan import Plan
 from hpc_train.errors import ConfigError
-from hpc_train.runfolder import refuse_shared_writable
+from hpc_train.run.files import refuse_shared_writable
+from hpc_train.run.paths import SUBMITIT_DIR
 from hpc_train.slurm.directives import container_srun_flags, export_directive
 
 __all__ = ["resolve_executor", "submit", "submitit_folder", "submitit_parameters"]
@@ -35,7 +36,7 @@ def resolve_executor(requested: str, slurm_enabled: bool) -> str:
 
 def submitit_folder(plan: Plan) -> Path:
     """submitit keeps its pickles and logs inside the run folder, so they are private like the rest."""
-    return Path(plan.run_dir) / "submitit"
+    return Path(plan.run_dir) / SUBMITIT_DIR
 
 
 def _setup_lines(plan: Plan) -> list[str]:

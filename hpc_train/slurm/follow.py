@@ -16,7 +16,8 @@ from typing import Any
 from rich.console import Console
 from rich.markup import escape
 
-from hpc_train.attempts import Attempt, AttemptLog
+from hpc_train.run.attempts import Attempt, AttemptLog
+from hpc_train.run.paths import LOGS_DIR, RANK_ERROR_GLOB, SUBMITIT_DIR, rank_log_path
 from hpc_train.slurm.jobstate import SlurmQueryError, query_states
 
 __all__ = ["FollowedJob", "LogTail", "follow"]
@@ -58,7 +59,7 @@ class FollowedJob:
     tail: LogTail = field(init=False)
 
     def __post_init__(self) -> None:
-        self.tail = LogTail(self.run_dir / "logs" / "rank-0.log", self.log_offset)
+        self.tail = LogTail(rank_log_path(self.run_dir, 0), self.log_offset)
 
     @property
     def job_id(self) -> str:
@@ -66,7 +67,7 @@ class FollowedJob:
 
     def rank_errors(self) -> list[dict[str, Any]]:
         errors = []
-        for path in sorted((self.run_dir / "logs").glob("rank-*.error.json")):
+        for path in sorted((self.run_dir / LOGS_DIR).glob(RANK_ERROR_GLOB)):
             try:
                 errors.append(json.loads(path.read_text(encoding="utf-8")))
             except (OSError, ValueError):
@@ -147,8 +148,8 @@ def _report_failure(console: Console, job: FollowedJob) -> None:
         console.out(_tail(first.get("traceback", "")), highlight=False)
     else:
         console.print(f"[bold red]{name} failed[/]: state {job.state}, no rank reported an error")
-        for path in sorted((job.run_dir / "logs").glob("slurm-*.err")) + sorted(
-                (job.run_dir / "submitit").glob("*_0_log.err")):
+        for path in sorted((job.run_dir / LOGS_DIR).glob("slurm-*.err")) + sorted(
+                (job.run_dir / SUBMITIT_DIR).glob("*_0_log.err")):
             text = path.read_text(encoding="utf-8", errors="replace")
             if text.strip():
                 console.out(f"--- {path.name}\n{_tail(text)}", highlight=False)

@@ -22,18 +22,14 @@ from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from pathlib import Path
 
-from hpc_train.attempts import AttemptLog
 from hpc_train.distributed.hostlist import expand
-from hpc_train.ops.failures import (
-    Classification,
-    Evidence,
-    RankReport,
-    classify,
-    collect_evidence,
-    is_hardware_fault,
-)
-from hpc_train.ops.policy import RetryPolicy, add_exclusions, decide, exclude_expression, read_exclusions
+from hpc_train.ops.classify import Classification, classify, is_hardware_fault
+from hpc_train.ops.evidence import Evidence, RankReport, collect_evidence
+from hpc_train.ops.policy import RetryPolicy, decide
 from hpc_train.ops.scheduler import SlurmRecord, parse_sacct, sacct_argv
+from hpc_train.run.attempts import AttemptLog
+from hpc_train.run.exclusions import add_exclusions, exclude_expression, read_exclusions
+from hpc_train.run.paths import HEARTBEAT_DIR
 
 __all__ = ["RETRIED_CLASSES", "Recovery", "down_nodes", "look_back", "requeue_after_error"]
 
@@ -179,7 +175,7 @@ def look_back(run_dir: Path, job_id: str, restart: int, policy: RetryPolicy, all
 def _claim(run_dir: Path, job_id: str, restart: int) -> bool:
     """One decider per attempt: the first rank to fail. The others' errors are mostly what they saw of its
     failure, and a dozen ranks requeueing and excluding at once would race on the list and on the job."""
-    folder = run_dir / "heartbeats"
+    folder = run_dir / HEARTBEAT_DIR
     folder.mkdir(mode=0o700, exist_ok=True)
     try:
         os.close(os.open(folder / f"recovery-{job_id}.{restart}", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))

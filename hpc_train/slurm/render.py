@@ -91,7 +91,7 @@ def render_script(plan: Plan, template: str | None = None) -> RenderedScript:
 
 def write_script(script: RenderedScript, path: Path) -> None:
     """Write the script atomically (never through a symlink at ``path``), readable by its owner only."""
-    from hpc_train.runfolder import atomic_write
+    from hpc_train.run.files import atomic_write
 
     if path.is_dir():
         raise ConfigError("--out", f"{path} is a folder", "give a file name, like job.sbatch")

@@ -36,11 +36,11 @@ from typing import IO, Any, Self, SupportsFloat
 from rich.console import Console
 from rich.markup import escape
 
+from hpc_train.run.paths import METRICS_FILE
 from hpc_train.train.flops import mfu as _mfu
 
 __all__ = ["METRICS_FILE", "TENSORBOARD_DIR", "Monitor", "NullMonitor", "format_duration", "truncate_metrics"]
 
-METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 
 

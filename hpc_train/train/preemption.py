@@ -21,12 +21,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["EXIT_SAVE_HUNG", "EXIT_STOPPED", "LOCAL_REQUEUE_EXIT", "PreemptionWatch", "Requeue", "arm_force_exit",
-           "decide_requeue", "perform_requeue"]
+from hpc_train.run.exit_codes import EXIT_SAVE_HUNG, EXIT_STOPPED, LOCAL_REQUEUE_EXIT
 
-EXIT_STOPPED = 75  # EX_TEMPFAIL: saved and stopped on a signal, not requeued; run the same command to go on
-EXIT_SAVE_HUNG = 76  # the force-exit timer ended a save that did not finish within the lead time
-LOCAL_REQUEUE_EXIT = 144  # submitit's LocalExecutor restarts the job's tasks when one exits with this
+__all__ = ["PreemptionWatch", "Requeue", "arm_force_exit", "decide_requeue", "perform_requeue"]
+
 LOCAL_MAX_RESTARTS = 5  # ... at most this often (its controller's max_retry is 6 starts)
 
 

@@ -14,10 +14,11 @@ from typing import Any
 
 import torch.distributed as dist
 
-from hpc_train.attempts import Attempt, AttemptLog, recommended_lead_seconds, requeues_so_far
 from hpc_train.distributed.launchers import LaunchInfo
+from hpc_train.run.attempts import Attempt, AttemptLog, recommended_lead_seconds, requeues_so_far
+from hpc_train.run.exit_codes import EXIT_HUNG
 from hpc_train.train.preemption import Requeue, decide_requeue, perform_requeue
-from hpc_train.train.watchdog import EXIT_HUNG, Hang
+from hpc_train.train.watchdog import Hang
 
 __all__ = ["AttemptRecorder", "decide_hang", "signal_name"]
 

@@ -21,7 +21,6 @@ import dataclasses
 import faulthandler
 import json
 import os
-import re
 import socket
 import sys
 import threading
@@ -30,36 +29,22 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from hpc_train.runfolder import atomic_write
+from hpc_train.run.exit_codes import EXIT_HUNG
+from hpc_train.run.files import atomic_write
+from hpc_train.run.loglines import format_not_in_collective
+from hpc_train.run.paths import (
+    FLIGHT_RECORDER_DIR,
+    HEARTBEAT_DIR,
+    hang_decision_path,
+    hang_marker_path,
+    heartbeat_path,
+    stacks_path,
+)
+from hpc_train.run.stacks import COLLECTIVE_FRAMES, DUMP_SEPARATOR, main_thread_frames
 
-__all__ = ["EXIT_HUNG", "HEARTBEAT_DIR", "Hang", "Timeouts", "Watchdog", "stacks_path", "suspects"]
+__all__ = ["Hang", "Timeouts", "Watchdog", "suspects"]
 
-EXIT_HUNG = 77  # the watchdog ended a rank that made no progress; the stacks are in logs/stacks-rank-N.txt
-HEARTBEAT_DIR = "heartbeats"
 PHASES = ("startup", "step", "checkpoint")
-
-
-COLLECTIVE_FRAMES = ("torch/distributed/", "deepspeed/comm/", "deepspeed/runtime/comm/")
-
-
-def stacks_path(run_dir: Path, rank: int) -> Path:
-    return run_dir / "logs" / f"stacks-rank-{rank}.txt"
-
-
-def _main_thread_frames(dump: str) -> list[str]:
-    """The frames of the rank's main thread (named in the dump's header), innermost first."""
-    match = re.search(r"^# main thread (0x[0-9a-f]+)$", dump, re.MULTILINE)
-    if match is None:
-        return []
-    frames: list[str] = []
-    inside = False
-    for line in dump.splitlines():
-        if line.startswith(("Thread 0x", "Current thread 0x")):
-            inside = match[1] in line.split()
-            continue
-        if inside and line.strip().startswith("File"):
-            frames.append(line.strip())
-    return frames
 
 
 def suspects(run_dir: Path, world_size: int, hang_id: float | None = None) -> dict[int, str]:
@@ -73,12 +58,12 @@ def suspects(run_dir: Path, world_size: int, hang_id: float | None = None) -> di
             text = stacks_path(run_dir, rank).read_text(encoding="utf-8", errors="replace")
         except OSError:
             continue
-        dumps = text.split("\n# rank ")
+        dumps = text.split(DUMP_SEPARATOR)
         if hang_id is not None:
             dumps = [d for d in dumps if f"# hang-id {hang_id!r}" in d]
             if not dumps:
                 continue
-        frames = _main_thread_frames(dumps[-1])
+        frames = main_thread_frames(dumps[-1])
         if frames and not any(marker in frame for frame in frames for marker in COLLECTIVE_FRAMES):
             found[rank] = frames[0].removeprefix("File ")
     return found
@@ -131,10 +116,9 @@ class Watchdog:
         self.grace_s = grace_s  # rank 0 may wait 10 s for the dumps and 60 s for scontrol: others wait longer
         self._exit = exit
         self.host = socket.gethostname()
-        folder = run_dir / HEARTBEAT_DIR
-        self.marker = folder / f"hang-{attempt}.json"
-        self.decision = folder / f"hang-{attempt}.decided.json"
-        self.heartbeat = folder / f"rank-{rank}.json"
+        self.marker = hang_marker_path(run_dir, attempt)
+        self.decision = hang_decision_path(run_dir, attempt)
+        self.heartbeat = heartbeat_path(run_dir, rank)
         # A restart of the local executor reuses the attempt's name: anything older than this start is history.
         self.started = time.time()
         self._progress = ("startup", 0, time.monotonic())  # one tuple: the thread never pairs a phase with a
@@ -250,7 +234,7 @@ class Watchdog:
         self._wait_for_stacks(hang)
         culprits = suspects(self.run_dir, self.world_size, hang.time)
         for rank, frame in culprits.items():
-            self.log(f"hang: rank {rank} is not in a collective: {frame}")
+            self.log(format_not_in_collective(rank, frame))
         if culprits and len(culprits) < self.world_size:  # every rank "outside": the dumps cannot tell (NCCL)
             where = "; ".join(f"rank {rank} in {frame}" for rank, frame in culprits.items())
             hang = dataclasses.replace(hang, suspects=where)
@@ -297,5 +281,5 @@ def _dump_flight_recorder(run_dir: Path, rank: int) -> None:
     if dump is None or not os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE"):
         return
     with contextlib.suppress(Exception):
-        (run_dir / "logs" / "nccl-trace").mkdir(exist_ok=True)
-        (run_dir / "logs" / "nccl-trace" / f"rank-{rank}").write_bytes(dump())
+        (run_dir / FLIGHT_RECORDER_DIR).mkdir(exist_ok=True)
+        (run_dir / FLIGHT_RECORDER_DIR / f"rank-{rank}").write_bytes(dump())

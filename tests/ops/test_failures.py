@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from hpc_train.ops.failures import CLASSES, Evidence, RankReport, classify, collect_evidence
+from hpc_train.ops.classify import CLASSES, classify
+from hpc_train.ops.evidence import Evidence, RankReport, collect_evidence
 from tests.ops.fixtures import (
     GLOO_CLOSED,
     NCCL_TIMEOUT,

@@ -1,24 +1,11 @@
-"""The retry policy per class, and the run folder's exclusion list."""
+"""The retry policy per class."""
 
 from __future__ import annotations
 
-import json
-import stat
-from pathlib import Path
-
 import pytest
 
-from hpc_train.errors import ConfigError
-from hpc_train.ops.failures import Classification
-from hpc_train.ops.policy import (
-    EXCLUDED_FILE,
-    Decision,
-    RetryPolicy,
-    add_exclusions,
-    decide,
-    exclude_expression,
-    read_exclusions,
-)
+from hpc_train.ops.classify import Classification
+from hpc_train.ops.policy import Decision, RetryPolicy, decide
 
 POLICY = RetryPolicy()
 
@@ -90,40 +77,3 @@ def test_policy_from_the_runs_retry_section() -> None:
     assert (policy.max_hang, policy.max_node_failure, policy.max_infrastructure) == (5, 1, 0)
     assert RetryPolicy.from_config({}) == RetryPolicy()
     assert not decide(_c("infrastructure", ("n1",)), [], policy).retry
-
-
-def test_exclusion_list_round_trip(tmp_path: Path) -> None:
-    assert read_exclusions(tmp_path) == []
-    listed = add_exclusions(tmp_path, ["n2"], "node_failure", "800", "node failure on n2", now=100.0)
-    assert [(e.node, e.failure_class, e.job_id, e.time) for e in listed] == [("n2", "node_failure", "800", 100.0)]
-    listed = add_exclusions(tmp_path, ["n2", "n10", "n3"], "infrastructure", "801", "ECC", now=200.0)
-    assert [e.node for e in listed] == ["n2", "n10", "n3"] and listed[0].job_id == "800"  # first entry kept
-    assert read_exclusions(tmp_path) == listed
-    path = tmp_path / EXCLUDED_FILE
-    data = json.loads(path.read_text())
-    assert data["nodes"][1] == {"node": "n10", "class": "infrastructure", "job_id": "801", "time": 200.0,
-                                "reason": "ECC"}
-    assert stat.S_IMODE(path.stat().st_mode) == 0o600
-    assert not list(tmp_path.glob(".*tmp*"))  # written through a temporary file, renamed
-    assert exclude_expression(listed) == "n[2-3,10]"
-    assert exclude_expression(listed, also="gpu[001-002]") == "gpu[001-002],n[2-3,10]"
-    assert exclude_expression([]) == ""
-
-
-def test_a_hand_broken_exclusion_file_names_itself(tmp_path: Path) -> None:
-    path = tmp_path / EXCLUDED_FILE
-    path.write_text("{not json")
-    with pytest.raises(ConfigError, match=EXCLUDED_FILE):
-        read_exclusions(tmp_path)
-    path.write_text(json.dumps({"nodes": [{"node": "n1,n2"}]}))
-    with pytest.raises(ConfigError, match="names no node"):
-        read_exclusions(tmp_path)
-    path.write_text("[]")
-    with pytest.raises(ConfigError, match='no "nodes" list'):
-        read_exclusions(tmp_path)
-
-
-def test_add_refuses_what_is_not_a_node_name(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="not a node name"):
-        add_exclusions(tmp_path, ["n[1-2]"], "node_failure", "1", "x")
-    assert not (tmp_path / EXCLUDED_FILE).exists()

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from hpc_train.attempts import AttemptLog
-from hpc_train.ops.policy import RetryPolicy, read_exclusions
+from hpc_train.ops.policy import RetryPolicy
+from hpc_train.run.attempts import AttemptLog
+from hpc_train.run.exclusions import read_exclusions
 from hpc_train.slurm import recovery
 from hpc_train.slurm.recovery import look_back, requeue_after_error
 

@@ -14,10 +14,8 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
+from hpc_train.run.exit_codes import EXIT_SAVE_HUNG, EXIT_STOPPED, LOCAL_REQUEUE_EXIT
 from hpc_train.train.preemption import (
-    EXIT_SAVE_HUNG,
-    EXIT_STOPPED,
-    LOCAL_REQUEUE_EXIT,
     PreemptionWatch,
     Requeue,
     decide_requeue,
@@ -120,9 +118,9 @@ def test_the_force_exit_timer_ends_a_hung_save() -> None:
 
 
 def test_the_next_plan_takes_its_lead_time_from_the_run_folder(tmp_path: Path) -> None:
-    from hpc_train.attempts import AttemptLog
     from hpc_train.config.plan import load_job, make_plan
     from hpc_train.config.sites import load_site
+    from hpc_train.run.attempts import AttemptLog
 
     job = tmp_path / "job.toml"
     job.write_text('[job]\nname = "lead"\ntime = "01:00:00"\n')

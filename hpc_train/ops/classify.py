@@ -1,9 +1,10 @@
 """Failure classes: why one attempt of a run ended, from Slurm's accounting and the ranks' own evidence.
 
 :func:`classify` is a pure function of a :class:`~hpc_train.ops.scheduler.SlurmRecord` (state, exit codes of the
-allocation and its steps, reason, nodes) and an :class:`Evidence` (what :func:`collect_evidence` read from the run
-folder: ``logs/rank-N.error.json``, this attempt's part of ``logs/rank-N.log``, ``logs/stacks-rank-N.txt``, and
-the batch output Slurm and srun wrote). The first rule that matches decides; the order is the point:
+allocation and its steps, reason, nodes) and an :class:`~hpc_train.ops.evidence.Evidence` (what
+:func:`~hpc_train.ops.evidence.collect_evidence` read from the run folder: ``logs/rank-N.error.json``, this
+attempt's part of ``logs/rank-N.log``, ``logs/stacks-rank-N.txt``, and the batch output Slurm and srun wrote).
+The first rule that matches decides; the order is the point:
 
 1. ``COMPLETED`` with status 0 everywhere: **completed**.
 2. The scheduler saw a node die (``NODE_FAIL``, ``BOOT_FAIL``, "DUE TO NODE FAILURE"): **node_failure**. It comes
@@ -41,22 +42,26 @@ nodes, else the node srun named for that task, else the allocation's node at the
 
 from __future__ import annotations
 
-import glob
 import re
 from collections.abc import Collection, Iterable
 from dataclasses import asdict, dataclass, field
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from hpc_train.attempts import AttemptLog
 from hpc_train.distributed.hostlist import expand
+from hpc_train.ops.evidence import SRUN_ERROR, Evidence, RankReport, srun_tasks
 from hpc_train.ops.scheduler import SlurmRecord
-from hpc_train.runfolder import read_json_object
-from hpc_train.train.preemption import EXIT_SAVE_HUNG, EXIT_STOPPED, LOCAL_REQUEUE_EXIT
-from hpc_train.train.watchdog import COLLECTIVE_FRAMES, EXIT_HUNG  # both modules import no torch
+from hpc_train.run.exit_codes import (
+    COMMAND_NOT_RUNNABLE,
+    EXIT_HUNG,
+    EXIT_SAVE_HUNG,
+    EXIT_STOPPED,
+    LOCAL_REQUEUE_EXIT,
+)
+from hpc_train.run.loglines import LAUNCH_ERROR_PREFIX, NOT_IN_COLLECTIVE, RANK_LINE, parse_stop, rank_line_time
+from hpc_train.run.stacks import in_collective
 
-__all__ = ["CLASSES", "Classification", "Evidence", "RankReport", "classify", "collect_evidence", "is_hardware_fault"]
+__all__ = ["CLASSES", "Classification", "classify", "is_hardware_fault"]
 
 CLASSES = ("completed", "preempted", "time_limit", "node_failure", "infrastructure", "out_of_memory", "hang",
            "user_error", "cancelled", "unknown")
@@ -88,40 +93,8 @@ _SECONDARY = re.compile(r"Connection closed by peer|Connection reset by peer|Bro
                         r"DistNetworkError|failed to recv, got 0 bytes|ProcessGroup\w* .*abort", re.IGNORECASE)
 _NOT_PRIMARY = re.compile(r"^(SystemExit|KeyboardInterrupt|GeneratorExit)\b")
 _FRAME = re.compile(r'File "([^"]+)", line (\d+)(?:, in (\S+))?')
-_START = re.compile(r"start: (\S+) rank (\d+)/(\d+) \(local \d+/\d+, node (\d+)/(\d+)\) job (\S+) restart (\d+)")
-_RANK_LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) rank\d+ ([A-Z]+) ")
-_STOPPED = re.compile(r"saved step (\d+) [\d.]+ s after (SIG\w+)|stopped after step (\d+) on (SIG\w+)")
-_SRUN = re.compile(r"srun: error: (\S+): tasks? ([\d,\-]+): (.+)")
 _SLURM_DUE = re.compile(r"\*\*\* (?:JOB|STEP) \S+ ON (\S+) CANCELLED AT \S+(?: DUE TO ([A-Z ]+?))? \*\*\*")
-_NOT_IN_COLLECTIVE = re.compile(r"hang: rank (\d+) is not in a collective")  # the watchdog on rank 0
 _SIGNALS = {1: "SIGHUP", 2: "SIGINT", 6: "SIGABRT", 7: "SIGBUS", 9: "SIGKILL", 11: "SIGSEGV", 15: "SIGTERM"}
-_TAIL_BYTES = 1 << 20
-
-
-@dataclass(frozen=True)
-class RankReport:
-    """What one rank left behind in one attempt."""
-
-    rank: int
-    host: str = ""
-    node_index: int | None = None
-    error: str = ""
-    error_time: float | None = None
-    traceback: str = ""
-    log_tail: tuple[str, ...] = ()
-    stacks: str = ""
-    stderr: tuple[str, ...] = ()
-    launcher: str = ""
-
-
-@dataclass(frozen=True)
-class Evidence:
-    """The run folder's side of one attempt (see :func:`collect_evidence`)."""
-
-    ranks: tuple[RankReport, ...] = ()
-    batch_log: str = ""
-    outcome: str = ""  # what rank 0 wrote into attempts.jsonl for this attempt (hang, preempted, failed, ...)
-    note: str = ""
 
 
 @dataclass(frozen=True)
@@ -175,8 +148,8 @@ class _Attempt:
         self.allocation = _nodes(record)
         batch = self.evidence.batch_log
         tasks_are_ranks = all(r.launcher in ("", "srun") for r in self.evidence.ranks)
-        self.srun = _srun_tasks(batch) if tasks_are_ranks else {}
-        self.srun_lines = [m[0] for m in _SRUN.finditer(batch)]
+        self.srun = srun_tasks(batch) if tasks_are_ranks else {}
+        self.srun_lines = [m[0] for m in SRUN_ERROR.finditer(batch)]
         self.due = [(m[1], (m[2] or "").strip()) for m in _SLURM_DUE.finditer(batch)]
         self.findings = [_finding(report) for report in self.evidence.ranks]
         self.stop = _stop_line(self.evidence)
@@ -310,7 +283,7 @@ def _hang(a: _Attempt) -> Classification | None:
     if not (watchdog or EXIT_SAVE_HUNG in a.codes or timeouts):
         return None
     named = sorted({int(m[1]) for f in a.findings for line in f.report.log_tail
-                    if (m := _NOT_IN_COLLECTIVE.search(line))})
+                    if (m := NOT_IN_COLLECTIVE.search(line))})
     silent = [f.report.rank for f in a.findings if f.kind == "none"] if timeouts else []
     suspects = named or _stack_suspects(stacks) or silent
     nodes = list(dict.fromkeys(n for rank in suspects if (n := a.rank_node(rank))))
@@ -367,11 +340,11 @@ def _killed(a: _Attempt) -> Classification | None:
 
 
 def _could_not_start(a: _Attempt) -> Classification | None:
-    launch = [line.strip() for line in a.evidence.batch_log.splitlines() if "hpc_train.launch: " in line]
-    if not a.codes & {126, 127} and not launch:
+    launch = [line.strip() for line in a.evidence.batch_log.splitlines() if LAUNCH_ERROR_PREFIX in line]
+    if not a.codes & COMMAND_NOT_RUNNABLE and not launch:
         return None
-    detail = launch[0].split("hpc_train.launch: ", 1)[1] if launch else \
-        f"exit status {max(a.codes & {126, 127})}: a command was not found or not executable"
+    detail = launch[0].split(LAUNCH_ERROR_PREFIX, 1)[1] if launch else \
+        f"exit status {max(a.codes & COMMAND_NOT_RUNNABLE)}: a command was not found or not executable"
     return a.result("user_error", f"user error: the ranks could not start: {_short(detail, 120)}",
                     extra=launch[:2])
 
@@ -416,7 +389,7 @@ def _error_records(lines: Iterable[str], lowest: str = "ERROR") -> list[str]:
     levels = ("WARNING", "ERROR", "CRITICAL") if lowest == "WARNING" else ("ERROR", "CRITICAL")
     kept, keep = [], False
     for line in lines:
-        m = _RANK_LINE.match(line)
+        m = RANK_LINE.match(line)
         if m:
             keep = m[2] in levels
         if keep:
@@ -445,32 +418,12 @@ def _nodes(record: SlurmRecord | None) -> list[str]:
         return []
 
 
-def _srun_tasks(batch: str) -> dict[int, tuple[str, str, str]]:
-    """``{task: (node, task list, message)}`` from srun's "srun: error: n1: task 1: Exited with exit code 1"."""
-    tasks: dict[int, tuple[str, str, str]] = {}
-    for m in _SRUN.finditer(batch):
-        for part in m[2].split(","):
-            low, _, high = part.partition("-")
-            if low.isdigit() and (high.isdigit() or not high):
-                for task in range(int(low), int(high or low) + 1):
-                    tasks.setdefault(task, (m[1], m[2], m[3]))
-    return tasks
-
-
-
-
-
-
 def _stop_line(evidence: Evidence) -> tuple[int, str] | None:
     for report in evidence.ranks:
         for line in reversed(report.log_tail):
-            if m := _STOPPED.search(line):
-                return int(m[1] or m[3]), m[2] or m[4]
+            if (stop := parse_stop(line)) is not None:
+                return stop
     return None
-
-
-
-
 
 
 def _near_limit(record: SlurmRecord | None) -> bool:
@@ -482,21 +435,8 @@ def _near_limit(record: SlurmRecord | None) -> bool:
 def _stack_suspects(stacks: list[RankReport]) -> list[int]:
     """Ranks whose main thread (in the last dump of ``stacks-rank-N.txt``) is not inside torch.distributed or
     DeepSpeed's communication while the other ranks' are: the ones the others wait for."""
-    outside = [r.rank for r in stacks if not _in_collective(r.stacks)]
+    outside = [r.rank for r in stacks if not in_collective(r.stacks)]
     return sorted(outside) if len(outside) < len(stacks) else []
-
-
-def _in_collective(dump: str) -> bool:
-    last = dump.rsplit("\n# rank ", 1)[-1]
-    main = re.search(r"^# main thread (0x[0-9a-f]+)$", last, re.MULTILINE)
-    frames: list[str] = []
-    inside = main is None
-    for line in last.splitlines():
-        if line.startswith(("Thread 0x", "Current thread 0x")):
-            inside = main is not None and main[1] in line.split()
-        elif inside and line.strip().startswith("File"):
-            frames.append(line)
-    return any(marker in frame for frame in frames for marker in COLLECTIVE_FRAMES)
 
 
 def _last_exception(text: str) -> str:
@@ -513,9 +453,9 @@ def _last_exception(text: str) -> str:
 def _first_error_time(lines: Iterable[str]) -> float:
     """When a rank first logged an ERROR record (for ranks without an error file)."""
     for line in lines:
-        m = _RANK_LINE.match(line)
+        m = RANK_LINE.match(line)
         if m and m[2] in ("ERROR", "CRITICAL"):
-            stamp = _stamp(line)
+            stamp = rank_line_time(line)
             return float("inf") if stamp is None else stamp
     return float("inf")
 
@@ -551,135 +491,5 @@ def _ranges(numbers: Iterable[int]) -> str:
             parts.append(str(start) if start == prev else f"{start}-{prev}")
         start = prev = value
     return ",".join(parts)
-
-
-# -- reading the run folder ----------------------------------------------------------------------------------
-
-
-def collect_evidence(run_dir: Path, job_id: str | None = None, restart: int | None = None,
-                     tail_lines: int = 200) -> Evidence:
-    """What the ranks of one attempt left in ``run_dir``: error files, the attempt's log lines, dumped stacks and
-    the batch output of ``job_id`` (Slurm's ``logs/slurm-JOB.*``, submitit's ``submitit/JOB_*_log.err``).
-
-    A rank log holds every attempt (it is appended to); the attempt's part starts at its "start: ... job J restart
-    R" line. Without ``job_id`` the newest part of each log is read. Error and stack files are per rank, rewritten
-    by each attempt, so they count only when the attempt asked for is that rank's newest one.
-    """
-    run_dir = Path(run_dir)
-    logs = run_dir / "logs"
-    batch = _batch_log(run_dir, job_id, restart, tail_lines)
-    stderr: dict[int, list[str]] = {}
-    for line in batch.splitlines():
-        if m := re.match(r"\[rank(\d+)\]:(.*)", line):
-            stderr.setdefault(int(m[1]), []).append(m[2])
-    names = [p.name for p in logs.glob("*rank-*")] if logs.is_dir() else []
-    ranks = sorted({int(m[1]) for name in names if (m := re.match(r"(?:stacks-)?rank-(\d+)\.", name))} | set(stderr))
-    reports = []
-    for rank in ranks:
-        lines = _read_tail(logs / f"rank-{rank}.log").splitlines()
-        part = _segment(lines, job_id, restart)
-        error = read_json_object(logs / f"rank-{rank}.error.json") if part.newest else {}
-        stacks_path = logs / f"stacks-rank-{rank}.txt"
-        stacks = _read_tail(stacks_path) if part.newest and _after(stacks_path, part.started) else ""
-        if not part.lines and not error and not stacks and rank not in stderr:
-            continue
-        when = error.get("time")
-        reports.append(RankReport(
-            rank=rank, host=str(error.get("host", "")), node_index=part.node_index, error=str(error.get("error", "")),
-            error_time=float(when) if isinstance(when, int | float) else None,
-            traceback=str(error.get("traceback", "")), log_tail=tuple(part.lines[-tail_lines:]), stacks=stacks,
-            stderr=tuple(stderr.get(rank, ())[-tail_lines:]), launcher=part.launcher))
-    attempts = [a for a in AttemptLog(run_dir).read()
-                if job_id is None or (a.job_id == job_id and (restart is None or a.restart == restart))]
-    last = attempts[-1] if attempts else None
-    return Evidence(tuple(reports), batch, last.outcome if last else "", last.note if last else "")
-
-
-@dataclass(frozen=True)
-class _Segment:
-    lines: list[str]
-    newest: bool
-    node_index: int | None = None
-    started: float | None = None
-    launcher: str = ""
-
-
-def _segment(lines: list[str], job_id: str | None, restart: int | None) -> _Segment:
-    """One attempt's lines of a rank log (from its start line to the next one), and what the start line says."""
-    starts = [(i, m) for i, line in enumerate(lines) if (m := _START.search(line))]
-    if not starts:
-        return _Segment(lines, True)
-    chosen = len(starts) - 1
-    if job_id is not None:
-        matching = [k for k, (_, m) in enumerate(starts)
-                    if m[6] == job_id and (restart is None or int(m[7]) == restart)]
-        if not matching:
-            return _Segment([], False)
-        chosen = matching[-1]
-    first, start = starts[chosen]
-    end = starts[chosen + 1][0] if chosen + 1 < len(starts) else len(lines)
-    return _Segment(lines[first:end], chosen == len(starts) - 1, int(start[4]), _stamp(lines[first]), start[1])
-
-
-def _stamp(line: str) -> float | None:
-    """Seconds since the epoch of a rank log line's timestamp (local time, as logging wrote it)."""
-    m = _RANK_LINE.match(line)
-    if not m:
-        return None
-    try:
-        return datetime.strptime(m[1], "%Y-%m-%d %H:%M:%S,%f").timestamp()
-    except ValueError:
-        return None
-
-
-def _after(path: Path, started: float | None) -> bool:
-    try:
-        return started is None or path.stat().st_mtime >= started - 1
-    except OSError:
-        return False
-
-
-def _batch_log(run_dir: Path, job_id: str | None, restart: int | None, tail_lines: int) -> str:
-    """The batch step's output of this job: where srun and slurmstepd say what happened to the tasks. A
-    requeued job appends to the same files; each attempt starts at the template's "hpc_train: job J restart R"
-    line or submitit's "Starting with JobEnvironment"."""
-    if job_id:
-        ident = glob.escape(job_id)
-        patterns = [f"logs/slurm-{ident}.out", f"logs/slurm-{ident}.err", f"submitit/{ident}_*_log.err"]
-    else:
-        patterns = ["logs/slurm-*.out", "logs/slurm-*.err", "submitit/*_log.err"]
-    paths = sorted({p for pattern in patterns for p in run_dir.glob(pattern) if p.is_file()})
-    if not job_id and paths:  # the newest job's files only
-        newest = _file_job(max(paths, key=lambda p: p.stat().st_mtime).name)
-        paths = [p for p in paths if _file_job(p.name) == newest]
-    parts = []
-    for path in paths:
-        lines = _read_tail(path).splitlines()
-        marks = [i for i, line in enumerate(lines)
-                 if re.match(r"hpc_train: job \S+ restart \d+", line) or "Starting with JobEnvironment" in line]
-        if marks:
-            index = restart if restart is not None and restart < len(marks) else len(marks) - 1
-            lines = lines[marks[index]:marks[index + 1] if index + 1 < len(marks) else len(lines)]
-        parts.extend(lines[-tail_lines:])
-    return "\n".join(parts)
-
-
-def _file_job(name: str) -> str:
-    """The job id in ``slurm-123.err`` or ``123_0_log.err``."""
-    if name.startswith("slurm-"):
-        return name.removeprefix("slurm-").rsplit(".", 1)[0]
-    return name.rsplit("_", 2)[0]
-
-
-def _read_tail(path: Path, limit: int = _TAIL_BYTES) -> str:
-    try:
-        with open(path, "rb") as handle:
-            size = handle.seek(0, 2)
-            handle.seek(max(0, size - limit))
-            data = handle.read()
-    except OSError:
-        return ""
-    text = data.decode("utf-8", errors="replace")
-    return text if len(data) < limit else text.partition("\n")[2]
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from hpc_train.attempts import Attempt, AttemptLog, recommended_lead_seconds, requeues_so_far
+from hpc_train.run.attempts import Attempt, AttemptLog, recommended_lead_seconds, requeues_so_far
 
 
 def test_an_attempt_is_written_when_it_starts_and_rewritten_when_it_ends(tmp_path: Path) -> None:

@@ -16,11 +16,11 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
-from hpc_train.runfolder import atomic_write
+from hpc_train.run.files import atomic_write
+from hpc_train.run.paths import ATTEMPTS_FILE
 
 __all__ = ["ATTEMPTS_FILE", "Attempt", "AttemptLog", "recommended_lead_seconds", "requeues_so_far"]
 
-ATTEMPTS_FILE = "attempts.jsonl"
 OUTCOMES = ("running", "completed", "preempted", "failed", "hang", "node_failure", "infrastructure", "killed")
 
 

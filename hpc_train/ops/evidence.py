@@ -1,0 +1,179 @@
+"""Reading the run folder into evidence: what the ranks of one attempt left behind, for :mod:`.classify`.
+
+A rank log holds every attempt (it is appended to), error and stack files are rewritten by each attempt, and
+Slurm appends each requeue's batch output to the same files; this module cuts out the one attempt asked for.
+Nothing here judges the evidence: :func:`hpc_train.ops.classify.classify` does, as a pure function.
+"""
+
+from __future__ import annotations
+
+import glob
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from hpc_train.run.attempts import AttemptLog
+from hpc_train.run.files import read_json_object
+from hpc_train.run.loglines import BATCH_START, parse_start, rank_line_time
+from hpc_train.run.paths import LOGS_DIR, rank_error_path, rank_log_path, stacks_path
+
+__all__ = ["SRUN_ERROR", "Evidence", "RankReport", "collect_evidence", "srun_tasks"]
+
+_TAIL_BYTES = 1 << 20
+SRUN_ERROR = re.compile(r"srun: error: (\S+): tasks? ([\d,\-]+): (.+)")  # srun on a task that failed
+
+
+@dataclass(frozen=True)
+class RankReport:
+    """What one rank left behind in one attempt."""
+
+    rank: int
+    host: str = ""
+    node_index: int | None = None
+    error: str = ""
+    error_time: float | None = None
+    traceback: str = ""
+    log_tail: tuple[str, ...] = ()
+    stacks: str = ""
+    stderr: tuple[str, ...] = ()
+    launcher: str = ""
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """The run folder's side of one attempt (see :func:`collect_evidence`)."""
+
+    ranks: tuple[RankReport, ...] = ()
+    batch_log: str = ""
+    outcome: str = ""  # what rank 0 wrote into attempts.jsonl for this attempt (hang, preempted, failed, ...)
+    note: str = ""
+
+
+
+def collect_evidence(run_dir: Path, job_id: str | None = None, restart: int | None = None,
+                     tail_lines: int = 200) -> Evidence:
+    """What the ranks of one attempt left in ``run_dir``: error files, the attempt's log lines, dumped stacks and
+    the batch output of ``job_id`` (Slurm's ``logs/slurm-JOB.*``, submitit's ``submitit/JOB_*_log.err``).
+
+    A rank log holds every attempt (it is appended to); the attempt's part starts at its "start: ... job J restart
+    R" line. Without ``job_id`` the newest part of each log is read. Error and stack files are per rank, rewritten
+    by each attempt, so they count only when the attempt asked for is that rank's newest one.
+    """
+    run_dir = Path(run_dir)
+    logs = run_dir / LOGS_DIR
+    batch = _batch_log(run_dir, job_id, restart, tail_lines)
+    stderr: dict[int, list[str]] = {}
+    for line in batch.splitlines():
+        if m := re.match(r"\[rank(\d+)\]:(.*)", line):
+            stderr.setdefault(int(m[1]), []).append(m[2])
+    names = [p.name for p in logs.glob("*rank-*")] if logs.is_dir() else []
+    ranks = sorted({int(m[1]) for name in names if (m := re.match(r"(?:stacks-)?rank-(\d+)\.", name))} | set(stderr))
+    reports = []
+    for rank in ranks:
+        lines = _read_tail(rank_log_path(run_dir, rank)).splitlines()
+        part = _segment(lines, job_id, restart)
+        error = read_json_object(rank_error_path(run_dir, rank)) if part.newest else {}
+        stacks_file = stacks_path(run_dir, rank)
+        stacks = _read_tail(stacks_file) if part.newest and _after(stacks_file, part.started) else ""
+        if not part.lines and not error and not stacks and rank not in stderr:
+            continue
+        when = error.get("time")
+        reports.append(RankReport(
+            rank=rank, host=str(error.get("host", "")), node_index=part.node_index, error=str(error.get("error", "")),
+            error_time=float(when) if isinstance(when, int | float) else None,
+            traceback=str(error.get("traceback", "")), log_tail=tuple(part.lines[-tail_lines:]), stacks=stacks,
+            stderr=tuple(stderr.get(rank, ())[-tail_lines:]), launcher=part.launcher))
+    attempts = [a for a in AttemptLog(run_dir).read()
+                if job_id is None or (a.job_id == job_id and (restart is None or a.restart == restart))]
+    last = attempts[-1] if attempts else None
+    return Evidence(tuple(reports), batch, last.outcome if last else "", last.note if last else "")
+
+
+@dataclass(frozen=True)
+class _Segment:
+    lines: list[str]
+    newest: bool
+    node_index: int | None = None
+    started: float | None = None
+    launcher: str = ""
+
+
+def _segment(lines: list[str], job_id: str | None, restart: int | None) -> _Segment:
+    """One attempt's lines of a rank log (from its start line to the next one), and what the start line says."""
+    starts = [(i, s) for i, line in enumerate(lines) if (s := parse_start(line)) is not None]
+    if not starts:
+        return _Segment(lines, True)
+    chosen = len(starts) - 1
+    if job_id is not None:
+        matching = [k for k, (_, s) in enumerate(starts)
+                    if s.job_id == job_id and (restart is None or s.restart == restart)]
+        if not matching:
+            return _Segment([], False)
+        chosen = matching[-1]
+    first, start = starts[chosen]
+    end = starts[chosen + 1][0] if chosen + 1 < len(starts) else len(lines)
+    return _Segment(lines[first:end], chosen == len(starts) - 1, start.node_rank, rank_line_time(lines[first]),
+                    start.launcher)
+
+
+def _after(path: Path, started: float | None) -> bool:
+    try:
+        return started is None or path.stat().st_mtime >= started - 1
+    except OSError:
+        return False
+
+
+def _batch_log(run_dir: Path, job_id: str | None, restart: int | None, tail_lines: int) -> str:
+    """The batch step's output of this job: where srun and slurmstepd say what happened to the tasks. A
+    requeued job appends to the same files; each attempt starts at the template's "hpc_train: job J restart R"
+    line or submitit's "Starting with JobEnvironment"."""
+    if job_id:
+        ident = glob.escape(job_id)
+        patterns = [f"logs/slurm-{ident}.out", f"logs/slurm-{ident}.err", f"submitit/{ident}_*_log.err"]
+    else:
+        patterns = ["logs/slurm-*.out", "logs/slurm-*.err", "submitit/*_log.err"]
+    paths = sorted({p for pattern in patterns for p in run_dir.glob(pattern) if p.is_file()})
+    if not job_id and paths:  # the newest job's files only
+        newest = _file_job(max(paths, key=lambda p: p.stat().st_mtime).name)
+        paths = [p for p in paths if _file_job(p.name) == newest]
+    parts = []
+    for path in paths:
+        lines = _read_tail(path).splitlines()
+        marks = [i for i, line in enumerate(lines)
+                 if BATCH_START.match(line) or "Starting with JobEnvironment" in line]
+        if marks:
+            index = restart if restart is not None and restart < len(marks) else len(marks) - 1
+            lines = lines[marks[index]:marks[index + 1] if index + 1 < len(marks) else len(lines)]
+        parts.extend(lines[-tail_lines:])
+    return "\n".join(parts)
+
+
+def _file_job(name: str) -> str:
+    """The job id in ``slurm-123.err`` or ``123_0_log.err``."""
+    if name.startswith("slurm-"):
+        return name.removeprefix("slurm-").rsplit(".", 1)[0]
+    return name.rsplit("_", 2)[0]
+
+
+def _read_tail(path: Path, limit: int = _TAIL_BYTES) -> str:
+    try:
+        with open(path, "rb") as handle:
+            size = handle.seek(0, 2)
+            handle.seek(max(0, size - limit))
+            data = handle.read()
+    except OSError:
+        return ""
+    text = data.decode("utf-8", errors="replace")
+    return text if len(data) < limit else text.partition("\n")[2]
+
+
+def srun_tasks(batch: str) -> dict[int, tuple[str, str, str]]:
+    """``{task: (node, task list, message)}`` from srun's "srun: error: n1: task 1: Exited with exit code 1"."""
+    tasks: dict[int, tuple[str, str, str]] = {}
+    for m in SRUN_ERROR.finditer(batch):
+        for part in m[2].split(","):
+            low, _, high = part.partition("-")
+            if low.isdigit() and (high.isdigit() or not high):
+                for task in range(int(low), int(high or low) + 1):
+                    tasks.setdefault(task, (m[1], m[2], m[3]))
+    return tasks

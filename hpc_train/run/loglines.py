@@ -1,0 +1,114 @@
+"""The log lines the login side parses, each defined once: the writer's formatter beside the reader's pattern.
+
+Ranks write these lines into ``logs/rank-N.log``; ``hpc_train.ops`` finds an attempt's part of a log, the step
+a signal saved and the ranks a hang names by reading them back. A formatter and its parser live side by side
+here (and a test formats and parses each), so that rewording a line cannot silently blind the reader.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from datetime import datetime
+
+__all__ = [
+    "BATCH_START", "LAUNCH_ERROR_PREFIX", "NOT_IN_COLLECTIVE", "RANK_LINE", "RANK_RECORD", "START",
+    "STOPPED", "StartLine", "format_launch_error", "format_not_in_collective", "format_saved_after_signal",
+    "format_start", "format_stopped", "parse_start", "parse_stop", "rank_line_time",
+    "rank_log_format",
+]
+
+# -- the record prefix: logging's "%(asctime)s rankN LEVEL message" ----------------------------------------
+
+_STAMP = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}"
+RANK_LINE = re.compile(rf"^({_STAMP}) rank\d+ ([A-Z]+) ")  # groups: time stamp, level
+RANK_RECORD = re.compile(rf"^({_STAMP}) rank(\d+) ([A-Z]+) ?(.*)$")  # groups: time stamp, rank, level, message
+
+
+def rank_log_format(rank: int) -> str:
+    """The :class:`logging.Formatter` format of rank ``rank``'s log (time stamps as logging writes them)."""
+    return f"%(asctime)s rank{rank} %(levelname)s %(message)s"
+
+
+# -- an attempt's first line ---------------------------------------------------------------------------------
+
+START = re.compile(r"start: (\S+) rank (\d+)/(\d+) \(local \d+/\d+, node (\d+)/(\d+)\) job (\S+) restart (\d+)")
+
+
+@dataclass(frozen=True)
+class StartLine:
+    """What an attempt's start line says: the launcher, where the rank sits, and which job and restart."""
+
+    launcher: str
+    rank: int
+    world_size: int
+    node_rank: int
+    num_nodes: int
+    job_id: str
+    restart: int
+
+
+def format_start(launcher: str, rank: int, world_size: int, local_rank: int, local_world_size: int,
+                 node_rank: int, num_nodes: int, job_id: str, restart: int, host: str) -> str:
+    """The line each rank logs first in every attempt: the reader splits a rank log into attempts at it."""
+    return (f"start: {launcher} rank {rank}/{world_size} (local {local_rank}/{local_world_size}, node "
+            f"{node_rank}/{num_nodes}) job {job_id} restart {restart} on {host}")
+
+
+def parse_start(line: str) -> StartLine | None:
+    m = START.search(line)
+    if m is None:
+        return None
+    return StartLine(m[1], int(m[2]), int(m[3]), int(m[4]), int(m[5]), m[6], int(m[7]))
+
+
+# -- a stop after a signal -----------------------------------------------------------------------------------
+
+STOPPED = re.compile(r"saved step (\d+) [\d.]+ s after (SIG\w+)|stopped after step (\d+) on (SIG\w+)")
+
+
+def format_saved_after_signal(step: int, seconds: float, signal_name: str, requeued: bool, reason: str) -> str:
+    """Rank 0's line once the save after a preemption signal is durable (trainer)."""
+    return f"saved step {step} {seconds:.1f} s after {signal_name}; " + \
+        ("requeued: " if requeued else "not requeued: ") + reason
+
+
+def format_stopped(step: int, signal_name: str, action: str, reason: str, exit_code: int) -> str:
+    """Every rank's last line after it stopped on a signal (launch)."""
+    return f"stopped after step {step} on {signal_name} ({action}: {reason}); exit status {exit_code}"
+
+
+def parse_stop(line: str) -> tuple[int, str] | None:
+    """``(step, signal)`` of either stop line, or None."""
+    m = STOPPED.search(line)
+    return (int(m[1] or m[3]), m[2] or m[4]) if m else None
+
+
+# -- the watchdog's suspects -----------------------------------------------------------------------------------
+
+NOT_IN_COLLECTIVE = re.compile(r"hang: rank (\d+) is not in a collective")  # the watchdog on rank 0
+
+
+def format_not_in_collective(rank: int, frame: str) -> str:
+    return f"hang: rank {rank} is not in a collective: {frame}"
+
+
+# -- the batch step's output ------------------------------------------------------------------------------------
+
+LAUNCH_ERROR_PREFIX = "hpc_train.launch: "  # a wrong launch, said in one line on every rank's stderr
+BATCH_START = re.compile(r"hpc_train: job \S+ restart \d+")  # echoed by sbatch_templates/_preamble.j2
+
+
+def format_launch_error(error: object) -> str:
+    return f"{LAUNCH_ERROR_PREFIX}{error}"
+
+
+def rank_line_time(line: str) -> float | None:
+    """Seconds since the epoch of a rank log line's time stamp (local time, as logging wrote it)."""
+    m = RANK_LINE.match(line)
+    if not m:
+        return None
+    try:
+        return datetime.strptime(m[1], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+    except ValueError:
+        return None

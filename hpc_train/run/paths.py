@@ -1,0 +1,68 @@
+"""The run folder's layout, named once: every writer and every reader of a run folder uses these names.
+
+A run folder (``RUN_ROOT/NAME``) outlives its jobs: a requeue, a resubmission or a login-node command all find
+the same files by these names, so a name changed here changes it on both sides at once.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+__all__ = [
+    "ATTEMPTS_FILE", "CHECKPOINTS_DIR", "CONFIG_FILE", "EXCLUDED_FILE", "FLIGHT_RECORDER_DIR", "HEARTBEAT_DIR",
+    "LOGS_DIR", "METRICS_FILE", "PLAN_FILE", "RANK_ERROR_GLOB", "RANK_LOG_GLOB", "RESULT_FILES", "SMOKE_FILE",
+    "STACKS_GLOB", "SUBMITIT_DIR", "TRAIN_FILE", "fabric_report_path", "hang_decision_path", "hang_marker_path",
+    "heartbeat_path", "rank_error_path", "rank_log_path", "stacks_path",
+]
+
+PLAN_FILE = "plan.json"  # the resolved plan: what every rank reads first (plain JSON, no pickles)
+CONFIG_FILE = "config.toml"  # the resolved config, for people; a changed one keeps the old as config.HASH.toml
+ATTEMPTS_FILE = "attempts.jsonl"  # one line per attempt, written by rank 0 (hpc_train.run.attempts)
+EXCLUDED_FILE = "excluded_nodes.json"  # nodes later attempts avoid (hpc_train.run.exclusions)
+METRICS_FILE = "metrics.jsonl"  # rank 0's progress records
+SMOKE_FILE = "smoke.json"  # rank 0's result of a smoke job
+TRAIN_FILE = "train.json"  # rank 0's result of a training job
+RESULT_FILES = (SMOKE_FILE, TRAIN_FILE)
+LOGS_DIR = "logs"  # rank logs, error files, stacks, fabric reports, Slurm's batch output
+CHECKPOINTS_DIR = "checkpoints"
+HEARTBEAT_DIR = "heartbeats"  # the watchdog's heartbeats and hang markers
+SUBMITIT_DIR = "submitit"  # submitit's pickles and the local executor's output
+FLIGHT_RECORDER_DIR = f"{LOGS_DIR}/nccl-trace"  # made with the run folder: torch writes into it, never creates it
+RANK_LOG_GLOB = "rank-*.log"
+RANK_ERROR_GLOB = "rank-*.error.json"
+STACKS_GLOB = "stacks-rank-*.txt"
+
+
+def rank_log_path(run_dir: Path, rank: int) -> Path:
+    """Each rank's own log, appended to by every attempt."""
+    return Path(run_dir) / LOGS_DIR / f"rank-{rank}.log"
+
+
+def rank_error_path(run_dir: Path, rank: int) -> Path:
+    """Where a failing rank leaves its traceback, for the follower on the login node to report."""
+    return Path(run_dir) / LOGS_DIR / f"rank-{rank}.error.json"
+
+
+def stacks_path(run_dir: Path, rank: int) -> Path:
+    """Where the watchdog dumps a hung rank's Python stacks (appended: one dump per hang)."""
+    return Path(run_dir) / LOGS_DIR / f"stacks-rank-{rank}.txt"
+
+
+def fabric_report_path(run_dir: Path, host: str) -> Path:
+    """What the first rank of a node saw of its fabric, for doctor and for debugging a slow job."""
+    return Path(run_dir) / LOGS_DIR / f"fabric-{host}.json"
+
+
+def heartbeat_path(run_dir: Path, rank: int) -> Path:
+    """A rank's watchdog heartbeat (phase, step, age), for ``status``."""
+    return Path(run_dir) / HEARTBEAT_DIR / f"rank-{rank}.json"
+
+
+def hang_marker_path(run_dir: Path, attempt: str) -> Path:
+    """The marker the first rank to see a hang publishes; every rank's watchdog looks for it."""
+    return Path(run_dir) / HEARTBEAT_DIR / f"hang-{attempt}.json"
+
+
+def hang_decision_path(run_dir: Path, attempt: str) -> Path:
+    """Rank 0's decision about a hang (exit status and why), which the other ranks wait for."""
+    return Path(run_dir) / HEARTBEAT_DIR / f"hang-{attempt}.decided.json"
