@@ -23,33 +23,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from hpc_train.run.watch import last_logged_step, local_rank_pid
+
 REPO = Path(__file__).resolve().parent.parent
 ARGS = ["--site", "local", "--set", "train.steps=200", "--set", "checkpoint.every_steps=1000", "--set",
         "monitor.log_every=1", "--set", "monitor.eval_every=0"]
-
-
-def _last_step(run_dir: Path) -> int:
-    metrics = run_dir / "metrics.jsonl"
-    if not metrics.exists():
-        return 0
-    return max((json.loads(line).get("step", 0) for line in metrics.read_text().splitlines() if line.strip()),
-               default=0)
-
-
-def _rank_pid(run_dir: Path, rank: int) -> int | None:
-    marker = str(run_dir / "submitit").encode()
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes()
-            if b"submitit.core._submit" in cmdline and marker in cmdline:
-                environ = (entry / "environ").read_bytes().split(b"\0")
-                if f"SUBMITIT_LOCAL_GLOBALID={rank}".encode() in environ:
-                    return int(entry.name)
-        except OSError:
-            continue
-    return None
 
 
 def _one_run(work: Path, at: int) -> dict[str, float]:
@@ -57,13 +35,13 @@ def _one_run(work: Path, at: int) -> dict[str, float]:
     process = subprocess.Popen([sys.executable, "-m", "hpc_train.submit", str(REPO / "examples" / "tiny_gpt.toml"),
                                 *ARGS], cwd=work, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        while _last_step(run_dir) < at or _rank_pid(run_dir, 1) is None:
+        while last_logged_step(run_dir) < at or local_rank_pid(run_dir, 1) is None:
             if process.poll() is not None:
                 raise RuntimeError(f"the run ended before step {at}")
             time.sleep(0.01)
-        step_at_signal = _last_step(run_dir)
+        step_at_signal = last_logged_step(run_dir)
         sent = time.monotonic()
-        os.kill(_rank_pid(run_dir, 1), signal.SIGUSR2)
+        os.kill(local_rank_pid(run_dir, 1), signal.SIGUSR2)
         latest = run_dir / "checkpoints" / "latest"
         while not latest.exists():
             time.sleep(0.002)

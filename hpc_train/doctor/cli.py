@@ -13,10 +13,9 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DEFAULT_PROBE_NODES", "DEFAULT_PROBE_TIMEOUT_S", "add_parser"]
+from hpc_train.doctor.defaults import DEFAULT_PROBE_NODES, DEFAULT_PROBE_TIMEOUT_S
 
-DEFAULT_PROBE_TIMEOUT_S = 120.0
-DEFAULT_PROBE_NODES = 2
+__all__ = ["add_parser"]
 
 
 def _run(args: argparse.Namespace) -> int:

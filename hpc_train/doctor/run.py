@@ -16,7 +16,7 @@ from hpc_train.config.environment import detected_on_node, network_env
 from hpc_train.config.plan import Plan, load_job, make_plan
 from hpc_train.config.site import SiteConfig
 from hpc_train.config.sites import load_site
-from hpc_train.doctor.cli import DEFAULT_PROBE_NODES, DEFAULT_PROBE_TIMEOUT_S
+from hpc_train.doctor.defaults import DEFAULT_PROBE_NODES, DEFAULT_PROBE_TIMEOUT_S
 from hpc_train.doctor.fabric_checks import check_fabric, check_nccl, nccl_env
 from hpc_train.doctor.findings import Finding, exit_status, summary
 from hpc_train.doctor.probe import SIGNAL_WAIT_S, ProbeOutcome, ProbeRequest, run_probe

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from hpc_train.run.watch import last_logged_step
 from tests.conftest import REPO
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("slurm_cluster")]
@@ -48,17 +49,9 @@ def _logs(run_dir: Path) -> str:
     return "\n".join([*parts, attempts.read_text() if attempts.exists() else "no attempts.jsonl"])
 
 
-def _last_step(run_dir: Path) -> int:
-    metrics = run_dir / "metrics.jsonl"
-    if not metrics.exists():
-        return 0
-    return max((json.loads(line).get("step", 0) for line in metrics.read_text().splitlines() if line.strip()),
-               default=0)
-
-
 def _wait_for_step(job_id: str, run_dir: Path, step: int, timeout_s: float = 180) -> None:
     deadline = time.monotonic() + timeout_s
-    while _last_step(run_dir) < step:
+    while last_logged_step(run_dir) < step:
         state = _state(job_id)
         assert state not in BAD_STATES | {"COMPLETED"}, f"job {job_id} {state} before step {step}\n{_logs(run_dir)}"
         assert time.monotonic() < deadline, f"job {job_id} did not reach step {step}\n{_logs(run_dir)}"

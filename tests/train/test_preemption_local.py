@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from hpc_train.run.watch import last_logged_step, local_rank_pid
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.slow
@@ -29,31 +30,6 @@ ARGS = ["--site", "local", "--set", f"train.steps={STEPS}", "--set", "checkpoint
 def _submit(cwd: Path, *extra: str) -> subprocess.Popen[str]:
     return subprocess.Popen([sys.executable, "-m", "hpc_train.submit", str(REPO / "examples" / "tiny_gpt.toml"),
                              *ARGS, *extra], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-def _last_step(metrics: Path) -> int:
-    if not metrics.exists():
-        return 0
-    steps = [json.loads(line).get("step", 0) for line in metrics.read_text().splitlines() if line.strip()]
-    return max(steps, default=0)
-
-
-def _rank_pid(run_dir: Path, rank: int) -> int | None:
-    """The pid of the live rank ``rank`` of this run (submitit's local tasks carry their rank in the env)."""
-    marker = str(run_dir / "submitit").encode()
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes()
-            if b"submitit.core._submit" not in cmdline or marker not in cmdline:
-                continue
-            env = dict(item.split(b"=", 1) for item in (entry / "environ").read_bytes().split(b"\0") if b"=" in item)
-        except OSError:
-            continue
-        if env.get(b"SUBMITIT_LOCAL_GLOBALID") == str(rank).encode():
-            return int(entry.name)
-    return None
 
 
 def _final_state(run_dir: Path) -> dict[str, torch.Tensor]:
@@ -94,7 +70,7 @@ def test_signals_at_random_steps_end_with_the_uninterrupted_weights(
                 assert process.poll() is None and time.monotonic() < deadline, f"run ended before step {at_step}"
                 time.sleep(0.02)
             number = signal.SIGUSR2  # the site's signal (SIGTERM stops without a requeue: the test below)
-            os.kill(_rank_pid(run_dir, 1), number)  # one rank only: the others learn of it at the step boundary
+            os.kill(local_rank_pid(run_dir, 1), number)  # one rank only: the others learn of it at the step boundary
             sent.append((at_step, number.name))
             deadline = time.monotonic() + 180  # wait until the ranks have stopped before the next signal
             while len([a for a in _attempts(run_dir) if a["outcome"] != "running"]) <= index:
@@ -125,9 +101,9 @@ def test_signals_at_random_steps_end_with_the_uninterrupted_weights(
 def _running(run_dir: Path, attempt: int, past: int) -> bool:
     """Attempt number ``attempt`` is training and has logged a step at or after ``past`` (or after its start)."""
     attempts = _attempts(run_dir)
-    if len(attempts) != attempt or attempts[-1]["outcome"] != "running" or _rank_pid(run_dir, 1) is None:
+    if len(attempts) != attempt or attempts[-1]["outcome"] != "running" or local_rank_pid(run_dir, 1) is None:
         return False
-    return _last_step(run_dir / "metrics.jsonl") >= max(past, int(attempts[-1]["start_step"]) + 1)
+    return last_logged_step(run_dir) >= max(past, int(attempts[-1]["start_step"]) + 1)
 
 
 def _attempts(run_dir: Path) -> list[dict[str, object]]:
@@ -148,7 +124,7 @@ def test_a_stop_without_requeue_saves_and_exits_with_75(tmp_path: Path, number: 
         while not _running(run_dir, attempt=1, past=5):
             assert process.poll() is None and time.monotonic() < deadline
             time.sleep(0.02)
-        os.kill(_rank_pid(run_dir, 0), number)
+        os.kill(local_rank_pid(run_dir, 0), number)
         output, _ = process.communicate(timeout=300)
     finally:
         if process.poll() is None:

@@ -1,0 +1,43 @@
+"""Watching a run from outside while it runs: the last step it logged, and the process of one local rank.
+
+The end-to-end tests and the benchmarks both drive a real run and act at a step (send a signal to one rank,
+time the save). They share these readers here, beside the layout they read, because a benchmark must not
+import the tests; the package itself never needs them.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from hpc_train.run.paths import METRICS_FILE, SUBMITIT_DIR
+
+__all__ = ["last_logged_step", "local_rank_pid"]
+
+
+def last_logged_step(run_dir: Path) -> int:
+    """The highest step in rank 0's ``metrics.jsonl`` (0 before the first record)."""
+    metrics = Path(run_dir) / METRICS_FILE
+    if not metrics.exists():
+        return 0
+    steps = [json.loads(line).get("step", 0) for line in metrics.read_text().splitlines() if line.strip()]
+    return max(steps, default=0)
+
+
+def local_rank_pid(run_dir: Path, rank: int) -> int | None:
+    """The pid of the live rank ``rank`` of this run under submitit's local executor (its tasks run
+    ``submitit.core._submit`` on the run's ``submitit/`` folder and carry their rank in the environment)."""
+    marker = str(Path(run_dir) / SUBMITIT_DIR).encode()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+            if b"submitit.core._submit" not in cmdline or marker not in cmdline:
+                continue
+            env = dict(item.split(b"=", 1) for item in (entry / "environ").read_bytes().split(b"\0") if b"=" in item)
+        except OSError:
+            continue
+        if env.get(b"SUBMITIT_LOCAL_GLOBALID") == str(rank).encode():
+            return int(entry.name)
+    return None
