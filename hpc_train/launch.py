@@ -6,6 +6,7 @@ It reads ``plan.json`` from the run folder (plain JSON, no pickles), finds its r
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -46,7 +47,7 @@ def run_rank(run_dir: Path) -> dict[str, Any]:
     """Run this rank's share of the job in ``run_dir``; return its result."""
     os.umask(0o077)  # logs and results of a run are private, like the run folder
     plan = Plan.from_json((run_dir / PLAN_FILE).read_text(encoding="utf-8"))
-    if plan.config["job"]["program"] != "train":  # nothing to save: signals keep their usual meaning
+    if plan.config.job.program != "train":  # nothing to save: signals keep their usual meaning
         return _run_rank(run_dir, plan, None)
     with PreemptionWatch([plan.signal]) as watch:  # first thing: a signal while starting up is kept for later
         return _run_rank(run_dir, plan, watch)
@@ -64,10 +65,10 @@ def _run_rank(run_dir: Path, plan: Plan, watch: PreemptionWatch | None) -> dict[
                                    os.environ.get("SLURMD_NODENAME") or socket.gethostname()))
     _prepare_fabric(run_dir, plan, info.local_rank, logger)
     on_slurm = bool(os.environ.get("SLURM_JOB_ID")) and os.environ.get("SUBMITIT_EXECUTOR") != "local"
-    if on_slurm and info.rank == 0 and plan.config["job"]["program"] == "train":
+    if on_slurm and info.rank == 0 and plan.config.job.program == "train":
         _look_back(run_dir, plan, info, logger)
     try:
-        if plan.config["job"]["program"] == "smoke":
+        if plan.config.job.program == "smoke":
             result = run_smoke(plan, info)
         else:
             from hpc_train.train.trainer import train
@@ -79,7 +80,7 @@ def _run_rank(run_dir: Path, plan: Plan, watch: PreemptionWatch | None) -> dict[
         report = {"rank": info.rank, "host": socket.gethostname(), "time": time.time(), "error": repr(error),
                   "traceback": text}
         atomic_write(rank_error_path(run_dir, info.rank), json.dumps(report, indent=2) + "\n")
-        if on_slurm and plan.config["job"]["program"] == "train" and not isinstance(error, SystemExit):
+        if on_slurm and plan.config.job.program == "train" and not isinstance(error, SystemExit):
             _requeue_after_error(run_dir, plan, info, repr(error), text, logger)
         raise
     if "stopped" in result:  # saved after a preemption signal: leave without a result, with the agreed status
@@ -106,7 +107,7 @@ def _look_back(run_dir: Path, plan: Plan, info: Any, logger: logging.Logger) -> 
     from hpc_train.ops.policy import RetryPolicy
     from hpc_train.slurm.recovery import look_back
 
-    recovery = look_back(run_dir, info.job_id, info.restart, RetryPolicy.from_config(plan.config),
+    recovery = look_back(run_dir, info.job_id, info.restart, RetryPolicy.from_config(dataclasses.asdict(plan.config)),
                          expand(info.nodelist) if info.nodelist else [socket.gethostname()], logger.info)
     if recovery.failure_class:
         logger.info("previous attempt: %s: %s", recovery.failure_class, recovery.message)
@@ -126,7 +127,7 @@ def _requeue_after_error(run_dir: Path, plan: Plan, info: Any, error: str, text:
 
     node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()  # Slurm's name, what --exclude takes
     recovery = requeue_after_error(run_dir, info.job_id, info.restart, info.rank, node, error, text,
-                                   RetryPolicy.from_config(plan.config), logger.info)
+                                   RetryPolicy.from_config(dataclasses.asdict(plan.config)), logger.info)
     if recovery.failure_class:
         logger.info("%s: %s", recovery.failure_class, recovery.message)
 

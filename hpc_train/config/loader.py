@@ -17,7 +17,7 @@ from typing import Any, Literal, TypeVar, get_args, get_origin
 from hpc_train.config.checks import check_env_value
 from hpc_train.errors import ConfigError, did_you_mean
 
-__all__ = ["build", "describe_type", "field_types", "load_toml"]
+__all__ = ["build", "describe_type", "field_types", "load_toml", "rebuild"]
 
 T = TypeVar("T")
 
@@ -156,3 +156,12 @@ def build(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
         _run_check(fields[key], value, where)
         values[key] = value
     return cls(**values)
+
+
+def rebuild(cls: type[T], data: dict[str, Any]) -> T:
+    """Dataclass ``cls`` again from its ``dataclasses.asdict`` form (plan.json): nested sections become their
+    dataclasses, every other value is taken as it is. For data this package wrote after :func:`build` checked
+    it; user input goes through :func:`build`."""
+    hints = field_types(cls)
+    return cls(**{key: rebuild(hints[key], value) if dataclasses.is_dataclass(hints[key]) else value
+                  for key, value in data.items()})

@@ -1,7 +1,8 @@
 """One validated plan: a job config and a site resolved into exactly what will run.
 
 The plan is plain data (JSON in ``run_folder/plan.json``) so the compute side reads it without pickles, and
-the login side can show it, render it or hand it to submitit.
+the login side can show it, render it or hand it to submitit. Its ``config`` is the typed :class:`JobConfig`
+(``plan.config.train.seq_len``), written as the plain table of its sections.
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from hpc_train.config.checks import check_path, parse_time_seconds
+from hpc_train.config.deepspeed import deepspeed_config
 from hpc_train.config.environment import detected_on_node, rank_env
 from hpc_train.config.job import JobConfig
-from hpc_train.config.loader import build, load_toml
+from hpc_train.config.loader import build, load_toml, rebuild
 from hpc_train.config.overrides import apply_overrides
 from hpc_train.config.site import SiteConfig
 from hpc_train.config.validate import validate
@@ -85,7 +87,7 @@ class Plan:
     max_requeues: int
     port_range: list[int]
     fabric_suffix: str
-    config: dict[str, Any]
+    config: JobConfig
     config_hash: str
     interconnect: str = "tcp"
     nccl_detect: list[str] = dataclasses.field(default_factory=list)  # filled in by each node (fabric.nccl)
@@ -98,6 +100,7 @@ class Plan:
         data = json.loads(text)
         data["resources"] = Resources(**data["resources"])
         data["layout"] = Layout(**data["layout"])
+        data["config"] = rebuild(JobConfig, data["config"])
         return cls(**data)
 
 
@@ -108,8 +111,8 @@ def load_job(path: Path, overrides: list[str]) -> JobConfig:
     return build(JobConfig, data)
 
 
-def _config_hash(config: dict[str, Any]) -> str:
-    canonical = json.dumps(config, sort_keys=True, separators=(",", ":"))
+def _config_hash(config: JobConfig) -> str:
+    canonical = json.dumps(dataclasses.asdict(config), sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
@@ -141,6 +144,45 @@ def _exclude(configured: str, run_dir: str) -> str:
     return exclude_expression(read_exclusions(Path(run_dir)), also=configured)
 
 
+def _checked_deepspeed(cfg: JobConfig, data_parallel: int) -> None:
+    """The ``[deepspeed]`` table may add keys, never change one the typed config sets."""
+    try:
+        deepspeed_config(cfg, data_parallel)
+    except ValueError as error:
+        where, _, problem = str(error).partition(" = ")
+        raise ConfigError(where, problem.split(";")[0], "set it through its own key (zero.*, train.*) instead "
+                          "of the [deepspeed] table") from None
+
+
+def _absolute_data_path(cfg: JobConfig, cwd: Path) -> JobConfig:
+    """Ranks run in the run folder (sbatch --chdir): a relative ``data.path`` would move."""
+    if not cfg.data.path:
+        return cfg
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=os.path.normpath(cwd / cfg.data.path)))
+
+
+def _resources(cfg: JobConfig, site: SiteConfig, gpus: int, cpus: int, run_dir: str) -> Resources:
+    job = cfg.job
+    return Resources(
+        nodes=job.nodes, tasks_per_node=job.tasks_per_node, gpus_per_node=gpus, cpus_per_task=cpus,
+        mem=job.mem or site.node.mem, time=job.time, time_seconds=parse_time_seconds(job.time) or 0,
+        partition=job.partition or site.slurm.partition, account=job.account or site.slurm.account,
+        qos=job.qos or site.slurm.qos, constraint=job.constraint or site.slurm.constraint,
+        exclude=_exclude(job.exclude, run_dir), exclusive=site.slurm.exclusive,
+        gpu_directive=site.slurm.gpu_directive,
+    )
+
+
+def _layout(cfg: JobConfig, data_parallel: int) -> Layout:
+    job, parallel, train = cfg.job, cfg.parallel, cfg.train
+    return Layout(
+        world=job.nodes * job.tasks_per_node, tensor=parallel.tensor, pipeline=parallel.pipeline,
+        context=parallel.context, data=data_parallel, order=parallel.order,
+        micro_batch=train.micro_batch, grad_accum=train.grad_accum,
+        global_batch=train.micro_batch * train.grad_accum * data_parallel,
+    )
+
+
 def make_plan(cfg: JobConfig, site: SiteConfig, executor: str, *, python: str | None = None,
               cwd: Path | None = None) -> Plan:
     """Resolve site defaults, run every cross-field check and return the plan.
@@ -156,18 +198,8 @@ def make_plan(cfg: JobConfig, site: SiteConfig, executor: str, *, python: str | 
         raise ConfigError("--executor", f"slurm, but site {site.name} has no Slurm ([slurm] enabled = false)",
                           "use --executor local, or a Slurm site")
     data_parallel = validate(cfg, site, gpus, cpus, lead)
-    config = dataclasses.asdict(cfg)
-    try:
-        from hpc_train.train.dsconfig import deepspeed_config
-
-        deepspeed_config(config, data_parallel)
-    except ValueError as error:
-        where, _, problem = str(error).partition(" = ")
-        raise ConfigError(where, problem.split(";")[0], "set it through its own key (zero.*, train.*) instead "
-                          "of the [deepspeed] table") from None
-    if config["data"]["path"]:  # ranks run in the run folder (sbatch --chdir): a relative path would move
-        config["data"]["path"] = os.path.normpath(Path(cwd or Path.cwd()) / config["data"]["path"])
-    train = cfg.train
+    _checked_deepspeed(cfg, data_parallel)
+    config = _absolute_data_path(cfg, Path(cwd or Path.cwd()))
     run_dir = _run_dir(cfg, site, cwd or Path.cwd())
     lead = _lead_seconds(lead, run_dir, parse_time_seconds(job.time) or 0)
     return Plan(
@@ -178,20 +210,8 @@ def make_plan(cfg: JobConfig, site: SiteConfig, executor: str, *, python: str | 
         srun_args=list(site.launch.srun_args),
         run_dir=run_dir,
         python=site.software.python or python or sys.executable,
-        resources=Resources(
-            nodes=job.nodes, tasks_per_node=job.tasks_per_node, gpus_per_node=gpus, cpus_per_task=cpus,
-            mem=job.mem or site.node.mem, time=job.time, time_seconds=parse_time_seconds(job.time) or 0,
-            partition=job.partition or site.slurm.partition, account=job.account or site.slurm.account,
-            qos=job.qos or site.slurm.qos, constraint=job.constraint or site.slurm.constraint,
-            exclude=_exclude(job.exclude, run_dir), exclusive=site.slurm.exclusive,
-            gpu_directive=site.slurm.gpu_directive,
-        ),
-        layout=Layout(
-            world=job.nodes * job.tasks_per_node, tensor=cfg.parallel.tensor, pipeline=cfg.parallel.pipeline,
-            context=cfg.parallel.context, data=data_parallel, order=cfg.parallel.order,
-            micro_batch=train.micro_batch, grad_accum=train.grad_accum,
-            global_batch=train.micro_batch * train.grad_accum * data_parallel,
-        ),
+        resources=_resources(cfg, site, gpus, cpus, run_dir),
+        layout=_layout(cfg, data_parallel),
         env=rank_env(cfg, site, cpus, gpus, run_dir),
         forward_env=list(job.forward_env),
         modules=list(site.software.modules),

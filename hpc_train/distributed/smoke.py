@@ -48,10 +48,10 @@ def run_smoke(plan: Plan, info: LaunchInfo) -> dict[str, Any]:
 
     from hpc_train.distributed.bootstrap import bootstrap, shutdown
 
-    dist_config = plan.config.get("dist", {})
+    dist_config = plan.config.dist
     context = bootstrap(info, port_range=(plan.port_range[0], plan.port_range[1]), fabric_suffix=plan.fabric_suffix,
-                        init_timeout_s=dist_config.get("init_timeout_s", 300),
-                        timeout_s=dist_config.get("timeout_s", 1800))
+                        init_timeout_s=dist_config.init_timeout_s,
+                        timeout_s=dist_config.timeout_s)
     # No try/finally: on an error the process group is left to process exit, so that the failing rank reports
     # before its peers notice it is gone (the follower names the first rank to fail as the cause).
     maybe_inject_fault(info.rank)

@@ -40,6 +40,7 @@ from hpc_train.ckpt.universal import (
     describe_layout,
     optimizer_is_partitioned,
 )
+from hpc_train.config.job import JobConfig
 from hpc_train.errors import ConfigError
 
 __all__ = ["TAG", "Checkpointer"]
@@ -138,25 +139,25 @@ def _forward_manager_warnings(log: Callable[[str], None]) -> None:
 class Checkpointer:
     """Rank 0 owns the checkpoint folder (one writer); every rank takes part in each save and load."""
 
-    def __init__(self, run_dir: Path, config: dict[str, Any], layout: Any, config_hash: str,
+    def __init__(self, run_dir: Path, config: JobConfig, layout: Any, config_hash: str,
                  log: Callable[[str], None] | None = None) -> None:
-        checkpoint = config["checkpoint"]
-        self.every = checkpoint["every_steps"]
-        self.resume_enabled = checkpoint["resume"]
+        checkpoint = config.checkpoint
+        self.every = checkpoint.every_steps
+        self.resume_enabled = checkpoint.resume
         self.rank = dist.get_rank()
         # The trainer's progress log; by default the rank's own logger, which hpc_train.launch sets up.
         self.log = log or logging.getLogger(f"hpc_train.rank{self.rank}").info
-        self.convert_timeout_s = config["dist"]["timeout_s"] * _CONVERT_SHARE_OF_TIMEOUT
-        self.manager = CheckpointManager(run_dir / "checkpoints", keep=checkpoint["keep"],
-                                         verify=checkpoint["verify"]) if self.rank == 0 else None
+        self.convert_timeout_s = config.dist.timeout_s * _CONVERT_SHARE_OF_TIMEOUT
+        self.manager = CheckpointManager(run_dir / "checkpoints", keep=checkpoint.keep,
+                                         verify=checkpoint.verify) if self.rank == 0 else None
         if self.manager:
             _forward_manager_warnings(self.log)
-        self.fields = {"world_size": layout.world, "zero_stage": config["zero"]["stage"],
-                       "dtype": config["train"]["precision"], "config_hash": config_hash,
+        self.fields = {"world_size": layout.world, "zero_stage": config.zero.stage,
+                       "dtype": config.train.precision, "config_hash": config_hash,
                        "layout": {"tensor": layout.tensor, "pipeline": layout.pipeline, "data": layout.data,
                                   "context": layout.context}}
         self._error: Exception | None = None
-        self.async_save = checkpoint["async_save"]
+        self.async_save = checkpoint.async_save
         self._committer: threading.Thread | None = None
         self._commit_error: BaseException | None = None
 

@@ -1,4 +1,4 @@
-"""The DeepSpeed engine built from the typed config (:mod:`hpc_train.train.dsconfig`), with AdamW and the
+"""The DeepSpeed engine built from the typed config (:mod:`hpc_train.config.deepspeed`), with AdamW and the
 learning-rate schedule. The DeepSpeed config that results is written into the run folder, so what ran can be
 read and rerun by hand."""
 
@@ -11,21 +11,22 @@ from typing import Any
 
 import torch
 
+from hpc_train.config.deepspeed import deepspeed_config
+from hpc_train.config.job import JobConfig, TrainSection
 from hpc_train.run.files import atomic_write
-from hpc_train.train.dsconfig import deepspeed_config
 
 __all__ = ["build_engine", "deepspeed_config", "lr_at", "weight_decay_groups"]
 
 
-def lr_at(step: int, train: dict[str, Any]) -> float:
+def lr_at(step: int, train: TrainSection) -> float:
     """Linear warm-up to ``lr``, then cosine or linear decay to ``min_lr`` at the last step (or constant)."""
-    peak, floor, warmup, total = train["lr"], train["min_lr"], train["warmup_steps"], train["steps"]
+    peak, floor, warmup, total = train.lr, train.min_lr, train.warmup_steps, train.steps
     if warmup and step < warmup:
         return peak * (step + 1) / warmup
-    if train["decay"] == "constant" or total <= warmup:
+    if train.decay == "constant" or total <= warmup:
         return peak
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    if train["decay"] == "linear":
+    if train.decay == "linear":
         return peak - (peak - floor) * progress
     return floor + 0.5 * (peak - floor) * (1 + math.cos(math.pi * progress))
 
@@ -37,7 +38,7 @@ def weight_decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dic
     return [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
 
 
-def build_engine(model: torch.nn.Module, config: dict[str, Any], data_parallel: int, mpu: Any,
+def build_engine(model: torch.nn.Module, config: JobConfig, data_parallel: int, mpu: Any,
                  run_dir: Path | None, local_rank: int | None = None) -> Any:
     """``deepspeed.initialize`` with our optimizer (by default torch's AdamW: nothing is compiled), schedule and
     groups; rank 0 writes ``deepspeed_config.json`` into the run folder. DeepSpeed's communication layer
@@ -49,19 +50,19 @@ def build_engine(model: torch.nn.Module, config: dict[str, Any], data_parallel: 
 
     init_deepspeed_comm(local_rank)
 
-    train = config["train"]
+    train = config.train
     ds = deepspeed_config(config, data_parallel)
     optimizer: Any = None
-    if train["optimizer"] == "torch_adamw":
-        optimizer = torch.optim.AdamW(weight_decay_groups(model, train["weight_decay"]), lr=train["lr"],
-                                      betas=(train["beta1"], train["beta2"]), eps=train["eps"])
+    if train.optimizer == "torch_adamw":
+        optimizer = torch.optim.AdamW(weight_decay_groups(model, train.weight_decay), lr=train.lr,
+                                      betas=(train.beta1, train.beta2), eps=train.eps)
         ds["zero_allow_untested_optimizer"] = True
     if run_dir is not None and dist.get_rank() == 0:
         atomic_write(run_dir / "deepspeed_config.json", json.dumps(ds, indent=2, sort_keys=True) + "\n")
     def schedule(basic_optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
-        return torch.optim.lr_scheduler.LambdaLR(basic_optimizer, lambda step: lr_at(step, train) / train["lr"])
+        return torch.optim.lr_scheduler.LambdaLR(basic_optimizer, lambda step: lr_at(step, train) / train.lr)
 
     engine, *_ = deepspeed.initialize(
         model=model, optimizer=optimizer, config=ds, mpu=mpu, lr_scheduler=schedule,
-        model_parameters=None if optimizer is not None else weight_decay_groups(model, train["weight_decay"]))
+        model_parameters=None if optimizer is not None else weight_decay_groups(model, train.weight_decay))
     return engine

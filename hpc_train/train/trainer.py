@@ -5,7 +5,6 @@ Kept to the loop itself; the pieces live in their own modules (model, engine, da
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import io
 import resource
@@ -18,6 +17,7 @@ import torch
 import torch.distributed as dist
 from rich.console import Console
 
+from hpc_train.config.job import JobConfig
 from hpc_train.config.plan import Plan
 from hpc_train.distributed.bootstrap import bootstrap, shutdown
 from hpc_train.distributed.faults import injected_delay_s, maybe_inject_fault
@@ -78,15 +78,15 @@ def _batches(source: Any, sampler: ResumableSampler, seq_len: int, device: Any) 
         yield tuple(t.to(device) for t in batch(source, sampler.next_indices(), seq_len))
 
 
-def _evaluate(engine: Any, source: Any, config: dict[str, Any], groups: ParallelGroups,
+def _evaluate(engine: Any, source: Any, config: JobConfig, groups: ParallelGroups,
               watch: PreemptionWatch | None, batches: int = 4) -> float | None:
     """Loss on a fixed set of batches (the same at every evaluation), averaged over data-parallel ranks; None
     when a preemption signal cut it short (the ranks agree on that between batches; not with ``watch`` None,
     the evaluation after the last step, which a signal no longer stops)."""
-    train = config["train"]
-    sampler = ResumableSampler(source.num_samples(train["seq_len"]), groups.coord("dp"), groups.size("dp"),
-                               train["micro_batch"], seed=train["seed"] + 7919)
-    stream = _batches(source, sampler, train["seq_len"], engine.device)
+    train = config.train
+    sampler = ResumableSampler(source.num_samples(train.seq_len), groups.coord("dp"), groups.size("dp"),
+                               train.micro_batch, seed=train.seed + 7919)
+    stream = _batches(source, sampler, train.seq_len, engine.device)
     if groups.size("pp") > 1:
         return eval_step(engine, stream, micro_batches=batches)
     engine.eval()
@@ -102,11 +102,11 @@ def _evaluate(engine: Any, source: Any, config: dict[str, Any], groups: Parallel
     return _mean_over(total / batches, groups.group("dp"))
 
 
-def _model_and_engine(model_config: GPTConfig, topology: Topology, groups: ParallelGroups, config: dict[str, Any],
+def _model_and_engine(model_config: GPTConfig, topology: Topology, groups: ParallelGroups, config: JobConfig,
                       run_dir: Path, local_rank: int) -> tuple[Any, Any]:
     """The GPT, or its pipeline stages, inside a DeepSpeed engine. The layers always get the tensor group, even
     of size 1: they read None as "the default group", which would be every rank."""
-    seed, data_parallel = config["train"]["seed"], topology.sizes["dp"]
+    seed, data_parallel = config.train.seed, topology.sizes["dp"]
     if topology.sizes["pp"] > 1:  # DeepSpeed's pipeline engine brings its own grid: no mpu
         model = build_pipeline_model(model_config, topology, groups.group("tp"), seed=seed, local_rank=local_rank)
         return model, build_engine(model, config, data_parallel, None, run_dir, local_rank)
@@ -117,12 +117,11 @@ def _model_and_engine(model_config: GPTConfig, topology: Topology, groups: Paral
 
 def _resolve_precision(plan: Plan, backend: str, log: Callable[[str], None]) -> Plan:
     """``plan`` with ``train.precision`` decided on this hardware (``"auto"``), the same on every rank."""
-    requested = plan.config["train"]["precision"]
+    requested = plan.config.train.precision
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
     precision, reason = agreed_precision(requested, device)
     log(f"precision: {requested} -> {precision} ({reason})" if requested == "auto" else f"precision: {precision}")
-    config = copy.deepcopy(plan.config)
-    config["train"]["precision"] = precision
+    config = dataclasses.replace(plan.config, train=dataclasses.replace(plan.config.train, precision=precision))
     return dataclasses.replace(plan, config=config)
 
 
@@ -147,14 +146,14 @@ def _stop(plan: Plan, info: LaunchInfo, engine: Any, checkpointer: Checkpointer,
         saved = time.perf_counter()
         checkpointer.save(engine, step, sampler.state_dict(), wait=True)  # durable before the requeue
         recorder.save_time(time.perf_counter() - saved)
-        preempt = plan.config["preempt"]
-        requeue = recorder.stopped(step, signum, name == f"SIG{plan.signal}", preempt["requeue"],
-                                   preempt["max_requeues"])
+        preempt = plan.config.preempt
+        requeue = recorder.stopped(step, signum, name == f"SIG{plan.signal}", preempt.requeue,
+                                   preempt.max_requeues)
     finally:
         timer.cancel()
     log(format_saved_after_signal(step, time.time() - received, name, requeue.action != "none", requeue.reason))
     shutdown()
-    return {"rank": info.rank, "steps": plan.config["train"]["steps"], "stopped": {
+    return {"rank": info.rank, "steps": plan.config.train.steps, "stopped": {
         "signal": name, "step": step, "requeue": requeue.action, "exit_code": requeue.exit_code,
         "reason": requeue.reason}, "world_size": info.world_size, "launcher": info.launcher}
 
@@ -174,16 +173,16 @@ def train(plan: Plan, info: LaunchInfo, run_dir: Path, log: Callable[[str], None
 def _watchdog(plan: Plan, info: LaunchInfo, run_dir: Path, log: Callable[[str], None],
               recorder: list[AttemptRecorder]) -> Watchdog | None:
     """The hang watchdog of ``[watchdog]``; rank 0's decides with the attempt recorder once there is one."""
-    wcfg = plan.config["watchdog"]
-    if not wcfg["enabled"]:
+    wcfg = plan.config.watchdog
+    if not wcfg.enabled:
         return None
-    retries = plan.config["retry"]["hang"]
+    retries = plan.config.retry.hang
 
     def decide(hang: Any) -> tuple[int, str]:
         return decide_hang(run_dir, info, recorder[0] if recorder else None, hang, retries, log)
 
     return Watchdog(run_dir, info.rank, info.world_size, f"{info.job_id or 'local'}.{info.restart}",
-                    Timeouts(wcfg["startup_timeout_s"], wcfg["step_timeout_s"], wcfg["checkpoint_timeout_s"]),
+                    Timeouts(wcfg.startup_timeout_s, wcfg.step_timeout_s, wcfg.checkpoint_timeout_s),
                     decide if info.rank == 0 else None, log)
 
 
@@ -200,9 +199,9 @@ def _train(plan: Plan, info: LaunchInfo, run_dir: Path, log: Callable[[str], Non
 def _train_watched(plan: Plan, info: LaunchInfo, run_dir: Path, log: Callable[[str], None], watch: PreemptionWatch,
                    watchdog: Watchdog | None, recorder_box: list[AttemptRecorder]) -> dict[str, Any]:
     config = plan.config
-    tcfg, layout = config["train"], plan.layout
+    tcfg, layout = config.train, plan.layout
     context = bootstrap(info, port_range=(plan.port_range[0], plan.port_range[1]), fabric_suffix=plan.fabric_suffix,
-                        init_timeout_s=config["dist"]["init_timeout_s"], timeout_s=config["dist"]["timeout_s"])
+                        init_timeout_s=config.dist.init_timeout_s, timeout_s=config.dist.timeout_s)
     maybe_inject_fault(info.rank)
     torch.set_num_threads(max(1, int(plan.env.get("OMP_NUM_THREADS", "1"))))
     topology = Topology.build(info.world_size, tp=layout.tensor, pp=layout.pipeline, cp=layout.context,
@@ -210,44 +209,44 @@ def _train_watched(plan: Plan, info: LaunchInfo, run_dir: Path, log: Callable[[s
     groups = ParallelGroups(topology, "cuda" if context.backend == "nccl" else "cpu")
     plan = _resolve_precision(plan, context.backend, log)
     config = plan.config
-    tcfg = config["train"]
-    model_config = GPTConfig.from_preset(tcfg["model"], config["data"]["vocab_size"], tcfg["seq_len"])
+    tcfg = config.train
+    model_config = GPTConfig.from_preset(tcfg.model, config.data.vocab_size, tcfg.seq_len)
     model, engine = _model_and_engine(model_config, topology, groups, config, run_dir, info.local_rank)
     pipelined = layout.pipeline > 1
-    source = make_source(config["data"]["source"], config["data"]["path"], config["data"]["vocab_size"],
-                         tcfg["seed"])
-    sampler = ResumableSampler(source.num_samples(tcfg["seq_len"]), groups.coord("dp"), groups.size("dp"),
-                               tcfg["micro_batch"], seed=tcfg["seed"])
+    source = make_source(config.data.source, config.data.path, config.data.vocab_size,
+                         tcfg.seed)
+    sampler = ResumableSampler(source.num_samples(tcfg.seq_len), groups.coord("dp"), groups.size("dp"),
+                               tcfg.micro_batch, seed=tcfg.seed)
     checkpointer = Checkpointer(run_dir, config, layout, plan.config_hash, log=log)
     start_step, sampler_state = checkpointer.resume(engine)
     if sampler_state is not None:
         sampler.load_state_dict(sampler_state)
         log(f"resumed from step {start_step} (epoch {sampler.epoch}, offset {sampler.offset})")
-    if start_step >= tcfg["steps"]:
-        log(f"nothing to train: the run's checkpoint is at step {start_step} of {tcfg['steps']}; raise train.steps "
+    if start_step >= tcfg.steps:
+        log(f"nothing to train: the run's checkpoint is at step {start_step} of {tcfg.steps}; raise train.steps "
             "to go on, or set checkpoint.resume = false to start over")
-    tokens_per_step = layout.global_batch * tcfg["seq_len"]
+    tokens_per_step = layout.global_batch * tcfg.seq_len
     # N for 6N: the parameters of matrix multiplies, so neither the position nor the (untied) input embedding.
     matmul_params = count_parameters(model_config) - (model_config.vocab_size + model_config.seq_len) * \
         model_config.hidden
-    per_token = flops_per_token(matmul_params, model_config.layers, model_config.hidden, tcfg["seq_len"])
+    per_token = flops_per_token(matmul_params, model_config.layers, model_config.hidden, tcfg.seq_len)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    monitor_config = config["monitor"]
-    monitor = Monitor.create(info.rank, run_dir=run_dir, total_steps=tcfg["steps"],
-                             log_every=monitor_config["log_every"], tensorboard=monitor_config["tensorboard"],
-                             histogram_every=monitor_config["histogram_every"], flops_per_token=per_token,
-                             peak_flops=peak_flops(device, tcfg["precision"]) * info.world_size,
+    monitor_config = config.monitor
+    monitor = Monitor.create(info.rank, run_dir=run_dir, total_steps=tcfg.steps,
+                             log_every=monitor_config.log_every, tensorboard=monitor_config.tensorboard,
+                             histogram_every=monitor_config.histogram_every, flops_per_token=per_token,
+                             peak_flops=peak_flops(device, tcfg.precision) * info.world_size,
                              console=Console(file=_LogLines(log), width=200), start_step=start_step)
     loss = eval_loss = float("nan")
-    stream = _batches(source, sampler, tcfg["seq_len"], engine.device)
+    stream = _batches(source, sampler, tcfg.seq_len, engine.device)
     recorder = AttemptRecorder(run_dir, info, start_step, plan.lead_seconds, log)
     recorder_box.append(recorder)
-    stragglers = StragglerCheck(config["watchdog"]["straggler_factor"], info.rank, log)
+    stragglers = StragglerCheck(config.watchdog.straggler_factor, info.rank, log)
     delay = injected_delay_s(info.rank)
     step, stopped_by = start_step, 0
     try:
         with monitor:
-            for step in range(start_step + 1, tcfg["steps"] + 1):
+            for step in range(start_step + 1, tcfg.steps + 1):
                 start = time.perf_counter()
                 lr = engine.get_lr()[0]  # the rate this step uses; the scheduler moves on inside engine.step()
                 logged = monitor.log_due(step)
@@ -255,7 +254,7 @@ def _train_watched(plan: Plan, info: LaunchInfo, run_dir: Path, log: Callable[[s
                     loss = train_step(engine, stream)  # already the global batch's mean, on every rank
                 else:
                     total = 0.0
-                    for _ in range(tcfg["grad_accum"]):
+                    for _ in range(tcfg.grad_accum):
                         inputs, targets = next(stream)
                         with stragglers.timed(engine.device):
                             if delay:
@@ -265,7 +264,7 @@ def _train_watched(plan: Plan, info: LaunchInfo, run_dir: Path, log: Callable[[s
                         engine.step()
                         total += float(micro_loss)
                     # The loss average and the gradient norm cost a collective each: only on logged steps.
-                    loss = _mean_over(total / tcfg["grad_accum"], groups.group("dp")) if logged else float("nan")
+                    loss = _mean_over(total / tcfg.grad_accum, groups.group("dp")) if logged else float("nan")
                 maybe_inject_fault(info.rank, step)
                 if logged:
                     stragglers.check(step, engine.device)
@@ -275,14 +274,14 @@ def _train_watched(plan: Plan, info: LaunchInfo, run_dir: Path, log: Callable[[s
                              _memory_bytes() if logged else None)
                 if step > start_step + 1:  # the first step of an attempt also warms up
                     recorder.step_time(elapsed)
-                last = step == tcfg["steps"]
+                last = step == tcfg.steps
                 if last:
                     watch.settle()  # the run is done: a signal now needs no save and no requeue
                 stopped_by = 0 if last else watch.poll(engine.device)
                 if not stopped_by and monitor.histograms_due(step):
                     monitor.histograms(step, model.named_parameters())
-                if not stopped_by and monitor_config["eval_every"] and (
-                        step % monitor_config["eval_every"] == 0 or step == tcfg["steps"]):
+                if not stopped_by and monitor_config.eval_every and (
+                        step % monitor_config.eval_every == 0 or step == tcfg.steps):
                     result = _evaluate(engine, source, config, groups, None if last else watch)
                     if result is None:
                         stopped_by = watch.agreed(engine.device)
@@ -292,7 +291,7 @@ def _train_watched(plan: Plan, info: LaunchInfo, run_dir: Path, log: Callable[[s
                 if stopped_by:
                     return _stop(plan, info, engine, checkpointer, recorder, sampler, step, stopped_by, watch, log,
                                  watchdog)
-                if checkpointer.due(step, tcfg["steps"]):
+                if checkpointer.due(step, tcfg.steps):
                     _progress(watchdog, "checkpoint", step)
                     saved = time.perf_counter()
                     checkpointer.save(engine, step, sampler.state_dict())
@@ -306,6 +305,6 @@ def _train_watched(plan: Plan, info: LaunchInfo, run_dir: Path, log: Callable[[s
         raise
     recorder.completed(step)
     shutdown()
-    return {"rank": info.rank, "steps": tcfg["steps"], "start_step": start_step, "final_loss": loss,
-            "eval_loss": eval_loss, "precision": tcfg["precision"],
+    return {"rank": info.rank, "steps": tcfg.steps, "start_step": start_step, "final_loss": loss,
+            "eval_loss": eval_loss, "precision": tcfg.precision,
             "world_size": info.world_size, "launcher": info.launcher, "sampler": sampler.state_dict()}

@@ -23,7 +23,7 @@ def _plan(tmp_path: Path, precision: str | None):
 def test_auto_is_the_default_and_passes_validation_on_a_cpu_site(tmp_path: Path) -> None:
     assert JobConfig().train.precision == "auto"
     plan = _plan(tmp_path, None)
-    assert plan.config["train"]["precision"] == "auto"  # decided on the ranks, never here
+    assert plan.config.train.precision == "auto"  # decided on the ranks, never here
 
 
 def test_fp16_on_cpus_is_refused_only_when_asked_for(tmp_path: Path) -> None:

@@ -17,7 +17,6 @@ DeepSpeed's first start on a machine JIT-compiles its shared-memory op (about 33
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 import subprocess
@@ -241,9 +240,9 @@ def _measure(case: tuple[int, str, int], groups: Any, world: int) -> dict[str, i
     from hpc_train.train.model import GPT, GPTConfig
 
     stage, precision, accum = case
-    config = dataclasses.asdict(build(JobConfig, {
+    config = build(JobConfig, {
         "zero": {"stage": stage}, "data": {"vocab_size": VOCAB},
-        "train": {"precision": precision, "seq_len": SEQ, "micro_batch": MICRO, "grad_accum": accum}}))
+        "train": {"precision": precision, "seq_len": SEQ, "micro_batch": MICRO, "grad_accum": accum}})
     model = GPT(GPTConfig.from_preset("tiny", VOCAB, SEQ), groups.group("tp"), seed=1)
     engine = build_engine(model, config, world, ModelParallelUnit(groups), None)
     optimizer, basic = engine.optimizer, engine.basic_optimizer

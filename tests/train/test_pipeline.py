@@ -14,7 +14,6 @@ the losses by 2e-4, so the bound catches it.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Iterator
 from functools import partial
@@ -34,17 +33,16 @@ EVAL_AFTER = (3, STEPS)  # evaluating mid-run must not disturb training
 SHAPE = {"vocab_size": 256, "seq_len": 32, "layers": 2, "heads": 4, "hidden": 128}
 
 
-def _job(zero_stage: int) -> dict[str, Any]:
+def _job(zero_stage: int) -> Any:
     """A resolved job config (``plan.config``): fp32, torch AdamW, warm-up then cosine, clipping at 0.5."""
     from hpc_train.config.job import JobConfig
+    from hpc_train.config.loader import build
 
-    job = dataclasses.asdict(JobConfig())
-    job["train"].update(model="tiny", steps=STEPS, seq_len=SHAPE["seq_len"], micro_batch=2, grad_accum=2,
-                        precision="fp32", optimizer="torch_adamw", lr=2e-3, min_lr=2e-4, warmup_steps=2,
-                        decay="cosine", weight_decay=0.1, grad_clip=0.5, seed=SEED)
-    job["zero"].update(stage=zero_stage)
-    job["data"].update(source="synthetic", vocab_size=SHAPE["vocab_size"])
-    return job
+    return build(JobConfig, {
+        "train": {"model": "tiny", "steps": STEPS, "seq_len": SHAPE["seq_len"], "micro_batch": 2, "grad_accum": 2,
+                  "precision": "fp32", "optimizer": "torch_adamw", "lr": 2e-3, "min_lr": 2e-4, "warmup_steps": 2,
+                  "decay": "cosine", "weight_decay": 0.1, "grad_clip": 0.5, "seed": SEED},
+        "zero": {"stage": zero_stage}, "data": {"source": "synthetic", "vocab_size": SHAPE["vocab_size"]}})
 
 
 def _param_groups(model: Any, weight_decay: float) -> list[dict[str, Any]]:
@@ -64,7 +62,7 @@ def _batches(seed: int, dp_rank: int, dp_size: int, micro_batch: int) -> Iterato
         yield batch(source, sampler.next_indices(), SHAPE["seq_len"])
 
 
-def _pipeline_worker(rank: int, world_size: int, tp: int, pp: int, job: dict[str, Any]) -> dict[str, Any]:
+def _pipeline_worker(rank: int, world_size: int, tp: int, pp: int, job: Any) -> dict[str, Any]:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size))
     import deepspeed
@@ -85,30 +83,30 @@ def _pipeline_worker(rank: int, world_size: int, tp: int, pp: int, job: dict[str
     different = [name for name, (_, param) in zip(names, model.named_parameters(), strict=True)
                  if not torch.equal(param, full[name])]
 
-    train = job["train"]
+    train = job.train
     ds = deepspeed_config(job, topology.sizes["dp"])
     ds["zero_allow_untested_optimizer"] = True
-    optimizer = torch.optim.AdamW(_param_groups(model, train["weight_decay"]), lr=train["lr"],
-                                  betas=(train["beta1"], train["beta2"]), eps=train["eps"])
+    optimizer = torch.optim.AdamW(_param_groups(model, train.weight_decay), lr=train.lr,
+                                  betas=(train.beta1, train.beta2), eps=train.eps)
 
     def schedule(basic: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
-        return torch.optim.lr_scheduler.LambdaLR(basic, lambda step: lr_at(step, train) / train["lr"])
+        return torch.optim.lr_scheduler.LambdaLR(basic, lambda step: lr_at(step, train) / train.lr)
 
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds, lr_scheduler=schedule)
     clip_norms: list[float] = []
-    if not job["zero"]["stage"]:  # ZeRO-0 fp32 clips but keeps no norm: record the one it clips with
+    if not job.zero.stage:  # ZeRO-0 fp32 clips but keeps no norm: record the one it clips with
         def clip_and_record() -> None:
             clip_norms.append(float(clip_grad_norm_(parameters=engine.module.parameters(),
                                                     max_norm=engine.gradient_clipping(), mpu=engine.mpu)))
         engine.clip_fp32_gradients = clip_and_record
 
-    batches = _batches(SEED, groups.coord("dp"), groups.size("dp"), train["micro_batch"])
+    batches = _batches(SEED, groups.coord("dp"), groups.size("dp"), train.micro_batch)
     losses, norms, eval_losses = [], [], []
     for step in range(1, STEPS + 1):
         losses.append(train_step(engine, batches))
-        norms.append(clip_norms[step - 1] if not job["zero"]["stage"] else float(engine.get_global_grad_norm()))
+        norms.append(clip_norms[step - 1] if not job.zero.stage else float(engine.get_global_grad_norm()))
         if step in EVAL_AFTER:
-            eval_batches = _batches(EVAL_SEED, groups.coord("dp"), groups.size("dp"), train["micro_batch"])
+            eval_batches = _batches(EVAL_SEED, groups.coord("dp"), groups.size("dp"), train.micro_batch)
             eval_losses.append(eval_step(engine, eval_batches, micro_batches=EVAL_MICRO_BATCHES))
     grid = engine.grid
     return {"losses": losses, "norms": norms, "eval_losses": eval_losses, "different": different,
@@ -116,33 +114,33 @@ def _pipeline_worker(rank: int, world_size: int, tp: int, pp: int, job: dict[str
             "groups": {"dp": sorted(grid.dp_group), "pp": sorted(grid.pp_group), "tp": sorted(grid.slice_group)}}
 
 
-def _reference(job: dict[str, Any], dp: int) -> dict[str, Any]:
+def _reference(job: Any, dp: int) -> dict[str, Any]:
     """One plain process, the whole global batch per micro-batch: the trajectory every layout must follow."""
     import torch
 
     from hpc_train.train.engine import lr_at
     from hpc_train.train.model import GPT, GPTConfig
 
-    train = job["train"]
+    train = job.train
     model = GPT(GPTConfig(**SHAPE), None, SEED)
-    optimizer = torch.optim.AdamW(_param_groups(model, train["weight_decay"]), lr=train["lr"],
-                                  betas=(train["beta1"], train["beta2"]), eps=train["eps"])
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step, train) / train["lr"])
-    batches = _batches(SEED, 0, 1, train["micro_batch"] * dp)
+    optimizer = torch.optim.AdamW(_param_groups(model, train.weight_decay), lr=train.lr,
+                                  betas=(train.beta1, train.beta2), eps=train.eps)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step, train) / train.lr)
+    batches = _batches(SEED, 0, 1, train.micro_batch * dp)
     losses, norms, eval_losses = [], [], []
     for step in range(1, STEPS + 1):
         optimizer.zero_grad(set_to_none=True)
         total = 0.0
-        for _ in range(train["grad_accum"]):
+        for _ in range(train.grad_accum):
             loss = model(*next(batches))
-            (loss / train["grad_accum"]).backward()
+            (loss / train.grad_accum).backward()
             total += float(loss.detach())
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), train["grad_clip"])))
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), train.grad_clip)))
         optimizer.step()
         scheduler.step()
-        losses.append(total / train["grad_accum"])
+        losses.append(total / train.grad_accum)
         if step in EVAL_AFTER:
-            eval_batches = _batches(EVAL_SEED, 0, 1, train["micro_batch"] * dp)
+            eval_batches = _batches(EVAL_SEED, 0, 1, train.micro_batch * dp)
             with torch.no_grad():
                 eval_losses.append(sum(float(model(*next(eval_batches)))
                                        for _ in range(EVAL_MICRO_BATCHES)) / EVAL_MICRO_BATCHES)
@@ -171,7 +169,7 @@ def test_pipeline_follows_one_process(world: int, tp: int, pp: int, zero_stage: 
         assert result["eval_losses"] == results[0]["eval_losses"]
     stages = [results[topology.rank_of(pp=stage)]["parameters"] for stage in range(pp)]
     assert sum(stages) == 5 + 12 * SHAPE["layers"]  # each of GPT's parameters on exactly one stage
-    assert max(reference["norms"]) > job["train"]["grad_clip"], "clipping must act for the norms to matter"
+    assert max(reference["norms"]) > job.train.grad_clip, "clipping must act for the norms to matter"
 
     losses, norms = results[0]["losses"], results[0]["norms"]
     loss_diff = max(abs(a - b) for a, b in zip(losses, reference["losses"], strict=True))

@@ -6,38 +6,40 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from hpc_train.config.job import JobConfig
+
 __all__ = ["deepspeed_config", "merge_user_table"]
 
 
-def deepspeed_config(config: dict[str, Any], data_parallel: int) -> dict[str, Any]:
+def deepspeed_config(config: JobConfig, data_parallel: int) -> dict[str, Any]:
     """The DeepSpeed JSON for a resolved job config (``plan.config``)."""
-    train, zero = config["train"], config["zero"]
-    stage = zero["stage"]
+    train, zero = config.train, config.zero
+    stage = zero.stage
     ds: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": train["micro_batch"],
-        "gradient_accumulation_steps": train["grad_accum"],
-        "train_batch_size": train["micro_batch"] * train["grad_accum"] * data_parallel,
-        "gradient_clipping": train["grad_clip"],
+        "train_micro_batch_size_per_gpu": train.micro_batch,
+        "gradient_accumulation_steps": train.grad_accum,
+        "train_batch_size": train.micro_batch * train.grad_accum * data_parallel,
+        "gradient_clipping": train.grad_clip,
         "steps_per_print": 10**9,
         "zero_optimization": {"stage": stage},
-        "bf16": {"enabled": train["precision"] == "bf16"},
-        "fp16": {"enabled": train["precision"] == "fp16"},
+        "bf16": {"enabled": train.precision == "bf16"},
+        "fp16": {"enabled": train.precision == "fp16"},
     }
     if stage:
-        ds["zero_optimization"].update(overlap_comm=zero["overlap_comm"], reduce_bucket_size=zero["bucket_size"],
+        ds["zero_optimization"].update(overlap_comm=zero.overlap_comm, reduce_bucket_size=zero.bucket_size,
                                        contiguous_gradients=True)
     if stage in (1, 2):
-        ds["zero_optimization"]["allgather_bucket_size"] = zero["bucket_size"]
-    if zero["offload_optimizer"]:
+        ds["zero_optimization"]["allgather_bucket_size"] = zero.bucket_size
+    if zero.offload_optimizer:
         ds["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
-    if zero["offload_params"]:
+    if zero.offload_params:
         ds["zero_optimization"]["offload_param"] = {"device": "cpu"}
-    if train["optimizer"] != "torch_adamw":
-        ds["optimizer"] = {"type": "AdamW" if train["optimizer"] == "cpu_adam" else "Adam",
-                           "params": {"lr": train["lr"], "betas": [train["beta1"], train["beta2"]],
-                                      "eps": train["eps"], "weight_decay": train["weight_decay"],
-                                      **({"adam_w_mode": True} if train["optimizer"] == "fused_adam" else {})}}
-    return merge_user_table(ds, config.get("deepspeed", {}))
+    if train.optimizer != "torch_adamw":
+        ds["optimizer"] = {"type": "AdamW" if train.optimizer == "cpu_adam" else "Adam",
+                           "params": {"lr": train.lr, "betas": [train.beta1, train.beta2],
+                                      "eps": train.eps, "weight_decay": train.weight_decay,
+                                      **({"adam_w_mode": True} if train.optimizer == "fused_adam" else {})}}
+    return merge_user_table(ds, config.deepspeed)
 
 
 def merge_user_table(modelled: dict[str, Any], user: dict[str, Any], prefix: str = "deepspeed") -> dict[str, Any]:
