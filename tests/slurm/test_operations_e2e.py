@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from hpc_train.run.watch import last_logged_step
 from tests.slurm.test_preemption_e2e import (
     BASE,
     EXAMPLE,
     _attempts,
-    _last_step,
     _logs,
     _state,
     _submit,
@@ -42,7 +42,7 @@ def test_a_hung_rank_is_found_dumped_and_requeued(tmp_path: Path) -> None:
     for rank in (0, 1):
         assert "# main thread 0x" in (run_dir / "logs" / f"stacks-rank-{rank}.txt").read_text()
     assert second["outcome"] == "completed" and second["start_step"] == 10, second  # the checkpoint of step 10
-    assert _last_step(run_dir) == 30
+    assert last_logged_step(run_dir) == 30
 
 
 def _resume_if_down(node: str) -> None:
@@ -62,7 +62,7 @@ def test_a_node_that_goes_down_is_excluded_and_the_run_resumes(tmp_path: Path) -
     job_id = _submit(tmp_path, 40, "--set", "job.nodes=1", "--set", "job.tasks_per_node=2")
     run_dir = tmp_path / "runs" / "tiny-gpt"
     deadline = time.monotonic() + 240
-    while _last_step(run_dir) < 13:
+    while last_logged_step(run_dir) < 13:
         assert time.monotonic() < deadline, _logs(run_dir)
         time.sleep(0.5)
     node = _node_of(job_id)
