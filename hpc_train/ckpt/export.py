@@ -11,7 +11,7 @@ What comes out is a plain ``dict`` of name -> contiguous fp32 CPU tensor, named 
   partitions of every data-parallel rank (whatever the training dtype);
 * ZeRO-0 or a pipeline, trained in fp32: the module weights DeepSpeed saved are the fp32 weights themselves
   (``mp_rank_00_model_states.pt``, or one ``layer_XX-...-model_states.pt`` per pipeline layer, renamed with
-  :func:`~hpc_train.train.pipeline.gpt_parameter_name`).
+  the model spec's ``parameter_name``, :func:`~hpc_train.train.pipeline.gpt_parameter_name` for the GPT).
 
 Tensor-parallel checkpoints (tensor > 1), and ZeRO-0 or pipeline checkpoints trained in bf16/fp16 (their fp32
 master copy lives in optimizer files export does not merge), are refused with a ConfigError that says so.
@@ -111,7 +111,7 @@ def _pipeline_state(state_dir: Path) -> dict[str, Any]:
     """Every layer file of the tensor rank 0, renamed from ``"<layer>.<name>"`` to GPT's names."""
     import torch
 
-    from hpc_train.train.pipeline import gpt_parameter_name
+    from hpc_train.train.models import GPT_SPEC  # the one model family checkpoints hold today
 
     files = {int(m.group(1)): state_dir / name for name in os.listdir(state_dir) if (m := _LAYER_FILE.match(name))}
     if not files or sorted(files) != list(range(len(files))) or len(files) < 3:
@@ -121,7 +121,7 @@ def _pipeline_state(state_dir: Path) -> dict[str, Any]:
     state: dict[str, Any] = {}
     for index, path in sorted(files.items()):
         for name, tensor in torch.load(path, map_location="cpu", weights_only=True).items():
-            state[gpt_parameter_name(f"{index}.{name}", blocks)] = tensor
+            state[GPT_SPEC.parameter_name(f"{index}.{name}", blocks)] = tensor
     return state
 
 

@@ -60,6 +60,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from hpc_train.config.job import MODEL_PRESETS
+from hpc_train.train.models import Param, model_spec
 
 __all__ = ["MemoryPlan", "Param", "assumed_precision", "memory_plan", "memory_rows", "stage_parameters"]
 
@@ -82,15 +83,6 @@ def assumed_precision(precision: str, gpus_per_node: int) -> tuple[str, str]:
     where = "the nodes have GPUs" if gpus_per_node else "the nodes have no GPUs"
     return assumed, (f"precision auto is decided on the nodes; planned as {assumed} ({where}; a CPU with native "
                      "bf16 trains in bf16, a GPU without bf16 in fp32)")
-
-
-class Param(NamedTuple):
-    """One parameter tensor as one rank holds it: module-path name, elements, and whether it is a matrix (weight
-    decay group of ``build_engine``, which DeepSpeed flattens first)."""
-
-    name: str
-    numel: int
-    matrix: bool
 
 
 @dataclass(frozen=True)
@@ -139,49 +131,9 @@ def _positive(**values: int) -> None:
 
 def stage_parameters(preset: str, vocab_size: int, seq_len: int, tensor: int = 1,
                      pipeline: int = 1) -> list[list[Param]]:
-    """The parameters one tensor-parallel rank of each pipeline stage holds, in ``model.parameters()`` order.
-
-    Mirrors :class:`hpc_train.train.model.GPT` without importing torch; the tests check it against the real model.
-    """
-    if preset not in MODEL_PRESETS:
-        raise ValueError(f"model preset {preset!r} is unknown; use one of {', '.join(MODEL_PRESETS)}")
-    _positive(vocab_size=vocab_size, seq_len=seq_len, tensor=tensor, pipeline=pipeline)
-    shape = MODEL_PRESETS[preset]
-    layers, heads, h = shape["layers"], shape["heads"], shape["hidden"]
-    if heads % tensor:
-        raise ValueError(f"tensor = {tensor} does not divide the {heads} attention heads of {preset}; "
-                         "use a tensor size that divides them")
-    if vocab_size % tensor:
-        raise ValueError(f"vocab_size = {vocab_size} is not divisible by tensor = {tensor}; pad the vocabulary to "
-                         f"a multiple of {tensor} (e.g. {-(-vocab_size // tensor) * tensor})")
-    if pipeline > layers:
-        raise ValueError(f"pipeline = {pipeline} stages for the {layers} layers of {preset}; use at most {layers}")
-    t = tensor
-
-    def block(i: int) -> list[Param]:
-        p = f"blocks.{i}."
-        return [Param(p + "ln1.weight", h, False), Param(p + "ln1.bias", h, False),
-                Param(p + "attn.qkv.weight", 3 * h * h // t, True), Param(p + "attn.qkv.bias", 3 * h // t, False),
-                Param(p + "attn.proj.weight", h * h // t, True), Param(p + "attn.proj.bias", h, False),
-                Param(p + "ln2.weight", h, False), Param(p + "ln2.bias", h, False),
-                Param(p + "mlp.fc.weight", 4 * h * h // t, True), Param(p + "mlp.fc.bias", 4 * h // t, False),
-                Param(p + "mlp.proj.weight", 4 * h * h // t, True), Param(p + "mlp.proj.bias", h, False)]
-
-    counts = [layers // pipeline + (1 if i < layers % pipeline else 0) for i in range(pipeline)]
-    stages: list[list[Param]] = []
-    first = 0
-    for index, count in enumerate(counts):
-        params: list[Param] = []
-        if index == 0:
-            params += [Param("wte.weight", vocab_size // t * h, True), Param("wpe.weight", seq_len * h, True)]
-        for i in range(first, first + count):
-            params += block(i)
-        if index == pipeline - 1:
-            params += [Param("ln_f.weight", h, False), Param("ln_f.bias", h, False),
-                       Param("head.weight", vocab_size // t * h, True)]
-        stages.append(params)
-        first += count
-    return stages
+    """The parameters one tensor-parallel rank of each pipeline stage holds (the model's
+    :attr:`~hpc_train.train.models.spec.ModelSpec.stage_parameters`)."""
+    return model_spec(preset).stage_parameters(preset, vocab_size, seq_len, tensor, pipeline)
 
 
 def _groups(params: list[Param]) -> list[list[Param]]:
@@ -240,87 +192,113 @@ def _activations(shape: dict[str, int], vocab_size: int, seq_len: int, micro_bat
     return total
 
 
+class _Working(NamedTuple):
+    """What DeepSpeed holds for one stage under one ZeRO stage, in bytes, and the notes that explain it."""
+
+    parameters: int
+    gradients: int
+    optimizer: int
+    reduce_buffers: int
+    step_buffers: int
+    buffers: int
+    cpu: int
+    notes: list[str]
+
+
+def _zero0(params: list[Param], width: int) -> _Working:
+    n = sum(p.numel for p in params)
+    reduce_buffers = width * _allreduce_chunk(params)
+    step_buffers = 4 * n if width == 2 else 0
+    notes = ["ZeRO-0 in 16-bit makes an fp32 copy of every gradient at the optimizer step"] if width == 2 else []
+    return _Working(width * n, width * n, 8 * n + (4 * n if width == 2 else 0), reduce_buffers, step_buffers,
+                    max(reduce_buffers, step_buffers), 0, notes)
+
+
+def _zero12(params: list[Param], *, data: int, zero_stage: int, width: int, offload_optimizer: bool,
+            grad_accum: int, bucket_size: int, overlap_comm: bool) -> _Working:
+    n = sum(p.numel for p in params)
+    layouts = [_zero12_layout(group, data) for group in _groups(params)]
+    flat = sum(layout[0] for layout in layouts)
+    part = sum(layout[1] for layout in layouts)
+    held = max(sum(layout[2][rank] for layout in layouts) for rank in range(data))
+    notes: list[str] = []
+    cpu = 0
+    gradients = width * held
+    if zero_stage == 1 and grad_accum > 1:
+        gradients = max(gradients, width * n)
+        notes.append("ZeRO-1 with grad_accum > 1 holds the full gradients between micro-batches")
+    optimizer = 12 * part
+    reduce_buffers = (2 if overlap_comm else 1) * bucket_size * width
+    step_buffers = 4 * max(layout[1] for layout in layouts)
+    if data > 1 and held > part * 1.02:
+        notes.append(f"gradients of parameters straddling a partition boundary are kept whole: "
+                     f"{held:,} elements held for a {part:,}-element partition")
+    if offload_optimizer:
+        cpu += (16 + width) * part  # master, Adam m and v, fp32 gradients, 16-bit staging copy
+        if grad_accum > 1 and zero_stage == 2:
+            cpu += width * held  # gradients accumulated in CPU memory between micro-batches
+        optimizer = 0
+        gradients = width * n if (zero_stage == 1 and grad_accum > 1) else 0
+        reduce_buffers += width * max(p.numel for p in params)  # GPU staging of one gradient
+        step_buffers = 0
+    notes.append(f"gradient buckets: {2 if overlap_comm else 1} x {bucket_size:,} elements during the backward "
+                 "pass, whatever the model's size")
+    return _Working(width * flat, gradients, optimizer, reduce_buffers, step_buffers,
+                    max(reduce_buffers, step_buffers), cpu, notes)
+
+
+def _zero3(params: list[Param], *, data: int, width: int, offload_optimizer: bool, offload_params: bool,
+           bucket_size: int) -> _Working:
+    parts = sum(-(-p.numel // data) for p in params)
+    persistent = [p for p in params if p.numel <= PERSISTENCE_THRESHOLD]
+    kept = sum(p.numel for p in persistent)
+    modules: dict[str, int] = {}
+    for p in params:
+        if p.numel > PERSISTENCE_THRESHOLD:
+            module = p.name.rsplit(".", 1)[0]
+            modules[module] = modules.get(module, 0) + p.numel
+    gathered = width * min(sum(modules.values()), max(modules.values()) + PREFETCH_BUCKET) if modules else 0
+    parameters, gradients, optimizer = width * (parts + kept), width * parts, 12 * parts
+    bucket = bucket_size * width
+    step_buffers = 4 * max(_largest_sub_group(group, data) for group in _groups(params))
+    notes: list[str] = []
+    if persistent:
+        notes.append(f"ZeRO-3 keeps {len(persistent)} parameters of <= {PERSISTENCE_THRESHOLD:,} elements "
+                     f"({kept:,} elements) whole on every rank, besides their partitions")
+    notes.append(f"ZeRO-3 holds one {bucket_size:,}-element gradient bucket for the whole run")
+    cpu = 0
+    if offload_optimizer:
+        cpu += (16 + width) * parts  # master, Adam m and v, fp32 step gradients, 16-bit gradient partitions
+        optimizer, gradients, step_buffers = 0, 0, 0
+    if offload_params:
+        cpu += width * parts
+        parameters = width * kept
+    return _Working(parameters, gradients, optimizer, bucket + gathered, step_buffers,
+                    bucket + max(gathered, step_buffers), cpu, notes)
+
+
 def _plan_stage(index: int, params: list[Param], *, shape: dict[str, int], vocab_size: int, seq_len: int,
                 micro_batch: int, tensor: int, pipeline: int, data: int, zero_stage: int, width: int,
                 offload_optimizer: bool, offload_params: bool, grad_accum: int, bucket_size: int,
                 overlap_comm: bool) -> tuple[dict[str, int], list[str]]:
-    n = sum(p.numel for p in params)
-    groups = _groups(params)
-    notes: list[str] = []
-    gathered = 0
-    cpu = 0
     if zero_stage == 0:
-        parameters, gradients = width * n, width * n
-        optimizer = 8 * n + (4 * n if width == 2 else 0)
-        reduce_buffers = width * _allreduce_chunk(params)
-        step_buffers = 4 * n if width == 2 else 0
-        buffers = max(reduce_buffers, step_buffers)
-        if width == 2:
-            notes.append("ZeRO-0 in 16-bit makes an fp32 copy of every gradient at the optimizer step")
+        held = _zero0(params, width)
     elif zero_stage in (1, 2):
-        layouts = [_zero12_layout(group, data) for group in groups]
-        flat = sum(layout[0] for layout in layouts)
-        part = sum(layout[1] for layout in layouts)
-        held = max(sum(layout[2][rank] for layout in layouts) for rank in range(data))
-        parameters = width * flat
-        gradients = width * held
-        if zero_stage == 1 and grad_accum > 1:
-            gradients = max(gradients, width * n)
-            notes.append("ZeRO-1 with grad_accum > 1 holds the full gradients between micro-batches")
-        optimizer = 12 * part
-        reduce_buffers = (2 if overlap_comm else 1) * bucket_size * width
-        step_buffers = 4 * max(layout[1] for layout in layouts)
-        if data > 1 and held > part * 1.02:
-            notes.append(f"gradients of parameters straddling a partition boundary are kept whole: "
-                         f"{held:,} elements held for a {part:,}-element partition")
-        if offload_optimizer:
-            cpu += (16 + width) * part  # master, Adam m and v, fp32 gradients, 16-bit staging copy
-            if grad_accum > 1 and zero_stage == 2:
-                cpu += width * held  # gradients accumulated in CPU memory between micro-batches
-            optimizer = 0
-            gradients = width * n if (zero_stage == 1 and grad_accum > 1) else 0
-            reduce_buffers += width * max(p.numel for p in params)  # GPU staging of one gradient
-            step_buffers = 0
-        buffers = max(reduce_buffers, step_buffers)
-        notes.append(f"gradient buckets: {2 if overlap_comm else 1} x {bucket_size:,} elements during the backward "
-                     "pass, whatever the model's size")
+        held = _zero12(params, data=data, zero_stage=zero_stage, width=width, offload_optimizer=offload_optimizer,
+                       grad_accum=grad_accum, bucket_size=bucket_size, overlap_comm=overlap_comm)
     else:
-        parts = sum(-(-p.numel // data) for p in params)
-        persistent = [p for p in params if p.numel <= PERSISTENCE_THRESHOLD]
-        kept = sum(p.numel for p in persistent)
-        modules: dict[str, int] = {}
-        for p in params:
-            if p.numel > PERSISTENCE_THRESHOLD:
-                module = p.name.rsplit(".", 1)[0]
-                modules[module] = modules.get(module, 0) + p.numel
-        if modules:
-            gathered = width * min(sum(modules.values()), max(modules.values()) + PREFETCH_BUCKET)
-        parameters = width * (parts + kept)
-        gradients = width * parts
-        optimizer = 12 * parts
-        bucket = bucket_size * width
-        step_buffers = 4 * max(_largest_sub_group(group, data) for group in groups)
-        if persistent:
-            notes.append(f"ZeRO-3 keeps {len(persistent)} parameters of <= {PERSISTENCE_THRESHOLD:,} elements "
-                         f"({kept:,} elements) whole on every rank, besides their partitions")
-        notes.append(f"ZeRO-3 holds one {bucket_size:,}-element gradient bucket for the whole run")
-        if offload_optimizer:
-            cpu += (16 + width) * parts  # master, Adam m and v, fp32 step gradients, 16-bit gradient partitions
-            optimizer, gradients, step_buffers = 0, 0, 0
-        if offload_params:
-            cpu += width * parts
-            parameters = width * kept
-        reduce_buffers = bucket + gathered
-        buffers = bucket + max(gathered, step_buffers)
+        held = _zero3(params, data=data, width=width, offload_optimizer=offload_optimizer,
+                      offload_params=offload_params, bucket_size=bucket_size)
     in_flight = min(pipeline - index, grad_accum) if pipeline > 1 else 1
     layers = sum(1 for p in params if p.name.endswith(".ln1.weight"))
     activations = _activations(shape, vocab_size, seq_len, micro_batch, tensor, width, layers, in_flight,
                                last=index == pipeline - 1)
-    figures = {"params_per_rank": n, "parameters": parameters, "gradients": gradients, "optimizer_state": optimizer,
-               "activations": activations, "reduce_buffers": reduce_buffers, "step_buffers": step_buffers,
-               "buffers": buffers, "cpu": cpu,
-               "total": parameters + gradients + optimizer + activations + buffers}
-    return figures, notes
+    figures = {"params_per_rank": sum(p.numel for p in params), "parameters": held.parameters,
+               "gradients": held.gradients, "optimizer_state": held.optimizer, "activations": activations,
+               "reduce_buffers": held.reduce_buffers, "step_buffers": held.step_buffers, "buffers": held.buffers,
+               "cpu": held.cpu,
+               "total": held.parameters + held.gradients + held.optimizer + activations + held.buffers}
+    return figures, held.notes
 
 
 def memory_plan(preset: str, vocab_size: int, seq_len: int, micro_batch: int, tensor: int, pipeline: int, data: int,

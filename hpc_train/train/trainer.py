@@ -1,6 +1,8 @@
 """The training loop every rank runs: bootstrap, groups, model, DeepSpeed engine, data, and rank-0 monitoring.
 
-Kept to the loop itself; the pieces live in their own modules (model, engine, data, monitor, flops).
+Kept to the loop itself, in stages a reader can name: set up (bootstrap, groups, precision), build (model,
+engine, data, checkpointer), resume, the steps (each may stop the run on a preemption signal), finish. The model
+comes from its :class:`~hpc_train.train.models.ModelSpec`; nothing here knows it is a GPT.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import io
 import resource
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,10 +31,10 @@ from hpc_train.run.loglines import format_saved_after_signal
 from hpc_train.train.checkpointing import Checkpointer
 from hpc_train.train.data import ResumableSampler, batch, make_source
 from hpc_train.train.engine import build_engine
-from hpc_train.train.flops import flops_per_token, peak_flops
-from hpc_train.train.model import GPT, GPTConfig, count_parameters
+from hpc_train.train.flops import peak_flops
+from hpc_train.train.models import ModelSpec, model_spec
 from hpc_train.train.monitor import Monitor
-from hpc_train.train.pipeline import build_pipeline_model, eval_step, train_step
+from hpc_train.train.pipeline import eval_step, train_step
 from hpc_train.train.precision import agreed_precision
 from hpc_train.train.preemption import PreemptionWatch, arm_force_exit
 from hpc_train.train.stopping import AttemptRecorder, decide_hang, signal_name
@@ -67,8 +70,8 @@ def _memory_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def _mean_over(value: float, group: Any) -> float:
-    tensor = torch.tensor([value], dtype=torch.float64)
+def _mean_over(value: float, group: Any, device: Any) -> float:
+    tensor = torch.tensor([value], dtype=torch.float64, device=device)  # on the group's device (NCCL: the GPU)
     dist.all_reduce(tensor, group=group)
     return float(tensor.item()) / dist.get_world_size(group)
 
@@ -99,20 +102,46 @@ def _evaluate(engine: Any, source: Any, config: JobConfig, groups: ParallelGroup
                 total += float(engine(*next(stream)))
     finally:
         engine.train()
-    return _mean_over(total / batches, groups.group("dp"))
+    return _mean_over(total / batches, groups.group("dp"), engine.device)
 
 
-def _model_and_engine(model_config: GPTConfig, topology: Topology, groups: ParallelGroups, config: JobConfig,
-                      run_dir: Path, local_rank: int) -> tuple[Any, Any]:
-    """The GPT, or its pipeline stages, inside a DeepSpeed engine. The layers always get the tensor group, even
-    of size 1: they read None as "the default group", which would be every rank."""
-    seed, data_parallel = config.train.seed, topology.sizes["dp"]
-    if topology.sizes["pp"] > 1:  # DeepSpeed's pipeline engine brings its own grid: no mpu
-        model = build_pipeline_model(model_config, topology, groups.group("tp"), seed=seed, local_rank=local_rank)
-        return model, build_engine(model, config, data_parallel, None, run_dir, local_rank)
-    model = GPT(model_config, groups.group("tp"), seed=seed)
-    return model, build_engine(model, config, data_parallel, ModelParallelUnit(groups), run_dir,
-                                local_rank)
+@dataclass
+class _Rank:
+    """What this rank was given, and the attempt once it is open (the watchdog's hang decision reads it).
+    ``plan`` is replaced by the set-up stage with the precision resolved."""
+
+    plan: Plan
+    info: LaunchInfo
+    run_dir: Path
+    log: Callable[[str], None]
+    watch: PreemptionWatch
+    watchdog: Watchdog | None = None
+    recorder: AttemptRecorder | None = None
+
+
+@dataclass
+class _Parts:
+    """The run's built parts (the build stage), which every later stage uses."""
+
+    groups: ParallelGroups
+    pipelined: bool
+    model: Any
+    engine: Any
+    source: Any
+    sampler: ResumableSampler
+    checkpointer: Checkpointer
+    stream: Iterator[Any]
+    stragglers: StragglerCheck
+
+
+@dataclass
+class _Progress:
+    """Where the loop is: the step it is at and the last losses."""
+
+    start_step: int
+    step: int
+    loss: float = float("nan")
+    eval_loss: float = float("nan")
 
 
 def _resolve_precision(plan: Plan, backend: str, log: Callable[[str], None]) -> Plan:
@@ -130,21 +159,19 @@ def _progress(watchdog: Watchdog | None, phase: str, step: int) -> None:
         watchdog.enter(phase, step)
 
 
-def _stop(plan: Plan, info: LaunchInfo, engine: Any, checkpointer: Checkpointer, recorder: AttemptRecorder,
-          sampler: ResumableSampler, step: int, signum: int, watch: PreemptionWatch,
-          log: Callable[[str], None], watchdog: Watchdog | None) -> dict[str, Any]:
+def _stop(rank: _Rank, parts: _Parts, recorder: AttemptRecorder, step: int, signum: int) -> dict[str, Any]:
     """All ranks agreed on a preemption signal after ``step``: save it (a force-exit timer guards the save), let
     rank 0 record the attempt and requeue, and return how this rank must exit."""
+    plan, info, log, watch = rank.plan, rank.info, rank.log, rank.watch
     name = signal_name(signum)
     received = watch.received_at or time.time()
     budget = max(10.0, plan.lead_seconds - (time.time() - received) - 5)
     log(f"{name} received: saving step {step}, then stopping (the save must finish within {budget:.0f} s)")
     timer = arm_force_exit(budget, log)
-    if watchdog is not None:
-        watchdog.enter("checkpoint", step)
+    _progress(rank.watchdog, "checkpoint", step)
     try:
         saved = time.perf_counter()
-        checkpointer.save(engine, step, sampler.state_dict(), wait=True)  # durable before the requeue
+        parts.checkpointer.save(parts.engine, step, parts.sampler.state_dict(), wait=True)  # durable first
         recorder.save_time(time.perf_counter() - saved)
         preempt = plan.config.preempt
         requeue = recorder.stopped(step, signum, name == f"SIG{plan.signal}", preempt.requeue,
@@ -166,145 +193,193 @@ def train(plan: Plan, info: LaunchInfo, run_dir: Path, log: Callable[[str], None
     job is still starting (minutes on a large job) then stops it within its first steps instead of being lost."""
     if watch is None:
         with PreemptionWatch([plan.signal]) as own:
-            return _train(plan, info, run_dir, log, own)
-    return _train(plan, info, run_dir, log, watch)
+            return _train(_Rank(plan, info, run_dir, log, own))
+    return _train(_Rank(plan, info, run_dir, log, watch))
 
 
-def _watchdog(plan: Plan, info: LaunchInfo, run_dir: Path, log: Callable[[str], None],
-              recorder: list[AttemptRecorder]) -> Watchdog | None:
+def _watchdog(rank: _Rank) -> Watchdog | None:
     """The hang watchdog of ``[watchdog]``; rank 0's decides with the attempt recorder once there is one."""
+    plan, info, run_dir, log = rank.plan, rank.info, rank.run_dir, rank.log
     wcfg = plan.config.watchdog
     if not wcfg.enabled:
         return None
     retries = plan.config.retry.hang
 
     def decide(hang: Any) -> tuple[int, str]:
-        return decide_hang(run_dir, info, recorder[0] if recorder else None, hang, retries, log)
+        return decide_hang(run_dir, info, rank.recorder, hang, retries, log)
 
     return Watchdog(run_dir, info.rank, info.world_size, f"{info.job_id or 'local'}.{info.restart}",
                     Timeouts(wcfg.startup_timeout_s, wcfg.step_timeout_s, wcfg.checkpoint_timeout_s),
                     decide if info.rank == 0 else None, log)
 
 
-def _train(plan: Plan, info: LaunchInfo, run_dir: Path, log: Callable[[str], None],
-           watch: PreemptionWatch) -> dict[str, Any]:
-    recorder_box: list[AttemptRecorder] = []  # filled once the attempt is open; the watchdog's decision reads it
-    watchdog = _watchdog(plan, info, run_dir, log, recorder_box)
-    if watchdog is None:
-        return _train_watched(plan, info, run_dir, log, watch, None, recorder_box)
-    with watchdog:
-        return _train_watched(plan, info, run_dir, log, watch, watchdog, recorder_box)
+def _train(rank: _Rank) -> dict[str, Any]:
+    rank.watchdog = _watchdog(rank)
+    if rank.watchdog is None:
+        return _train_watched(rank)
+    with rank.watchdog:
+        return _train_watched(rank)
 
 
-def _train_watched(plan: Plan, info: LaunchInfo, run_dir: Path, log: Callable[[str], None], watch: PreemptionWatch,
-                   watchdog: Watchdog | None, recorder_box: list[AttemptRecorder]) -> dict[str, Any]:
-    config = plan.config
-    tcfg, layout = config.train, plan.layout
+def _train_watched(rank: _Rank) -> dict[str, Any]:
+    """The stages: set up, build, resume, then the steps (each may stop the run), then finish."""
+    spec = model_spec(rank.plan.config.train.model)
+    topology, groups = _set_up(rank)
+    parts = _build(rank, spec, topology, groups)
+    start_step = _resume(rank, parts)
+    monitor = _monitor(rank, spec, start_step)
+    recorder = AttemptRecorder(rank.run_dir, rank.info, start_step, rank.plan.lead_seconds, rank.log)
+    rank.recorder = recorder
+    return _steps(rank, parts, monitor, recorder, _Progress(start_step, start_step))
+
+
+def _set_up(rank: _Rank) -> tuple[Topology, ParallelGroups]:
+    """Join the job (bootstrap), the injected faults of the tests, the threads, the groups, the precision."""
+    plan, info = rank.plan, rank.info
     context = bootstrap(info, port_range=(plan.port_range[0], plan.port_range[1]), fabric_suffix=plan.fabric_suffix,
-                        init_timeout_s=config.dist.init_timeout_s, timeout_s=config.dist.timeout_s)
+                        init_timeout_s=plan.config.dist.init_timeout_s, timeout_s=plan.config.dist.timeout_s)
     maybe_inject_fault(info.rank)
     torch.set_num_threads(max(1, int(plan.env.get("OMP_NUM_THREADS", "1"))))
+    layout = plan.layout
     topology = Topology.build(info.world_size, tp=layout.tensor, pp=layout.pipeline, cp=layout.context,
                               order=layout.order)
     groups = ParallelGroups(topology, "cuda" if context.backend == "nccl" else "cpu")
-    plan = _resolve_precision(plan, context.backend, log)
-    config = plan.config
-    tcfg = config.train
-    model_config = GPTConfig.from_preset(tcfg.model, config.data.vocab_size, tcfg.seq_len)
-    model, engine = _model_and_engine(model_config, topology, groups, config, run_dir, info.local_rank)
-    pipelined = layout.pipeline > 1
-    source = make_source(config.data.source, config.data.path, config.data.vocab_size,
-                         tcfg.seed)
+    rank.plan = _resolve_precision(plan, context.backend, rank.log)
+    return topology, groups
+
+
+def _build(rank: _Rank, spec: ModelSpec, topology: Topology, groups: ParallelGroups) -> _Parts:
+    """The model inside a DeepSpeed engine, the data, the checkpointer and the straggler check."""
+    config, info = rank.plan.config, rank.info
+    model = spec.build(config, topology, groups, info.local_rank)
+    pipelined = topology.sizes["pp"] > 1  # DeepSpeed's pipeline engine brings its own grid: no mpu
+    engine = build_engine(model, config, topology.sizes["dp"], None if pipelined else ModelParallelUnit(groups),
+                          rank.run_dir, info.local_rank)
+    tcfg, data = config.train, config.data
+    source = make_source(data.source, data.path, data.vocab_size, tcfg.seed)
     sampler = ResumableSampler(source.num_samples(tcfg.seq_len), groups.coord("dp"), groups.size("dp"),
                                tcfg.micro_batch, seed=tcfg.seed)
-    checkpointer = Checkpointer(run_dir, config, layout, plan.config_hash, log=log)
-    start_step, sampler_state = checkpointer.resume(engine)
+    checkpointer = Checkpointer(rank.run_dir, config, rank.plan.layout, rank.plan.config_hash, log=rank.log)
+    return _Parts(groups, pipelined, model, engine, source, sampler, checkpointer,
+                  _batches(source, sampler, tcfg.seq_len, engine.device),
+                  StragglerCheck(config.watchdog.straggler_factor, info.rank, rank.log))
+
+
+def _resume(rank: _Rank, parts: _Parts) -> int:
+    """Load the run's latest verified checkpoint, if any; return the step it holds (0 without one)."""
+    start_step, sampler_state = parts.checkpointer.resume(parts.engine)
+    sampler, steps = parts.sampler, rank.plan.config.train.steps
     if sampler_state is not None:
         sampler.load_state_dict(sampler_state)
-        log(f"resumed from step {start_step} (epoch {sampler.epoch}, offset {sampler.offset})")
-    if start_step >= tcfg.steps:
-        log(f"nothing to train: the run's checkpoint is at step {start_step} of {tcfg.steps}; raise train.steps "
-            "to go on, or set checkpoint.resume = false to start over")
-    tokens_per_step = layout.global_batch * tcfg.seq_len
-    # N for 6N: the parameters of matrix multiplies, so neither the position nor the (untied) input embedding.
-    matmul_params = count_parameters(model_config) - (model_config.vocab_size + model_config.seq_len) * \
-        model_config.hidden
-    per_token = flops_per_token(matmul_params, model_config.layers, model_config.hidden, tcfg.seq_len)
+        rank.log(f"resumed from step {start_step} (epoch {sampler.epoch}, offset {sampler.offset})")
+    if start_step >= steps:
+        rank.log(f"nothing to train: the run's checkpoint is at step {start_step} of {steps}; raise train.steps "
+                 "to go on, or set checkpoint.resume = false to start over")
+    return start_step
+
+
+def _monitor(rank: _Rank, spec: ModelSpec, start_step: int) -> Monitor:
+    config, info = rank.plan.config, rank.info
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    monitor_config = config.monitor
-    monitor = Monitor.create(info.rank, run_dir=run_dir, total_steps=tcfg.steps,
-                             log_every=monitor_config.log_every, tensorboard=monitor_config.tensorboard,
-                             histogram_every=monitor_config.histogram_every, flops_per_token=per_token,
-                             peak_flops=peak_flops(device, tcfg.precision) * info.world_size,
-                             console=Console(file=_LogLines(log), width=200), start_step=start_step)
-    loss = eval_loss = float("nan")
-    stream = _batches(source, sampler, tcfg.seq_len, engine.device)
-    recorder = AttemptRecorder(run_dir, info, start_step, plan.lead_seconds, log)
-    recorder_box.append(recorder)
-    stragglers = StragglerCheck(config.watchdog.straggler_factor, info.rank, log)
-    delay = injected_delay_s(info.rank)
-    step, stopped_by = start_step, 0
+    return Monitor.create(info.rank, run_dir=rank.run_dir, total_steps=config.train.steps,
+                          log_every=config.monitor.log_every, tensorboard=config.monitor.tensorboard,
+                          histogram_every=config.monitor.histogram_every,
+                          flops_per_token=spec.flops_per_token(config),
+                          peak_flops=peak_flops(device, config.train.precision) * info.world_size,
+                          console=Console(file=_LogLines(rank.log), width=200), start_step=start_step)
+
+
+def _steps(rank: _Rank, parts: _Parts, monitor: Monitor, recorder: AttemptRecorder,
+           progress: _Progress) -> dict[str, Any]:
+    """Every step of this attempt; a preemption signal stops it (saved), the last step finishes it."""
     try:
         with monitor:
-            for step in range(start_step + 1, tcfg.steps + 1):
-                start = time.perf_counter()
-                lr = engine.get_lr()[0]  # the rate this step uses; the scheduler moves on inside engine.step()
-                logged = monitor.log_due(step)
-                if pipelined:
-                    loss = train_step(engine, stream)  # already the global batch's mean, on every rank
-                else:
-                    total = 0.0
-                    for _ in range(tcfg.grad_accum):
-                        inputs, targets = next(stream)
-                        with stragglers.timed(engine.device):
-                            if delay:
-                                time.sleep(delay)  # an injected straggler (HPC_TRAIN_INJECT_FAULT=slow:R:MS)
-                            micro_loss = engine(inputs, targets)
-                        engine.backward(micro_loss)
-                        engine.step()
-                        total += float(micro_loss)
-                    # The loss average and the gradient norm cost a collective each: only on logged steps.
-                    loss = _mean_over(total / tcfg.grad_accum, groups.group("dp")) if logged else float("nan")
-                maybe_inject_fault(info.rank, step)
-                if logged:
-                    stragglers.check(step, engine.device)
-                norm = engine.get_global_grad_norm() if logged else None
-                elapsed = time.perf_counter() - start
-                monitor.step(step, loss, lr, None if norm is None else float(norm), tokens_per_step, elapsed,
-                             _memory_bytes() if logged else None)
-                if step > start_step + 1:  # the first step of an attempt also warms up
-                    recorder.step_time(elapsed)
-                last = step == tcfg.steps
-                if last:
-                    watch.settle()  # the run is done: a signal now needs no save and no requeue
-                stopped_by = 0 if last else watch.poll(engine.device)
-                if not stopped_by and monitor.histograms_due(step):
-                    monitor.histograms(step, model.named_parameters())
-                if not stopped_by and monitor_config.eval_every and (
-                        step % monitor_config.eval_every == 0 or step == tcfg.steps):
-                    result = _evaluate(engine, source, config, groups, None if last else watch)
-                    if result is None:
-                        stopped_by = watch.agreed(engine.device)
-                    else:
-                        eval_loss = result
-                        monitor.eval(step, eval_loss)
+            for step in range(progress.start_step + 1, rank.plan.config.train.steps + 1):
+                progress.step = step
+                _step(rank, parts, monitor, recorder, progress)
+                stopped_by = _after_step(rank, parts, monitor, progress)
                 if stopped_by:
-                    return _stop(plan, info, engine, checkpointer, recorder, sampler, step, stopped_by, watch, log,
-                                 watchdog)
-                if checkpointer.due(step, tcfg.steps):
-                    _progress(watchdog, "checkpoint", step)
+                    return _stop(rank, parts, recorder, step, stopped_by)
+                if parts.checkpointer.due(step, rank.plan.config.train.steps):
+                    _progress(rank.watchdog, "checkpoint", step)
                     saved = time.perf_counter()
-                    checkpointer.save(engine, step, sampler.state_dict())
+                    parts.checkpointer.save(parts.engine, step, parts.sampler.state_dict())
                     recorder.save_time(time.perf_counter() - saved)
-                _progress(watchdog, "step", step)
-        watch.settle()
-        _progress(watchdog, "checkpoint", step)
-        checkpointer.finish()  # a background seal of the last checkpoint is durable before the attempt ends
+                _progress(rank.watchdog, "step", step)
+        rank.watch.settle()
+        _progress(rank.watchdog, "checkpoint", progress.step)
+        parts.checkpointer.finish()  # a background seal of the last checkpoint is durable before the attempt ends
     except BaseException as error:
-        recorder.failed(step, error)
+        recorder.failed(progress.step, error)
         raise
-    recorder.completed(step)
+    return _finish(rank, parts, recorder, progress)
+
+
+def _micro_batches(rank: _Rank, parts: _Parts, logged: bool) -> float:
+    """One optimizer step of ``grad_accum`` micro-batches outside a pipeline; the loss averaged over the data
+    ranks on logged steps only (a collective), NaN otherwise."""
+    engine, accum, delay = parts.engine, rank.plan.config.train.grad_accum, injected_delay_s(rank.info.rank)
+    total = 0.0
+    for _ in range(accum):
+        inputs, targets = next(parts.stream)
+        with parts.stragglers.timed(engine.device):
+            if delay:
+                time.sleep(delay)  # an injected straggler (HPC_TRAIN_INJECT_FAULT=slow:R:MS)
+            micro_loss = engine(inputs, targets)
+        engine.backward(micro_loss)
+        engine.step()
+        total += float(micro_loss)
+    return _mean_over(total / accum, parts.groups.group("dp"), engine.device) if logged else float("nan")
+
+
+def _step(rank: _Rank, parts: _Parts, monitor: Monitor, recorder: AttemptRecorder, progress: _Progress) -> None:
+    """One optimizer step, and its progress line and metrics when due."""
+    step, engine = progress.step, parts.engine
+    start = time.perf_counter()
+    lr = engine.get_lr()[0]  # the rate this step uses; the scheduler moves on inside engine.step()
+    logged = monitor.log_due(step)
+    if parts.pipelined:
+        progress.loss = train_step(engine, parts.stream)  # already the global batch's mean, on every rank
+    else:
+        progress.loss = _micro_batches(rank, parts, logged)
+    maybe_inject_fault(rank.info.rank, step)
+    if logged:
+        parts.stragglers.check(step, engine.device)
+    norm = engine.get_global_grad_norm() if logged else None
+    elapsed = time.perf_counter() - start
+    tokens_per_step = rank.plan.layout.global_batch * rank.plan.config.train.seq_len
+    monitor.step(step, progress.loss, lr, None if norm is None else float(norm), tokens_per_step, elapsed,
+                 _memory_bytes() if logged else None)
+    if step > progress.start_step + 1:  # the first step of an attempt also warms up
+        recorder.step_time(elapsed)
+
+
+def _after_step(rank: _Rank, parts: _Parts, monitor: Monitor, progress: _Progress) -> int:
+    """Whether the ranks agreed on a preemption signal (its number, else 0), after the histograms and the
+    evaluation that are due; the last step settles the watch instead (no save, no requeue needed)."""
+    step, engine, watch, config = progress.step, parts.engine, rank.watch, rank.plan.config
+    last = step == config.train.steps
+    if last:
+        watch.settle()  # the run is done: a signal now needs no save and no requeue
+    stopped_by = 0 if last else watch.poll(engine.device)
+    if not stopped_by and monitor.histograms_due(step):
+        monitor.histograms(step, parts.model.named_parameters())
+    every = config.monitor.eval_every
+    if not stopped_by and every and (step % every == 0 or last):
+        result = _evaluate(engine, parts.source, config, parts.groups, None if last else watch)
+        if result is None:
+            stopped_by = watch.agreed(engine.device)
+        else:
+            progress.eval_loss = result
+            monitor.eval(step, progress.eval_loss)
+    return stopped_by
+
+
+def _finish(rank: _Rank, parts: _Parts, recorder: AttemptRecorder, progress: _Progress) -> dict[str, Any]:
+    """Record the attempt as completed, leave the process group, and return this rank's summary."""
+    recorder.completed(progress.step)
     shutdown()
-    return {"rank": info.rank, "steps": tcfg.steps, "start_step": start_step, "final_loss": loss,
-            "eval_loss": eval_loss, "precision": tcfg.precision,
-            "world_size": info.world_size, "launcher": info.launcher, "sampler": sampler.state_dict()}
+    info, config = rank.info, rank.plan.config
+    return {"rank": info.rank, "steps": config.train.steps, "start_step": progress.start_step,
+            "final_loss": progress.loss, "eval_loss": progress.eval_loss, "precision": config.train.precision,
+            "world_size": info.world_size, "launcher": info.launcher, "sampler": parts.sampler.state_dict()}

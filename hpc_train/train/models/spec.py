@@ -1,0 +1,48 @@
+"""The one interface between the generic trainer and a model family: what the loop, the FLOP count, the memory
+plan and the checkpoint export need to know about a model, and nothing else.
+
+Pure Python (no torch at import): the login node's memory plan reads :attr:`ModelSpec.stage_parameters`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+if TYPE_CHECKING:
+    from hpc_train.config.job import JobConfig
+    from hpc_train.distributed.mesh import ParallelGroups
+    from hpc_train.distributed.topology import Topology
+
+__all__ = ["ModelSpec", "Param"]
+
+
+class Param(NamedTuple):
+    """One parameter tensor as one rank holds it: module-path name, elements, and whether it is a matrix (weight
+    decay group of ``build_engine``, which DeepSpeed flattens first)."""
+
+    name: str
+    numel: int
+    matrix: bool
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model family the trainer can run.
+
+    * ``build(config, topology, groups, local_rank)``: this rank's module, a plain ``nn.Module`` taking
+      ``(tokens, targets)`` and returning the loss, or (``parallel.pipeline > 1``) a DeepSpeed ``PipelineModule``.
+      Tensor-parallel layers get ``groups.group("tp")``.
+    * ``flops_per_token(config)``: training FLOPs per token of the whole model, for MFU.
+    * ``stage_parameters(preset, vocab_size, seq_len, tensor, pipeline)``: the parameters one tensor-parallel rank
+      of each pipeline stage holds, in ``parameters()`` order, for the memory plan (pure Python).
+    * ``parameter_name(name, layers)``: the plain model's name of a pipeline checkpoint's ``"<layer>.<name>"``,
+      for export.
+    """
+
+    name: str
+    build: Callable[[JobConfig, Topology, ParallelGroups, int], Any]
+    flops_per_token: Callable[[JobConfig], float]
+    stage_parameters: Callable[[str, int, int, int, int], list[list[Param]]]
+    parameter_name: Callable[[str, int], str]

@@ -1,0 +1,41 @@
+"""The trainer's one model interface: the built-in GPT is the spec of every preset, and what the spec answers
+(FLOPs per token, export names, memory plan parameters) is what the GPT modules say."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from hpc_train.config.job import MODEL_PRESETS, JobConfig
+from hpc_train.config.loader import build
+from hpc_train.train.models import GPT_SPEC, model_spec
+from tests.conftest import REPO
+
+
+@pytest.mark.parametrize("preset", list(MODEL_PRESETS))
+def test_every_preset_is_the_gpt(preset: str) -> None:
+    assert model_spec(preset) is GPT_SPEC and GPT_SPEC.name == "gpt"
+
+
+def test_flops_per_token_is_6n_plus_attention_without_the_embeddings() -> None:
+    from hpc_train.train.flops import flops_per_token
+    from hpc_train.train.model import GPTConfig, count_parameters
+
+    config = build(JobConfig, {"train": {"model": "125M", "seq_len": 1024}, "data": {"vocab_size": 50304}})
+    shape = GPTConfig.from_preset("125M", 50304, 1024)
+    matmul = count_parameters(shape) - (50304 + 1024) * shape.hidden
+    assert GPT_SPEC.flops_per_token(config) == flops_per_token(matmul, 12, 768, 1024)
+
+
+def test_export_names_and_memory_parameters_come_from_the_spec() -> None:
+    assert GPT_SPEC.parameter_name("1.attn.qkv.weight", 2) == "blocks.0.attn.qkv.weight"
+    assert GPT_SPEC.parameter_name("3.head.weight", 2) == "head.weight"
+    stages = GPT_SPEC.stage_parameters("tiny", 256, 64, 1, 2)
+    assert len(stages) == 2 and stages[0][0].name == "wte.weight" and stages[1][-1].name == "head.weight"
+
+
+def test_the_model_package_imports_no_torch() -> None:
+    code = "import sys, hpc_train.train.models, hpc_train.train.memory; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], cwd=REPO, timeout=60).returncode == 0
