@@ -16,7 +16,6 @@ read. Target: save throughput >= 0.8 of the raw writes.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import json
 import os
@@ -93,7 +92,7 @@ def _instrument(engine: Any, clock: PhaseClock) -> None:
         setattr(CheckpointManager, name, clock.wrap(name, getattr(CheckpointManager, name)))
 
 
-def _job_config(args: dict[str, Any]) -> dict[str, Any]:
+def _job_config(args: dict[str, Any]) -> Any:
     """The quick-start job with this benchmark's sizes, resolved as ``hpc_train.submit`` resolves it."""
     from hpc_train.config.job import JobConfig
     from hpc_train.config.loader import build, load_toml
@@ -103,7 +102,7 @@ def _job_config(args: dict[str, Any]) -> dict[str, Any]:
                  f"train.micro_batch={args['micro_batch']}", "train.warmup_steps=1", "checkpoint.keep=2",
                  f"checkpoint.async_save={'true' if args['async_save'] else 'false'}"]
     data = apply_overrides(load_toml(REPO / "examples" / "tiny_gpt.toml", "config"), overrides, JobConfig)
-    return dataclasses.asdict(build(JobConfig, data))
+    return build(JobConfig, data)
 
 
 def _raw_write(folder: Path, sizes: list[int]) -> float:

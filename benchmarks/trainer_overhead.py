@@ -28,29 +28,29 @@ from hpc_train.config.job import JobConfig
 from hpc_train.config.loader import build, load_toml
 from hpc_train.config.overrides import apply_overrides
 from hpc_train.train.data import ResumableSampler, SyntheticTokens, batch
-from hpc_train.train.dsconfig import deepspeed_config
+from hpc_train.config.deepspeed import deepspeed_config
 from hpc_train.train.engine import weight_decay_groups, lr_at
 from hpc_train.train.model import GPT, GPTConfig
 steps, warmup = int(sys.argv[2]), int(sys.argv[3])
-config = dataclasses.asdict(build(JobConfig, apply_overrides(load_toml(__import__("pathlib").Path(sys.argv[1]),
-                                                             "config"), [f"train.steps={steps}"], JobConfig)))
+config = build(JobConfig, apply_overrides(load_toml(__import__("pathlib").Path(sys.argv[1]),
+                                                             "config"), [f"train.steps={steps}"], JobConfig))
 torch.set_num_threads(1)
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
-train = config["train"]
-model = GPT(GPTConfig.from_preset(train["model"], 256, train["seq_len"]), dist.new_group([rank]), seed=train["seed"])
-optimizer = torch.optim.AdamW(weight_decay_groups(model, train["weight_decay"]), lr=train["lr"],
-                              betas=(train["beta1"], train["beta2"]), eps=train["eps"])
+train = config.train
+model = GPT(GPTConfig.from_preset(train.model, 256, train.seq_len), dist.new_group([rank]), seed=train.seed)
+optimizer = torch.optim.AdamW(weight_decay_groups(model, train.weight_decay), lr=train.lr,
+                              betas=(train.beta1, train.beta2), eps=train.eps)
 ds = deepspeed_config(config, world)
 ds["zero_allow_untested_optimizer"] = True
 engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds, lr_scheduler=lambda o:
-                                  torch.optim.lr_scheduler.LambdaLR(o, lambda s: lr_at(s, train) / train["lr"]))
-source = SyntheticTokens(256, train["seed"])
-sampler = ResumableSampler(source.num_samples(train["seq_len"]), rank, world, train["micro_batch"], train["seed"])
+                                  torch.optim.lr_scheduler.LambdaLR(o, lambda s: lr_at(s, train) / train.lr))
+source = SyntheticTokens(256, train.seed)
+sampler = ResumableSampler(source.num_samples(train.seq_len), rank, world, train.micro_batch, train.seed)
 for step in range(steps):
     if step == warmup:
         start = time.perf_counter()
-    inputs, targets = batch(source, sampler.next_indices(), train["seq_len"])
+    inputs, targets = batch(source, sampler.next_indices(), train.seq_len)
     loss = engine(inputs, targets)
     engine.backward(loss)
     engine.step()

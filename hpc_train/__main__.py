@@ -71,11 +71,12 @@ def _memory(args: argparse.Namespace) -> int:
     plan = plan_from_args(args, executor=_planned_executor(args))
     cfg, lay = plan.config, plan.layout
     try:
-        memory = memory_plan(cfg["train"]["model"], cfg["data"]["vocab_size"], cfg["train"]["seq_len"],
-                             lay.micro_batch, lay.tensor, lay.pipeline, lay.data, cfg["zero"]["stage"],
-                             cfg["train"]["precision"], cfg["zero"]["offload_optimizer"], cfg["zero"]["offload_params"],
+        memory = memory_plan(cfg.train.model, cfg.data.vocab_size, cfg.train.seq_len,
+                             lay.micro_batch, lay.tensor, lay.pipeline, lay.data, cfg.zero.stage,
+                             cfg.train.precision, cfg.zero.offload_optimizer, cfg.zero.offload_params,
                              load_site(args.site).node.gpu_mem_gb, grad_accum=lay.grad_accum,
-                             bucket_size=cfg["zero"]["bucket_size"], overlap_comm=cfg["zero"]["overlap_comm"])
+                             bucket_size=cfg.zero.bucket_size, overlap_comm=cfg.zero.overlap_comm,
+                             gpus_per_node=plan.resources.gpus_per_node)
     except ValueError as error:
         raise ConfigError("--memory", str(error)) from None
     if args.json:
@@ -84,7 +85,7 @@ def _memory(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"Memory per rank: {cfg['train']['model']} on {plan.site}", show_header=False,
+    table = Table(title=f"Memory per rank: {cfg.train.model} on {plan.site}", show_header=False,
                   title_justify="left")
     for key, value in memory_rows(memory):
         table.add_row(key, value)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
@@ -86,6 +87,6 @@ def print_sweep(console: Console, plans: list[Plan], sweeps: list[str]) -> None:
         section_values = []
         for key in keys:
             section, _, name = key.partition(".")
-            section_values.append(str(plan.config.get(section, {}).get(name, "")))
+            section_values.append(str(dataclasses.asdict(plan.config).get(section, {}).get(name, "")))
         table.add_row(plan.run_dir, *section_values)
     console.print(table)
