@@ -6,7 +6,6 @@ It reads ``plan.json`` from the run folder (plain JSON, no pickles), finds its r
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -24,7 +23,7 @@ from hpc_train.run.loglines import format_launch_error, format_start, format_sto
 from hpc_train.run.paths import PLAN_FILE, SMOKE_FILE, TRAIN_FILE, fabric_report_path, rank_error_path, rank_log_path
 from hpc_train.train.preemption import PreemptionWatch
 
-__all__ = ["RankEntry", "main", "rank_error_path", "run_rank"]
+__all__ = ["RankEntry", "main", "run_rank"]
 
 
 def _rank_logger(run_dir: Path, rank: int) -> logging.Logger:
@@ -105,9 +104,9 @@ def _look_back(run_dir: Path, plan: Plan, info: Any, logger: logging.Logger) -> 
     """A requeued attempt: act on why the previous one ended (node failure, infrastructure) before training."""
     from hpc_train.distributed.hostlist import expand
     from hpc_train.ops.policy import RetryPolicy
-    from hpc_train.slurm.recovery import look_back
+    from hpc_train.ops.recovery import look_back
 
-    recovery = look_back(run_dir, info.job_id, info.restart, RetryPolicy.from_config(dataclasses.asdict(plan.config)),
+    recovery = look_back(run_dir, info.job_id, info.restart, RetryPolicy.from_section(plan.config.retry),
                          expand(info.nodelist) if info.nodelist else [socket.gethostname()], logger.info)
     if recovery.failure_class:
         logger.info("previous attempt: %s: %s", recovery.failure_class, recovery.message)
@@ -123,11 +122,11 @@ def _requeue_after_error(run_dir: Path, plan: Plan, info: Any, error: str, text:
                          logger: logging.Logger) -> None:
     """An infrastructure fault on this rank (not the program's error): exclude this node and requeue."""
     from hpc_train.ops.policy import RetryPolicy
-    from hpc_train.slurm.recovery import requeue_after_error
+    from hpc_train.ops.recovery import requeue_after_error
 
     node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()  # Slurm's name, what --exclude takes
     recovery = requeue_after_error(run_dir, info.job_id, info.restart, info.rank, node, error, text,
-                                   RetryPolicy.from_config(dataclasses.asdict(plan.config)), logger.info)
+                                   RetryPolicy.from_section(plan.config.retry), logger.info)
     if recovery.failure_class:
         logger.info("%s: %s", recovery.failure_class, recovery.message)
 

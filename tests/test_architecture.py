@@ -172,6 +172,56 @@ def test_config_imports_nothing_above_it() -> None:
     assert not {k: v for k, v in offenders.items() if v}
 
 
+# The rooms of docs/architecture.md and what each may import (its own modules always). Data flows one way: the
+# run folder's protocol and the pure helpers at the bottom, the config above them, the login commands and the rank
+# side above the config; nothing below imports anything above it.
+ROOMS = {  # room: module prefixes, longest match wins
+    "base": ("hpc_train", "hpc_train.errors", "hpc_train.resources"),
+    "run": ("hpc_train.run",),
+    "pure": ("hpc_train.distributed.hostlist", "hpc_train.distributed.topology"),
+    "fabric": ("hpc_train.fabric",),
+    "config": ("hpc_train.config",),
+    "ops": ("hpc_train.ops",),
+    "slurm": ("hpc_train.slurm",),
+    "doctor": ("hpc_train.doctor",),
+    "commands": ("hpc_train.cli", "hpc_train.submit", "hpc_train.__main__", "hpc_train.ckpt.cli"),
+    "launch": ("hpc_train.launch",),
+    "distributed": ("hpc_train.distributed",),
+    "train": ("hpc_train.train",),
+    "ckpt": ("hpc_train.ckpt",),
+    "export": ("hpc_train.ckpt.export",),
+    "bench": ("hpc_train.bench",),
+}
+_LOW = {"base", "run", "pure", "fabric"}
+ALLOWED = {
+    "base": set(), "pure": {"base"}, "fabric": {"base"}, "run": {"base", "pure"},
+    "config": {"base", "run", "pure"},
+    "ops": _LOW | {"config"},
+    "slurm": _LOW | {"config", "launch"},  # launch: the callable submitit pickles (RankEntry)
+    "doctor": _LOW | {"config"},
+    "launch": _LOW | {"config", "ops", "distributed", "train"},
+    "distributed": _LOW | {"config"},
+    "ckpt": _LOW | {"config"},
+    "train": _LOW | {"config", "distributed", "ckpt"},
+    "export": _LOW | {"config", "ckpt", "train"},
+    "bench": _LOW | {"distributed"},
+    "commands": _LOW | {"config", "ops", "slurm", "doctor", "ckpt", "export", "bench", "train", "distributed"},
+}
+
+
+def room_of(module: str) -> str:
+    matches = [(len(prefix), room) for room, prefixes in ROOMS.items() for prefix in prefixes
+               if module == prefix or (prefix != "hpc_train" and module.startswith(prefix + "."))]
+    return max(matches)[1]
+
+
+def test_each_room_imports_only_the_rooms_the_architecture_allows() -> None:
+    wrong = sorted(f"{name} ({room_of(name)}) imports {target} ({room_of(target)})"
+                   for name, module in import_graph().items() for target in module.anywhere
+                   if room_of(target) != room_of(name) and room_of(target) not in ALLOWED[room_of(name)])
+    assert not wrong, "imports that docs/architecture.md does not allow:\n" + "\n".join(wrong)
+
+
 def test_files_and_functions_stay_small() -> None:
     long_files, long_functions = [], []
     for path in sorted(PACKAGE.rglob("*.py")):

@@ -6,6 +6,7 @@ Exit status: 0 done, 1 a failure at run time, 2 a usage or configuration error (
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -56,14 +57,10 @@ def plan_from_args(args: argparse.Namespace, executor: str | None = None) -> Pla
 def prepare_plan_folder(plan: Plan) -> Path:
     """Create (or reuse) the plan's run folder and write its plan and config into it
     (:func:`hpc_train.run.folder.prepare_run_folder`, which takes plain text so that it stays below the config)."""
-    import dataclasses
-
     from hpc_train.config.tomlwrite import dumps
     from hpc_train.run.folder import prepare_run_folder
 
-    config = plan.config  # the typed JobConfig, or its plain table: config.toml keeps the sections' order
-    table = dataclasses.asdict(config) if dataclasses.is_dataclass(config) else config
-    return prepare_run_folder(plan.run_dir, plan.to_json(), dumps(table), plan.config_hash)
+    return prepare_run_folder(plan.run_dir, plan.to_json(), dumps(dataclasses.asdict(plan.config)), plan.config_hash)
 
 
 def run_command(command: Callable[[], int]) -> int:

@@ -11,7 +11,7 @@ from hpc_train.config.job import JobConfig
 from hpc_train.config.site import NetworkSite, SiteConfig
 from hpc_train.run.paths import FLIGHT_RECORDER_DIR
 
-__all__ = ["FLIGHT_RECORDER_DIR", "detected_on_node", "network_env", "rank_env", "torch_nccl_env"]
+__all__ = ["detected_on_node", "network_env", "rank_env", "torch_nccl_env"]
 
 FLIGHT_RECORDER_PREFIX = f"{FLIGHT_RECORDER_DIR}/rank-"  # torch appends the rank
 

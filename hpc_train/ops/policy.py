@@ -12,11 +12,14 @@ The exclusion list itself (``excluded_nodes.json``) is part of the run folder's 
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from hpc_train.ops.classify import CLASSES, Classification
+
+if TYPE_CHECKING:
+    from hpc_train.config.job import RetrySection
 
 __all__ = ["Decision", "RetryPolicy", "decide"]
 
@@ -37,13 +40,10 @@ class RetryPolicy:
     exclude_hang_suspects: bool = False  # a hang's suspect node is often innocent (a deadlock in the code)
 
     @classmethod
-    def from_config(cls, config: Mapping[str, Any]) -> RetryPolicy:
-        """The policy of a run's ``[retry]`` section (``hang``, ``node_failure``, ``infrastructure``: the resolved
-        config in plan.json), the rest from the defaults."""
-        retry = config.get("retry") or {}
-        return cls(max_hang=int(retry.get("hang", cls.max_hang)),
-                   max_node_failure=int(retry.get("node_failure", cls.max_node_failure)),
-                   max_infrastructure=int(retry.get("infrastructure", cls.max_infrastructure)))
+    def from_section(cls, retry: RetrySection) -> RetryPolicy:
+        """The policy of a run's ``[retry]`` section (``hang``, ``node_failure``, ``infrastructure``), the rest
+        from the defaults."""
+        return cls(max_hang=retry.hang, max_node_failure=retry.node_failure, max_infrastructure=retry.infrastructure)
 
     def limit(self, failure_class: str) -> int:
         return {"node_failure": self.max_node_failure, "infrastructure": self.max_infrastructure,

@@ -39,7 +39,7 @@ from rich.markup import escape
 from hpc_train.run.paths import METRICS_FILE
 from hpc_train.train.flops import mfu as _mfu
 
-__all__ = ["METRICS_FILE", "TENSORBOARD_DIR", "Monitor", "NullMonitor", "format_duration", "truncate_metrics"]
+__all__ = ["TENSORBOARD_DIR", "Monitor", "NullMonitor", "format_duration", "truncate_metrics"]
 
 TENSORBOARD_DIR = "tensorboard"
 

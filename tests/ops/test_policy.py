@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from hpc_train.config.job import RetrySection
 from hpc_train.ops.classify import Classification
 from hpc_train.ops.policy import Decision, RetryPolicy, decide
 
@@ -73,7 +74,7 @@ def test_unknown_class_is_refused() -> None:
 
 
 def test_policy_from_the_runs_retry_section() -> None:
-    policy = RetryPolicy.from_config({"retry": {"hang": 5, "node_failure": 1, "infrastructure": 0}})
+    policy = RetryPolicy.from_section(RetrySection(hang=5, node_failure=1, infrastructure=0))
     assert (policy.max_hang, policy.max_node_failure, policy.max_infrastructure) == (5, 1, 0)
-    assert RetryPolicy.from_config({}) == RetryPolicy()
+    assert RetryPolicy.from_section(RetrySection()) == RetryPolicy()
     assert not decide(_c("infrastructure", ("n1",)), [], policy).retry

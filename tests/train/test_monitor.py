@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 from rich.console import Console
 
-from hpc_train.train.monitor import METRICS_FILE, Monitor, NullMonitor, format_duration, truncate_metrics
+from hpc_train.run.paths import METRICS_FILE
+from hpc_train.train.monitor import Monitor, NullMonitor, format_duration, truncate_metrics
 
 STEP_KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "step_time_s", "memory_bytes", "time"}
 

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
+from hpc_train.ops import recovery
 from hpc_train.ops.policy import RetryPolicy
+from hpc_train.ops.recovery import look_back, requeue_after_error
 from hpc_train.run.attempts import AttemptLog
 from hpc_train.run.exclusions import read_exclusions
-from hpc_train.slurm import recovery
-from hpc_train.slurm.recovery import look_back, requeue_after_error
 
 FIELDS = "|".join(["{id}", "{id}", "{state}", "{code}", "{nodes}", "None", "{start}", "{end}", "00:01:00",
                    "01:00:00"])
