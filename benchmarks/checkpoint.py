@@ -41,7 +41,7 @@ PHASES = {  # wrapped name -> what the output calls it
     "save_checkpoint": "DeepSpeed save_checkpoint (torch.save)",
     "other": "begin, rng files, barriers",
     "sha256_file": "commit: sha256 of every file",
-    "_fsync_path": "commit: fsync files and folders",
+    "fsync_path": "commit: fsync files and folders",
     "_write_manifest": "commit: write manifest.json",
     "_publish": "commit: rename to step-N",
     "_point_latest": "commit: move latest",
@@ -86,7 +86,7 @@ def _instrument(engine: Any, clock: PhaseClock) -> None:
     from hpc_train.ckpt.manager import CheckpointManager
 
     engine.save_checkpoint = clock.wrap("save_checkpoint", engine.save_checkpoint)
-    for name in ("sha256_file", "_fsync_path"):
+    for name in ("sha256_file", "fsync_path"):
         setattr(manager_module, name, clock.wrap(name, getattr(manager_module, name)))
     for name in ("commit", "_write_manifest", "_publish", "_point_latest", "_prune"):
         setattr(CheckpointManager, name, clock.wrap(name, getattr(CheckpointManager, name)))

@@ -25,4 +25,4 @@ fi
 find /dev/shm -maxdepth 1 -name 'deepspeed_allreduce_buffer_*' -mmin +60 -delete 2>/dev/null || true
 
 .venv/bin/ruff check .  # every Python file of the repository (hpc_train, tests, benchmarks) but .venv
-.venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+.venv/bin/python -m pytest -q -p no:cacheprovider --durations=15 "$@"
