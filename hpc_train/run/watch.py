@@ -16,11 +16,20 @@ __all__ = ["last_logged_step", "local_rank_pid"]
 
 
 def last_logged_step(run_dir: Path) -> int:
-    """The highest step in rank 0's ``metrics.jsonl`` (0 before the first record)."""
-    metrics = Path(run_dir) / METRICS_FILE
-    if not metrics.exists():
+    """The highest step in rank 0's ``metrics.jsonl`` (0 before the first record); a line rank 0 is still
+    writing is skipped."""
+    try:
+        lines = (Path(run_dir) / METRICS_FILE).read_text(encoding="utf-8").splitlines()
+    except OSError:
         return 0
-    steps = [json.loads(line).get("step", 0) for line in metrics.read_text().splitlines() if line.strip()]
+    steps = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int):
+            steps.append(record["step"])
     return max(steps, default=0)
 
 
