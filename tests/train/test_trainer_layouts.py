@@ -8,12 +8,14 @@ ranks; measured differences are given in the closing note of the issue that adde
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from hpc_train.train.precision import decide_precision
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.slow
@@ -74,3 +76,23 @@ def test_loss_falls_on_the_shipped_corpus(tmp_path: Path) -> None:
     assert any("eval_loss" in r for r in records)
     assert (run_dir / "deepspeed_config.json").exists() and (run_dir / "train.json").exists()
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    # precision "auto" (the default) is decided on the ranks, from this CPU's flags, and recorded
+    expected, _ = decide_precision("auto", cuda=False, cuda_bf16=False, cpuinfo=Path("/proc/cpuinfo").read_text())
+    assert json.loads((run_dir / "train.json").read_text())["precision"] == expected
+    assert f"precision: auto -> {expected} (" in (run_dir / "logs" / "rank-0.log").read_text()
+
+
+def test_bf16_trains_on_any_cpu(tmp_path: Path) -> None:
+    """Kept small: on a CPU without native bf16 every bf16 step is emulated (about 9x slower than fp32)."""
+    overrides = ["train.precision=bf16", "train.steps=6", "train.warmup_steps=2", "train.seq_len=32",
+                 "monitor.log_every=1", "monitor.eval_every=0", "checkpoint.every_steps=0"]
+    result = subprocess.run([sys.executable, "-m", "hpc_train.submit", EXAMPLE, "--site", "local",
+                             *[arg for item in overrides for arg in ("--set", item)]], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=600, check=False)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    run_dir = tmp_path / "runs" / "tiny-gpt"
+    assert json.loads((run_dir / "deepspeed_config.json").read_text())["bf16"]["enabled"] is True
+    assert json.loads((run_dir / "train.json").read_text())["precision"] == "bf16"
+    losses = [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+              if "loss" in json.loads(line)]
+    assert len(losses) == 6 and all(math.isfinite(loss) for loss in losses) and losses[-1] < losses[0], losses
