@@ -61,6 +61,7 @@ from typing import NamedTuple
 
 from hpc_train.config.job import MODEL_PRESETS
 from hpc_train.train.models import Param, model_spec
+from hpc_train.train.models.spec import require_positive
 
 __all__ = ["MemoryPlan", "Param", "assumed_precision", "memory_plan", "memory_rows", "stage_parameters"]
 
@@ -121,12 +122,6 @@ class MemoryPlan:
     gpu_bytes: int
     fits: bool | None
     notes: tuple[str, ...]
-
-
-def _positive(**values: int) -> None:
-    for name, value in values.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} = {value!r}: must be a whole number >= 1")
 
 
 def stage_parameters(preset: str, vocab_size: int, seq_len: int, tensor: int = 1,
@@ -316,7 +311,7 @@ def memory_plan(preset: str, vocab_size: int, seq_len: int, micro_batch: int, te
         raise ValueError(f"precision {precision!r} is unknown; use one of {', '.join(_PRECISION_BYTES)}")
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage = {zero_stage!r} is not a ZeRO stage; use 0, 1, 2 or 3")
-    _positive(micro_batch=micro_batch, data=data, grad_accum=grad_accum, bucket_size=bucket_size)
+    require_positive(micro_batch=micro_batch, data=data, grad_accum=grad_accum, bucket_size=bucket_size)
     if offload_optimizer and zero_stage == 0:
         raise ValueError("offload_optimizer needs ZeRO stage 1-3, stage is 0; set zero.stage = 1 or more")
     if offload_params and zero_stage != 3:

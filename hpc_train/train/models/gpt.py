@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from hpc_train.config.job import MODEL_PRESETS
-from hpc_train.train.models.spec import ModelSpec, Param
+from hpc_train.train.models.spec import ModelSpec, Param, require_positive
 
 if TYPE_CHECKING:
     from hpc_train.config.job import JobConfig
@@ -54,12 +54,6 @@ def _parameter_name(name: str, layers: int) -> str:
     return gpt_parameter_name(name, layers)
 
 
-def _positive(**values: int) -> None:
-    for name, value in values.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} = {value!r}: must be a whole number >= 1")
-
-
 def stage_parameters(preset: str, vocab_size: int, seq_len: int, tensor: int = 1,
                      pipeline: int = 1) -> list[list[Param]]:
     """The parameters one tensor-parallel rank of each pipeline stage holds, in ``model.parameters()`` order.
@@ -68,7 +62,7 @@ def stage_parameters(preset: str, vocab_size: int, seq_len: int, tensor: int = 1
     """
     if preset not in MODEL_PRESETS:
         raise ValueError(f"model preset {preset!r} is unknown; use one of {', '.join(MODEL_PRESETS)}")
-    _positive(vocab_size=vocab_size, seq_len=seq_len, tensor=tensor, pipeline=pipeline)
+    require_positive(vocab_size=vocab_size, seq_len=seq_len, tensor=tensor, pipeline=pipeline)
     shape = MODEL_PRESETS[preset]
     layers, heads, h = shape["layers"], shape["heads"], shape["hidden"]
     if heads % tensor:

@@ -15,7 +15,15 @@ if TYPE_CHECKING:
     from hpc_train.distributed.mesh import ParallelGroups
     from hpc_train.distributed.topology import Topology
 
-__all__ = ["ModelSpec", "Param"]
+__all__ = ["ModelSpec", "Param", "require_positive"]
+
+
+def require_positive(**values: int) -> None:
+    """Sizes of a memory or parameter plan must be whole numbers >= 1; raise ValueError naming the first that is
+    not (the login-node memory plan shows it as one line)."""
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} = {value!r}: must be a whole number >= 1")
 
 
 class Param(NamedTuple):
