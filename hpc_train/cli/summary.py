@@ -85,8 +85,9 @@ def print_sweep(console: Console, plans: list[Plan], sweeps: list[str]) -> None:
         table.add_column(key)
     for plan in plans:
         section_values = []
+        table_of = dataclasses.asdict(plan.config)
         for key in keys:
             section, _, name = key.partition(".")
-            section_values.append(str(dataclasses.asdict(plan.config).get(section, {}).get(name, "")))
+            section_values.append(str(table_of.get(section, {}).get(name, "")))
         table.add_row(plan.run_dir, *section_values)
     console.print(table)
