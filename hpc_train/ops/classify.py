@@ -491,5 +491,3 @@ def _ranges(numbers: Iterable[int]) -> str:
             parts.append(str(start) if start == prev else f"{start}-{prev}")
         start = prev = value
     return ",".join(parts)
-
-

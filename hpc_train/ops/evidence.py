@@ -49,7 +49,6 @@ class Evidence:
     note: str = ""
 
 
-
 def collect_evidence(run_dir: Path, job_id: str | None = None, restart: int | None = None,
                      tail_lines: int = 200) -> Evidence:
     """What the ranks of one attempt left in ``run_dir``: error files, the attempt's log lines, dumped stacks and

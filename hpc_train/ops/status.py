@@ -194,7 +194,6 @@ def _id_key(job_id: str) -> tuple[int, int]:
     return int(base), int(task or -1)
 
 
-
 def _metrics_tail(path: Path) -> list[dict[str, Any]]:
     """The last training records (those with a loss; eval lines are left out)."""
     try:

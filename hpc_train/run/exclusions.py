@@ -19,7 +19,7 @@ from hpc_train.errors import ConfigError
 from hpc_train.run.files import atomic_write
 from hpc_train.run.paths import EXCLUDED_FILE
 
-__all__ = ["EXCLUDED_FILE", "Exclusion", "add_exclusions", "exclude_expression", "read_exclusions"]
+__all__ = ["Exclusion", "add_exclusions", "exclude_expression", "read_exclusions"]
 
 _NODE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 

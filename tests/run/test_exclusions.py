@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from hpc_train.errors import ConfigError
-from hpc_train.run.exclusions import EXCLUDED_FILE, add_exclusions, exclude_expression, read_exclusions
+from hpc_train.run.exclusions import add_exclusions, exclude_expression, read_exclusions
+from hpc_train.run.paths import EXCLUDED_FILE
 
 
 def test_exclusion_list_round_trip(tmp_path: Path) -> None:
