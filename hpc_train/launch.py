@@ -20,7 +20,15 @@ from hpc_train.config.plan import Plan
 from hpc_train.run.exit_codes import EXIT_NOT_RETRIED, EXIT_STOPPED
 from hpc_train.run.files import atomic_write
 from hpc_train.run.loglines import format_launch_error, format_start, format_stopped, rank_log_format
-from hpc_train.run.paths import PLAN_FILE, SMOKE_FILE, TRAIN_FILE, fabric_report_path, rank_error_path, rank_log_path
+from hpc_train.run.paths import (
+    PLAN_FILE,
+    PROGRAM_FILE,
+    SMOKE_FILE,
+    TRAIN_FILE,
+    fabric_report_path,
+    rank_error_path,
+    rank_log_path,
+)
 from hpc_train.train.preemption import PreemptionWatch
 
 __all__ = ["RankEntry", "main", "run_rank"]
@@ -46,7 +54,7 @@ def run_rank(run_dir: Path) -> dict[str, Any]:
     """Run this rank's share of the job in ``run_dir``; return its result."""
     os.umask(0o077)  # logs and results of a run are private, like the run folder
     plan = Plan.from_json((run_dir / PLAN_FILE).read_text(encoding="utf-8"))
-    if plan.config.job.program != "train":  # nothing to save: signals keep their usual meaning
+    if plan.config.job.program == "smoke":  # nothing to save: signals keep their usual meaning
         return _run_rank(run_dir, plan, None)
     with PreemptionWatch([plan.signal]) as watch:  # first thing: a signal while starting up is kept for later
         return _run_rank(run_dir, plan, watch)
@@ -64,22 +72,27 @@ def _run_rank(run_dir: Path, plan: Plan, watch: PreemptionWatch | None) -> dict[
                                    os.environ.get("SLURMD_NODENAME") or socket.gethostname()))
     _prepare_fabric(run_dir, plan, info.local_rank, logger)
     on_slurm = bool(os.environ.get("SLURM_JOB_ID")) and os.environ.get("SUBMITIT_EXECUTOR") != "local"
-    if on_slurm and info.rank == 0 and plan.config.job.program == "train":
+    program = plan.config.job.program
+    if on_slurm and info.rank == 0 and program != "smoke":
         _look_back(run_dir, plan, info, logger)
     try:
-        if plan.config.job.program == "smoke":
+        if program == "smoke":
             result = run_smoke(plan, info)
-        else:
+        elif program == "train":
             from hpc_train.train.trainer import train
 
             result = train(plan, info, run_dir, logger.info, watch)
+        else:
+            from hpc_train.program.runner import run_program
+
+            result = run_program(plan, info, run_dir, logger.info, watch)
     except BaseException as error:
         text = traceback.format_exc()
         logger.error("failed:\n%s", text)
         report = {"rank": info.rank, "host": socket.gethostname(), "time": time.time(), "error": repr(error),
                   "traceback": text}
         atomic_write(rank_error_path(run_dir, info.rank), json.dumps(report, indent=2) + "\n")
-        if on_slurm and plan.config.job.program == "train" and not isinstance(error, SystemExit):
+        if on_slurm and program != "smoke" and not isinstance(error, SystemExit):
             _requeue_after_error(run_dir, plan, info, repr(error), text, logger)
         raise
     if "stopped" in result:  # saved after a preemption signal: leave without a result, with the agreed status
@@ -91,11 +104,13 @@ def _run_rank(run_dir: Path, plan: Plan, watch: PreemptionWatch | None) -> dict[
         logger.info("smoke: all_reduce of ranks = %s (expected %s) over %s, rendezvous %s; groups %s",
                     result["all_reduce"], result["expected"], result["backend"], result["rendezvous"],
                     "checked" if result["groups"] else "not checked")
+    elif "program" in result:
+        logger.info("program %s completed after step %d", result["program"], result["step"])
     elif result["steps"] > result["start_step"]:
         logger.info("trained steps %d-%d: loss %.4f, eval loss %.4f", result["start_step"] + 1, result["steps"],
                     result["final_loss"], result["eval_loss"])
     if info.rank == 0:
-        name = SMOKE_FILE if "all_reduce" in result else TRAIN_FILE
+        name = SMOKE_FILE if "all_reduce" in result else PROGRAM_FILE if "program" in result else TRAIN_FILE
         atomic_write(run_dir / name, json.dumps(result, indent=2) + "\n")
     return result
 

@@ -188,18 +188,21 @@ ROOMS = {  # room: module prefixes, longest match wins
     "launch": ("hpc_train.launch",),
     "distributed": ("hpc_train.distributed",),
     "train": ("hpc_train.train",),
+    "program": ("hpc_train.program",),
     "ckpt": ("hpc_train.ckpt",),
     "export": ("hpc_train.ckpt.export",),
     "bench": ("hpc_train.bench",),
 }
 _LOW = {"base", "run", "pure", "fabric"}
 ALLOWED = {
-    "base": set(), "pure": {"base"}, "fabric": {"base"}, "run": {"base", "pure"},
+    "base": {"program"},  # hpc_train.context(), inside the function: import hpc_train stays light
+    "pure": {"base"}, "fabric": {"base"}, "run": {"base", "pure"},
     "config": {"base", "run", "pure"},
     "ops": _LOW | {"config"},
     "slurm": _LOW | {"config", "launch"},  # launch: the callable submitit pickles (RankEntry)
     "doctor": _LOW | {"config"},
-    "launch": _LOW | {"config", "ops", "distributed", "train"},
+    "launch": _LOW | {"config", "ops", "distributed", "train", "program"},
+    "program": _LOW | {"config", "distributed", "ckpt", "train"},
     "distributed": _LOW | {"config"},
     "ckpt": _LOW | {"config"},
     "train": _LOW | {"config", "distributed", "ckpt"},

@@ -51,7 +51,7 @@ def plan_from_args(args: argparse.Namespace, executor: str | None = None) -> Pla
     site = load_site(args.site)
     cfg = load_job(args.config, args.overrides)
     chosen = executor or resolve_executor(getattr(args, "executor", "auto"), site.slurm.enabled)
-    return make_plan(cfg, site, chosen)
+    return make_plan(cfg, site, chosen, config_dir=args.config.resolve().parent)
 
 
 def prepare_plan_folder(plan: Plan) -> Path:

@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 __all__ = [
     "Check",
+    "TableCheck",
     "check_constraint",
     "check_env_name",
     "check_env_value",
@@ -34,6 +35,8 @@ __all__ = [
 
 # A check returns None when the value is fine, else (problem, fix).
 Check = Callable[[str], "tuple[str, str] | None"]
+# A free table's check returns None, else (the key path below the table, problem, fix).
+TableCheck = Callable[[dict], "tuple[str, str, str] | None"]
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 _SLURM_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,127}")

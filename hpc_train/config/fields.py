@@ -5,14 +5,16 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from hpc_train.config.checks import Check
+from hpc_train.config.checks import Check, TableCheck
 
 __all__ = ["option"]
 
 
-def option(default: Any, help: str, check: Check | None = None, factory: bool = False) -> Any:
-    """A dataclass field with a help text (for docs and ``--help``) and an optional per-value check."""
-    metadata = {"help": help, "check": check}
+def option(default: Any, help: str, check: Check | None = None, factory: bool = False,
+           table_check: TableCheck | None = None) -> Any:
+    """A dataclass field with a help text (for docs and ``--help``), an optional per-value check, and for a free
+    table an optional check of the whole table."""
+    metadata = {"help": help, "check": check, "table_check": table_check}
     if factory:
         return dataclasses.field(default_factory=default, metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)

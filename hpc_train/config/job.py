@@ -20,6 +20,8 @@ from hpc_train.config.checks import (
     check_time,
 )
 from hpc_train.config.fields import option
+from hpc_train.config.params import check_params
+from hpc_train.config.program import check_program
 
 __all__ = [
     "MODEL_PRESETS",
@@ -51,8 +53,12 @@ class JobSection:
     """``[job]``: what Slurm is asked for. Empty strings mean "take the site's default"."""
 
     name: str = option("hpc-train", "Job and run name; the run folder is run_root/name.", check_slurm_name)
-    program: Literal["train", "smoke"] = option(
-        "train", "What ranks run: train (the GPT trainer) or smoke (join, check every group, no model).")
+    program: str = option(
+        "train", "What ranks run: train (the built-in trainer), smoke (join, check every group, no model), "
+        '"package.module:function" or "path/to/file.py:function" (every rank calls function(ctx)), or '
+        '"path/to/script.py" (every rank runs it as __main__, torchrun-style).', check_program)
+    args: list[str] = option(list, "Arguments of a script (its sys.argv[1:]) or a function (ctx.args).",
+                             factory=True)
     nodes: int = option(1, "Number of nodes.")
     tasks_per_node: int = option(1, "Ranks per node (one per GPU on GPU sites).")
     gpus_per_node: int | None = option(None, "GPUs per node; default: tasks_per_node on GPU sites, 0 otherwise.")
@@ -208,5 +214,7 @@ class JobConfig:
     watchdog: WatchdogSection = option(WatchdogSection, "", factory=True)
     retry: RetrySection = option(RetrySection, "", factory=True)
     env: dict[str, str] = option(dict, "Variables exported on every rank (no secrets).", check_env_name, factory=True)
+    params: dict[str, Any] = option(dict, "Your program's own values (any TOML values), as ctx.params on every rank.",
+                                    factory=True, table_check=check_params)
     deepspeed: dict[str, Any] = option(dict, "DeepSpeed config keys hpc_train does not model, merged into the "
                                        "engine's config; a key the typed config sets is an error.", factory=True)

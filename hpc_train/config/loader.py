@@ -120,6 +120,12 @@ def _convert(value: Any, kind: Any, where: str) -> Any:
 
 
 def _run_check(field: dataclasses.Field[Any], value: Any, where: str) -> None:
+    table_check = field.metadata.get("table_check")
+    if table_check is not None:
+        bad_table = table_check(value)
+        if bad_table:
+            raise ConfigError(where + bad_table[0], bad_table[1], bad_table[2])
+        return
     check = field.metadata.get("check")
     if isinstance(value, dict) and check is None:
         return

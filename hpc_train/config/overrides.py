@@ -28,7 +28,9 @@ def _field_type(root: type, section: str, key: str, text: str) -> Any:
                           f"sections: {', '.join(sections)}")
     section_type = sections[section]
     if not dataclasses.is_dataclass(section_type):
-        return str  # a free table such as [env]: values are strings
+        # A free table: [env] holds strings; [params] and [deepspeed] any TOML value, typed like the file
+        # (text that is not a TOML value, such as --set params.name=abc, stays a string).
+        return Any if get_args(section_type)[1] is Any else str
     keys = field_types(section_type)
     if key not in keys:
         hint = did_you_mean(f"{section}.{key}", [f"{section}.{name}" for name in keys])
@@ -50,7 +52,7 @@ def parse_override(text: str, root: type) -> tuple[str, str, Any]:
         try:
             value = tomllib.loads(f"value = {raw}")["value"]
         except tomllib.TOMLDecodeError:
-            value = raw  # the loader then reports the type mismatch with the key's expected type
+            value = raw  # a free table keeps it as text; elsewhere the loader reports the key's expected type
     return section, key, value
 
 

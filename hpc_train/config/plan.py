@@ -22,6 +22,7 @@ from hpc_train.config.environment import detected_on_node, rank_env
 from hpc_train.config.job import JobConfig
 from hpc_train.config.loader import build, load_toml, rebuild
 from hpc_train.config.overrides import apply_overrides
+from hpc_train.config.program import resolve_program
 from hpc_train.config.site import SiteConfig
 from hpc_train.config.validate import validate
 from hpc_train.errors import ConfigError
@@ -91,6 +92,7 @@ class Plan:
     config_hash: str
     interconnect: str = "tcp"
     nccl_detect: list[str] = dataclasses.field(default_factory=list)  # filled in by each node (fabric.nccl)
+    code_dir: str = ""  # the config file's folder: user code's relative paths, and sys.path on every rank
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True) + "\n"
@@ -161,6 +163,15 @@ def _absolute_data_path(cfg: JobConfig, cwd: Path) -> JobConfig:
     return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=os.path.normpath(cwd / cfg.data.path)))
 
 
+def _absolute_program(cfg: JobConfig, config_dir: Path) -> JobConfig:
+    """A user program's file recorded absolute (relative paths are from the config file's folder), after
+    checking that it, or its module, exists; nothing of it is imported here."""
+    program = resolve_program(cfg.job.program, config_dir)
+    if program == cfg.job.program:
+        return cfg
+    return dataclasses.replace(cfg, job=dataclasses.replace(cfg.job, program=program))
+
+
 def _resources(cfg: JobConfig, site: SiteConfig, gpus: int, cpus: int, run_dir: str) -> Resources:
     job = cfg.job
     return Resources(
@@ -184,10 +195,11 @@ def _layout(cfg: JobConfig, data_parallel: int) -> Layout:
 
 
 def make_plan(cfg: JobConfig, site: SiteConfig, executor: str, *, python: str | None = None,
-              cwd: Path | None = None) -> Plan:
+              cwd: Path | None = None, config_dir: Path | None = None) -> Plan:
     """Resolve site defaults, run every cross-field check and return the plan.
 
-    ``python`` is the interpreter ranks run when the site does not name one (default: this one).
+    ``python`` is the interpreter ranks run when the site does not name one (default: this one);
+    ``config_dir`` the config file's folder, where a user program's relative paths start (default: ``cwd``).
     """
     job = cfg.job
     gpus = job.gpus_per_node if job.gpus_per_node is not None else (job.tasks_per_node if site.node.gpus else 0)
@@ -199,7 +211,8 @@ def make_plan(cfg: JobConfig, site: SiteConfig, executor: str, *, python: str | 
                           "use --executor local, or a Slurm site")
     data_parallel = validate(cfg, site, gpus, cpus, lead)
     _checked_deepspeed(cfg, data_parallel)
-    config = _absolute_data_path(cfg, Path(cwd or Path.cwd()))
+    code_dir = Path(os.path.abspath(config_dir or cwd or Path.cwd()))
+    config = _absolute_program(_absolute_data_path(cfg, Path(cwd or Path.cwd())), code_dir)
     run_dir = _run_dir(cfg, site, cwd or Path.cwd())
     lead = _lead_seconds(lead, run_dir, parse_time_seconds(job.time) or 0)
     return Plan(
@@ -226,4 +239,5 @@ def make_plan(cfg: JobConfig, site: SiteConfig, executor: str, *, python: str | 
         config_hash=_config_hash(config),
         interconnect=site.network.interconnect,
         nccl_detect=detected_on_node(site.network),
+        code_dir=str(code_dir),
     )

@@ -17,6 +17,8 @@ def _value(value: Any) -> str:
         return json.dumps(value)  # JSON string escapes are valid TOML basic-string escapes
     if isinstance(value, list):
         return "[" + ", ".join(_value(item) for item in value) + "]"
+    if isinstance(value, dict):  # a table inside an array: inline
+        return "{" + ", ".join(f"{_key(k)} = {_value(v)}" for k, v in value.items()) + "}"
     raise TypeError(f"cannot write {type(value).__name__} to TOML")
 
 

@@ -53,7 +53,8 @@ def _checked(args: argparse.Namespace) -> None:
 
 
 def _plan(args: argparse.Namespace, site: SiteConfig) -> Plan:
-    return make_plan(load_job(args.config, args.overrides), site, "slurm" if site.slurm.enabled else "local")
+    return make_plan(load_job(args.config, args.overrides), site, "slurm" if site.slurm.enabled else "local",
+                     config_dir=args.config.resolve().parent)
 
 
 def _probe_minutes(timeout_s: float, part: Partition | None) -> int:

@@ -10,9 +10,9 @@ from pathlib import Path
 
 __all__ = [
     "ATTEMPTS_FILE", "CHECKPOINTS_DIR", "CONFIG_FILE", "EXCLUDED_FILE", "FLIGHT_RECORDER_DIR", "HEARTBEAT_DIR",
-    "LOGS_DIR", "METRICS_FILE", "PLAN_FILE", "RANK_ERROR_GLOB", "RANK_LOG_GLOB", "RESULT_FILES", "SMOKE_FILE",
-    "STACKS_GLOB", "SUBMITIT_DIR", "TRAIN_FILE", "fabric_report_path", "hang_decision_path", "hang_marker_path",
-    "heartbeat_path", "rank_error_path", "rank_log_path", "stacks_path",
+    "LOGS_DIR", "METRICS_FILE", "PLAN_FILE", "PROGRAM_FILE", "RANK_ERROR_GLOB", "RANK_LOG_GLOB", "RESULT_FILES",
+    "SMOKE_FILE", "STACKS_GLOB", "SUBMITIT_DIR", "TRAIN_FILE", "fabric_report_path", "hang_decision_path",
+    "hang_marker_path", "heartbeat_path", "rank_error_path", "rank_log_path", "stacks_path",
 ]
 
 PLAN_FILE = "plan.json"  # the resolved plan: what every rank reads first (plain JSON, no pickles)
@@ -22,7 +22,8 @@ EXCLUDED_FILE = "excluded_nodes.json"  # nodes later attempts avoid (hpc_train.r
 METRICS_FILE = "metrics.jsonl"  # rank 0's progress records
 SMOKE_FILE = "smoke.json"  # rank 0's result of a smoke job
 TRAIN_FILE = "train.json"  # rank 0's result of a training job
-RESULT_FILES = (SMOKE_FILE, TRAIN_FILE)
+PROGRAM_FILE = "program.json"  # rank 0's result of a user program (a function or a script)
+RESULT_FILES = (SMOKE_FILE, TRAIN_FILE, PROGRAM_FILE)
 LOGS_DIR = "logs"  # rank logs, error files, stacks, fabric reports, Slurm's batch output
 CHECKPOINTS_DIR = "checkpoints"
 HEARTBEAT_DIR = "heartbeats"  # the watchdog's heartbeats and hang markers

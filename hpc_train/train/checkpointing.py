@@ -165,20 +165,27 @@ class Checkpointer:
         return step == last or bool(self.every and step % self.every == 0)
 
     def save(self, engine: Any, step: int, sampler_state: dict[str, int], wait: bool = False) -> None:
-        """Every rank writes its files into the folder rank 0 opened; rank 0 then seals it (fsync, manifest with
-        checksums, rename, ``latest``). With ``checkpoint.async_save`` the sealing runs in a thread on rank 0 while
-        training goes on, unless ``wait``; ``latest`` still moves only once everything is durable. A previous
-        background seal always finishes first, and its failure stops every rank here."""
+        """The trainer's save: DeepSpeed's shards with the step and sampler in the client state, and each rank's
+        Python and torch random state (:meth:`save_with`)."""
+        def write(tmp: Path) -> None:
+            engine.save_checkpoint(str(tmp), tag=TAG, client_state={"step": step, "sampler": sampler_state})
+            rng = tmp / "rng"
+            rng.mkdir(exist_ok=True)
+            torch.save({"python": random.getstate(), "torch": torch.get_rng_state()}, rng / f"rank-{self.rank}.pt")
+
+        self.save_with(step, write, wait)
+
+    def save_with(self, step: int, write: Callable[[Path], None], wait: bool = False) -> None:
+        """Every rank calls ``write(folder)`` to put its files into the folder rank 0 opened; rank 0 then seals
+        it (fsync, manifest with checksums, rename, ``latest``). With ``checkpoint.async_save`` the sealing runs
+        in a thread on rank 0 while training goes on, unless ``wait``; ``latest`` still moves only once
+        everything is durable. A previous background seal always finishes first, and its failure stops every
+        rank here."""
         opened = _broadcast(self._open(self.manager, step) if self.manager else None)
         if isinstance(opened, _Refusal):
             raise self._commit_error or opened.error()
         tmp = Path(opened)
-        engine.save_checkpoint(str(tmp), tag=TAG, client_state={"step": step, "sampler": sampler_state})
-        rng = tmp / "rng"
-        if self.rank == 0:
-            rng.mkdir(exist_ok=True)
-        dist.barrier()
-        torch.save({"python": random.getstate(), "torch": torch.get_rng_state()}, rng / f"rank-{self.rank}.pt")
+        write(tmp)
         dist.barrier()  # every rank's files are on disk before rank 0 seals the folder
         fields = {"step": step, **self.fields}
         if self.async_save and not wait:
@@ -189,6 +196,23 @@ class Checkpointer:
         else:
             self._seal_together(tmp, fields)
         dist.barrier()
+
+    def latest(self) -> Path | None:
+        """Every rank: the newest checkpoint that verifies (rank 0 looks, falling back past damaged ones with a
+        warning, and tells the others), or None; rank 0's error reaches every rank."""
+        if not self.resume_enabled:
+            return None
+        found: Any = None
+        if self.manager:
+            try:
+                newest = self.manager.latest_verified()
+                found = None if newest is None else str(newest)
+            except Exception as error:
+                found = _Refusal(str(error), isinstance(error, ConfigError))
+        found = _broadcast(found)
+        if isinstance(found, _Refusal):
+            raise found.error()
+        return None if found is None else Path(found)
 
     def _seal_together(self, tmp: Path, fields: dict[str, Any]) -> None:
         """Every rank hashes and fsyncs a share of the files (by size), rank 0 gets all the entries and commits:

@@ -23,12 +23,13 @@ when ``tensorboard=True``, so this module itself needs neither torch nor tensorb
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import math
 import os
 import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Any, Self, SupportsFloat
@@ -39,9 +40,29 @@ from rich.markup import escape
 from hpc_train.run.paths import METRICS_FILE
 from hpc_train.train.flops import mfu as _mfu
 
-__all__ = ["TENSORBOARD_DIR", "Monitor", "NullMonitor", "format_duration", "truncate_metrics"]
+__all__ = ["TENSORBOARD_DIR", "LogLines", "Monitor", "NullMonitor", "format_duration", "truncate_metrics"]
 
 TENSORBOARD_DIR = "tensorboard"
+
+
+class LogLines(io.TextIOBase):
+    """A text stream that hands each complete line to ``log``: progress goes into the rank-0 log, which
+    ``hpc_train.submit`` follows on the login node (a rank's stdout is a file on the compute node)."""
+
+    def __init__(self, log: Callable[[str], None]) -> None:
+        self._log = log
+        self._pending = ""
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        self._pending += text
+        *lines, self._pending = self._pending.split("\n")
+        for line in lines:
+            if line.strip():
+                self._log(line)
+        return len(text)
 
 
 def format_duration(seconds: float) -> str:
@@ -151,6 +172,7 @@ class Monitor:
         self._window_steps = 0
         self._window_tokens = 0.0
         self._window_seconds = 0.0
+        self._last_scalars: tuple[int, float] | None = None
         self._closed = False
 
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -235,6 +257,28 @@ class Monitor:
                     self._writer.add_scalar(tag, value, step)
             self._writer.flush()
         self._print_step(step, loss_f, lr_f, grad_f, tokens_per_s, utilisation, memory_bytes, eta)
+
+    def scalars(self, step: int, values: Mapping[str, SupportsFloat]) -> None:
+        """A user program's ``ctx.log(step, **values)``: a line, a metrics.jsonl record (with the mean step time
+        since the previous one) and a TensorBoard scalar per value; non-finite values are written as null."""
+        now = time.time()
+        record: dict[str, Any] = {"step": step}
+        record.update({name: _json_number(float(value)) for name, value in values.items()})
+        last = self._last_scalars
+        if last is not None and step > last[0] and now > last[1]:
+            record["step_time_s"] = (now - last[1]) / (step - last[0])
+        record["time"] = now
+        self._last_scalars = (step, now)
+        self._append(record)
+        if self._writer is not None:
+            for name, value in record.items():
+                if name not in ("step", "time") and value is not None:
+                    self._writer.add_scalar(f"train/{name}", value, step)
+            self._writer.flush()
+        total = f"/{self.total_steps}" if self.total_steps else ""
+        shown = " ".join(f"{name}={value:.6g}" if isinstance(value, float) else f"{name}={value}"
+                         for name, value in record.items() if name not in ("step", "time"))
+        self._plain(f"step={step}{total} {shown}".rstrip())
 
     def eval(self, step: int, loss: SupportsFloat) -> None:
         """Record an evaluation loss at ``step``: a line, ``{"step", "eval_loss"}`` in metrics.jsonl, eval/loss."""
@@ -344,6 +388,9 @@ class NullMonitor(Monitor):
 
     def step(self, step: int, loss: SupportsFloat, lr: SupportsFloat, grad_norm: SupportsFloat | None,
              tokens: float, step_time_s: float, memory_bytes: int | None = None) -> None:
+        """Nothing (not rank 0)."""
+
+    def scalars(self, step: int, values: Mapping[str, SupportsFloat]) -> None:
         """Nothing (not rank 0)."""
 
     def eval(self, step: int, loss: SupportsFloat) -> None:

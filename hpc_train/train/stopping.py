@@ -68,6 +68,33 @@ class AttemptRecorder:
             self.current = self.attempts.finish(self.current, ended=time.time(), step_s_max=self.step_s_max,
                                                 save_s_max=self.save_s_max, **changes)
 
+    def resumed(self, step: int) -> None:
+        """A user program loaded its checkpoint of ``step`` after the attempt was opened: the attempt starts there."""
+        if self.current is not None:
+            self.current = self.attempts.finish(self.current, start_step=step)
+
+    def decide_stop(self, signum: int, requeue_signal: bool, requeue_enabled: bool, max_requeues: int) -> Requeue:
+        """Collective, when the ranks agreed on a signal: rank 0 decides whether the job will requeue and every
+        rank gets the same decision (carried out later by :meth:`record_stop`, once the program has saved)."""
+        decision = None
+        if self.is_writer:
+            job = self.current.job_id if self.current else None
+            decision = decide_requeue(dict(os.environ), requeue_enabled, max_requeues,
+                                      requeues_so_far(self.attempts.read(), job), requeue_signal)
+        box = [decision]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def record_stop(self, step: int, signum: int, decision: Requeue) -> Requeue:
+        """Rank 0 carries out ``decision`` (``scontrol requeue``) and records the attempt as preempted; no
+        collective, so it works after the program has left its process group. Returns what was done."""
+        if not self.is_writer:
+            return decision
+        done = perform_requeue(decision, dict(os.environ))
+        self._finish(outcome="preempted", end_step=step, signal=signal_name(signum), requeued=done.action != "none",
+                     note=done.reason)
+        return done
+
     def completed(self, step: int) -> None:
         self._finish(outcome="completed", end_step=step)
 

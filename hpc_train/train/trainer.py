@@ -8,7 +8,6 @@ comes from its :class:`~hpc_train.train.models.ModelSpec`; nothing here knows it
 from __future__ import annotations
 
 import dataclasses
-import io
 import resource
 import time
 from collections.abc import Callable, Iterator
@@ -33,7 +32,7 @@ from hpc_train.train.data import ResumableSampler, batch, make_source
 from hpc_train.train.engine import build_engine
 from hpc_train.train.flops import peak_flops
 from hpc_train.train.models import ModelSpec, model_spec
-from hpc_train.train.monitor import Monitor
+from hpc_train.train.monitor import LogLines, Monitor
 from hpc_train.train.pipeline import eval_step, train_step
 from hpc_train.train.precision import agreed_precision
 from hpc_train.train.preemption import PreemptionWatch, arm_force_exit
@@ -42,26 +41,6 @@ from hpc_train.train.stragglers import StragglerCheck
 from hpc_train.train.watchdog import Timeouts, Watchdog
 
 __all__ = ["train"]
-
-
-class _LogLines(io.TextIOBase):
-    """A text stream that hands each complete line to ``log``: progress goes into the rank-0 log, which
-    ``hpc_train.submit`` follows on the login node (a rank's stdout is a file on the compute node)."""
-
-    def __init__(self, log: Callable[[str], None]) -> None:
-        self._log = log
-        self._pending = ""
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, text: str) -> int:
-        self._pending += text
-        *lines, self._pending = self._pending.split("\n")
-        for line in lines:
-            if line.strip():
-                self._log(line)
-        return len(text)
 
 
 def _memory_bytes() -> int:
@@ -286,7 +265,7 @@ def _monitor(rank: _Rank, spec: ModelSpec, start_step: int) -> Monitor:
                           histogram_every=config.monitor.histogram_every,
                           flops_per_token=spec.flops_per_token(config),
                           peak_flops=peak_flops(device, config.train.precision) * info.world_size,
-                          console=Console(file=_LogLines(rank.log), width=200), start_step=start_step)
+                          console=Console(file=LogLines(rank.log), width=200), start_step=start_step)
 
 
 def _steps(rank: _Rank, parts: _Parts, monitor: Monitor, recorder: AttemptRecorder,

@@ -1,0 +1,129 @@
+"""``ctx.checkpoint``: a user program's state saved and loaded through the trainer's transactional checkpoints.
+
+Each rank writes ``ranks/rank-N.pt`` (the ``state_dict()`` of each object it was given, tensors and plain values
+as they are, and every random generator of the rank) and each DeepSpeed engine saves itself under
+``deepspeed/NAME/``; rank 0 then seals the folder (manifest with sizes and sha256, rename, ``latest`` last,
+``checkpoint.keep``, in the background with ``checkpoint.async_save``). Files load with ``weights_only=True``.
+"""
+
+from __future__ import annotations
+
+import pickle
+import time
+from collections.abc import Callable, MutableMapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hpc_train.ckpt import MANIFEST_NAME, CheckpointError, Manifest
+from hpc_train.program import random_state
+from hpc_train.train.checkpointing import TAG, Checkpointer
+from hpc_train.train.stopping import AttemptRecorder
+
+__all__ = ["UserCheckpoint"]
+
+RANKS_DIR = "ranks"
+ENGINES_DIR = "deepspeed"
+
+
+def _is_engine(value: Any) -> bool:
+    """A DeepSpeed engine saves and loads its own (sharded) state, collectively."""
+    return type(value).__module__.startswith("deepspeed") and hasattr(value, "save_checkpoint") \
+        and hasattr(value, "load_checkpoint")
+
+
+def _agree(problem: str | None) -> None:
+    """Every rank raises the same error when any rank found a problem, instead of some waiting in a collective."""
+    problems: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(problems, problem)
+    found = [p for p in problems if p]
+    if found:
+        raise CheckpointError(found[0])
+
+
+class UserCheckpoint:
+    """``ctx.checkpoint.save(step, state)`` and ``ctx.checkpoint.load(state)``; both are collective."""
+
+    def __init__(self, checkpointer: Checkpointer, device: torch.device, recorder: AttemptRecorder,
+                 progress: Callable[[str, int], None], log: Callable[[str], None]) -> None:
+        self._checkpointer = checkpointer
+        self._device = device
+        self._recorder = recorder
+        self._progress = progress
+        self._log = log
+        self.rank = dist.get_rank()
+
+    def save(self, step: int, state: MutableMapping[str, Any]) -> None:
+        """Save ``state`` (names to modules, optimizers, schedulers, samplers, DeepSpeed engines, tensors or
+        plain values) as the checkpoint of ``step``, with every rank's random state."""
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"checkpoint.save: step must be an int >= 0, got {step!r}")
+        self._progress("checkpoint", step)
+        started = time.perf_counter()
+
+        def write(folder: Path) -> None:
+            for name in sorted(state):
+                if _is_engine(state[name]):
+                    state[name].save_checkpoint(str(folder / ENGINES_DIR / name), tag=TAG)
+            objects = {name: value.state_dict() if hasattr(value, "state_dict") else value
+                       for name, value in state.items() if not _is_engine(value)}
+            (folder / RANKS_DIR).mkdir(exist_ok=True)
+            payload = {"step": step, "objects": objects, "random": random_state.capture(self._device)}
+            torch.save(payload, folder / RANKS_DIR / f"rank-{self.rank}.pt")
+
+        self._checkpointer.save_with(step, write)
+        self._recorder.save_time(time.perf_counter() - started)
+        self._progress("step", step)
+
+    def load(self, state: MutableMapping[str, Any]) -> int | None:
+        """Load the newest verified checkpoint into ``state``'s objects in place (plain values are replaced in
+        the mapping) and restore every rank's random state; return its step, or None when there is none."""
+        self._progress("checkpoint", 0)
+        found = self._checkpointer.latest()
+        if found is None:
+            return None
+        payload, problem = self._read(found, state)
+        _agree(problem)
+        for name in sorted(state):
+            if _is_engine(state[name]):
+                state[name].load_checkpoint(str(found / ENGINES_DIR / name), tag=TAG)
+        for name, value in list(state.items()):
+            if _is_engine(value):
+                continue
+            saved = payload["objects"][name]
+            if hasattr(value, "load_state_dict"):
+                value.load_state_dict(saved)
+            elif isinstance(value, torch.Tensor):
+                with torch.no_grad():
+                    value.copy_(saved)
+            else:
+                state[name] = saved
+        random_state.restore(payload["random"], self._device)
+        step = int(payload["step"])
+        self._recorder.resumed(step)
+        self._log(f"resumed from step {step} ({found.name})")
+        self._progress("step", step)
+        return step
+
+    def _read(self, found: Path, state: MutableMapping[str, Any]) -> tuple[dict[str, Any], str | None]:
+        """This rank's part of ``found``, or why it cannot be loaded into ``state``."""
+        manifest = Manifest.from_json((found / MANIFEST_NAME).read_text(encoding="utf-8"))
+        world = dist.get_world_size()
+        if manifest.world_size != world:
+            return {}, (f"checkpoint {found.name} was saved by {manifest.world_size} ranks and this job has {world}: "
+                        "ctx.checkpoint keeps one file per rank, so resume on the same number of ranks (or set "
+                        "checkpoint.resume = false to start over)")
+        try:
+            payload = torch.load(found / RANKS_DIR / f"rank-{self.rank}.pt", map_location="cpu", weights_only=True)
+        except (OSError, pickle.UnpicklingError, RuntimeError) as error:
+            return {}, f"checkpoint {found.name}: rank {self.rank} cannot read its state ({error})"
+        engines = {name for name, value in state.items() if _is_engine(value)}
+        missing = sorted(set(state) - engines - set(payload["objects"]))
+        missing += sorted(name for name in engines if not (found / ENGINES_DIR / name).is_dir())
+        if missing:
+            held = sorted(payload["objects"]) + sorted(p.name for p in (found / ENGINES_DIR).glob("*"))
+            return {}, (f"checkpoint {found.name} holds no {', '.join(missing)} (it holds "
+                        f"{', '.join(held) or 'nothing'}): load with the names it was saved with")
+        return payload, None

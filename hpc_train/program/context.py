@@ -1,0 +1,166 @@
+"""The run context a user program gets on every rank: ``ctx`` in a function, ``hpc_train.context()`` anywhere.
+
+One context per rank process, held by the session the runner opens (there is no other state at module
+level): a function receives it; a script gets it on its first ``hpc_train.context()`` call, which starts the
+default process group when the script has not (and joins the one it started when it has).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, SupportsFloat
+
+import torch
+import torch.distributed as dist
+from rich.console import Console
+
+from hpc_train.config.plan import Plan
+from hpc_train.distributed.bootstrap import bootstrap
+from hpc_train.distributed.launchers import LaunchInfo
+from hpc_train.distributed.mesh import ParallelGroups
+from hpc_train.distributed.topology import AXES, Topology
+from hpc_train.program.checkpoint import UserCheckpoint
+from hpc_train.program.stop import StopAgreement
+from hpc_train.train.checkpointing import Checkpointer
+from hpc_train.train.monitor import LogLines, Monitor
+from hpc_train.train.preemption import PreemptionWatch
+from hpc_train.train.stopping import AttemptRecorder
+from hpc_train.train.watchdog import Watchdog
+
+__all__ = ["RunContext", "Session", "context", "current_session", "open_session"]
+
+
+@dataclass
+class Session:
+    """One rank's run of a user program: what the runner was given, and what it opened."""
+
+    plan: Plan
+    info: LaunchInfo
+    run_dir: Path
+    log: Callable[[str], None]
+    watch: PreemptionWatch
+    recorder: AttemptRecorder
+    start_watchdog: Callable[[], Watchdog | None]
+    context: RunContext | None = None
+    owns_group: bool = False
+
+    def progress(self, phase: str, step: int | None = None) -> None:
+        watchdog = self.start_watchdog()
+        if watchdog is not None:
+            watchdog.enter(phase, step)
+
+
+_SESSIONS: list[Session] = []  # the runner's session while a program runs on this rank
+
+
+def open_session(session: Session | None) -> None:
+    """The runner's: ``session`` is the one ``context()`` serves (None: the program has returned)."""
+    _SESSIONS.clear()
+    if session is not None:
+        _SESSIONS.append(session)
+
+
+def current_session() -> Session | None:
+    return _SESSIONS[0] if _SESSIONS else None
+
+
+def context() -> RunContext:
+    """This rank's :class:`RunContext`; the first call in a script joins or starts the default process group."""
+    session = current_session()
+    if session is None:
+        raise RuntimeError("hpc_train.context() works on ranks that hpc_train started (job.program = a function "
+                           "or a script); this process was not started by hpc_train")
+    if session.context is None:
+        session.context = RunContext(session)
+    return session.context
+
+
+def _devices(info: LaunchInfo) -> tuple[torch.device, torch.device]:
+    """(the rank's device, the device collectives of the default group take: the GPU on NCCL, else the CPU)."""
+    device = torch.device("cuda", info.local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    if dist.get_backend() == "nccl":
+        return device, torch.device("cuda", torch.cuda.current_device())
+    return device, torch.device("cpu")
+
+
+class RunContext:
+    """What a rank knows and can do: its place, the groups of ``[parallel]``, preemption, checkpoints, metrics."""
+
+    def __init__(self, session: Session) -> None:
+        plan, info = session.plan, session.info
+        if not dist.is_initialized():
+            bootstrap(info, port_range=(plan.port_range[0], plan.port_range[1]), fabric_suffix=plan.fabric_suffix,
+                      init_timeout_s=plan.config.dist.init_timeout_s, timeout_s=plan.config.dist.timeout_s)
+            session.owns_group = True
+        elif dist.get_world_size() != info.world_size:
+            raise RuntimeError(f"the program's process group has {dist.get_world_size()} ranks but the job has "
+                               f"{info.world_size}: start it with init_method='env://' (hpc_train sets the "
+                               "torchrun variables)")
+        self._session = session
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.local_rank, self.local_world_size = info.local_rank, info.local_world_size
+        self.node_rank, self.restart = info.node_rank, info.restart
+        self.run_dir = session.run_dir
+        self.params: dict[str, Any] = dict(plan.config.params)
+        self.args: list[str] = list(plan.config.job.args)
+        self.device, collective_device = _devices(info)
+        layout = plan.layout
+        topology = Topology.build(self.world_size, tp=layout.tensor, pp=layout.pipeline, cp=layout.context,
+                                  order=layout.order)
+        self._groups = ParallelGroups(topology, collective_device.type)
+        self._stop = StopAgreement(plan, session.watch, collective_device, session.recorder, session.log)
+        self.checkpoint = UserCheckpoint(_checkpointer(session), self.device, session.recorder, session.progress,
+                                         session.log)
+        self._monitor: Monitor | None = None
+        self.step = 0
+        session.progress("startup")
+
+    def group(self, name: str) -> Any:
+        """The process group of this rank along ``name``: one of dp, tp, pp, cp (sizes from ``[parallel]``)."""
+        if name not in AXES:
+            raise ValueError(f'no group "{name}"; valid: {", ".join(AXES)}')
+        return self._groups.group(name)
+
+    @property
+    def mesh(self) -> Any:
+        """The job's DeviceMesh, its dimensions named after the axes (``ctx.mesh["dp"]``)."""
+        return self._groups.mesh
+
+    def should_stop(self) -> bool:
+        """Collective: True on every rank, at the same call, once a preemption or time-limit signal reached any
+        rank. Save, then return from the program: hpc_train records the attempt and requeues it."""
+        self._session.progress("step", self.step)
+        return self._stop.ask(self.step)
+
+    def log(self, step: int, **scalars: SupportsFloat) -> None:
+        """Rank 0 writes ``step`` and ``scalars`` to metrics.jsonl, TensorBoard and the progress line (other
+        ranks: nothing); records of this step and later from an earlier attempt are dropped first."""
+        self.step = step
+        self._session.progress("step", step)
+        if self._monitor is None:
+            monitor = self._session.plan.config.monitor
+            self._monitor = Monitor.create(self.rank, self.run_dir, total_steps=0, log_every=1,
+                                           tensorboard=monitor.tensorboard, start_step=max(0, step - 1),
+                                           console=Console(file=LogLines(self._session.log), width=200))
+        self._monitor.scalars(step, scalars)
+
+    def close(self) -> None:
+        """The program has returned: close the metrics, settle the stop flag's last all-reduce."""
+        self._stop.settle()
+        if self._monitor is not None:
+            self._monitor.close()
+
+    @property
+    def stop(self) -> StopAgreement:
+        return self._stop
+
+
+def _checkpointer(session: Session) -> Checkpointer:
+    """The trainer's checkpointer; the manifest's dtype is the config's precision, fp32 where it is ``auto``."""
+    config = session.plan.config
+    precision = "fp32" if config.train.precision == "auto" else config.train.precision
+    config = dataclasses.replace(config, train=dataclasses.replace(config.train, precision=precision))
+    return Checkpointer(session.run_dir, config, session.plan.layout, session.plan.config_hash, log=session.log)

@@ -1,0 +1,185 @@
+"""Run a user program on this rank: a function called with the run context, or a script run as ``__main__``.
+
+A function is imported before anything starts (an import error fails in a second, naming the module), then
+called after the bootstrap with the context. A script gets the torchrun variables, ``sys.argv`` from
+``job.args`` and no process group, so ``dist.init_process_group()`` works in it unchanged. Either way the
+attempt ends completed (a normal return), stopped (a return after ``should_stop()`` said True: recorded and
+requeued) or failed (an exception, or a script's non-zero exit: a user error, not requeued).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.util
+import inspect
+import os
+import runpy
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from hpc_train.config.plan import Plan
+from hpc_train.config.program import Program, parse_program
+from hpc_train.distributed.bootstrap import shutdown
+from hpc_train.distributed.launchers import LaunchInfo
+from hpc_train.distributed.rendezvous import check_resolves, choose_rendezvous, export_rendezvous
+from hpc_train.program.context import RunContext, Session, context, open_session
+from hpc_train.program.stop import UnaskedStop
+from hpc_train.train.monitor import LogLines
+from hpc_train.train.preemption import PreemptionWatch
+from hpc_train.train.stopping import AttemptRecorder, decide_hang, signal_name
+from hpc_train.train.watchdog import Timeouts, Watchdog
+
+__all__ = ["UserCodeError", "run_program"]
+
+
+class UserCodeError(RuntimeError):
+    """The user's program could not start, or ended badly: the message is the one line that says which."""
+
+
+def _module_of(program: Program) -> Any:
+    if program.kind == "module":
+        return importlib.import_module(program.module)
+    name = Path(program.path).stem
+    if name in sys.modules:  # a file named like a module already loaded (json.py): keep both
+        name = f"hpc_train_user_{name}"
+    spec = importlib.util.spec_from_file_location(name, program.path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {program.path} as a module")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # pickling the program's own classes (DataLoader workers) finds them
+    spec.loader.exec_module(module)
+    return module
+
+
+def load_function(program: Program) -> Callable[[Any], Any]:
+    """The user's function, checked to take ``ctx``; UserCodeError naming the entry point otherwise."""
+    where = program.module or program.path
+    try:
+        module = _module_of(program)
+    except Exception as error:
+        raise UserCodeError(f"job.program {program.text()}: importing {where} failed: "
+                            f"{type(error).__name__}: {error}") from error
+    function = getattr(module, program.function, None)
+    if function is None or not callable(function):
+        names = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_")
+                       and getattr(v, "__module__", None) == module.__name__)
+        raise UserCodeError(f"job.program {program.text()}: {where} has no function {program.function}"
+                            + (f" (it has: {', '.join(names[:10])})" if names else ""))
+    try:
+        inspect.signature(function).bind(object())
+    except TypeError:
+        raise UserCodeError(f"job.program {program.text()}: {program.function}{inspect.signature(function)} does "
+                            f"not take the run context: define it as def {program.function}(ctx)") from None
+    except ValueError:  # no signature to inspect (a builtin): let the call say
+        pass
+    return function
+
+
+def _watchdog_starter(plan: Plan, info: LaunchInfo, run_dir: Path, recorder: AttemptRecorder,
+                      log: Callable[[str], None]) -> Callable[[], Watchdog | None]:
+    """Starts the hang watchdog on first use (a script's first ``hpc_train.context()``, a function's start)."""
+    started: list[Watchdog] = []
+    wcfg = plan.config.watchdog
+
+    def decide(hang: Any) -> tuple[int, str]:
+        return decide_hang(run_dir, info, recorder, hang, plan.config.retry.hang, log)
+
+    def start() -> Watchdog | None:
+        if not wcfg.enabled:
+            return None
+        if not started:
+            watchdog = Watchdog(run_dir, info.rank, info.world_size, f"{info.job_id or 'local'}.{info.restart}",
+                                Timeouts(wcfg.startup_timeout_s, wcfg.step_timeout_s, wcfg.checkpoint_timeout_s),
+                                decide if info.rank == 0 else None, log)
+            started.append(watchdog.__enter__())
+        return started[0]
+
+    start.started = started  # type: ignore[attr-defined]
+    return start
+
+
+def _export_torchrun_env(plan: Plan, info: LaunchInfo) -> None:
+    """What torchrun gives a script: RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_*."""
+    rendezvous = choose_rendezvous(info, (plan.port_range[0], plan.port_range[1]), plan.fabric_suffix)
+    check_resolves(rendezvous.addr)
+    export_rendezvous(info, rendezvous)
+    os.environ.update(GROUP_RANK=str(info.node_rank), ROLE_RANK=str(info.rank), ROLE_WORLD_SIZE=str(info.world_size))
+
+
+def _run_script(plan: Plan, info: LaunchInfo, program: Program) -> None:
+    """The script as ``__main__`` with ``sys.argv = [script, *job.args]``; a non-zero exit is a UserCodeError."""
+    _export_torchrun_env(plan, info)
+    argv, path0 = sys.argv, sys.path[0] if sys.path else ""
+    sys.argv = [program.path, *plan.config.job.args]
+    sys.path.insert(0, str(Path(program.path).parent))  # as ``python script.py`` would
+    try:
+        runpy.run_path(program.path, run_name="__main__")
+    except SystemExit as exit:
+        code = exit.code
+        if code not in (0, None):
+            raise UserCodeError(f"script {program.path} exited with status {code}") from None
+    finally:
+        sys.argv = argv
+        if sys.path and sys.path[0] == str(Path(program.path).parent) and path0 != sys.path[0]:
+            sys.path.pop(0)
+
+
+def run_program(plan: Plan, info: LaunchInfo, run_dir: Path, log: Callable[[str], None],
+                watch: PreemptionWatch) -> dict[str, Any]:
+    """Run the plan's user program on this rank; return this rank's result (``stopped`` after a signal)."""
+    program = parse_program(plan.config.job.program)
+    if plan.code_dir and plan.code_dir not in sys.path:
+        sys.path.insert(0, plan.code_dir)
+    function = load_function(program) if program.kind != "script" else None
+    recorder = AttemptRecorder(run_dir, info, 0, plan.lead_seconds, log)
+    start_watchdog = _watchdog_starter(plan, info, run_dir, recorder, log)
+    session = Session(plan, info, run_dir, log, watch, recorder, start_watchdog)
+    if function is not None:
+        start_watchdog()
+    open_session(session)
+
+    def asked() -> Any:
+        return session.context.stop.asked if session.context else None
+
+    def last_step() -> int:
+        return session.context.step if session.context else 0
+
+    try:
+        # The program's prints go to its rank's log (rank 0's is what the login node follows), line by line.
+        with UnaskedStop(plan, info.rank, watch, recorder, asked, last_step, log), \
+                contextlib.redirect_stdout(LogLines(log)):
+            if function is None:
+                _run_script(plan, info, program)
+            else:
+                function(context())
+        return _finish(session, program)
+    except BaseException as error:
+        recorder.failed(last_step(), error)
+        raise
+    finally:
+        if session.context is not None:
+            session.context.close()
+        for watchdog in start_watchdog.started:  # type: ignore[attr-defined]
+            watchdog.__exit__(None, None, None)
+        if session.owns_group:
+            shutdown()
+        open_session(None)
+
+
+def _finish(session: Session, program: Program) -> dict[str, Any]:
+    """Completed, or stopped after ``should_stop()`` said True (rank 0 records and requeues)."""
+    ctx: RunContext | None = session.context
+    info = session.info
+    result: dict[str, Any] = {"rank": info.rank, "program": program.text(), "world_size": info.world_size,
+                              "launcher": info.launcher, "step": ctx.step if ctx else 0}
+    if ctx is not None and ctx.stop.decision is not None:
+        ctx.stop.settle()
+        done = session.recorder.record_stop(ctx.step, ctx.stop.signum, ctx.stop.decision)
+        result["stopped"] = {"signal": signal_name(ctx.stop.signum), "step": ctx.step, "requeue": done.action,
+                             "exit_code": done.exit_code, "reason": done.reason}
+        return result
+    session.recorder.completed(ctx.step if ctx else 0)
+    return result
