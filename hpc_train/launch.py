@@ -87,7 +87,7 @@ def _run_rank(run_dir: Path, plan: Plan, watch: PreemptionWatch | None) -> dict[
 
             result = run_program(plan, info, run_dir, logger.info, watch)
     except BaseException as error:
-        text = traceback.format_exc()
+        text = _traceback_text(error)
         logger.error("failed:\n%s", text)
         report = {"rank": info.rank, "host": socket.gethostname(), "time": time.time(), "error": repr(error),
                   "traceback": text}
@@ -113,6 +113,16 @@ def _run_rank(run_dir: Path, plan: Plan, watch: PreemptionWatch | None) -> dict[
         name = SMOKE_FILE if "all_reduce" in result else PROGRAM_FILE if "program" in result else TRAIN_FILE
         atomic_write(run_dir / name, json.dumps(result, indent=2) + "\n")
     return result
+
+
+def _traceback_text(error: BaseException) -> str:
+    """The traceback worth reading. A user program that could not start or exited badly (``UserCodeError``):
+    its own traceback (an import error, ``user_cause``), if any, and our one line; anything else: all of it."""
+    if not hasattr(error, "user_cause"):
+        return traceback.format_exc()
+    cause = error.user_cause
+    own = "".join(traceback.format_exception(cause)) if isinstance(cause, BaseException) else ""
+    return own + f"{type(error).__name__}: {error}\n"
 
 
 def _look_back(run_dir: Path, plan: Plan, info: Any, logger: logging.Logger) -> None:

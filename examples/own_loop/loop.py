@@ -10,10 +10,14 @@ metrics the login node follows (``ctx.log``).
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+
+if TYPE_CHECKING:
+    from hpc_train.program.context import RunContext
 
 
 def batch(step: int, rank: int, size: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
@@ -23,7 +27,7 @@ def batch(step: int, rank: int, size: int = 32) -> tuple[torch.Tensor, torch.Ten
     return inputs, inputs.sum(dim=1, keepdim=True).sin()
 
 
-def main(ctx) -> None:  # noqa: ANN001 - the run context (hpc_train.program.context.RunContext)
+def main(ctx: RunContext) -> None:
     steps, lr = int(ctx.params.get("steps", 200)), float(ctx.params.get("lr", 1e-2))
     save_every, pause = int(ctx.params.get("save_every", 50)), float(ctx.params.get("step_sleep", 0.0))
     torch.manual_seed(0)

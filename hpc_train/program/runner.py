@@ -36,7 +36,12 @@ __all__ = ["UserCodeError", "run_program"]
 
 
 class UserCodeError(RuntimeError):
-    """The user's program could not start, or ended badly: the message is the one line that says which."""
+    """The user's program could not start, or ended badly: the message is the one line that says which.
+    ``user_cause`` is the user's own exception (an import error), whose traceback is the one worth showing."""
+
+    def __init__(self, message: str, user_cause: BaseException | None = None) -> None:
+        super().__init__(message)
+        self.user_cause = user_cause
 
 
 def _module_of(program: Program) -> Any:
@@ -61,7 +66,7 @@ def load_function(program: Program) -> Callable[[Any], Any]:
         module = _module_of(program)
     except Exception as error:
         raise UserCodeError(f"job.program {program.text()}: importing {where} failed: "
-                            f"{type(error).__name__}: {error}") from error
+                            f"{type(error).__name__}: {error}", error) from error
     function = getattr(module, program.function, None)
     if function is None or not callable(function):
         names = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_")
@@ -133,8 +138,12 @@ def run_program(plan: Plan, info: LaunchInfo, run_dir: Path, log: Callable[[str]
     program = parse_program(plan.config.job.program)
     if plan.code_dir and plan.code_dir not in sys.path:
         sys.path.insert(0, plan.code_dir)
-    function = load_function(program) if program.kind != "script" else None
     recorder = AttemptRecorder(run_dir, info, 0, plan.lead_seconds, log)
+    try:
+        function = load_function(program) if program.kind != "script" else None
+    except UserCodeError as error:
+        recorder.failed(0, error)
+        raise
     start_watchdog = _watchdog_starter(plan, info, run_dir, recorder, log)
     session = Session(plan, info, run_dir, log, watch, recorder, start_watchdog)
     if function is not None:

@@ -117,6 +117,6 @@ class UnaskedStop:
         job = self.recorder.current.job_id if self.recorder.current else None
         decision = decide_requeue(dict(os.environ), preempt.requeue, preempt.max_requeues,
                                   requeues_so_far(self.recorder.attempts.read(), job), requeue_signal)
-        done = self.recorder.record_stop(self.last_step(), signum, decision)
+        done = self.recorder.record_stop(self.last_step(), signum, decision, "the program did not ask should_stop(); ")
         self.log(format_stopped(self.last_step(), name, done.action, done.reason, done.exit_code))
         self._exit(done.exit_code)

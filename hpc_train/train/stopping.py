@@ -85,14 +85,14 @@ class AttemptRecorder:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
-    def record_stop(self, step: int, signum: int, decision: Requeue) -> Requeue:
+    def record_stop(self, step: int, signum: int, decision: Requeue, why: str = "") -> Requeue:
         """Rank 0 carries out ``decision`` (``scontrol requeue``) and records the attempt as preempted; no
         collective, so it works after the program has left its process group. Returns what was done."""
         if not self.is_writer:
             return decision
         done = perform_requeue(decision, dict(os.environ))
         self._finish(outcome="preempted", end_step=step, signal=signal_name(signum), requeued=done.action != "none",
-                     note=done.reason)
+                     note=f"{why}{done.reason}"[:500])
         return done
 
     def completed(self, step: int) -> None:

@@ -1,0 +1,163 @@
+"""User programs on submitit's local executor, 2 ranks on gloo, for real: an unmodified torchrun-style DDP script
+ends with the weights ``torchrun`` gives; a function using ``ctx.checkpoint``, ``ctx.should_stop`` and ``ctx.log``
+is sent USR2 at random steps and ends bitwise equal to an uninterrupted run, with every step in metrics.jsonl
+once; a script that never asks is requeued after the grace period and resumes from what it saved itself."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from hpc_train.run.watch import last_logged_step, local_rank_pid
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.slow
+OWN_LOOP = str(REPO / "examples" / "own_loop" / "job.toml")
+DDP_SCRIPT = str(REPO / "examples" / "ddp_script" / "job.toml")
+STEPS = 60
+
+
+def start(cwd: Path, config: str, *overrides: str) -> subprocess.Popen[str]:
+    sets = [arg for item in overrides for arg in ("--set", item)]
+    return subprocess.Popen([sys.executable, "-m", "hpc_train.submit", config, "--site", "local", *sets], cwd=cwd,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def submit(cwd: Path, config: str, *overrides: str) -> tuple[int, str]:
+    """Submit and follow to the end: (exit status, what the follower printed)."""
+    process = start(cwd, config, *overrides)
+    output, _ = process.communicate(timeout=300)
+    return process.returncode, output
+
+
+def attempts(run_dir: Path) -> list[dict[str, object]]:
+    path = run_dir / "attempts.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def final_model(run_dir: Path, step: int = STEPS) -> dict[str, torch.Tensor]:
+    saved = torch.load(run_dir / "checkpoints" / f"step-{step:08d}" / "ranks" / "rank-0.pt", weights_only=True)
+    return saved["objects"]["model"] | {f"optimizer.{k}": v for k, v in _flat(saved["objects"]["optimizer"])}
+
+
+def _flat(state: dict[str, object], prefix: str = "") -> list[tuple[str, torch.Tensor]]:
+    items = []
+    for key, value in state.items():
+        if isinstance(value, dict):
+            items += _flat(value, f"{prefix}{key}.")
+        elif isinstance(value, torch.Tensor):
+            items.append((f"{prefix}{key}", value))
+    return items
+
+
+def test_an_unmodified_ddp_script_ends_with_torchrun_s_weights(tmp_path: Path) -> None:
+    ours, theirs = tmp_path / "hpc_train.pt", tmp_path / "torchrun.pt"
+    code, output = submit(tmp_path, DDP_SCRIPT, f'job.args=["--epochs", "2", "--out", "{ours}"]')
+    assert code == 0, output[-3000:]
+    torchrun = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                               str(REPO / "examples" / "ddp_script" / "train_cnn.py"), "--epochs", "2", "--out",
+                               str(theirs)], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"}, check=False)
+    assert torchrun.returncode == 0, torchrun.stderr[-3000:]
+    a, b = torch.load(ours, weights_only=True), torch.load(theirs, weights_only=True)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    run_dir = tmp_path / "runs" / "ddp-cnn"
+    rank0 = (run_dir / "logs" / "rank-0.log").read_text()
+    assert "epoch 1: mean loss" in rank0  # the script's prints are in the log the login node follows
+    assert [a["outcome"] for a in attempts(run_dir)] == ["completed"]
+    assert (run_dir / "program.json").exists()
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    work = tmp_path_factory.mktemp("plain")
+    code, output = submit(work, OWN_LOOP, f"params.steps={STEPS}", "params.save_every=1000")
+    assert code == 0, output[-3000:]
+    return final_model(work / "runs" / "own-loop")
+
+
+def _wait(condition: object, process: subprocess.Popen[str], what: str, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():  # type: ignore[operator]
+        assert process.poll() is None, f"the run ended before {what}"
+        assert time.monotonic() < deadline, f"no {what} within {timeout_s} s"
+        time.sleep(0.02)
+
+
+def test_a_function_stopped_at_random_steps_ends_with_the_uninterrupted_weights(
+        uninterrupted: dict[str, torch.Tensor], tmp_path: Path) -> None:
+    run_dir = tmp_path / "runs" / "own-loop"
+    seed = int(time.time())  # in the failure message: the steps are reproducible
+    at_steps = sorted(random.Random(seed).sample(range(3, STEPS - 5), 3))  # noqa: S311 - not a secret
+    process = start(tmp_path, OWN_LOOP, f"params.steps={STEPS}", "params.save_every=1000", "params.step_sleep=0.05")
+    try:
+        for index, step in enumerate(at_steps):
+            _wait(lambda: len(attempts(run_dir)) == index + 1 and last_logged_step(run_dir) >= step  # noqa: B023
+                  and local_rank_pid(run_dir, 1) is not None, process, f"step {step} (seed {seed})")
+            os.kill(local_rank_pid(run_dir, 1), signal.SIGUSR2)  # one rank: the others learn of it from should_stop
+            _wait(lambda: len([a for a in attempts(run_dir) if a["outcome"] != "running"]) > index,  # noqa: B023
+                  process, f"a stop after the signal at step {step} (seed {seed})")
+        output, _ = process.communicate(timeout=300)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 0, output[-3000:]
+    runs = attempts(run_dir)
+    assert [a["outcome"] for a in runs] == ["preempted"] * 3 + ["completed"], (seed, runs)
+    assert all(a["signal"] == "SIGUSR2" and a["requeued"] for a in runs[:3])
+    for before, after in itertools.pairwise(runs):
+        assert after["start_step"] == before["end_step"], (seed, runs)  # saved where it stopped: nothing lost
+    logged = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert logged == list(range(1, STEPS + 1)), (seed, logged)
+    resumed = final_model(run_dir)
+    assert resumed.keys() == uninterrupted.keys()
+    assert all(torch.equal(resumed[k], uninterrupted[k]) for k in resumed), seed
+
+
+UNASKED = """
+import os, sys, time, pathlib
+import torch.distributed as dist
+dist.init_process_group("gloo")
+progress = pathlib.Path(sys.argv[1]) / f"done-{dist.get_rank()}"
+start = int(progress.read_text()) if progress.exists() else 0
+for step in range(start + 1, 251):
+    time.sleep(0.1)
+    progress.write_text(str(step))
+dist.barrier()
+print(f"finished at {step}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_a_script_that_never_asks_is_requeued_and_resumes_from_its_own_state(tmp_path: Path) -> None:
+    (tmp_path / "plain.py").write_text(UNASKED)
+    (tmp_path / "job.toml").write_text(f'[job]\nname = "plain"\nprogram = "plain.py"\nargs = ["{tmp_path}"]\n'
+                                       "tasks_per_node = 2\n")
+    run_dir = tmp_path / "runs" / "plain"
+    process = start(tmp_path, str(tmp_path / "job.toml"))
+    try:
+        _wait(lambda: (tmp_path / "done-0").exists() and int((tmp_path / "done-0").read_text() or 0) >= 5
+              and local_rank_pid(run_dir, 0) is not None and local_rank_pid(run_dir, 1) is not None, process,
+              "step 5")
+        for rank in (0, 1):  # as Slurm does: every rank gets the signal
+            os.kill(local_rank_pid(run_dir, rank), signal.SIGUSR2)
+        output, _ = process.communicate(timeout=300)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 0, output[-3000:]
+    runs = attempts(run_dir)
+    assert [a["outcome"] for a in runs] == ["preempted", "completed"], runs
+    assert runs[0]["requeued"] and "did not ask should_stop()" in str(runs[0]["note"])
+    assert "did not ask should_stop() within 15 s" in (run_dir / "logs" / "rank-0.log").read_text()  # lead 60 / 4
+    assert "finished at 250" in (run_dir / "logs" / "rank-0.log").read_text()
