@@ -166,6 +166,8 @@ def read_folder(path: Path) -> RunFolder:
     config = plan.get("config", {}) if isinstance(plan.get("config"), dict) else {}
     steps = config.get("train", {}).get("steps") if isinstance(config.get("train"), dict) else None
     program = str(config.get("job", {}).get("program", "")) if isinstance(config.get("job"), dict) else ""
+    if program not in ("", "train", "smoke"):
+        steps = None  # a user program: train.steps is the built-in trainer's, its own total is unknown
     executor = str(plan.get("executor", ""))
     attempts = AttemptLog(path).read()
     ids = [] if executor == "local" else _folder_job_ids(path, attempts)
@@ -195,7 +197,7 @@ def _id_key(job_id: str) -> tuple[int, int]:
 
 
 def _metrics_tail(path: Path) -> list[dict[str, Any]]:
-    """The last training records (those with a loss; eval lines are left out)."""
+    """The last step records (a user program's may carry no loss; evaluation-only lines are left out)."""
     try:
         with open(path, "rb") as handle:
             size = handle.seek(0, 2)
@@ -209,7 +211,8 @@ def _metrics_tail(path: Path) -> list[dict[str, Any]]:
             record = json.loads(line)
         except ValueError:
             continue
-        if isinstance(record, dict) and isinstance(record.get("step"), int) and "loss" in record:
+        # A user program's ctx.log records may have no loss; an evaluation's record has only eval_loss.
+        if isinstance(record, dict) and isinstance(record.get("step"), int) and set(record) - {"step", "eval_loss"}:
             records.append(record)
     return records[-_RATE_RECORDS * 2:]
 

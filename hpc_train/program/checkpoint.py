@@ -83,6 +83,7 @@ class UserCheckpoint:
         self._progress("checkpoint", 0)
         found = self._checkpointer.latest()
         if found is None:
+            self._progress("startup", 0)  # nothing loaded: still starting, until the first log or should_stop
             return None
         payload, problem = self._read(found, state)
         _agree(problem)

@@ -114,6 +114,19 @@ def _export_torchrun_env(plan: Plan, info: LaunchInfo) -> None:
     os.environ.update(GROUP_RANK=str(info.node_rank), ROLE_RANK=str(info.rank), ROLE_WORLD_SIZE=str(info.world_size))
 
 
+def _exited(exit: SystemExit, what: str) -> None:
+    """``sys.exit()`` in a program: 0 or None is a normal end, anything else a UserCodeError."""
+    if exit.code not in (0, None):
+        raise UserCodeError(f"{what} exited with status {exit.code}") from None
+
+
+def _call(function: Callable[[Any], Any], program: Program) -> None:
+    try:
+        function(context())
+    except SystemExit as exit:
+        _exited(exit, f"function {program.text()}")
+
+
 def _run_script(plan: Plan, info: LaunchInfo, program: Program) -> None:
     """The script as ``__main__`` with ``sys.argv = [script, *job.args]``; a non-zero exit is a UserCodeError."""
     _export_torchrun_env(plan, info)
@@ -123,9 +136,7 @@ def _run_script(plan: Plan, info: LaunchInfo, program: Program) -> None:
     try:
         runpy.run_path(program.path, run_name="__main__")
     except SystemExit as exit:
-        code = exit.code
-        if code not in (0, None):
-            raise UserCodeError(f"script {program.path} exited with status {code}") from None
+        _exited(exit, f"script {program.path}")
     finally:
         sys.argv = argv
         if sys.path and sys.path[0] == str(Path(program.path).parent) and path0 != sys.path[0]:
@@ -163,7 +174,7 @@ def run_program(plan: Plan, info: LaunchInfo, run_dir: Path, log: Callable[[str]
             if function is None:
                 _run_script(plan, info, program)
             else:
-                function(context())
+                _call(function, program)
         return _finish(session, program)
     except BaseException as error:
         recorder.failed(last_step(), error)

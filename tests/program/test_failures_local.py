@@ -1,0 +1,45 @@
+"""A user program that fails on the ranks: one clear line in the follower's output and in ``logs``, the job
+ends as a user failure and is not requeued. Each case is a real 2-rank run on submitit's local executor."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.program.test_runner_local import attempts, submit
+
+pytestmark = pytest.mark.slow
+
+CASES = {
+    "import-error": ("code.py:main", "import nosuchmodule_xyz\ndef main(ctx):\n    pass\n",
+                     "importing {tmp}/code.py failed: ModuleNotFoundError: No module named 'nosuchmodule_xyz'"),
+    "no-function": ("code.py:main", "def mian(ctx):\n    pass\n", "{tmp}/code.py has no function main (it has: mian)"),
+    "no-ctx": ("code.py:main", "def main():\n    pass\n",
+               "main() does not take the run context: define it as def main(ctx)"),
+    "script-exit": ("code.py", "import sys\nsys.exit(3)\n", "script {tmp}/code.py exited with status 3"),
+    "rank-1-raises": ("code.py:main", "def main(ctx):\n    ctx.log(1, loss=1.0)\n    if ctx.rank == 1:\n"
+                      "        raise ValueError('bad shard 7')\n    import torch.distributed as dist\n"
+                      "    dist.barrier()\n", "ValueError('bad shard 7')"),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_failing_program_says_why_once_and_is_not_requeued(tmp_path: Path, case: str) -> None:
+    program, code, says = CASES[case]
+    (tmp_path / program.split(":")[0]).write_text(code)
+    (tmp_path / "job.toml").write_text(f'[job]\nname = "bad"\nprogram = "{program}"\ntasks_per_node = 2\n')
+    status, output = submit(tmp_path, str(tmp_path / "job.toml"))
+    said = says.format(tmp=tmp_path)
+    assert status == 1, output[-3000:]
+    failed = [line for line in output.splitlines() if "failed: rank" in line]
+    assert len(failed) == 1 and said in failed[0], output[-3000:]
+    if case == "rank-1-raises":
+        assert "rank 1 on" in failed[0]  # the rank that raised, not rank 0 that lost its peer
+    runs = attempts(tmp_path / "runs" / "bad")
+    assert len(runs) == 1 and runs[0]["outcome"] == "failed" and not runs[0]["requeued"], runs
+    logs = subprocess.run([sys.executable, "-m", "hpc_train", "logs", str(tmp_path / "runs" / "bad"), "--errors-only"],
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert said in logs.stdout, logs.stdout + logs.stderr
