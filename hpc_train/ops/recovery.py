@@ -29,6 +29,7 @@ from hpc_train.ops.policy import RetryPolicy, decide
 from hpc_train.ops.scheduler import SlurmRecord, parse_sacct, sacct_argv
 from hpc_train.run.attempts import AttemptLog
 from hpc_train.run.exclusions import add_exclusions, exclude_expression, read_exclusions
+from hpc_train.run.jobid import scontrol_job_id
 from hpc_train.run.paths import HEARTBEAT_DIR
 
 __all__ = ["RETRIED_CLASSES", "Recovery", "down_nodes", "look_back", "requeue_after_error"]
@@ -103,7 +104,8 @@ def _exclude_on_job(job_id: str, expression: str, run: Runner, attempts: int = 1
     """Put the exclusion on the job itself so that Slurm's own requeues avoid the nodes. Slurm takes it only
     while the job is pending, so this follows a requeue and retries while the job leaves the running state."""
     for _ in range(attempts):
-        result = _run(run, ["scontrol", "update", f"JobId={job_id}", f"ExcNodeList={expression}"])
+        result = _run(run, ["scontrol", "update", f"JobId={scontrol_job_id(os.environ, job_id)}",
+                                  f"ExcNodeList={expression}"])
         if result is not None:
             return True
         time.sleep(0.5)
@@ -117,7 +119,7 @@ def _requeue_avoiding(run_dir: Path, job_id: str, allocation: list[str], log: Ca
     bad = sorted(set(allocation) & {e.node for e in excluded})
     if not bad:
         return None
-    if _run(run, ["scontrol", "requeue", job_id]) is None:
+    if _run(run, ["scontrol", "requeue", scontrol_job_id(os.environ, job_id)]) is None:
         return Recovery("stop", f"this attempt runs on excluded node(s) {', '.join(bad)} and scontrol requeue "
                                 f"{job_id} failed")
     expression = exclude_expression(excluded)
@@ -203,7 +205,7 @@ def requeue_after_error(run_dir: Path, job_id: str, restart: int, rank: int, hos
     classification = replace(classification, nodes=(host,) if own else ())
     recovery = _apply(run_dir, job_id, classification, policy, [host] if own else [], log, run)
     if recovery.action == "continue":  # retried without moving off this node: requeue all the same
-        if _run(run, ["scontrol", "requeue", job_id]) is None:
+        if _run(run, ["scontrol", "requeue", scontrol_job_id(os.environ, job_id)]) is None:
             return Recovery("stop", f"{recovery.message}; scontrol requeue {job_id} failed", "infrastructure")
         recovery = Recovery("requeue", recovery.message, "infrastructure")
     return recovery

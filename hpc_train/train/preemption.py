@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hpc_train.run.exit_codes import EXIT_SAVE_HUNG, EXIT_STOPPED, LOCAL_REQUEUE_EXIT
+from hpc_train.run.jobid import scontrol_job_id
 
 __all__ = ["PreemptionWatch", "Requeue", "arm_force_exit", "decide_requeue", "perform_requeue"]
 
@@ -141,7 +142,7 @@ def decide_requeue(env: dict[str, str], enabled: bool, max_requeues: int, requeu
     if local:
         return Requeue("local", LOCAL_REQUEUE_EXIT, "submitit's local executor restarts the tasks")
     if env.get("SLURM_JOB_ID"):
-        return Requeue("scontrol", 0, f"scontrol requeue {env['SLURM_JOB_ID']}")
+        return Requeue("scontrol", 0, f"scontrol requeue {scontrol_job_id(env)}")
     return Requeue("none", EXIT_STOPPED, "not under Slurm or submitit; run the same command again to resume")
 
 
@@ -154,7 +155,7 @@ def perform_requeue(decision: Requeue, env: dict[str, str],
     if scontrol is None:
         return Requeue("none", EXIT_STOPPED, "scontrol is not on PATH on the node, so the job cannot requeue "
                                              "itself; resubmit to resume")
-    job_id = env["SLURM_JOB_ID"]
+    job_id = scontrol_job_id(env)
     try:
         result = run([scontrol, "requeue", job_id], capture_output=True, text=True, timeout=60, check=False)
     except subprocess.TimeoutExpired:
