@@ -43,3 +43,29 @@ def test_a_failing_program_says_why_once_and_is_not_requeued(tmp_path: Path, cas
     logs = subprocess.run([sys.executable, "-m", "hpc_train", "logs", str(tmp_path / "runs" / "bad"), "--errors-only"],
                           capture_output=True, text=True, timeout=60, check=False)
     assert said in logs.stdout, logs.stdout + logs.stderr
+
+
+HANGS = """
+import time
+
+
+def main(ctx):
+    ctx.log(1, loss=1.0)
+    if ctx.rank == 1:
+        time.sleep(600)  # no log, no should_stop: the watchdog's step timeout
+    ctx.should_stop()
+"""
+
+
+def test_the_watchdog_finds_a_user_function_that_stops_making_progress(tmp_path: Path) -> None:
+    (tmp_path / "hangs.py").write_text(HANGS)
+    (tmp_path / "job.toml").write_text('[job]\nname = "hangs"\nprogram = "hangs.py:main"\ntasks_per_node = 2\n'
+                                       "[watchdog]\nstep_timeout_s = 10\n[retry]\nhang = 0\n")
+    status, output = submit(tmp_path, str(tmp_path / "job.toml"))
+    assert status != 0, output[-3000:]
+    run_dir = tmp_path / "runs" / "hangs"
+    runs = attempts(run_dir)
+    assert [a["outcome"] for a in runs] == ["hang"] and not runs[0]["requeued"], runs
+    assert "no progress for" in str(runs[0]["note"]) and "watchdog.step_timeout_s = 10" in str(runs[0]["note"])
+    stacks = (run_dir / "logs" / "stacks-rank-1.txt").read_text()
+    assert f'File "{tmp_path}/hangs.py", line 8 in main' in stacks  # where it was stuck: the sleep
