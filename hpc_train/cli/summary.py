@@ -40,9 +40,13 @@ def _table(title: str, rows: list[tuple[str, Any]]) -> Table:
 
 def print_summary(console: Console, plan: Plan, extra_title: str = "", extra: str | dict[str, Any] = "") -> None:
     """Everything that will happen, in one screen."""
-    res, lay = plan.resources, plan.layout
+    res, lay, job = plan.resources, plan.layout, plan.config.job
+    user_code = job.program not in ("train", "smoke")
+    program = [("program", job.program + (f" {' '.join(job.args)}" if job.args else ""))]
+    if user_code:
+        program.append(("code folder", f"{plan.code_dir} (on sys.path of every rank; compute nodes must see it)"))
     head = _table("Job", [
-        ("name", plan.name), ("site", plan.site), ("executor", plan.executor),
+        ("name", plan.name), ("site", plan.site), ("executor", plan.executor), *program,
         ("launcher", {"slurm": "srun (submitit)", "local": "local processes (submitit)"}.get(plan.executor, "")
          + f"; rendered scripts: {plan.launcher}"),
         ("run folder", plan.run_dir), ("python", plan.python),
@@ -59,7 +63,8 @@ def print_summary(console: Console, plan: Plan, extra_title: str = "", extra: st
     layout = _table("Layout", [
         ("world", f"{lay.world} = tensor {lay.tensor} x pipeline {lay.pipeline} x data {lay.data}"
                   + (f" x context {lay.context}" if lay.context > 1 else "")),
-        ("global batch", f"{lay.global_batch} = micro {lay.micro_batch} x accum {lay.grad_accum} x data {lay.data}"),
+        *([] if user_code else [("global batch", f"{lay.global_batch} = micro {lay.micro_batch} x accum "
+                                                 f"{lay.grad_accum} x data {lay.data}")]),
         *rank_placement(plan),
     ])
     env_rows = [(name, value) for name, value in sorted(plan.env.items())]

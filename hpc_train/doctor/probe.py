@@ -66,6 +66,7 @@ class ProbeRequest:
     srun_args: tuple[str, ...] = ()
     modules: tuple[str, ...] = ()
     time_minutes: int = 5
+    code_path: str = ""  # a user program's file (or its code folder), which every rank must see too
 
     @property
     def world(self) -> int:
@@ -92,6 +93,11 @@ class ProbeRequest:
             raise ConfigError("job.name", "is empty", "give the probe job a name")
         if not os.path.isabs(self.run_root):
             raise ConfigError("job.run_root", f"{self.run_root!r} is not absolute", "give an absolute path")
+        if self.code_path:
+            bad = check_path(self.code_path)
+            if bad:
+                raise ConfigError("job.program", f"its path {bad[0]}", "keep the program's path to letters, digits "
+                                  "and ./_+@,:=- so that doctor can probe it")
         for where, count in (("--nodes", self.nodes), ("--ntasks-per-node", self.tasks_per_node),
                              ("probe time", self.time_minutes)):
             if count < 1:
@@ -113,7 +119,7 @@ def probe_script(request: ProbeRequest, folder: Path) -> str:
             directives.append(f"--{flag}={value}")
     sig = request.signal_name
     command = ["srun", "--kill-on-bad-exit=0", *request.srun_args, request.python, "-m",
-               "hpc_train.doctor.probe_task", str(folder), sig]
+               "hpc_train.doctor.probe_task", str(folder), sig, *([request.code_path] if request.code_path else [])]
     lines = ["#!/bin/bash -l" if request.modules else "#!/bin/bash",
              *(f"#SBATCH {line}" for line in directives),
              "# hpc_train doctor: the signal-delivery probe. Every task reports ready, then waits for "
@@ -291,6 +297,20 @@ class _Probe:
             self.findings.append(Finding("run folder", "ok", f"run folder root {self.run_root} is shared: every "
                                          f"rank on {', '.join(nodes)} read doctor's token back"))
 
+    def code(self, ready: dict[int, dict[str, Any]]) -> None:
+        """Each rank looked for the user program's file: compute nodes must see it, as they see the run folder."""
+        path = self.request.code_path
+        if not path:
+            return
+        blind = sorted({str(data.get("node", "?")) for data in ready.values() if data.get("code_seen") is False})
+        if blind:
+            self.findings.append(Finding("code folder", "error", f"the program {path} is not visible on "
+                                         f"{', '.join(blind)}", "put the code on a file system every node mounts "
+                                         "(the same path everywhere), next to the run folder"))
+        else:
+            nodes = sorted({str(data.get("node", "?")) for data in ready.values()})
+            self.findings.append(Finding("code folder", "ok", f"the program {path} is visible on {', '.join(nodes)}"))
+
     def signal(self, ready: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
         """Send the signal to the job steps and wait for every rank's report of it."""
         sig = self.request.signal_name
@@ -364,6 +384,7 @@ def run_probe(request: ProbeRequest, timeout_s: float) -> ProbeOutcome:
             probe.not_ready(ready, state, timeout_s)
         else:
             probe.tokens(ready)
+            probe.code(ready)
             signalled = probe.signal(ready)
     finally:
         run_slurm(["scancel", job_id])

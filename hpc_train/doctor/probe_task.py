@@ -1,4 +1,4 @@
-"""``python -m hpc_train.doctor.probe_task DIR SIGNAL``: one task of doctor's signal-delivery probe job.
+"""``python -m hpc_train.doctor.probe_task DIR SIGNAL [CODE_PATH]``: one task of doctor's signal-delivery probe job.
 
 Every task installs a handler for SIGNAL first (as a training rank does, so an early signal is kept), reads the
 token doctor wrote into DIR, and reports ``DIR/ready-<procid>.json``. When the signal arrives it reports
@@ -40,8 +40,8 @@ def _read_token(folder: Path) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    if len(args) != 2:
-        print("usage: python -m hpc_train.doctor.probe_task DIR SIGNAL", file=sys.stderr)
+    if len(args) not in (2, 3):
+        print("usage: python -m hpc_train.doctor.probe_task DIR SIGNAL [CODE_PATH]", file=sys.stderr)
         return 2
     folder, name = Path(args[0]), args[1].upper().removeprefix("SIG")
     signum = getattr(signal, f"SIG{name}", None)
@@ -54,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
     about = {"rank": int(rank) if rank.isdigit() else rank, "node": node, "hostname": socket.gethostname(),
              "pid": os.getpid(), "job_id": os.environ.get("SLURM_JOB_ID", "")}
+    if len(args) == 3:  # the user program's file: compute nodes must see it as they see the run folder
+        about["code_seen"] = Path(args[2]).exists()
     if not folder.is_dir():  # nothing is created on a node that does not share the folder
         print(f"hpc_train doctor probe: rank {rank} on {node}: {folder} does not exist here: the run folder root "
               "is not shared with this node", file=sys.stderr)

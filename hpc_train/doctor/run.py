@@ -85,6 +85,16 @@ def _shape(args: argparse.Namespace, plan: Plan | None, site: SiteConfig, view: 
                     time=f"{minutes // 60:02d}:{minutes % 60:02d}:00", from_config=False)
 
 
+def _program_path(plan: Plan) -> str:
+    """What every rank of a user program needs to see: its file, or for a module the config file's folder."""
+    from hpc_train.config.program import parse_program
+
+    program = parse_program(plan.config.job.program)
+    if not program.is_user_code:
+        return ""
+    return program.path or plan.code_dir
+
+
 def _probe_request(args: argparse.Namespace, plan: Plan | None, site: SiteConfig, shape: JobShape,
                    part: Partition | None) -> ProbeRequest:
     if plan is not None:
@@ -94,7 +104,7 @@ def _probe_request(args: argparse.Namespace, plan: Plan | None, site: SiteConfig
             signal=plan.signal, run_root=str(Path(plan.run_dir).parent), python=plan.python,
             partition=res.partition, account=res.account, qos=res.qos, constraint=res.constraint,
             exclude=res.exclude, srun_args=tuple(plan.srun_args), modules=tuple(plan.modules),
-            time_minutes=_probe_minutes(args.probe_timeout, part))
+            time_minutes=_probe_minutes(args.probe_timeout, part), code_path=_program_path(plan))
     slurm = site.slurm
     return ProbeRequest(
         nodes=shape.nodes, tasks_per_node=shape.tasks_per_node, signal=site.preempt.signal,

@@ -27,6 +27,14 @@ def _doctor(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> tu
     return done.returncode, json.loads(done.stdout)
 
 
+def test_the_probe_finds_a_user_program_on_every_node(tmp_path: Path) -> None:
+    (tmp_path / "loop.py").write_text("def main(ctx):\n    pass\n")
+    code, data = _doctor(tmp_path, "--config", "job.toml", "--set", "job.program=loop.py:main")
+    assert code == 0, data["findings"]
+    (finding,) = _by_check(data)["code folder"]
+    assert finding["severity"] == "ok" and finding["message"] == f"the program {tmp_path}/loop.py is visible on n1, n2"
+
+
 def _by_check(data: dict[str, Any]) -> dict[str, list[dict[str, str]]]:
     checks: dict[str, list[dict[str, str]]] = {}
     for finding in data["findings"]:

@@ -73,9 +73,9 @@ def test_probe_folder_is_private_and_new(tmp_path: Path) -> None:
         assert stat.S_IMODE(path.stat().st_mode) == 0o700
 
 
-def _start_task(folder: Path, rank: str = "3", signal_name: str = "USR2") -> subprocess.Popen[str]:
+def _start_task(folder: Path, rank: str = "3", signal_name: str = "USR2", *code: str) -> subprocess.Popen[str]:
     env = {**os.environ, "SLURM_PROCID": rank, "SLURMD_NODENAME": "n7", "SLURM_JOB_ID": "42"}
-    return subprocess.Popen([sys.executable, "-m", "hpc_train.doctor.probe_task", str(folder), signal_name],
+    return subprocess.Popen([sys.executable, "-m", "hpc_train.doctor.probe_task", str(folder), signal_name, *code],
                             cwd=REPO, env=env, stderr=subprocess.PIPE, text=True)
 
 
@@ -189,3 +189,24 @@ def test_probe_submitted_from_inside_a_job_does_not_inherit_its_geometry() -> No
              "SLURM_CLUSTERS": "c2", "SBATCH_ACCOUNT": "proj", "PATH": "/usr/bin"}
     assert _submit_env(outer) == {"SLURM_CONF": "/etc/x.conf", "SLURM_CLUSTERS": "c2", "SBATCH_ACCOUNT": "proj",
                                   "PATH": "/usr/bin"}
+
+
+def test_a_user_program_s_file_is_looked_for_on_every_rank(tmp_path: Path) -> None:
+    (tmp_path / "token").write_text(MARK + "\n")
+    (tmp_path / "loop.py").write_text("def main(ctx):\n    pass\n")
+    seen = _start_task(tmp_path, "0", "USR2", str(tmp_path / "loop.py"))
+    assert _wait_for(tmp_path / "ready-0.json")["code_seen"] is True
+    blind = _start_task(tmp_path, "1", "USR2", str(tmp_path / "elsewhere" / "loop.py"))
+    assert _wait_for(tmp_path / "ready-1.json")["code_seen"] is False
+    for task in (seen, blind):
+        task.send_signal(signal.SIGUSR2)
+        assert task.wait(timeout=20) == 0
+    script = probe_script(request(code_path="/scratch/code/loop.py"), tmp_path)
+    assert script.splitlines()[-1].endswith(f"probe_task {tmp_path} USR2 /scratch/code/loop.py")
+    checker = _Probe(request(code_path="/scratch/code/loop.py"), tmp_path, MARK, "77", Path("/scratch/runs"))
+    checker.code({0: {**_ready(0, "n1"), "code_seen": True}, 1: {**_ready(1, "n2"), "code_seen": False}})
+    (finding,) = checker.findings
+    assert (finding.check, finding.severity) == ("code folder", "error")
+    assert finding.message == "the program /scratch/code/loop.py is not visible on n2"
+    with pytest.raises(ConfigError, match="^job.program: its path"):
+        request(code_path="/scratch/code/loop.py\nrm -rf ~").validate()
