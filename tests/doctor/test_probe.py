@@ -208,5 +208,5 @@ def test_a_user_program_s_file_is_looked_for_on_every_rank(tmp_path: Path) -> No
     (finding,) = checker.findings
     assert (finding.check, finding.severity) == ("code folder", "error")
     assert finding.message == "the program /scratch/code/loop.py is not visible on n2"
-    with pytest.raises(ConfigError, match="^job.program: its path"):
+    with pytest.raises(ConfigError, match=r"^job\.program: its path"):
         request(code_path="/scratch/code/loop.py\nrm -rf ~").validate()

@@ -112,7 +112,7 @@ import time
 
 
 def main(ctx):
-    start = ctx.checkpoint.load(state := {"x": None}) or 0
+    start = ctx.checkpoint.load({"x": None}) or 0
     for step in range(start + 1, 31):
         ctx.log(step, x=ctx.params["x"])
         time.sleep(0.1)
@@ -126,8 +126,8 @@ def test_a_sweep_of_params_is_a_job_array_whose_preempted_task_requeues_as_itsel
     (tmp_path / "swept.py").write_text(SWEPT)
     (tmp_path / "job.toml").write_text('[job]\nname = "swept"\nprogram = "swept.py:main"\n[params]\nx = 0\n')
     result = subprocess.run([sys.executable, "-m", "hpc_train.submit", str(tmp_path / "job.toml"), "--site",
-                             "local-slurm", "--set", "job.cpus_per_task=1", "--sweep", "params.x=1,2", "--no-follow"], cwd=tmp_path, capture_output=True, text=True,
-                            timeout=120, check=False)
+                             "local-slurm", "--set", "job.cpus_per_task=1", "--sweep", "params.x=1,2", "--no-follow"],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False)
     assert result.returncode == 0, result.stdout + result.stderr
     ids = re.findall(r"submitted job (\d+_\d+)", result.stdout)
     assert len(ids) == 2, result.stdout
