@@ -28,8 +28,8 @@ __all__ = ["StopAgreement", "UnaskedStop", "grace_seconds"]
 
 def grace_seconds(lead_seconds: int) -> float:
     """How long after a signal a program has to ask ``should_stop()`` before hpc_train requeues it anyway:
-    a quarter of the lead time, between 5 and 60 s (a loop asks once a step)."""
-    return float(min(60, max(5, lead_seconds // 4)))
+    a sixth of the lead time, between 5 and 60 s (a loop asks once a step; the rest of the lead is its save)."""
+    return float(min(60, max(5, lead_seconds // 6)))
 
 
 class StopAgreement:

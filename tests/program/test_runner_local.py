@@ -98,7 +98,7 @@ def test_a_function_stopped_at_random_steps_ends_with_the_uninterrupted_weights(
         uninterrupted: dict[str, torch.Tensor], tmp_path: Path) -> None:
     run_dir = tmp_path / "runs" / "own-loop"
     seed = int(time.time())  # in the failure message: the steps are reproducible
-    at_steps = sorted(random.Random(seed).sample(range(3, STEPS - 5), 3))  # noqa: S311 - not a secret
+    at_steps = sorted(random.Random(seed).sample(range(3, STEPS - 5), 2))  # noqa: S311 - not a secret
     process = start(tmp_path, OWN_LOOP, f"params.steps={STEPS}", "params.save_every=1000", "params.step_sleep=0.05")
     try:
         for index, step in enumerate(at_steps):
@@ -113,8 +113,8 @@ def test_a_function_stopped_at_random_steps_ends_with_the_uninterrupted_weights(
             process.kill()
     assert process.returncode == 0, output[-3000:]
     runs = attempts(run_dir)
-    assert [a["outcome"] for a in runs] == ["preempted"] * 3 + ["completed"], (seed, runs)
-    assert all(a["signal"] == "SIGUSR2" and a["requeued"] for a in runs[:3])
+    assert [a["outcome"] for a in runs] == ["preempted"] * 2 + ["completed"], (seed, runs)
+    assert all(a["signal"] == "SIGUSR2" and a["requeued"] for a in runs[:2])
     for before, after in itertools.pairwise(runs):
         assert after["start_step"] == before["end_step"], (seed, runs)  # saved where it stopped: nothing lost
     logged = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -130,7 +130,7 @@ import torch.distributed as dist
 dist.init_process_group("gloo")
 progress = pathlib.Path(sys.argv[1]) / f"done-{dist.get_rank()}"
 start = int(progress.read_text()) if progress.exists() else 0
-for step in range(start + 1, 251):
+for step in range(start + 1, 151):
     time.sleep(0.1)
     progress.write_text(str(step))
 dist.barrier()
@@ -159,5 +159,5 @@ def test_a_script_that_never_asks_is_requeued_and_resumes_from_its_own_state(tmp
     runs = attempts(run_dir)
     assert [a["outcome"] for a in runs] == ["preempted", "completed"], runs
     assert runs[0]["requeued"] and "did not ask should_stop()" in str(runs[0]["note"])
-    assert "did not ask should_stop() within 15 s" in (run_dir / "logs" / "rank-0.log").read_text()  # lead 60 / 4
-    assert "finished at 250" in (run_dir / "logs" / "rank-0.log").read_text()
+    assert "did not ask should_stop() within 10 s" in (run_dir / "logs" / "rank-0.log").read_text()  # lead 60 / 6
+    assert "finished at 150" in (run_dir / "logs" / "rank-0.log").read_text()
