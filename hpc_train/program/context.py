@@ -136,13 +136,14 @@ class RunContext:
         return self._stop.ask(self.step)
 
     def log(self, step: int, **scalars: SupportsFloat) -> None:
-        """Rank 0 writes ``step`` and ``scalars`` to metrics.jsonl, TensorBoard and the progress line (other
-        ranks: nothing); records of this step and later from an earlier attempt are dropped first."""
+        """Rank 0 writes ``step`` and ``scalars`` to metrics.jsonl and TensorBoard, and a progress line every
+        ``monitor.log_every`` steps (other ranks: nothing); records of this step and later from an earlier
+        attempt are dropped first."""
         self.step = step
         self._session.progress("step", step)
         if self._monitor is None:
             monitor = self._session.plan.config.monitor
-            self._monitor = Monitor.create(self.rank, self.run_dir, total_steps=0, log_every=1,
+            self._monitor = Monitor.create(self.rank, self.run_dir, total_steps=0, log_every=monitor.log_every,
                                            tensorboard=monitor.tensorboard, start_step=max(0, step - 1),
                                            console=Console(file=LogLines(self._session.log), width=200))
         self._monitor.scalars(step, scalars)

@@ -1,10 +1,10 @@
 """Preemption for user programs: ``ctx.should_stop()`` for programs that ask, and a requeue for those that don't.
 
-A program that asks learns of the signal at the same call on every rank (one all-reduce per call, started at
-one call and read at the next, so the loop never waits for it), saves, and returns; hpc_train then records the
-attempt and requeues it. A program that never asks (a plain script) cannot save on a signal; once the signal
-has come and no ``should_stop()`` call followed within a grace period, rank 0 records the attempt and requeues
-the job, and the next attempt resumes from whatever the program saved itself.
+A program that asks learns of the signal at the same call on every rank (an all-reduce about every 0.1 s of
+its loop, started at one call and read at a later one, so the loop never waits for it), saves, and returns;
+hpc_train then records the attempt and requeues it. A program that never asks (a plain script) cannot save on
+a signal; once the signal has come and no ``should_stop()`` call followed within a grace period, rank 0
+records the attempt and requeues the job, and the next attempt resumes from whatever the program saved itself.
 """
 
 from __future__ import annotations
@@ -32,8 +32,19 @@ def grace_seconds(lead_seconds: int) -> float:
     return float(min(60, max(5, lead_seconds // 6)))
 
 
+# One all-reduce of the stop flag about every this many seconds of the program's loop, however short its steps,
+# and at most every this many calls: a loop that suddenly slows down learns of a signal that many calls late.
+ROUND_S = 0.1
+MAX_CALLS_PER_ROUND = 100
+
+
 class StopAgreement:
-    """What ``ctx.should_stop()`` does; collective (every rank calls it at the same points of its loop)."""
+    """What ``ctx.should_stop()`` does; collective (every rank calls it at the same points of its loop).
+
+    Not every call talks to the other ranks: a round (one all-reduce of the flag, started at one round and read
+    at the next, so no call waits for it) happens every ``every`` calls. Each round also carries every rank's
+    proposal for ``every`` (the calls that take about :data:`ROUND_S`, from the spacing it measured), and all
+    ranks take the largest, so they hold their rounds at the same calls and stop at the same one."""
 
     def __init__(self, plan: Plan, watch: PreemptionWatch, device: Any, recorder: AttemptRecorder,
                  log: Callable[[str], None]) -> None:
@@ -41,6 +52,11 @@ class StopAgreement:
         self.asked = threading.Event()
         self.signum = 0
         self.decision: Requeue | None = None
+        self.calls = 0
+        self.every = 1
+        self._next_round = 1
+        self._last_round: tuple[int, float] | None = None
+        self._pending: tuple[Any, Any] | None = None
         self._timer: threading.Timer | None = None
 
     def ask(self, step: int) -> bool:
@@ -48,7 +64,10 @@ class StopAgreement:
         self.asked.set()
         if self.decision is not None:
             return True
-        signum = self.watch.poll(self.device)
+        self.calls += 1
+        if self.calls < self._next_round:
+            return False
+        signum = self._round()
         if not signum:
             return False
         self.signum = signum
@@ -61,12 +80,41 @@ class StopAgreement:
         self._timer = arm_force_exit(budget, self.log)
         return True
 
+    def _proposal(self, now: float) -> int:
+        """How many calls make about :data:`ROUND_S`, from the spacing since the last round (1 at first)."""
+        if self._last_round is None:
+            return 1
+        calls, then = self._last_round
+        spacing = (now - then) / max(1, self.calls - calls)
+        return max(1, min(MAX_CALLS_PER_ROUND, int(ROUND_S / spacing) if spacing > 0 else MAX_CALLS_PER_ROUND))
+
+    def _round(self) -> int:
+        """Read the previous round's answer (the signal, the agreed spacing) and start the next round."""
+        import torch
+        import torch.distributed as dist
+
+        earlier = 0
+        if self._pending is not None:
+            work, flag = self._pending
+            work.wait()
+            earlier, self.every = int(flag[0].item()), int(flag[1].item())
+            self._pending = None
+        now = time.monotonic()
+        if not earlier:
+            flag = torch.tensor([self.watch.received, self._proposal(now)], dtype=torch.int64, device=self.device)
+            self._pending = dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True), flag
+        self._last_round = (self.calls, now)
+        self._next_round = self.calls + self.every
+        return earlier
+
     def settle(self) -> None:
         """The program has returned: no force exit any more, and no all-reduce left in flight."""
         if self._timer is not None:
             self._timer.cancel()
-        with contextlib.suppress(RuntimeError):  # the program destroyed its group after our last all-reduce
-            self.watch.settle()
+        if self._pending is not None:
+            with contextlib.suppress(RuntimeError):  # the program destroyed its group after our last all-reduce
+                self._pending[0].wait()
+            self._pending = None
 
 
 class UnaskedStop:

@@ -259,8 +259,10 @@ class Monitor:
         self._print_step(step, loss_f, lr_f, grad_f, tokens_per_s, utilisation, memory_bytes, eta)
 
     def scalars(self, step: int, values: Mapping[str, SupportsFloat]) -> None:
-        """A user program's ``ctx.log(step, **values)``: a line, a metrics.jsonl record (with the mean step time
-        since the previous one) and a TensorBoard scalar per value; non-finite values are written as null."""
+        """A user program's ``ctx.log(step, **values)``: a metrics.jsonl record (with the mean step time since the
+        previous one) and a TensorBoard scalar per value every call; the progress line and TensorBoard's flush on
+        :meth:`log_due` steps only (a line per step of a fast loop would flood the log). Non-finite values are
+        written as null."""
         now = time.time()
         record: dict[str, Any] = {"step": step}
         record.update({name: _json_number(float(value)) for name, value in values.items()})
@@ -270,15 +272,18 @@ class Monitor:
         record["time"] = now
         self._last_scalars = (step, now)
         self._append(record)
+        due = self.log_due(step)
         if self._writer is not None:
             for name, value in record.items():
                 if name not in ("step", "time") and value is not None:
                     self._writer.add_scalar(f"train/{name}", value, step)
-            self._writer.flush()
-        total = f"/{self.total_steps}" if self.total_steps else ""
-        shown = " ".join(f"{name}={value:.6g}" if isinstance(value, float) else f"{name}={value}"
-                         for name, value in record.items() if name not in ("step", "time"))
-        self._plain(f"step={step}{total} {shown}".rstrip())
+            if due:
+                self._writer.flush()
+        if due:
+            total = f"/{self.total_steps}" if self.total_steps else ""
+            shown = " ".join(f"{name}={value:.6g}" if isinstance(value, float) else f"{name}={value}"
+                             for name, value in record.items() if name not in ("step", "time"))
+            self._plain(f"step={step}{total} {shown}".rstrip())
 
     def eval(self, step: int, loss: SupportsFloat) -> None:
         """Record an evaluation loss at ``step``: a line, ``{"step", "eval_loss"}`` in metrics.jsonl, eval/loss."""
