@@ -133,8 +133,10 @@ def _look_back(run_dir: Path, plan: Plan, info: Any, logger: logging.Logger) -> 
 
     recovery = look_back(run_dir, info.job_id, info.restart, RetryPolicy.from_section(plan.config.retry),
                          expand(info.nodelist) if info.nodelist else [socket.gethostname()], logger.info)
-    if recovery.failure_class:
-        logger.info("previous attempt: %s: %s", recovery.failure_class, recovery.message)
+    if recovery.failure_class:  # the message may already begin with the class ("preempted: the run was ...")
+        said = recovery.message if recovery.message.startswith(f"{recovery.failure_class}:") else \
+            f"{recovery.failure_class}: {recovery.message}"
+        logger.info("previous attempt: %s", said)
     if recovery.action == "stop":
         logger.error("not retried: %s", recovery.message)
         raise SystemExit(EXIT_NOT_RETRIED)
