@@ -57,6 +57,8 @@ def _run(run: Runner, argv: list[str]) -> str | None:
         result = run(argv, capture_output=True, text=True, timeout=30, check=False)
     except (OSError, subprocess.TimeoutExpired):
         return None
+    if result.returncode < 0 and argv[1:2] == ["requeue"]:
+        return ""  # killed by the requeue it asked for: scontrol runs inside the job's step, which Slurm cancels
     return result.stdout if result.returncode == 0 else None
 
 

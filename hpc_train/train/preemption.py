@@ -160,6 +160,10 @@ def perform_requeue(decision: Requeue, env: dict[str, str],
         result = run([scontrol, "requeue", job_id], capture_output=True, text=True, timeout=60, check=False)
     except subprocess.TimeoutExpired:
         return Requeue("none", EXIT_STOPPED, f"scontrol requeue {job_id} did not answer within 60 s")
+    if result.returncode < 0:
+        # scontrol runs inside the job's step, so the requeue it asked for ends it too: killed by a signal with
+        # nothing said means Slurm is requeuing (seen under load: "STEP CANCELLED DUE TO JOB REQUEUE").
+        return decision
     if result.returncode != 0:
         detail = (result.stderr or result.stdout).strip().splitlines()
         return Requeue("none", EXIT_STOPPED, f"scontrol requeue {job_id} failed: {detail[-1] if detail else ''}")

@@ -102,6 +102,14 @@ def test_a_failing_scontrol_becomes_a_stop_with_its_message(tmp_path: Path, monk
     assert "presently disabled" in decision.reason
 
 
+def test_scontrol_ended_by_the_requeue_it_asked_for_is_a_requeue(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """scontrol runs in the job's step, which the requeue cancels: it may be killed before it exits."""
+    monkeypatch.setenv("PATH", _fake_scontrol(tmp_path, "kill -TERM $$\n")["PATH"])
+    decision = perform_requeue(Requeue("scontrol", 0, "scontrol requeue 42"), {"SLURM_JOB_ID": "42"})
+    assert (decision.action, decision.exit_code, decision.reason) == ("scontrol", 0, "scontrol requeue 42")
+
+
 def test_without_scontrol_the_stop_says_so(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("PATH", str(tmp_path))
     decision = perform_requeue(Requeue("scontrol", 0, ""), {"SLURM_JOB_ID": "42"})
