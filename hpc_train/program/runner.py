@@ -83,27 +83,30 @@ def load_function(program: Program) -> Callable[[Any], Any]:
     return function
 
 
-def _watchdog_starter(plan: Plan, info: LaunchInfo, run_dir: Path, recorder: AttemptRecorder,
-                      log: Callable[[str], None]) -> Callable[[], Watchdog | None]:
-    """Starts the hang watchdog on first use (a script's first ``hpc_train.context()``, a function's start)."""
-    started: list[Watchdog] = []
-    wcfg = plan.config.watchdog
+class _LazyWatchdog:
+    """The hang watchdog, started on first use: at once for a function, at a script's first
+    ``hpc_train.context()`` (a script that never asks for its context is not watched)."""
 
-    def decide(hang: Any) -> tuple[int, str]:
-        return decide_hang(run_dir, info, recorder, hang, plan.config.retry.hang, log)
+    def __init__(self, plan: Plan, info: LaunchInfo, run_dir: Path, recorder: AttemptRecorder,
+                 log: Callable[[str], None]) -> None:
+        self.plan, self.info, self.run_dir, self.recorder, self.log = plan, info, run_dir, recorder, log
+        self.watchdog: Watchdog | None = None
 
-    def start() -> Watchdog | None:
-        if not wcfg.enabled:
-            return None
-        if not started:
-            watchdog = Watchdog(run_dir, info.rank, info.world_size, f"{info.job_id or 'local'}.{info.restart}",
-                                Timeouts(wcfg.startup_timeout_s, wcfg.step_timeout_s, wcfg.checkpoint_timeout_s),
-                                decide if info.rank == 0 else None, log)
-            started.append(watchdog.__enter__())
-        return started[0]
+    def _decide(self, hang: Any) -> tuple[int, str]:
+        return decide_hang(self.run_dir, self.info, self.recorder, hang, self.plan.config.retry.hang, self.log)
 
-    start.started = started  # type: ignore[attr-defined]
-    return start
+    def start(self) -> Watchdog | None:
+        wcfg, info = self.plan.config.watchdog, self.info
+        if wcfg.enabled and self.watchdog is None:
+            self.watchdog = Watchdog(self.run_dir, info.rank, info.world_size,
+                                     f"{info.job_id or 'local'}.{info.restart}",
+                                     Timeouts(wcfg.startup_timeout_s, wcfg.step_timeout_s, wcfg.checkpoint_timeout_s),
+                                     self._decide if info.rank == 0 else None, self.log).__enter__()
+        return self.watchdog
+
+    def stop(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.__exit__(None, None, None)
 
 
 def _export_torchrun_env(plan: Plan, info: LaunchInfo) -> None:
@@ -130,17 +133,17 @@ def _call(function: Callable[[Any], Any], program: Program) -> None:
 def _run_script(plan: Plan, info: LaunchInfo, program: Program) -> None:
     """The script as ``__main__`` with ``sys.argv = [script, *job.args]``; a non-zero exit is a UserCodeError."""
     _export_torchrun_env(plan, info)
-    argv, path0 = sys.argv, sys.path[0] if sys.path else ""
+    argv, folder = sys.argv, str(Path(program.path).parent)
     sys.argv = [program.path, *plan.config.job.args]
-    sys.path.insert(0, str(Path(program.path).parent))  # as ``python script.py`` would
+    sys.path.insert(0, folder)  # as ``python script.py`` would
     try:
         runpy.run_path(program.path, run_name="__main__")
     except SystemExit as exit:
         _exited(exit, f"script {program.path}")
     finally:
         sys.argv = argv
-        if sys.path and sys.path[0] == str(Path(program.path).parent) and path0 != sys.path[0]:
-            sys.path.pop(0)
+        with contextlib.suppress(ValueError):
+            sys.path.remove(folder)
 
 
 def run_program(plan: Plan, info: LaunchInfo, run_dir: Path, log: Callable[[str], None],
@@ -155,10 +158,10 @@ def run_program(plan: Plan, info: LaunchInfo, run_dir: Path, log: Callable[[str]
     except UserCodeError as error:
         recorder.failed(0, error)
         raise
-    start_watchdog = _watchdog_starter(plan, info, run_dir, recorder, log)
-    session = Session(plan, info, run_dir, log, watch, recorder, start_watchdog)
+    watchdog = _LazyWatchdog(plan, info, run_dir, recorder, log)
+    session = Session(plan, info, run_dir, log, watch, recorder, watchdog.start)
     if function is not None:
-        start_watchdog()
+        watchdog.start()
     open_session(session)
 
     def asked() -> Any:
@@ -182,8 +185,7 @@ def run_program(plan: Plan, info: LaunchInfo, run_dir: Path, log: Callable[[str]
     finally:
         if session.context is not None:
             session.context.close()
-        for watchdog in start_watchdog.started:  # type: ignore[attr-defined]
-            watchdog.__exit__(None, None, None)
+        watchdog.stop()
         if session.owns_group:
             shutdown()
         open_session(None)
