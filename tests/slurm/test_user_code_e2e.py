@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from hpc_train.run.watch import last_logged_step
-from tests.conftest import REPO
+from tests.conftest import REPO, free_port
 from tests.program.test_runner_local import OWN_LOOP, attempts, final_model, submit
 from tests.slurm.test_preemption_e2e import _state, _wait_for_step, _wait_until_completed
 
@@ -41,7 +41,8 @@ def _sbatch(script: str) -> str:
 def torchrun_weights(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
     out = tmp_path_factory.mktemp("torchrun") / "weights.pt"
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                             str(REPO / "examples" / "ddp_script" / "train_cnn.py"), "--epochs", "2", "--out",
+                             f"--master_port={free_port()}", str(REPO / "examples" / "ddp_script" / "train_cnn.py"),
+                             "--epochs", "2", "--out",
                              str(out)], capture_output=True, text=True, timeout=300,
                             env={**os.environ, "OMP_NUM_THREADS": "1"}, check=False)
     assert result.returncode == 0, result.stderr[-3000:]
