@@ -25,21 +25,4 @@ fi
 find /dev/shm -maxdepth 1 -name 'deepspeed_allreduce_buffer_*' -mmin +60 -delete 2>/dev/null || true
 
 .venv/bin/ruff check .  # every Python file of the repository (hpc_train, tests, benchmarks) but .venv
-PYTEST=(.venv/bin/python -m pytest -q -p no:cacheprovider --durations=15)
-if [ "$#" -gt 0 ] || [ "${HPC_TRAIN_REQUIRE_SLURM:-}" != 1 ]; then
-    "${PYTEST[@]}" "$@"
-    exit 0  # (set -e: a failing pytest has already exited with its status, the cluster's trap included)
-fi
-# The whole suite with the cluster: its tests (tests/conftest.py: those using the slurm_cluster fixture) wait for
-# Slurm much of the time, so they run in a second pytest beside the others; the cluster's report comes last.
-cluster_log=$(mktemp)
-HPC_TRAIN_TEST_GROUP=cluster "${PYTEST[@]}" >"$cluster_log" 2>&1 &
-cluster_pid=$!
-status=0
-HPC_TRAIN_TEST_GROUP=rest "${PYTEST[@]}" || status=$?
-cluster_status=0
-wait "$cluster_pid" || cluster_status=$?
-echo "---- the tests on the local Slurm cluster (run beside the others) ----"
-cat "$cluster_log"
-rm -f "$cluster_log"
-[ "$status" = 0 ] && [ "$cluster_status" = 0 ]
+.venv/bin/python -m pytest -q -p no:cacheprovider --durations=15 "$@"

@@ -64,17 +64,3 @@ def free_port() -> int:
         probe.bind(("127.0.0.1", 0))
         return int(probe.getsockname()[1])
 
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """``HPC_TRAIN_TEST_GROUP=cluster`` keeps the tests that use the local Slurm cluster (the ``slurm_cluster``
-    fixture), ``rest`` the others: scripts/test.sh runs the two groups at once, since the cluster's tests spend
-    much of their time waiting for Slurm (scheduling ticks, requeues) while the others keep both cores busy."""
-    group = os.environ.get("HPC_TRAIN_TEST_GROUP", "")
-    if group not in ("cluster", "rest"):
-        return
-    keep, drop = [], []
-    for item in items:
-        on_cluster = "slurm_cluster" in getattr(item, "fixturenames", ())
-        (keep if on_cluster == (group == "cluster") else drop).append(item)
-    items[:] = keep
-    config.hook.pytest_deselected(items=drop)
