@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from hpc_train.config.program import Program
+from hpc_train.program.runner import UserCodeError, load_function
 from tests.program.test_runner_local import attempts, submit
 
 pytestmark = pytest.mark.slow
@@ -16,14 +18,26 @@ pytestmark = pytest.mark.slow
 CASES = {
     "import-error": ("code.py:main", "import nosuchmodule_xyz\ndef main(ctx):\n    pass\n",
                      "importing {tmp}/code.py failed: ModuleNotFoundError: No module named 'nosuchmodule_xyz'"),
-    "no-function": ("code.py:main", "def mian(ctx):\n    pass\n", "{tmp}/code.py has no function main (it has: mian)"),
-    "no-ctx": ("code.py:main", "def main():\n    pass\n",
-               "main() does not take the run context: define it as def main(ctx)"),
     "script-exit": ("code.py", "import sys\nsys.exit(3)\n", "script {tmp}/code.py exited with status 3"),
     "rank-1-raises": ("code.py:main", "def main(ctx):\n    ctx.log(1, loss=1.0)\n    if ctx.rank == 1:\n"
                       "        raise ValueError('bad shard 7')\n    import torch.distributed as dist\n"
                       "    dist.barrier()\n", "ValueError('bad shard 7')"),
 }
+
+
+@pytest.mark.parametrize(("code", "says"), [
+    ("def mian(ctx):\n    pass\n", "{tmp}/code.py has no function main (it has: mian)"),
+    ("def main():\n    pass\n", "main() does not take the run context: define it as def main(ctx)"),
+    ("main = 3\n", "{tmp}/code.py has no function main"),
+])
+def test_a_function_that_cannot_be_called_is_named_before_anything_starts(tmp_path: Path, code: str,
+                                                                          says: str) -> None:
+    """What the ranks check before the bootstrap (the same check on every rank, in a second); the follower and
+    logs show this line as they show an import error (the end-to-end cases below)."""
+    (tmp_path / "code.py").write_text(code)
+    with pytest.raises(UserCodeError) as error:
+        load_function(Program("file", path=str(tmp_path / "code.py"), function="main"))
+    assert str(error.value) == f"job.program {tmp_path}/code.py:main: " + says.format(tmp=tmp_path)
 
 
 @pytest.mark.parametrize("case", CASES)
