@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from hpc_train.run.watch import last_logged_step, local_rank_pid
-from tests.program.test_runner_local import _wait, attempts, start, submit
+from tests.program.test_runner_local import _wait, attempts, finished, running, start, submit
 
 pytestmark = pytest.mark.slow
 STEPS = 12
@@ -78,15 +78,10 @@ def test_a_deepspeed_engine_saved_and_resumed_through_ctx_checkpoint(tmp_path: P
     stopped = tmp_path / "stopped"
     stopped.mkdir()
     run_dir = stopped / "runs" / "ds"
-    process = start(stopped, _job(stopped, 0.3))
-    try:
+    with running(start(stopped, _job(stopped, 0.3))) as process:
         _wait(lambda: last_logged_step(run_dir) >= 4 and local_rank_pid(run_dir, 1) is not None, process, "step 4")
         os.kill(local_rank_pid(run_dir, 1), signal.SIGUSR2)
-        output, _ = process.communicate(timeout=300)
-    finally:
-        if process.poll() is None:
-            process.kill()
-    assert process.returncode == 0, output[-3000:]
+        finished(process)
     runs = attempts(run_dir)
     assert [a["outcome"] for a in runs] == ["preempted", "completed"], runs
     assert runs[1]["start_step"] == runs[0]["end_step"]

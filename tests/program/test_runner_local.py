@@ -5,6 +5,7 @@ once; a script that never asks is requeued after the grace period and resumes fr
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -13,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -31,6 +33,23 @@ def start(cwd: Path, config: str, *overrides: str) -> subprocess.Popen[str]:
     sets = [arg for item in overrides for arg in ("--set", item)]
     return subprocess.Popen([sys.executable, "-m", "hpc_train.submit", config, "--site", "local", *sets], cwd=cwd,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+@contextlib.contextmanager
+def running(process: subprocess.Popen[str]) -> Iterator[subprocess.Popen[str]]:
+    """The submitting command while a test signals its ranks; killed if the test fails before it ends."""
+    try:
+        yield process
+    finally:
+        if process.poll() is None:
+            process.kill()
+
+
+def finished(process: subprocess.Popen[str]) -> str:
+    """What the follower printed, once the run ended with status 0."""
+    output, _ = process.communicate(timeout=300)
+    assert process.returncode == 0, output[-3000:]
+    return output
 
 
 def submit(cwd: Path, config: str, *overrides: str) -> tuple[int, str]:
@@ -100,19 +119,15 @@ def test_a_function_stopped_at_random_steps_ends_with_the_uninterrupted_weights(
     run_dir = tmp_path / "runs" / "own-loop"
     seed = int(time.time())  # in the failure message: the steps are reproducible
     at_steps = sorted(random.Random(seed).sample(range(3, STEPS - 5), 2))  # noqa: S311 - not a secret
-    process = start(tmp_path, OWN_LOOP, f"params.steps={STEPS}", "params.save_every=1000", "params.step_sleep=0.05")
-    try:
+    overrides = (f"params.steps={STEPS}", "params.save_every=1000", "params.step_sleep=0.05")
+    with running(start(tmp_path, OWN_LOOP, *overrides)) as process:
         for index, step in enumerate(at_steps):
             _wait(lambda: len(attempts(run_dir)) == index + 1 and last_logged_step(run_dir) >= step  # noqa: B023
                   and local_rank_pid(run_dir, 1) is not None, process, f"step {step} (seed {seed})")
             os.kill(local_rank_pid(run_dir, 1), signal.SIGUSR2)  # one rank: the others learn of it from should_stop
             _wait(lambda: len([a for a in attempts(run_dir) if a["outcome"] != "running"]) > index,  # noqa: B023
                   process, f"a stop after the signal at step {step} (seed {seed})")
-        output, _ = process.communicate(timeout=300)
-    finally:
-        if process.poll() is None:
-            process.kill()
-    assert process.returncode == 0, output[-3000:]
+        finished(process)
     runs = attempts(run_dir)
     assert [a["outcome"] for a in runs] == ["preempted"] * 2 + ["completed"], (seed, runs)
     assert all(a["signal"] == "SIGUSR2" and a["requeued"] for a in runs[:2])
@@ -145,18 +160,13 @@ def test_a_script_that_never_asks_is_requeued_and_resumes_from_its_own_state(tmp
     (tmp_path / "job.toml").write_text(f'[job]\nname = "plain"\nprogram = "plain.py"\nargs = ["{tmp_path}"]\n'
                                        "tasks_per_node = 2\n")
     run_dir = tmp_path / "runs" / "plain"
-    process = start(tmp_path, str(tmp_path / "job.toml"))
-    try:
+    with running(start(tmp_path, str(tmp_path / "job.toml"))) as process:
         _wait(lambda: (tmp_path / "done-0").exists() and int((tmp_path / "done-0").read_text() or 0) >= 5
               and local_rank_pid(run_dir, 0) is not None and local_rank_pid(run_dir, 1) is not None, process,
               "step 5")
         for rank in (0, 1):  # as Slurm does: every rank gets the signal
             os.kill(local_rank_pid(run_dir, rank), signal.SIGUSR2)
-        output, _ = process.communicate(timeout=300)
-    finally:
-        if process.poll() is None:
-            process.kill()
-    assert process.returncode == 0, output[-3000:]
+        finished(process)
     runs = attempts(run_dir)
     assert [a["outcome"] for a in runs] == ["preempted", "completed"], runs
     assert runs[0]["requeued"] and "did not ask should_stop()" in str(runs[0]["note"])
