@@ -322,6 +322,27 @@ def _restarted(job_id: str) -> float:
     return float("nan")
 
 
+def _signalled(process: subprocess.Popen[str], job_id: Callable[[], str | None], last_step: Callable[[], int],
+               at: int, label: str, folder: Path) -> tuple[str, int, float]:
+    """Wait for the job id and step ``at``, send USR2, follow the run to its end (cancelling the job if anything
+    fails); return (job id, the last step logged at the signal, when it was sent)."""
+    found = ""
+    try:
+        _wait("the job id", lambda: job_id() is not None, process)
+        found = job_id() or ""
+        _wait(f"step {at}", lambda: last_step() >= at, process)
+        at_signal = last_step()
+        sent = _scancel_usr2(found)
+        _finish(process, label, folder)
+    except BaseException:
+        _cancel(found)
+        raise
+    finally:
+        if process.poll() is None:
+            process.kill()
+    return found, at_signal, sent
+
+
 def _preempt_hpc_train(folder: Path, args: argparse.Namespace) -> dict[str, Any]:
     events = folder / "events.jsonl"
     params = {"steps": args.at + args.after, "hidden": args.hidden, "step_sleep": args.step_sleep,
@@ -333,20 +354,14 @@ def _preempt_hpc_train(folder: Path, args: argparse.Namespace) -> dict[str, Any]
     output: list[str] = []
     reader = threading.Thread(target=lambda: output.extend(process.stdout), daemon=True)  # type: ignore[arg-type]
     reader.start()
-    job_id = ""
+
+    def submitted() -> str | None:
+        return next((m.group(1) for line in output if (m := re.search(r"submitted job (\d+)", line))), None)
+
     try:
-        _wait("the job id", lambda: any(re.search(r"submitted job (\d+)", line) for line in output), process)
-        job_id = next(m.group(1) for line in output if (m := re.search(r"submitted job (\d+)", line)))
-        _wait(f"step {args.at}", lambda: last_logged_step(run_dir) >= args.at, process)
-        at_signal = last_logged_step(run_dir)
-        sent = _scancel_usr2(job_id)
-        _finish(process, "hpc_train.submit (Slurm)", folder)
-    except BaseException:
-        _cancel(job_id)
-        raise
+        job_id, at_signal, sent = _signalled(process, submitted, lambda: last_logged_step(run_dir), args.at,
+                                             "hpc_train.submit (Slurm)", folder)
     finally:
-        if process.poll() is None:
-            process.kill()
         reader.join(timeout=5)
     (folder / "submit.out").write_text("".join(output))
     attempts = _jsonl(run_dir / "attempts.jsonl")
@@ -371,20 +386,12 @@ def _preempt_submitit(folder: Path, args: argparse.Namespace) -> dict[str, Any]:
     def last_step() -> int:
         return max((r["step"] for r in _jsonl(events) if r["event"] == "step"), default=0)
 
-    job_id = ""
-    try:
-        _wait("the job id", lambda: (folder / "job_id").exists(), process)
-        job_id = (folder / "job_id").read_text().strip()
-        _wait(f"step {args.at}", lambda: last_step() >= args.at, process)
-        at_signal = last_step()
-        sent = _scancel_usr2(job_id)
-        _finish(process, "the submitit Slurm submission", folder)
-    except BaseException:
-        _cancel(job_id)
-        raise
-    finally:
-        if process.poll() is None:
-            process.kill()
+    def submitted() -> str | None:
+        path = folder / "job_id"
+        return path.read_text().strip() if path.exists() else None
+
+    job_id, at_signal, sent = _signalled(process, submitted, last_step, args.at, "the submitit Slurm submission",
+                                         folder)
     records = _jsonl(events)
     saved = next(r for r in records if r["event"] == "saved")
     resumed = next(r for r in records if r["event"] == "resumed")
