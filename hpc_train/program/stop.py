@@ -17,10 +17,9 @@ from collections.abc import Callable
 from typing import Any
 
 from hpc_train.config.plan import Plan
-from hpc_train.run.attempts import requeues_so_far
 from hpc_train.run.exit_codes import EXIT_STOPPED, LOCAL_REQUEUE_EXIT
 from hpc_train.run.loglines import format_stopped
-from hpc_train.train.preemption import PreemptionWatch, Requeue, arm_force_exit, decide_requeue
+from hpc_train.train.preemption import PreemptionWatch, Requeue, arm_force_exit
 from hpc_train.train.stopping import AttemptRecorder, signal_name
 
 __all__ = ["StopAgreement", "UnaskedStop", "grace_seconds"]
@@ -162,9 +161,7 @@ class UnaskedStop:
                 self._exit(LOCAL_REQUEUE_EXIT if local and requeue_signal else EXIT_STOPPED)
             return  # under Slurm rank 0 requeues the job, which ends this rank
         preempt = self.plan.config.preempt
-        job = self.recorder.current.job_id if self.recorder.current else None
-        decision = decide_requeue(dict(os.environ), preempt.requeue, preempt.max_requeues,
-                                  requeues_so_far(self.recorder.attempts.read(), job), requeue_signal)
+        decision = self.recorder.requeue_decision(requeue_signal, preempt.requeue, preempt.max_requeues)
         done = self.recorder.record_stop(self.last_step(), signum, decision, "the program did not ask should_stop(); ")
         self.log(format_stopped(self.last_step(), name, done.action, done.reason, done.exit_code))
         self._exit(done.exit_code)

@@ -73,14 +73,16 @@ class AttemptRecorder:
         if self.current is not None:
             self.current = self.attempts.finish(self.current, start_step=step)
 
+    def requeue_decision(self, requeue_signal: bool, requeue_enabled: bool, max_requeues: int) -> Requeue:
+        """Rank 0, no collective: whether this job may requeue now (its requeues so far from attempts.jsonl)."""
+        job = self.current.job_id if self.current else None
+        return decide_requeue(dict(os.environ), requeue_enabled, max_requeues,
+                              requeues_so_far(self.attempts.read(), job), requeue_signal)
+
     def decide_stop(self, signum: int, requeue_signal: bool, requeue_enabled: bool, max_requeues: int) -> Requeue:
         """Collective, when the ranks agreed on a signal: rank 0 decides whether the job will requeue and every
         rank gets the same decision (carried out later by :meth:`record_stop`, once the program has saved)."""
-        decision = None
-        if self.is_writer:
-            job = self.current.job_id if self.current else None
-            decision = decide_requeue(dict(os.environ), requeue_enabled, max_requeues,
-                                      requeues_so_far(self.attempts.read(), job), requeue_signal)
+        decision = self.requeue_decision(requeue_signal, requeue_enabled, max_requeues) if self.is_writer else None
         box = [decision]
         dist.broadcast_object_list(box, src=0)
         return box[0]
@@ -107,13 +109,8 @@ class AttemptRecorder:
         rank what it did."""
         decision = None
         if self.is_writer:
-            env = dict(os.environ)
-            job = self.current.job_id if self.current else None
-            decision = decide_requeue(env, requeue_enabled, max_requeues,
-                                      requeues_so_far(self.attempts.read(), job), requeue_signal)
-            decision = perform_requeue(decision, env)
-            self._finish(outcome="preempted", end_step=step, signal=signal_name(signum),
-                         requeued=decision.action != "none", note=decision.reason)
+            decision = self.record_stop(step, signum, self.requeue_decision(requeue_signal, requeue_enabled,
+                                                                            max_requeues))
         box = [decision]
         dist.broadcast_object_list(box, src=0)
         return box[0]
