@@ -76,9 +76,10 @@ def _memory(args: argparse.Namespace) -> int:
                              cfg.train.precision, cfg.zero.offload_optimizer, cfg.zero.offload_params,
                              load_site(args.site).node.gpu_mem_gb, grad_accum=lay.grad_accum,
                              bucket_size=cfg.zero.bucket_size, overlap_comm=cfg.zero.overlap_comm,
-                             gpus_per_node=plan.resources.gpus_per_node)
+                             gpus_per_node=plan.resources.gpus_per_node, parameters=cfg.train.parameters)
     except ValueError as error:
-        raise ConfigError("--memory", str(error)) from None
+        where = "train.parameters" if "train.parameters" in str(error) or "parameters = " in str(error) else "--memory"
+        raise ConfigError(where, str(error)) from None
     if args.json:
         print(json.dumps(dataclasses.asdict(memory), default=str, indent=2))
         return 0

@@ -228,14 +228,15 @@ def _export_source(target: Target) -> CheckpointInfo:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from hpc_train.ckpt.export import check_out_path, export_checkpoint
+    from hpc_train.ckpt.export import check_out_folder, check_out_path, export_checkpoint, export_hf
 
     target = resolve_target(args.path)
-    check_out_path(args.out, args.force)  # before hashing gigabytes
+    (check_out_folder if args.format == "hf" else check_out_path)(args.out, args.force)  # before hashing gigabytes
     info = _export_source(target)
     if info.manifest is None:  # a verified folder always has one
         raise ConfigError(str(info.path), "has no manifest", "export another step")
-    result = export_checkpoint(info.path, info.manifest, args.out, force=args.force)
+    export = export_hf if args.format == "hf" else export_checkpoint
+    result = export(info.path, info.manifest, args.out, force=args.force)
     summary = {"out": str(result.out), "source": str(result.source), "step": result.step, "tensors": result.tensors,
                "parameters": result.parameters, "bytes": result.bytes, "file_bytes": result.file_bytes}
     print(json.dumps(summary) if args.json else
@@ -259,7 +260,12 @@ def add_parser(commands: Any) -> None:
         parser.add_argument("--json", action="store_true", help="print the result as JSON")
     for parser in (ls, verify):
         parser.add_argument("--sha256", action="store_true", help="also hash every file (reads all of it)")
-    export.add_argument("--out", type=Path, required=True, metavar="FILE", help="the .pt file to write (mode 0600)")
+    export.add_argument("--out", type=Path, required=True, metavar="FILE",
+                        help="the .pt file to write (mode 0600), or with --format hf the folder")
+    export.add_argument("--format", choices=("pt", "hf"), default="pt",
+                        help="pt: a torch state dict under the module's own parameter names (torch.load with "
+                        "weights_only=True); hf: a Hugging Face model's save_pretrained folder (config.json, "
+                        "model.safetensors)")
     export.add_argument("--force", action="store_true", help="replace FILE if it exists")
     ls.set_defaults(run=_ls)
     verify.set_defaults(run=_verify)

@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 import pickle
 import re
+import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,8 +34,16 @@ from typing import Any
 from hpc_train.ckpt.manager import fsync_path
 from hpc_train.ckpt.manifest import Manifest
 from hpc_train.errors import ConfigError
+from hpc_train.run.paths import MODEL_FILE
 
-__all__ = ["ExportResult", "check_out_path", "check_supported", "export_checkpoint"]
+__all__ = [
+    "ExportResult",
+    "check_out_folder",
+    "check_out_path",
+    "check_supported",
+    "export_checkpoint",
+    "export_hf",
+]
 
 STATE_TAG = "state"  # DeepSpeed's tag folder inside a step folder (hpc_train.train.checkpointing.TAG)
 _LAYER_FILE = re.compile(r"^layer_(\d{2,})-(?:model_00-)?model_states\.pt$")
@@ -194,3 +204,63 @@ def export_checkpoint(folder: Path, manifest: Manifest, out: Path, force: bool =
                         parameters=sum(t.numel() for t in state.values()),
                         bytes=sum(t.numel() * t.element_size() for t in state.values()),
                         file_bytes=out.stat().st_size)
+
+
+def _hf_config(folder: Path) -> tuple[dict[str, Any], list[str]]:
+    """The Hugging Face config and the tied weights the run's ``model.json`` recorded for ``folder``'s run."""
+    card_path = folder.parent.parent / MODEL_FILE
+    try:
+        card = json.loads(card_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        card = {}
+    config = card.get("hf_config") if isinstance(card, dict) else None
+    if not isinstance(config, dict):
+        raise ConfigError(str(folder), f"its run was not trained from a Hugging Face model ({card_path} records no "
+                          "config)", "export it with --format pt, the state dict under the module's own names")
+    tied = card.get("tied", [])
+    return config, [name for name in tied if isinstance(name, str)]
+
+
+def check_out_folder(out: Path, force: bool) -> None:
+    """Refuse an output folder (``--format hf``) that cannot be written as asked, before anything is loaded."""
+    parent = out.parent if str(out.parent) else Path(".")
+    if not parent.is_dir():
+        raise ConfigError("--out", f"the folder {parent} does not exist", f"create it (mkdir -p {parent})")
+    if out.is_symlink() or (out.exists() and not out.is_dir()):
+        raise ConfigError("--out", f"{out} exists and is not a folder", "give a new folder name, like model-hf")
+    if out.exists() and not force:
+        raise ConfigError("--out", f"{out} already exists", "pick another name, or pass --force to replace it")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError("--out", f"the folder {parent} is not writable for you", "pick a folder you can write")
+
+
+def export_hf(folder: Path, manifest: Manifest, out: Path, force: bool = False) -> ExportResult:
+    """``out`` as ``save_pretrained`` writes it: ``config.json`` and ``model.safetensors`` (tied weights stored
+    once), so ``AutoModelForCausalLM.from_pretrained(out)`` loads it. The caller has verified ``folder``."""
+    from safetensors.torch import save_file
+
+    check_out_folder(out, force)
+    check_supported(folder, manifest)
+    config, tied = _hf_config(folder)
+    state = {name: tensor for name, tensor in _load_fp32(folder, manifest).items() if name not in tied}
+    if not state:
+        raise ConfigError(str(folder), "holds no floating-point model weights", "export another step")
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    os.mkdir(tmp, 0o700)
+    try:
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        descriptor = os.open(tmp / "config.json", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with open(descriptor, "w", encoding="utf-8") as handle:
+            handle.write(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        for name in ("model.safetensors", "config.json"):
+            fsync_path(tmp / name)
+        if out.exists():
+            shutil.rmtree(out)
+        os.rename(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    fsync_path(out.parent if str(out.parent) else Path("."))
+    return ExportResult(out=out, source=folder, step=manifest.step, tensors=len(state),
+                        parameters=sum(t.numel() for t in state.values()),
+                        bytes=sum(t.numel() * t.element_size() for t in state.values()),
+                        file_bytes=sum(path.stat().st_size for path in out.iterdir()))

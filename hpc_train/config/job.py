@@ -21,9 +21,10 @@ from hpc_train.config.checks import (
 )
 from hpc_train.config.fields import option
 from hpc_train.config.params import check_params
-from hpc_train.config.program import check_program
+from hpc_train.config.program import check_entry_point, check_program
 
 __all__ = [
+    "DATA_SOURCES",
     "MODEL_PRESETS",
     "CheckpointSection",
     "DataSection",
@@ -46,6 +47,22 @@ MODEL_PRESETS: dict[str, dict[str, int]] = {
     "1.3B": {"layers": 24, "heads": 32, "hidden": 2048},
     "7B": {"layers": 32, "heads": 32, "hidden": 4096},
 }
+DATA_SOURCES = ("synthetic", "tokens")  # besides a dataset's entry point
+
+
+def check_model(value: str) -> tuple[str, str] | None:
+    """``train.model``: a preset of the built-in GPT, or a factory's entry point (files looked for at plan time)."""
+    return check_entry_point(value, tuple(MODEL_PRESETS), "a preset")
+
+
+def check_source(value: str) -> tuple[str, str] | None:
+    """``data.source``: a built-in source, or a dataset's entry point."""
+    return check_entry_point(value, DATA_SOURCES, "a source")
+
+
+def check_collate(value: str) -> tuple[str, str] | None:
+    """``data.collate``: empty (torch's default collate) or a function's entry point."""
+    return check_entry_point(value, ("",))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -110,7 +127,11 @@ class ZeroSection:
 class TrainSection:
     """``[train]``: model, batch and optimizer."""
 
-    model: str = option("tiny", f"Model preset: {', '.join(MODEL_PRESETS)}.")
+    model: str = option("tiny", f"A preset of the built-in GPT ({', '.join(MODEL_PRESETS)}), or your model: "
+                        '"package.module:factory" or "path/to/file.py:factory", factory(ctx) returning a '
+                        "torch.nn.Module whose forward returns the loss.", check_model)
+    parameters: int = option(0, "Parameter count of your own model, for validate --memory (0: not known on the "
+                             "login node; the built-in GPT's is computed).")
     steps: int = option(100, "Optimizer steps to train.")
     seq_len: int = option(128, "Tokens per sample.")
     micro_batch: int = option(4, "Samples per rank per forward pass.")
@@ -136,11 +157,19 @@ class TrainSection:
 
 @dataclass(frozen=True, kw_only=True)
 class DataSection:
-    """``[data]``: where tokens come from."""
+    """``[data]``: where samples come from, and how they are loaded."""
 
-    source: Literal["synthetic", "tokens"] = option("synthetic", "synthetic random tokens, or a uint16 token file.")
+    source: str = option("synthetic", 'synthetic random tokens, tokens (a uint16 token file), or your dataset: '
+                         '"package.module:dataset" or "path/to/file.py:dataset", dataset(ctx, split) returning a '
+                         'map-style torch Dataset for split "train" or "eval".', check_source)
     path: str = option("", "Token file for source = tokens.")
-    vocab_size: int = option(256, "Vocabulary size (256 for the byte-level tokenizer).")
+    vocab_size: int = option(256, "Vocabulary size of the built-in GPT (256 for the byte-level tokenizer).")
+    num_workers: int = option(0, "DataLoader worker processes per rank; 0 loads in the training process.")
+    pin_memory: bool = option(False, "Page-locked batches, for faster copies to the GPU.")
+    prefetch_factor: int = option(0, "Batches each worker loads ahead; 0: DataLoader's default (2). Needs workers.")
+    persistent_workers: bool = option(False, "Keep workers alive between epochs and evaluations. Needs workers.")
+    collate: str = option("", 'Your batch function, "package.module:fn" or "path/to/file.py:fn"; empty: torch\'s '
+                          "default collate.", check_collate)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -19,10 +19,10 @@ from typing import Any
 from hpc_train.config.checks import check_path, parse_time_seconds
 from hpc_train.config.deepspeed import deepspeed_config
 from hpc_train.config.environment import detected_on_node, rank_env
-from hpc_train.config.job import JobConfig
+from hpc_train.config.job import DATA_SOURCES, MODEL_PRESETS, JobConfig
 from hpc_train.config.loader import build, load_toml, rebuild
 from hpc_train.config.overrides import apply_overrides
-from hpc_train.config.program import resolve_program
+from hpc_train.config.program import resolve_entry_point, resolve_program
 from hpc_train.config.site import SiteConfig
 from hpc_train.config.validate import validate
 from hpc_train.errors import ConfigError
@@ -164,12 +164,16 @@ def _absolute_data_path(cfg: JobConfig, cwd: Path) -> JobConfig:
 
 
 def _absolute_program(cfg: JobConfig, config_dir: Path) -> JobConfig:
-    """A user program's file recorded absolute (relative paths are from the config file's folder), after
-    checking that it, or its module, exists; nothing of it is imported here."""
+    """The files of a user program, model factory, dataset and collate function recorded absolute (relative
+    paths are from the config file's folder), after checking that each, or its module, exists; nothing of
+    them is imported here."""
     program = resolve_program(cfg.job.program, config_dir)
-    if program == cfg.job.program:
-        return cfg
-    return dataclasses.replace(cfg, job=dataclasses.replace(cfg.job, program=program))
+    model = resolve_entry_point("train.model", cfg.train.model, config_dir, tuple(MODEL_PRESETS))
+    source = resolve_entry_point("data.source", cfg.data.source, config_dir, DATA_SOURCES)
+    collate = resolve_entry_point("data.collate", cfg.data.collate, config_dir, ("",))
+    return dataclasses.replace(cfg, job=dataclasses.replace(cfg.job, program=program),
+                               train=dataclasses.replace(cfg.train, model=model),
+                               data=dataclasses.replace(cfg.data, source=source, collate=collate))
 
 
 def _resources(cfg: JobConfig, site: SiteConfig, gpus: int, cpus: int, run_dir: str) -> Resources:

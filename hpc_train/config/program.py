@@ -1,10 +1,12 @@
-"""``[job] program``: the built-in ``train`` or ``smoke``, a function every rank calls, or a script every rank runs.
+"""Entry points into the user's code: ``[job] program``, ``[train] model``, ``[data] source`` and ``collate``.
 
-Three forms besides the built-ins: ``"package.module:function"``, ``"path/to/file.py:function"`` and
-``"path/to/script.py"``. They are read here without importing anything of the user's: on the login node a
-malformed entry point or a missing file is refused before anything is written, and the plan records the
-file paths absolute (relative ones are taken from the config file's folder, which every rank also puts on
-``sys.path``). Whether the module imports and the function takes ``ctx`` is found on the ranks.
+``job.program`` is the built-in ``train`` or ``smoke``, a function every rank calls, or a script every rank
+runs: ``"package.module:function"``, ``"path/to/file.py:function"`` or ``"path/to/script.py"``. The other keys
+take a built-in name or one of the two function forms (a model factory, a dataset, a collate function). One
+resolver serves them all, without importing anything of the user's: on the login node a malformed entry point
+or a missing file is refused before anything is written, and the plan records the file paths absolute
+(relative ones are taken from the config file's folder, which every rank also puts on ``sys.path``). Whether
+the module imports and the function takes its arguments is found on the ranks.
 """
 
 from __future__ import annotations
@@ -14,15 +16,17 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
-from hpc_train.errors import ConfigError
+from hpc_train.errors import ConfigError, did_you_mean
 
-__all__ = ["BUILTIN_PROGRAMS", "Program", "check_program", "parse_program", "resolve_program"]
+__all__ = ["BUILTIN_PROGRAMS", "Program", "check_entry_point", "check_program", "parse_entry_point", "parse_program",
+           "resolve_entry_point", "resolve_program"]
 
 BUILTIN_PROGRAMS = ("train", "smoke")
 _FORMS = ('"train", "smoke", "package.module:function", "path/to/file.py:function" or "path/to/script.py"')
-Kind = Literal["train", "smoke", "module", "file", "script"]
+_FUNCTION_FORMS = '"package.module:function" or "path/to/file.py:function"'
+# "module", "file" and "script" are the user's code; any other kind is a built-in name ("train", "tiny", ...).
+Kind = str
 
 
 @dataclass(frozen=True)
@@ -37,25 +41,28 @@ class Program:
 
     @property
     def is_user_code(self) -> bool:
-        return self.kind not in BUILTIN_PROGRAMS
+        return self.kind in ("module", "file", "script")
 
     def text(self) -> str:
         """The value as ``job.program`` writes it."""
-        if self.kind in BUILTIN_PROGRAMS:
+        if not self.is_user_code:
             return self.kind
         if self.kind == "script":
             return self.path
         return f"{self.module or self.path}:{self.function}"
 
 
-def _problem(value: str) -> tuple[str, str] | None:
-    """Why ``value`` is not a program (problem, fix), or None."""
+def _problem(value: str, builtins: tuple[str, ...] = BUILTIN_PROGRAMS, scripts: bool = True,
+             what: str = "a program") -> tuple[str, str] | None:
+    """Why ``value`` is not one of ``builtins`` nor an entry point (problem, fix), or None; ``scripts``: whether
+    a bare ``path/to/script.py`` is a form; ``what`` names the built-ins in the message."""
+    forms = _FORMS if scripts else ", ".join(f'"{name}"' for name in builtins) + f", {_FUNCTION_FORMS}"
     if any(ord(ch) < 32 or ord(ch) == 127 for ch in value):
         return f"{value!r} has a control character", "write the entry point on one line"
-    if value in BUILTIN_PROGRAMS:
+    if value in builtins:
         return None
     if value.count(":") > 1:
-        return f'"{value}" has more than one ":"', f"write {_FORMS}"
+        return f'"{value}" has more than one ":"', f"write {forms}"
     target, colon, function = value.partition(":")
     if colon:
         if not target or not function:
@@ -69,14 +76,41 @@ def _problem(value: str) -> tuple[str, str] | None:
                 return (f'"{target}" in "{value}" is not a module name ("{bad[0]}")',
                         "write a dotted module name (package.module), or a path ending in .py")
         return None
-    if value.endswith(".py"):
+    if value.endswith(".py") and scripts:
         return None
-    return f'"{value}" is not a program', f"write {_FORMS}"
+    if value.endswith(".py"):
+        return f'"{value}" names no function', f'write "{value}:function"'
+    hint = did_you_mean(value, [name for name in builtins if name])
+    return f'"{value}" is not {what}' + (f", {hint}" if hint else ""), f"write {forms}"
 
 
 def check_program(value: str) -> tuple[str, str] | None:
     """The per-value check of ``job.program`` (syntax only: files are looked for by :func:`resolve_program`)."""
     return _problem(value)
+
+
+def check_entry_point(value: str, builtins: tuple[str, ...], what: str = "a known name") -> tuple[str, str] | None:
+    """The per-value check of a key that takes one of ``builtins`` (``what`` they are) or a function's entry
+    point."""
+    return _problem(value, builtins, scripts=False, what=what)
+
+
+def parse_entry_point(key: str, value: str, builtins: tuple[str, ...] = ()) -> Program:
+    """A function's entry point (``kind`` module or file), or ``Program(value)`` for one of ``builtins``;
+    ConfigError naming ``key`` when it is malformed."""
+    bad = _problem(value, builtins, scripts=False)
+    if bad:
+        raise ConfigError(key, *bad)
+    if value in builtins:
+        return Program(value)
+    return _function_form(value)
+
+
+def _function_form(value: str) -> Program:
+    target, _, function = value.partition(":")
+    if target.endswith(".py") or "/" in target:
+        return Program("file", path=target, function=function)
+    return Program("module", module=target, function=function)
 
 
 def parse_program(value: str) -> Program:
@@ -85,13 +119,10 @@ def parse_program(value: str) -> Program:
     if bad:
         raise ConfigError("job.program", *bad)
     if value in BUILTIN_PROGRAMS:
-        return Program(value)  # type: ignore[arg-type]
-    target, colon, function = value.partition(":")
-    if not colon:
+        return Program(value)
+    if ":" not in value:
         return Program("script", path=value)
-    if target.endswith(".py") or "/" in target:
-        return Program("file", path=target, function=function)
-    return Program("module", module=target, function=function)
+    return _function_form(value)
 
 
 def _under(parts: list[str], roots: list[str]) -> str | None:
@@ -122,19 +153,27 @@ def _find_module(module: str, config_dir: str) -> str | None:
 def resolve_program(value: str, config_dir: Path) -> str:
     """``value`` with its file made absolute (relative to ``config_dir``), after checking that the file or
     module exists; ConfigError naming ``job.program``, the value and the fix otherwise."""
-    program = parse_program(value)
+    return _resolved("job.program", parse_program(value), value, config_dir)
+
+
+def resolve_entry_point(key: str, value: str, config_dir: Path, builtins: tuple[str, ...] = ()) -> str:
+    """As :func:`resolve_program`, for ``key`` taking one of ``builtins`` or a function's entry point."""
+    return _resolved(key, parse_entry_point(key, value, builtins), value, config_dir)
+
+
+def _resolved(key: str, program: Program, value: str, config_dir: Path) -> str:
     if not program.is_user_code:
         return value
     if program.kind == "module":
         if _find_module(program.module, str(config_dir)) is None:
-            raise ConfigError("job.program", f'module "{program.module}" of "{value}" is found neither in the config '
+            raise ConfigError(key, f'module "{program.module}" of "{value}" is found neither in the config '
                               f"file's folder {config_dir} nor in this Python's packages",
                               "check the spelling, install the package, or give the file: path/to/file.py:function")
         return value
     path = Path(os.path.normpath(config_dir / program.path))
     if not path.is_file():
         what = "script" if program.kind == "script" else "file"
-        raise ConfigError("job.program", f"{what} {path} of \"{value}\" does not exist"
+        raise ConfigError(key, f"{what} {path} of \"{value}\" does not exist"
                           + (" (it is a folder)" if path.is_dir() else ""),
                           f"check the path; a relative path is taken from the config file's folder {config_dir}")
     absolute = Program(program.kind, path=str(path), function=program.function)

@@ -132,20 +132,7 @@ def _check_layout(cfg: JobConfig, gpus_per_node: int) -> int:
     if job.tasks_per_node % par.tensor:
         raise ConfigError("parallel.tensor", f"{par.tensor} does not divide the {job.tasks_per_node} ranks of a node",
                           "a tensor group must stay inside one node: pick a divisor of tasks_per_node")
-    preset = MODEL_PRESETS.get(cfg.train.model)
-    if preset is None:
-        hint = did_you_mean(cfg.train.model, MODEL_PRESETS)
-        raise ConfigError("train.model", f'"{cfg.train.model}" is not a preset' + (f", {hint}" if hint else ""),
-                          f"use one of {', '.join(MODEL_PRESETS)}")
-    if preset["heads"] % par.tensor:
-        raise ConfigError("parallel.tensor", f"{par.tensor} does not divide the {preset['heads']} attention heads "
-                          f"of model {cfg.train.model}", "pick a tensor size that divides the head count")
-    if cfg.data.vocab_size % par.tensor:
-        raise ConfigError("data.vocab_size", f"{cfg.data.vocab_size} is not divisible by tensor = {par.tensor}",
-                          "pad the vocabulary to a multiple of the tensor size")
-    if par.pipeline > preset["layers"]:
-        raise ConfigError("parallel.pipeline", f"{par.pipeline} stages for the {preset['layers']} layers of model "
-                          f"{cfg.train.model}", f"use at most {preset['layers']} stages")
+    _check_model_shape(cfg)
     zero = cfg.zero
     if zero.stage not in (0, 1, 2, 3):
         raise ConfigError("zero.stage", f"{zero.stage} is not a ZeRO stage", "use 0, 1, 2 or 3")
@@ -174,6 +161,40 @@ def _check_layout(cfg: JobConfig, gpus_per_node: int) -> int:
     return world // model_parallel
 
 
+def _check_model_shape(cfg: JobConfig) -> None:
+    """The built-in GPT's shape against the layout; a user model's shape is its own (checked on the ranks)."""
+    par = cfg.parallel
+    preset = MODEL_PRESETS.get(cfg.train.model)
+    if preset is None:
+        if ":" in cfg.train.model:
+            return
+        hint = did_you_mean(cfg.train.model, MODEL_PRESETS)
+        raise ConfigError("train.model", f'"{cfg.train.model}" is not a preset' + (f", {hint}" if hint else ""),
+                          f'use one of {", ".join(MODEL_PRESETS)}, or your factory: "path/to/file.py:factory"')
+    if preset["heads"] % par.tensor:
+        raise ConfigError("parallel.tensor", f"{par.tensor} does not divide the {preset['heads']} attention heads "
+                          f"of model {cfg.train.model}", "pick a tensor size that divides the head count")
+    if cfg.data.vocab_size % par.tensor:
+        raise ConfigError("data.vocab_size", f"{cfg.data.vocab_size} is not divisible by tensor = {par.tensor}",
+                          "pad the vocabulary to a multiple of the tensor size")
+    if par.pipeline > preset["layers"]:
+        raise ConfigError("parallel.pipeline", f"{par.pipeline} stages for the {preset['layers']} layers of model "
+                          f"{cfg.train.model}", f"use at most {preset['layers']} stages")
+
+
+def _check_loader(cfg: JobConfig) -> None:
+    """DataLoader settings that torch would refuse on every rank, refused here once."""
+    data = cfg.data
+    _at_least("data.num_workers", data.num_workers, 0, "use 0 (load in the training process) or more workers")
+    _at_least("data.prefetch_factor", data.prefetch_factor, 0, "use 0 (the default) or a small count such as 2")
+    if not data.num_workers:
+        for key, value in (("prefetch_factor", data.prefetch_factor), ("persistent_workers", data.persistent_workers)):
+            if value:
+                raise ConfigError(f"data.{key}", f"{value} needs worker processes, but data.num_workers = 0",
+                                  f"set data.num_workers to 1 or more, or leave data.{key} unset")
+    _at_least("train.parameters", cfg.train.parameters, 0, "give your model's parameter count, or 0")
+
+
 def _check_training(cfg: JobConfig, data_parallel: int) -> None:
     train = cfg.train
     derived = train.micro_batch * train.grad_accum * data_parallel
@@ -193,6 +214,7 @@ def _check_training(cfg: JobConfig, data_parallel: int) -> None:
             raise ConfigError(where, f"{beta} is outside [0, 1)", "use a value like 0.9")
     if train.eps <= 0:
         raise ConfigError("train.eps", f"{train.eps} is not positive", "use 1e-8")
+    _check_loader(cfg)
     if cfg.data.source == "tokens" and not cfg.data.path:
         raise ConfigError("data.path", 'is empty but data.source = "tokens"', "give the token file's path")
     if cfg.data.source == "tokens" and cfg.data.vocab_size > 65536:

@@ -40,6 +40,7 @@ __all__ = [
     "gather_from_tensor_parallel_region",
     "gather_tensor",
     "init_normal",
+    "mark_sharded",
     "partition_size",
     "reduce_from_tensor_parallel_region",
     "scatter_to_tensor_parallel_region",
@@ -230,6 +231,15 @@ def gather_from_tensor_parallel_region(input_: torch.Tensor, group: Group) -> to
 # Layers
 # ---------------------------------------------------------------------------------------------------------------
 
+def mark_sharded(*params: nn.Parameter | None) -> None:
+    """Tell DeepSpeed these parameters differ across the tensor group, so that gradient norms count each shard
+    (the layers here mark their own; a parameter left unmarked is counted once, on tensor rank 0)."""
+    for param in params:
+        if param is not None:
+            param.model_parallel = True  # type: ignore[attr-defined]
+            param.tensor_model_parallel = True  # type: ignore[attr-defined]
+
+
 def _full_weight(shape: tuple[int, ...], init_method: InitMethod | None, seed: int | torch.Generator,
                  dtype: torch.dtype) -> torch.Tensor:
     """Draw the full weight on the CPU in float32 (same numbers for every dtype, device and TP size)."""
@@ -269,6 +279,7 @@ class ColumnParallelLinear(nn.Module):
                                                  device=self.weight.device))
         else:
             self.register_parameter("bias", None)
+        mark_sharded(self.weight, self.bias)
 
     def forward(self, input_: torch.Tensor) -> torch.Tensor:
         """Local slice of the output features (``[..., out_features / tp]``), or all of them if gathered."""
@@ -320,6 +331,7 @@ class RowParallelLinear(nn.Module):
             self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=self.weight.device))
         else:
             self.register_parameter("bias", None)
+        mark_sharded(self.weight)  # the bias is whole on every rank
 
     def forward(self, input_: torch.Tensor) -> torch.Tensor:
         """Full output (``[..., out_features]``), identical on every rank of the group."""
@@ -369,6 +381,7 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_end = self.vocab_start + self.num_embeddings_per_partition
         full = _full_weight((num_embeddings, embedding_dim), init_method, seed, dtype)
         self.weight = nn.Parameter(shard_tensor(full, 0, group).to(device))
+        mark_sharded(self.weight)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Embeddings ``[..., embedding_dim]`` of integer ids ``[...]``, identical on every rank."""

@@ -11,7 +11,7 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, SupportsFloat
+from typing import SupportsFloat
 
 import torch
 import torch.distributed as dist
@@ -19,9 +19,10 @@ from rich.console import Console
 
 from hpc_train.config.plan import Plan
 from hpc_train.distributed.bootstrap import bootstrap
+from hpc_train.distributed.context import RankContext
 from hpc_train.distributed.launchers import LaunchInfo
 from hpc_train.distributed.mesh import ParallelGroups
-from hpc_train.distributed.topology import AXES, Topology
+from hpc_train.distributed.topology import Topology
 from hpc_train.program.checkpoint import UserCheckpoint
 from hpc_train.program.stop import StopAgreement
 from hpc_train.train.checkpointing import Checkpointer
@@ -86,7 +87,7 @@ def _devices(info: LaunchInfo) -> tuple[torch.device, torch.device]:
     return device, torch.device("cpu")
 
 
-class RunContext:
+class RunContext(RankContext):
     """What a rank knows and can do: its place, the groups of ``[parallel]``, preemption, checkpoints, metrics."""
 
     def __init__(self, session: Session) -> None:
@@ -99,35 +100,19 @@ class RunContext:
             raise RuntimeError(f"the program's process group has {dist.get_world_size()} ranks but the job has "
                                f"{info.world_size}: start it with init_method='env://' (hpc_train sets the "
                                "torchrun variables)")
-        self._session = session
-        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self.local_rank, self.local_world_size = info.local_rank, info.local_world_size
-        self.node_rank, self.restart = info.node_rank, info.restart
-        self.run_dir = session.run_dir
-        self.params: dict[str, Any] = dict(plan.config.params)
-        self.args: list[str] = list(plan.config.job.args)
-        self.device, collective_device = _devices(info)
+        device, collective_device = _devices(info)
         layout = plan.layout
-        topology = Topology.build(self.world_size, tp=layout.tensor, pp=layout.pipeline, cp=layout.context,
+        topology = Topology.build(info.world_size, tp=layout.tensor, pp=layout.pipeline, cp=layout.context,
                                   order=layout.order)
-        self._groups = ParallelGroups(topology, collective_device.type)
+        super().__init__(plan, info, session.run_dir, ParallelGroups(topology, collective_device.type), device)
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self._session = session
         self._stop = StopAgreement(plan, session.watch, collective_device, session.recorder, session.log)
         self.checkpoint = UserCheckpoint(_checkpointer(session), self.device, session.recorder, session.progress,
                                          session.log)
         self._monitor: Monitor | None = None
         self.step = 0
         session.progress("startup")
-
-    def group(self, name: str) -> Any:
-        """The process group of this rank along ``name``: one of dp, tp, pp, cp (sizes from ``[parallel]``)."""
-        if name not in AXES:
-            raise ValueError(f'no group "{name}"; valid: {", ".join(AXES)}')
-        return self._groups.group(name)
-
-    @property
-    def mesh(self) -> Any:
-        """The job's DeviceMesh, its dimensions named after the axes (``ctx.mesh["dp"]``)."""
-        return self._groups.mesh
 
     def should_stop(self) -> bool:
         """Collective: True on every rank, at the same call, once a preemption or time-limit signal reached any

@@ -10,9 +10,6 @@ requeued) or failed (an exception, or a script's non-zero exit: a user error, no
 from __future__ import annotations
 
 import contextlib
-import importlib
-import importlib.util
-import inspect
 import os
 import runpy
 import sys
@@ -27,6 +24,7 @@ from hpc_train.distributed.launchers import LaunchInfo
 from hpc_train.distributed.rendezvous import check_resolves, choose_rendezvous, export_rendezvous
 from hpc_train.program.context import RunContext, Session, context, open_session
 from hpc_train.program.stop import UnaskedStop
+from hpc_train.train.entry_points import UserCodeError, load_callable
 from hpc_train.train.monitor import LogLines
 from hpc_train.train.preemption import PreemptionWatch
 from hpc_train.train.stopping import AttemptRecorder, decide_hang, signal_name
@@ -35,52 +33,9 @@ from hpc_train.train.watchdog import Timeouts, Watchdog
 __all__ = ["UserCodeError", "run_program"]
 
 
-class UserCodeError(RuntimeError):
-    """The user's program could not start, or ended badly: the message is the one line that says which.
-    ``user_cause`` is the user's own exception (an import error), whose traceback is the one worth showing."""
-
-    def __init__(self, message: str, user_cause: BaseException | None = None) -> None:
-        super().__init__(message)
-        self.user_cause = user_cause
-
-
-def _module_of(program: Program) -> Any:
-    if program.kind == "module":
-        return importlib.import_module(program.module)
-    name = Path(program.path).stem
-    if name in sys.modules:  # a file named like a module already loaded (json.py): keep both
-        name = f"hpc_train_user_{name}"
-    spec = importlib.util.spec_from_file_location(name, program.path)
-    if spec is None or spec.loader is None:
-        raise ImportError(f"cannot load {program.path} as a module")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # pickling the program's own classes (DataLoader workers) finds them
-    spec.loader.exec_module(module)
-    return module
-
-
 def load_function(program: Program) -> Callable[[Any], Any]:
     """The user's function, checked to take ``ctx``; UserCodeError naming the entry point otherwise."""
-    where = program.module or program.path
-    try:
-        module = _module_of(program)
-    except Exception as error:
-        raise UserCodeError(f"job.program {program.text()}: importing {where} failed: "
-                            f"{type(error).__name__}: {error}", error) from error
-    function = getattr(module, program.function, None)
-    if function is None or not callable(function):
-        names = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_")
-                       and getattr(v, "__module__", None) == module.__name__)
-        raise UserCodeError(f"job.program {program.text()}: {where} has no function {program.function}"
-                            + (f" (it has: {', '.join(names[:10])})" if names else ""))
-    try:
-        inspect.signature(function).bind(object())
-    except TypeError:
-        raise UserCodeError(f"job.program {program.text()}: {program.function}{inspect.signature(function)} does "
-                            f"not take the run context: define it as def {program.function}(ctx)") from None
-    except ValueError:  # no signature to inspect (a builtin): let the call say
-        pass
-    return function
+    return load_callable("job.program", program, ("ctx",))
 
 
 class _LazyWatchdog:

@@ -10,7 +10,8 @@ from pathlib import Path
 
 __all__ = [
     "ATTEMPTS_FILE", "CHECKPOINTS_DIR", "CONFIG_FILE", "EXCLUDED_FILE", "FLIGHT_RECORDER_DIR", "HEARTBEAT_DIR",
-    "LOGS_DIR", "METRICS_FILE", "PLAN_FILE", "PROGRAM_FILE", "RANK_ERROR_GLOB", "RANK_LOG_GLOB", "RESULT_FILES",
+    "LOGS_DIR", "METRICS_FILE", "MODEL_FILE", "PLAN_FILE", "PROGRAM_FILE", "RANK_ERROR_GLOB", "RANK_LOG_GLOB",
+    "RESULT_FILES",
     "SMOKE_FILE", "STACKS_GLOB", "SUBMITIT_DIR", "TRAIN_FILE", "fabric_report_path", "hang_decision_path",
     "hang_marker_path", "heartbeat_path", "rank_error_path", "rank_log_path", "stacks_path",
 ]
@@ -24,6 +25,7 @@ SMOKE_FILE = "smoke.json"  # rank 0's result of a smoke job
 TRAIN_FILE = "train.json"  # rank 0's result of a training job
 PROGRAM_FILE = "program.json"  # rank 0's result of a user program (a function or a script)
 RESULT_FILES = (SMOKE_FILE, TRAIN_FILE, PROGRAM_FILE)
+MODEL_FILE = "model.json"  # what export needs to know of a trained model (a Hugging Face config), by rank 0
 LOGS_DIR = "logs"  # rank logs, error files, stacks, fabric reports, Slurm's batch output
 CHECKPOINTS_DIR = "checkpoints"
 HEARTBEAT_DIR = "heartbeats"  # the watchdog's heartbeats and hang markers

@@ -145,6 +145,14 @@ class TokenFile:
     def __len__(self) -> int:
         return len(self._tokens)
 
+    def __getstate__(self) -> dict[str, Any]:
+        """DataLoader workers get the path and map the file themselves (a pickled memmap would copy it all)."""
+        return {key: value for key, value in self.__dict__.items() if key != "_tokens"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._tokens = self._open()
+
     def num_samples(self, seq_len: int) -> int:
         """Non-overlapping windows of ``seq_len`` inputs; the file must hold at least one."""
         if seq_len < 1:

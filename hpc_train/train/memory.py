@@ -131,6 +131,14 @@ def stage_parameters(preset: str, vocab_size: int, seq_len: int, tensor: int = 1
     return model_spec(preset).stage_parameters(preset, vocab_size, seq_len, tensor, pipeline)
 
 
+def _user_stages(parameters: int, tensor: int, pipeline: int) -> list[list[Param]]:
+    """A user model known only by its parameter count (``train.parameters``): one matrix, split evenly over the
+    tensor and pipeline ranks (the best the login node can do without importing the model)."""
+    require_positive(parameters=parameters)
+    per_rank = -(-parameters // (tensor * pipeline))
+    return [[Param("model.weight", per_rank, True)] for _ in range(pipeline)]
+
+
 def _groups(params: list[Param]) -> list[list[Param]]:
     """``build_engine``'s optimizer groups, empty ones dropped as DeepSpeed does: matrices, then the rest."""
     return [group for group in ([p for p in params if p.matrix], [p for p in params if not p.matrix]) if group]
@@ -272,7 +280,7 @@ def _zero3(params: list[Param], *, data: int, width: int, offload_optimizer: boo
                     bucket + max(gathered, step_buffers), cpu, notes)
 
 
-def _plan_stage(index: int, params: list[Param], *, shape: dict[str, int], vocab_size: int, seq_len: int,
+def _plan_stage(index: int, params: list[Param], *, shape: dict[str, int] | None, vocab_size: int, seq_len: int,
                 micro_batch: int, tensor: int, pipeline: int, data: int, zero_stage: int, width: int,
                 offload_optimizer: bool, offload_params: bool, grad_accum: int, bucket_size: int,
                 overlap_comm: bool) -> tuple[dict[str, int], list[str]]:
@@ -286,8 +294,8 @@ def _plan_stage(index: int, params: list[Param], *, shape: dict[str, int], vocab
                       offload_params=offload_params, bucket_size=bucket_size)
     in_flight = min(pipeline - index, grad_accum) if pipeline > 1 else 1
     layers = sum(1 for p in params if p.name.endswith(".ln1.weight"))
-    activations = _activations(shape, vocab_size, seq_len, micro_batch, tensor, width, layers, in_flight,
-                               last=index == pipeline - 1)
+    activations = 0 if shape is None else _activations(shape, vocab_size, seq_len, micro_batch, tensor, width,
+                                                       layers, in_flight, last=index == pipeline - 1)
     figures = {"params_per_rank": sum(p.numel for p in params), "parameters": held.parameters,
                "gradients": held.gradients, "optimizer_state": held.optimizer, "activations": activations,
                "reduce_buffers": held.reduce_buffers, "step_buffers": held.step_buffers, "buffers": held.buffers,
@@ -299,8 +307,11 @@ def _plan_stage(index: int, params: list[Param], *, shape: dict[str, int], vocab
 def memory_plan(preset: str, vocab_size: int, seq_len: int, micro_batch: int, tensor: int, pipeline: int, data: int,
                 zero_stage: int, precision: str, offload_optimizer: bool, offload_params: bool,
                 gpu_mem_gb: float = 0.0, *, grad_accum: int = 1, bucket_size: int = 50_000_000,
-                overlap_comm: bool = True, gpus_per_node: int = 0) -> MemoryPlan:
+                overlap_comm: bool = True, gpus_per_node: int = 0, parameters: int = 0) -> MemoryPlan:
     """Bytes per rank of one layout (see the module docstring for the accounting).
+
+    ``preset`` may be a user model's entry point with its parameter count in ``parameters``: its weights,
+    gradients, optimizer state and DeepSpeed's buffers are planned as for any model, its activations are not.
 
     ``bucket_size`` and ``overlap_comm`` are ``zero.bucket_size`` and ``zero.overlap_comm``; ``gpu_mem_gb`` is the
     site's ``node.gpu_mem_gb`` (0: unknown, ``fits`` is None). Raises ValueError for a layout the model or
@@ -318,9 +329,14 @@ def memory_plan(preset: str, vocab_size: int, seq_len: int, micro_batch: int, te
         raise ValueError(f"offload_params needs ZeRO-3, stage is {zero_stage}; set zero.stage = 3")
     if gpu_mem_gb < 0 or math.isnan(gpu_mem_gb):
         raise ValueError(f"gpu_mem_gb = {gpu_mem_gb}: must be >= 0 (0: unknown)")
-    stages = stage_parameters(preset, vocab_size, seq_len, tensor, pipeline)
+    user = ":" in preset  # an entry point; any other name is a preset (unknown ones are refused below)
+    if user and not parameters:
+        raise ValueError(f"the login node cannot size your model {preset} without importing it; set "
+                         "[train] parameters = N (its parameter count) to plan it")
+    stages = _user_stages(parameters, tensor, pipeline) if user else stage_parameters(preset, vocab_size, seq_len,
+                                                                                        tensor, pipeline)
     width = _PRECISION_BYTES[precision]
-    plans = [_plan_stage(i, params, shape=MODEL_PRESETS[preset], vocab_size=vocab_size, seq_len=seq_len,
+    plans = [_plan_stage(i, params, shape=MODEL_PRESETS.get(preset), vocab_size=vocab_size, seq_len=seq_len,
                          micro_batch=micro_batch, tensor=tensor, pipeline=pipeline, data=data, zero_stage=zero_stage,
                          width=width, offload_optimizer=offload_optimizer, offload_params=offload_params,
                          grad_accum=grad_accum, bucket_size=bucket_size, overlap_comm=overlap_comm)
@@ -328,6 +344,9 @@ def memory_plan(preset: str, vocab_size: int, seq_len: int, micro_batch: int, te
     index = max(range(len(plans)), key=lambda i: plans[i][0]["total"])
     figures, notes = plans[index]
     notes = ([assumption] if assumption else []) + notes
+    if user:
+        notes.append(f"your model is planned from train.parameters = {parameters:,}, split evenly over tensor x "
+                     "pipeline; its activations are not counted")
     gpu_bytes = round(gpu_mem_gb * GIB)
     return MemoryPlan(preset=preset, precision=precision, zero_stage=zero_stage, tensor=tensor, pipeline=pipeline,
                       data=data, micro_batch=micro_batch, seq_len=seq_len, grad_accum=grad_accum,
@@ -349,7 +368,7 @@ def _advice(plan: MemoryPlan) -> list[str]:
     advice = []
     if plan.zero_stage < 3 and plan.data > 1:
         advice.append("zero.stage = 3")
-    heads = MODEL_PRESETS[plan.preset]["heads"]
+    heads = MODEL_PRESETS.get(plan.preset, {}).get("heads", 1)
     if heads % (2 * plan.tensor) == 0:
         advice.append(f"more tensor parallel (parallel.tensor = {2 * plan.tensor})")
     if plan.zero_stage and not plan.offload_optimizer:
@@ -409,7 +428,8 @@ def memory_rows(plan: MemoryPlan) -> list[tuple[str, str]]:
         ("parameters", f"{_size(plan.parameters)} per rank ({params})"),
         ("gradients", f"{_size(plan.gradients)} per rank ({grads})"),
         ("optimizer state", f"{_size(plan.optimizer_state)} per rank ({state})"),
-        ("activations", f"{_size(plan.activations)} per rank (rough, {tokens}, no recomputation)"),
+        ("activations", f"{_size(plan.activations)} per rank (rough, {tokens}, no recomputation)"
+                        if plan.preset in MODEL_PRESETS else "not counted for your own model"),
         ("DeepSpeed buffers", f"{_size(plan.buffers)} per rank at peak (gradient reduction "
                               f"{_size(plan.reduce_buffers)}, optimizer step {_size(plan.step_buffers)})"),
         ("total", f"{_size(plan.total)} per rank on the GPU"),

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import resource
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,23 +19,26 @@ import torch
 import torch.distributed as dist
 from rich.console import Console
 
-from hpc_train.config.job import JobConfig
 from hpc_train.config.plan import Plan
 from hpc_train.distributed.bootstrap import bootstrap, shutdown
+from hpc_train.distributed.context import RankContext
 from hpc_train.distributed.faults import injected_delay_s, maybe_inject_fault
 from hpc_train.distributed.launchers import LaunchInfo
 from hpc_train.distributed.mesh import ModelParallelUnit, ParallelGroups
 from hpc_train.distributed.topology import Topology
 from hpc_train.run.loglines import format_saved_after_signal
 from hpc_train.train.checkpointing import Checkpointer
-from hpc_train.train.data import ResumableSampler, batch, make_source
 from hpc_train.train.engine import build_engine
 from hpc_train.train.flops import peak_flops
+from hpc_train.train.forward import forward_loss
+from hpc_train.train.loader import BatchStream
+from hpc_train.train.model_card import write_model_card
 from hpc_train.train.models import ModelSpec, model_spec
 from hpc_train.train.monitor import LogLines, Monitor
 from hpc_train.train.pipeline import eval_step, train_step
 from hpc_train.train.precision import agreed_precision
 from hpc_train.train.preemption import PreemptionWatch, arm_force_exit
+from hpc_train.train.rank_data import RankData, build_data
 from hpc_train.train.stopping import AttemptRecorder, decide_hang, signal_name
 from hpc_train.train.stragglers import StragglerCheck
 from hpc_train.train.watchdog import Timeouts, Watchdog
@@ -55,20 +58,14 @@ def _mean_over(value: float, group: Any, device: Any) -> float:
     return float(tensor.item()) / dist.get_world_size(group)
 
 
-def _batches(source: Any, sampler: ResumableSampler, seq_len: int, device: Any) -> Iterator[Any]:
-    while True:
-        yield tuple(t.to(device) for t in batch(source, sampler.next_indices(), seq_len))
-
-
-def _evaluate(engine: Any, source: Any, config: JobConfig, groups: ParallelGroups,
-              watch: PreemptionWatch | None, batches: int = 4) -> float | None:
+def _evaluate(engine: Any, data: RankData, groups: ParallelGroups, watch: PreemptionWatch | None, said: str,
+              batches: int = 4) -> float | None:
     """Loss on a fixed set of batches (the same at every evaluation), averaged over data-parallel ranks; None
     when a preemption signal cut it short (the ranks agree on that between batches; not with ``watch`` None,
-    the evaluation after the last step, which a signal no longer stops)."""
-    train = config.train
-    sampler = ResumableSampler(source.num_samples(train.seq_len), groups.coord("dp"), groups.size("dp"),
-                               train.micro_batch, seed=train.seed + 7919)
-    stream = _batches(source, sampler, train.seq_len, engine.device)
+    the evaluation after the last step, which a signal no longer stops), or when there is no evaluation set."""
+    stream = data.eval_stream()
+    if stream is None:
+        return None
     if groups.size("pp") > 1:
         return eval_step(engine, stream, micro_batches=batches)
     engine.eval()
@@ -78,7 +75,7 @@ def _evaluate(engine: Any, source: Any, config: JobConfig, groups: ParallelGroup
             for _ in range(batches):
                 if watch is not None and watch.agreed(engine.device):
                     return None
-                total += float(engine(*next(stream)))
+                total += float(forward_loss(engine, next(stream), said))
     finally:
         engine.train()
     return _mean_over(total / batches, groups.group("dp"), engine.device)
@@ -106,11 +103,15 @@ class _Parts:
     pipelined: bool
     model: Any
     engine: Any
-    source: Any
-    sampler: ResumableSampler
+    data: RankData
     checkpointer: Checkpointer
-    stream: Iterator[Any]
     stragglers: StragglerCheck
+    flops_per_token: float
+    said: str  # the model, as messages name it
+
+    @property
+    def stream(self) -> BatchStream:
+        return self.data.train
 
 
 @dataclass
@@ -150,7 +151,7 @@ def _stop(rank: _Rank, parts: _Parts, recorder: AttemptRecorder, step: int, sign
     _progress(rank.watchdog, "checkpoint", step)
     try:
         saved = time.perf_counter()
-        parts.checkpointer.save(parts.engine, step, parts.sampler.state_dict(), wait=True)  # durable first
+        parts.checkpointer.save(parts.engine, step, parts.stream.state_dict(), wait=True)  # durable first
         recorder.save_time(time.perf_counter() - saved)
         preempt = plan.config.preempt
         requeue = recorder.stopped(step, signum, name == f"SIG{plan.signal}", preempt.requeue,
@@ -206,7 +207,7 @@ def _train_watched(rank: _Rank) -> dict[str, Any]:
     topology, groups = _set_up(rank)
     parts = _build(rank, spec, topology, groups)
     start_step = _resume(rank, parts)
-    monitor = _monitor(rank, spec, start_step)
+    monitor = _monitor(rank, parts, start_step)
     recorder = AttemptRecorder(rank.run_dir, rank.info, start_step, rank.plan.lead_seconds, rank.log)
     rank.recorder = recorder
     return _steps(rank, parts, monitor, recorder, _Progress(start_step, start_step))
@@ -228,28 +229,31 @@ def _set_up(rank: _Rank) -> tuple[Topology, ParallelGroups]:
 
 
 def _build(rank: _Rank, spec: ModelSpec, topology: Topology, groups: ParallelGroups) -> _Parts:
-    """The model inside a DeepSpeed engine, the data, the checkpointer and the straggler check."""
+    """The model (its FLOPs counted before DeepSpeed wraps it), the data, the DeepSpeed engine, the checkpointer
+    and the straggler check."""
     config, info = rank.plan.config, rank.info
-    model = spec.build(config, topology, groups, info.local_rank)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    ctx = RankContext(rank.plan, info, rank.run_dir, groups, device)
+    model = spec.build(ctx, topology, groups)
+    flops = spec.flops_per_token(config, model)
+    if info.rank == 0:
+        write_model_card(rank.run_dir, model, config.train.model)
+    data = build_data(ctx, groups, device)
     pipelined = topology.sizes["pp"] > 1  # DeepSpeed's pipeline engine brings its own grid: no mpu
     engine = build_engine(model, config, topology.sizes["dp"], None if pipelined else ModelParallelUnit(groups),
                           rank.run_dir, info.local_rank)
-    tcfg, data = config.train, config.data
-    source = make_source(data.source, data.path, data.vocab_size, tcfg.seed)
-    sampler = ResumableSampler(source.num_samples(tcfg.seq_len), groups.coord("dp"), groups.size("dp"),
-                               tcfg.micro_batch, seed=tcfg.seed)
     checkpointer = Checkpointer(rank.run_dir, config, rank.plan.layout, rank.plan.config_hash, log=rank.log)
-    return _Parts(groups, pipelined, model, engine, source, sampler, checkpointer,
-                  _batches(source, sampler, tcfg.seq_len, engine.device),
-                  StragglerCheck(config.watchdog.straggler_factor, info.rank, rank.log))
+    return _Parts(groups, pipelined, model, engine, data, checkpointer,
+                  StragglerCheck(config.watchdog.straggler_factor, info.rank, rank.log), flops,
+                  f"train.model {config.train.model}")
 
 
 def _resume(rank: _Rank, parts: _Parts) -> int:
     """Load the run's latest verified checkpoint, if any; return the step it holds (0 without one)."""
     start_step, sampler_state = parts.checkpointer.resume(parts.engine)
-    sampler, steps = parts.sampler, rank.plan.config.train.steps
+    sampler, steps = parts.stream.position, rank.plan.config.train.steps
     if sampler_state is not None:
-        sampler.load_state_dict(sampler_state)
+        parts.stream.load_state_dict(sampler_state)
         rank.log(f"resumed from step {start_step} (epoch {sampler.epoch}, offset {sampler.offset})")
     if start_step >= steps:
         rank.log(f"nothing to train: the run's checkpoint is at step {start_step} of {steps}; raise train.steps "
@@ -257,13 +261,13 @@ def _resume(rank: _Rank, parts: _Parts) -> int:
     return start_step
 
 
-def _monitor(rank: _Rank, spec: ModelSpec, start_step: int) -> Monitor:
+def _monitor(rank: _Rank, parts: _Parts, start_step: int) -> Monitor:
     config, info = rank.plan.config, rank.info
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     return Monitor.create(info.rank, run_dir=rank.run_dir, total_steps=config.train.steps,
                           log_every=config.monitor.log_every, tensorboard=config.monitor.tensorboard,
                           histogram_every=config.monitor.histogram_every,
-                          flops_per_token=spec.flops_per_token(config),
+                          flops_per_token=parts.flops_per_token,
                           peak_flops=peak_flops(device, config.train.precision) * info.world_size,
                           console=Console(file=LogLines(rank.log), width=200), start_step=start_step)
 
@@ -282,7 +286,7 @@ def _steps(rank: _Rank, parts: _Parts, monitor: Monitor, recorder: AttemptRecord
                 if parts.checkpointer.due(step, rank.plan.config.train.steps):
                     _progress(rank.watchdog, "checkpoint", step)
                     saved = time.perf_counter()
-                    parts.checkpointer.save(parts.engine, step, parts.sampler.state_dict())
+                    parts.checkpointer.save(parts.engine, step, parts.stream.state_dict())
                     recorder.save_time(time.perf_counter() - saved)
                 _progress(rank.watchdog, "step", step)
         rank.watch.settle()
@@ -300,11 +304,11 @@ def _micro_batches(rank: _Rank, parts: _Parts, logged: bool) -> float:
     engine, accum, delay = parts.engine, rank.plan.config.train.grad_accum, injected_delay_s(rank.info.rank)
     total = 0.0
     for _ in range(accum):
-        inputs, targets = next(parts.stream)
+        batch = next(parts.stream)
         with parts.stragglers.timed(engine.device):
             if delay:
                 time.sleep(delay)  # an injected straggler (HPC_TRAIN_INJECT_FAULT=slow:R:MS)
-            micro_loss = engine(inputs, targets)
+            micro_loss = forward_loss(engine, batch, parts.said)
         engine.backward(micro_loss)
         engine.step()
         total += float(micro_loss)
@@ -345,8 +349,8 @@ def _after_step(rank: _Rank, parts: _Parts, monitor: Monitor, progress: _Progres
         monitor.histograms(step, parts.model.named_parameters())
     every = config.monitor.eval_every
     if not stopped_by and every and (step % every == 0 or last):
-        result = _evaluate(engine, parts.source, config, parts.groups, None if last else watch)
-        if result is None:
+        result = _evaluate(engine, parts.data, parts.groups, None if last else watch, parts.said)
+        if result is None and not last:
             stopped_by = watch.agreed(engine.device)
         else:
             progress.eval_loss = result
@@ -361,4 +365,4 @@ def _finish(rank: _Rank, parts: _Parts, recorder: AttemptRecorder, progress: _Pr
     info, config = rank.info, rank.plan.config
     return {"rank": info.rank, "steps": config.train.steps, "start_step": progress.start_step,
             "final_loss": progress.loss, "eval_loss": progress.eval_loss, "precision": config.train.precision,
-            "world_size": info.world_size, "launcher": info.launcher, "sampler": parts.sampler.state_dict()}
+            "world_size": info.world_size, "launcher": info.launcher, "sampler": parts.stream.state_dict()}

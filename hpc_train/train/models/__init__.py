@@ -1,18 +1,23 @@
 """The model families the trainer knows, each behind one :class:`~hpc_train.train.models.spec.ModelSpec`.
 
-Today there is one, the built-in GPT (:mod:`hpc_train.train.models.gpt`), and every ``train.model`` preset is a
-shape of it. Importing this package imports no torch.
+The built-in GPT (:mod:`hpc_train.train.models.gpt`), whose shapes are the ``train.model`` presets, and a
+user's model from its factory (:mod:`hpc_train.train.models.user`). Importing this package imports no torch.
 """
 
 from __future__ import annotations
 
+from hpc_train.config.job import MODEL_PRESETS
 from hpc_train.train.models.gpt import GPT_SPEC
 from hpc_train.train.models.spec import ModelSpec, Param
 
 __all__ = ["GPT_SPEC", "ModelSpec", "Param", "model_spec"]
 
 
-def model_spec(preset: str) -> ModelSpec:
-    """The model family of a ``train.model`` preset (validated on the login node): the built-in GPT."""
-    del preset  # every preset of config.job.MODEL_PRESETS is a GPT shape
-    return GPT_SPEC
+def model_spec(model: str) -> ModelSpec:
+    """The spec of ``train.model`` (validated on the login node): the GPT for a preset, else the user's factory
+    (imported here, so call it where user code may run: on a rank)."""
+    if model in MODEL_PRESETS:
+        return GPT_SPEC
+    from hpc_train.train.models.user import user_spec
+
+    return user_spec(model)

@@ -11,6 +11,7 @@ from hpc_train.train.models.spec import ModelSpec, Param, require_positive
 
 if TYPE_CHECKING:
     from hpc_train.config.job import JobConfig
+    from hpc_train.distributed.context import RankContext
     from hpc_train.distributed.mesh import ParallelGroups
     from hpc_train.distributed.topology import Topology
     from hpc_train.train.model import GPTConfig
@@ -24,22 +25,22 @@ def _shape(config: JobConfig) -> GPTConfig:
     return GPTConfig.from_preset(config.train.model, config.data.vocab_size, config.train.seq_len)
 
 
-def _build(config: JobConfig, topology: Topology, groups: ParallelGroups, local_rank: int) -> Any:
+def _build(ctx: RankContext, topology: Topology, groups: ParallelGroups) -> Any:
     """The GPT, or its pipeline stages. The layers always get the tensor group, even of size 1: they read None
     as "the default group", which would be every rank."""
     from hpc_train.train.model import GPT
 
-    shape, seed = _shape(config), config.train.seed
+    shape, seed = _shape(ctx.config), ctx.config.train.seed
     if topology.sizes["pp"] > 1:
         from hpc_train.train.pipeline import build_pipeline_model
 
-        return build_pipeline_model(shape, topology, groups.group("tp"), seed=seed, local_rank=local_rank)
+        return build_pipeline_model(shape, topology, groups.group("tp"), seed=seed, local_rank=ctx.local_rank)
     return GPT(shape, groups.group("tp"), seed=seed)
 
 
-def _flops_per_token(config: JobConfig) -> float:
+def _flops_per_token(config: JobConfig, model: Any = None) -> float:
     """6N + 12LHT, with N the parameters of matrix multiplies: neither the position nor the (untied) input
-    embedding."""
+    embedding (counted from the shape: ``model`` is not needed)."""
     from hpc_train.train.flops import flops_per_token
     from hpc_train.train.model import count_parameters
 

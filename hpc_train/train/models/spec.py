@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
     from hpc_train.config.job import JobConfig
+    from hpc_train.distributed.context import RankContext
     from hpc_train.distributed.mesh import ParallelGroups
     from hpc_train.distributed.topology import Topology
 
@@ -39,10 +40,13 @@ class Param(NamedTuple):
 class ModelSpec:
     """A model family the trainer can run.
 
-    * ``build(config, topology, groups, local_rank)``: this rank's module, a plain ``nn.Module`` taking
-      ``(tokens, targets)`` and returning the loss, or (``parallel.pipeline > 1``) a DeepSpeed ``PipelineModule``.
-      Tensor-parallel layers get ``groups.group("tp")``.
-    * ``flops_per_token(config)``: training FLOPs per token of the whole model, for MFU.
+    * ``build(ctx, topology, groups)``: this rank's module (``ctx`` is the rank's
+      :class:`~hpc_train.distributed.context.RankContext`, with ``ctx.config``), a plain ``nn.Module`` called as
+      ``model(*batch)`` for a tuple batch or ``model(**batch)`` for a dict, returning the loss (or an object or
+      dict with a ``loss``), or (``parallel.pipeline > 1``) a DeepSpeed ``PipelineModule``. Tensor-parallel
+      layers get ``groups.group("tp")``.
+    * ``flops_per_token(config, model)``: training FLOPs per token of the whole model, for MFU (``model`` is
+      what ``build`` returned, before DeepSpeed wraps it).
     * ``stage_parameters(preset, vocab_size, seq_len, tensor, pipeline)``: the parameters one tensor-parallel rank
       of each pipeline stage holds, in ``parameters()`` order, for the memory plan (pure Python).
     * ``parameter_name(name, layers)``: the plain model's name of a pipeline checkpoint's ``"<layer>.<name>"``,
@@ -50,7 +54,7 @@ class ModelSpec:
     """
 
     name: str
-    build: Callable[[JobConfig, Topology, ParallelGroups, int], Any]
-    flops_per_token: Callable[[JobConfig], float]
+    build: Callable[[RankContext, Topology, ParallelGroups], Any]
+    flops_per_token: Callable[[JobConfig, Any], float]
     stage_parameters: Callable[[str, int, int, int, int], list[list[Param]]]
     parameter_name: Callable[[str, int], str]
