@@ -65,4 +65,7 @@ def build_engine(model: torch.nn.Module, config: JobConfig, data_parallel: int, 
     engine, *_ = deepspeed.initialize(
         model=model, optimizer=optimizer, config=ds, mpu=mpu, lr_scheduler=schedule,
         model_parameters=None if optimizer is not None else weight_decay_groups(model, train.weight_decay))
+    if engine.dp_world_size != data_parallel:  # DeepSpeed did not take our groups: gradients would average wrongly
+        raise RuntimeError(f"DeepSpeed's data-parallel world is {engine.dp_world_size}, but the layout's data axis is "
+                           f"{data_parallel}: the engine did not take hpc_train's groups (mpu)")
     return engine

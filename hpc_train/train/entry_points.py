@@ -73,8 +73,9 @@ def load_callable(key: str, program: Program, arguments: tuple[str, ...]) -> Cal
         inspect.signature(function).bind(*(object() for _ in arguments))
     except TypeError:
         wanted = ", ".join(arguments)
-        raise UserCodeError(f"{said}: {program.function}{inspect.signature(function)} does not take "
-                            f"({wanted}): define it as def {program.function}({wanted})") from None
+        what = "the run context" if arguments == ("ctx",) else f"({wanted})"
+        raise UserCodeError(f"{said}: {program.function}{inspect.signature(function)} does not take {what}: "
+                            f"define it as def {program.function}({wanted})") from None
     except ValueError:  # no signature to inspect (a builtin): let the call say
         pass
     return function

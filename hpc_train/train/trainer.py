@@ -29,6 +29,7 @@ from hpc_train.distributed.topology import Topology
 from hpc_train.run.loglines import format_saved_after_signal
 from hpc_train.train.checkpointing import Checkpointer
 from hpc_train.train.engine import build_engine
+from hpc_train.train.entry_points import UserCodeError
 from hpc_train.train.flops import peak_flops
 from hpc_train.train.forward import forward_loss
 from hpc_train.train.loader import BatchStream
@@ -203,10 +204,14 @@ def _train(rank: _Rank) -> dict[str, Any]:
 
 def _train_watched(rank: _Rank) -> dict[str, Any]:
     """The stages: set up, build, resume, then the steps (each may stop the run), then finish."""
-    spec = model_spec(rank.plan.config.train.model)
-    topology, groups = _set_up(rank)
-    parts = _build(rank, spec, topology, groups)
-    start_step = _resume(rank, parts)
+    try:
+        spec = model_spec(rank.plan.config.train.model)
+        topology, groups = _set_up(rank)
+        parts = _build(rank, spec, topology, groups)
+        start_step = _resume(rank, parts)
+    except UserCodeError as error:  # the user's factory or dataset: a failed attempt, which is not retried
+        AttemptRecorder(rank.run_dir, rank.info, 0, rank.plan.lead_seconds, rank.log).failed(0, error)
+        raise
     monitor = _monitor(rank, parts, start_step)
     recorder = AttemptRecorder(rank.run_dir, rank.info, start_step, rank.plan.lead_seconds, rank.log)
     rank.recorder = recorder

@@ -6,6 +6,7 @@ a job would start and the folder would fill, and the test would fail.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -55,6 +56,25 @@ CASES = [
     ("warmup-longer-than-run", "[train]\nsteps = 10\nwarmup_steps = 20\n", [], "train.warmup_steps: 20 is more than"),
     ("beta-out-of-range", "[train]\nbeta2 = 1.5\n", [], "train.beta2: 1.5 is outside [0, 1)"),
     ("model-typo", '[train]\nmodel = "tinny"\n', [], 'train.model: "tinny" is not a preset, did you mean "tiny"'),
+    ("model-entry-point-malformed", '[train]\nmodel = "mymodel:"\n', [],
+     'train.model: "mymodel:" names no function. Fix: write "package.module:function"'),
+    ("model-file-missing", '[train]\nmodel = "nets/lm.py:build"\n', [],
+     'train.model: file {tmp}/nets/lm.py of "nets/lm.py:build" does not exist'),
+    ("model-script-without-function", '[train]\nmodel = "lm.py"\n', [],
+     'train.model: "lm.py" names no function. Fix: write "lm.py:function"'),
+    ("model-module-missing", '[train]\nmodel = "no_such_pkg_xyz.nets:build"\n', [],
+     'train.model: module "no_such_pkg_xyz.nets" of "no_such_pkg_xyz.nets:build" is found neither'),
+    ("source-typo", '[data]\nsource = "synthetc"\n', [], 'data.source: "synthetc" is not a source, did you mean '
+     '"synthetic"?'),
+    ("source-file-missing", '[data]\nsource = "data.py:dataset"\n', [],
+     'data.source: file {tmp}/data.py of "data.py:dataset" does not exist'),
+    ("collate-malformed", '[data]\ncollate = "pad batch"\n', [], 'data.collate: "pad batch" is not a known name'),
+    ("workers-negative", "[data]\nnum_workers = -1\n", [], "data.num_workers: -1 is below the minimum 0"),
+    ("prefetch-without-workers", "[data]\nprefetch_factor = 4\n", [],
+     "data.prefetch_factor: 4 needs worker processes, but data.num_workers = 0. Fix: set data.num_workers to 1"),
+    ("persistent-without-workers", "[data]\npersistent_workers = true\n", [],
+     "data.persistent_workers: True needs worker processes, but data.num_workers = 0"),
+    ("parameters-negative", "[train]\nparameters = -5\n", [], "train.parameters: -5 is below the minimum 0"),
     ("tokens-without-path", '[data]\nsource = "tokens"\n', [], 'data.path: is empty but data.source = "tokens"'),
     ("keep-zero", "[checkpoint]\nkeep = 0\n", [], "checkpoint.keep: 0 is below the minimum 1"),
     ("time-format", '[job]\ntime = "1 hour"\n', [], "job.time: '1 hour' is not a Slurm time limit"),
@@ -122,7 +142,7 @@ def test_bad_input_exits_2_with_one_clear_message_and_writes_nothing(
     before = sorted(p.name for p in tmp_path.iterdir())
     result = call_cli(submit.main, [str(config), *extra], tmp_path)
     assert result.code == 2, result.out + result.err
-    assert message in result.err, result.err
+    assert message.format(tmp=tmp_path) in result.err, result.err
     assert result.err.count("error:") == 1 and result.out == ""
     assert "Traceback" not in result.err
     assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing written, no run folder
@@ -177,3 +197,20 @@ def test_bad_site_exits_2_naming_the_site_key(tmp_path: Path, site_text: str, me
     assert result.code == 2, result.out + result.err
     assert message in result.err and "site " in result.err, result.err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["job.toml", "mysite.toml"]
+
+
+def test_validate_memory_sizes_a_user_model_only_from_its_parameter_count(tmp_path: Path) -> None:
+    """The login node never imports the user's model: without ``train.parameters`` it says how to plan it."""
+    (tmp_path / "lm.py").write_text("raise SystemExit('imported on the login node')\n")
+    config = tmp_path / "job.toml"
+    config.write_text('[job]\ntasks_per_node = 2\n[train]\nmodel = "lm.py:build"\n', encoding="utf-8")
+    args = ["validate", str(config), "--site", "local", "--memory"]
+    result = call_cli(hpc_main.main, args, tmp_path)
+    assert result.code == 2 and "train.parameters: the login node cannot size your model" in result.err, result.err
+    assert "set [train] parameters = N" in result.err
+    sized = call_cli(hpc_main.main, [*args, "--set", "train.parameters=1000000", "--json"], tmp_path)
+    assert sized.code == 0, sized.err
+    plan = json.loads(sized.out)
+    assert plan["params_per_rank"] == 1_000_000 and plan["activations"] == 0
+    assert plan["optimizer_state"] == 12 * 500_000  # ZeRO-2 over 2 ranks: fp32 master, m, v of half
+    assert any("train.parameters = 1,000,000" in note for note in plan["notes"])
