@@ -38,3 +38,57 @@ def test_export_names_and_memory_parameters_come_from_the_spec() -> None:
 def test_the_model_package_imports_no_torch() -> None:
     code = "import sys, hpc_train.train.models, hpc_train.train.memory; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], cwd=REPO, timeout=60).returncode == 0
+
+
+CODE = REPO / "tests" / "train" / "user_code"
+
+
+def _build(entry: str, pipeline: int = 1) -> object:
+    """The user spec's build as a rank runs it, up to the seeding that needs the rank's groups."""
+    from types import SimpleNamespace
+
+    from hpc_train.distributed.topology import Topology
+
+    ctx = SimpleNamespace(config=build(JobConfig, {}), params={})
+    topology = Topology.build(2 * pipeline, pp=pipeline)
+    return model_spec(entry).build(ctx, topology, None)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("function", "says"), [
+    ("raises", "the factory raised ValueError: no weights for layer 3"),
+    ("not_a_module", "the factory returned list, not a torch.nn.Module; return the model itself"),
+])
+def test_a_factory_that_raises_or_returns_no_module_is_named_in_one_line(function: str, says: str) -> None:
+    from hpc_train.train.entry_points import UserCodeError
+
+    entry = f"{CODE}/broken.py:{function}"
+    with pytest.raises(UserCodeError) as error:
+        _build(entry)
+    assert str(error.value).startswith(f"train.model {entry}: {says}")
+
+
+def test_a_user_model_with_a_pipeline_is_refused_at_start_saying_what_works() -> None:
+    from hpc_train.train.entry_points import UserCodeError
+
+    with pytest.raises(UserCodeError, match=r"parallel.pipeline > 1 needs a pipeline .* set parallel.pipeline = 1"):
+        _build(f"{CODE}/cnn.py:model", pipeline=2)
+
+
+def test_a_factory_name_that_is_not_in_the_file_fails_before_anything_is_built() -> None:
+    from hpc_train.train.entry_points import UserCodeError
+
+    with pytest.raises(UserCodeError, match=r"broken.py has no function rasies \(it has: .*raises"):
+        model_spec(f"{CODE}/broken.py:rasies")
+
+
+def test_user_model_flops_are_6n_unless_the_module_counts_its_own() -> None:
+    import torch
+
+    from hpc_train.train.models.user import count_parameters
+
+    config = build(JobConfig, {"train": {"seq_len": 64}})
+    spec = model_spec(f"{CODE}/cnn.py:model")
+    module = torch.nn.Linear(10, 10)  # 110 parameters
+    assert count_parameters(module) == 110 and spec.flops_per_token(config, module) == 660.0
+    module.flops_per_token = lambda seq_len: 7.0 * seq_len  # type: ignore[attr-defined]
+    assert spec.flops_per_token(config, module) == 448.0

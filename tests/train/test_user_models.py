@@ -72,3 +72,22 @@ def test_a_cnn_on_its_own_dataset_trains_at_every_zero_stage(tmp_path: Path, sta
     assert len(losses) == STEPS and losses[-1] < losses[0], losses
     model = json.loads((tmp_path / "runs" / "own" / "model.json").read_text())
     assert model["class"].endswith("SmallCNN") and "hf_config" not in model
+
+
+@pytest.mark.parametrize(("model", "source", "says"), [
+    ("broken.py:no_loss", "synthetic", "train.model {code}/broken.py:no_loss: the forward's loss is (4, 4), "
+     "not a scalar tensor; reduce it (loss.mean())"),
+    ("cnn.py:model", "broken.py:short", 'data.source {code}/broken.py:short: dataset(ctx, "train") returned a '
+     "dataset of 3 samples, fewer than one global batch of 4"),
+], ids=["forward-without-loss", "dataset-too-short"])
+def test_a_user_model_or_dataset_that_cannot_train_fails_once_and_is_not_requeued(tmp_path: Path, model: str,
+                                                                                  source: str, says: str) -> None:
+    from tests.program.test_runner_local import attempts, submit
+
+    job = _job(tmp_path, f"{CODE}/{model}", source if source == "synthetic" else f"{CODE}/{source}")
+    status, output = submit(tmp_path, str(job), "job.tasks_per_node=1")
+    assert status == 1, output[-3000:]
+    failed = [line for line in output.splitlines() if "failed: rank" in line]
+    assert len(failed) == 1 and says.format(code=CODE) in failed[0], output[-3000:]
+    runs = attempts(tmp_path / "runs" / "own")
+    assert len(runs) == 1 and runs[0]["outcome"] == "failed" and not runs[0]["requeued"], runs

@@ -66,10 +66,11 @@ def user_spec(entry: str) -> ModelSpec:
             model = factory(ctx)
         except Exception as error:
             raise UserCodeError(f"{said}: the factory raised {type(error).__name__}: {error}", error) from error
+        _checked(model, said, topology.sizes["pp"] > 1)
         # Dropout: one stream per data-parallel replica, shared by its tensor-parallel ranks (their activations
         # outside the sharded layers are replicated and must stay equal); a checkpoint saves and restores it.
         torch.manual_seed(seed + 1 + groups.coord("dp"))
-        return _checked(model, said, topology.sizes["pp"] > 1)
+        return model
 
     def flops_per_token(config: JobConfig, model: Any) -> float:
         own = getattr(model, "flops_per_token", None)
