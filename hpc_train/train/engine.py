@@ -65,7 +65,19 @@ def build_engine(model: torch.nn.Module, config: JobConfig, data_parallel: int, 
     engine, *_ = deepspeed.initialize(
         model=model, optimizer=optimizer, config=ds, mpu=mpu, lr_scheduler=schedule,
         model_parameters=None if optimizer is not None else weight_decay_groups(model, train.weight_decay))
-    if engine.dp_world_size != data_parallel:  # DeepSpeed did not take our groups: gradients would average wrongly
-        raise RuntimeError(f"DeepSpeed's data-parallel world is {engine.dp_world_size}, but the layout's data axis is "
-                           f"{data_parallel}: the engine did not take hpc_train's groups (mpu)")
+    _check_groups(engine, data_parallel, mpu)
     return engine
+
+
+def _check_groups(engine: Any, data_parallel: int, mpu: Any) -> None:
+    """DeepSpeed must reduce gradients over our data-parallel group (its size and its ranks): with other groups
+    training would go on, averaging over the wrong ranks, and no loss curve would say why."""
+    import torch.distributed as dist
+
+    ranks = dist.get_process_group_ranks(engine.data_parallel_group) if dist.is_initialized() else [0]
+    expected = mpu.get_data_parallel_group_ranks() if mpu is not None else None
+    if engine.dp_world_size != data_parallel or (expected is not None and sorted(ranks) != sorted(expected)):
+        raise RuntimeError(f"DeepSpeed's data-parallel group is ranks {sorted(ranks)} ({engine.dp_world_size}), but "
+                           f"the layout's data axis is {data_parallel} ranks"
+                           + (f" {sorted(expected)}" if expected is not None else "")
+                           + ": the engine did not take hpc_train's groups (mpu)")

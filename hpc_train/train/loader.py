@@ -12,6 +12,8 @@ whose global batch divides the position (as :class:`~hpc_train.train.data.Resuma
 from __future__ import annotations
 
 import copy
+import functools
+import signal
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -46,17 +48,32 @@ class TokenDataset(Dataset):
 
 @dataclass(frozen=True)
 class LoaderSettings:
-    """``[data]``'s DataLoader settings, and the collate function (None: torch's default)."""
+    """``[data]``'s DataLoader settings, the collate function (None: torch's default), and the signals workers
+    ignore (see :func:`_ignore_signals`)."""
 
     num_workers: int = 0
     pin_memory: bool = False
     prefetch_factor: int = 0
     persistent_workers: bool = False
     collate: Callable[[list[Any]], Any] | None = None
+    ignore_signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 
     @classmethod
-    def from_section(cls, data: DataSection, collate: Callable[[list[Any]], Any] | None) -> LoaderSettings:
-        return cls(data.num_workers, data.pin_memory, data.prefetch_factor, data.persistent_workers, collate)
+    def from_section(cls, data: DataSection, collate: Callable[[list[Any]], Any] | None,
+                     preemption_signals: tuple[int, ...] = ()) -> LoaderSettings:
+        ignored = cls.ignore_signals + preemption_signals
+        return cls(data.num_workers, data.pin_memory, data.prefetch_factor, data.persistent_workers, collate,
+                   tuple(dict.fromkeys(ignored)))
+
+
+def _ignore_signals(signals: tuple[int, ...], worker_id: int) -> None:
+    """A worker's first act: ignore the signals Slurm (and Ctrl-C) send to every process of the job. The
+    training process handles them (agree, save, requeue) and then stops its workers; a worker killed by
+    Slurm's SIGTERM instead would make torch raise "DataLoader worker is killed" in the training process
+    before it has saved. A worker still leaves when its training process is gone (torch watches the parent)."""
+    del worker_id
+    for number in signals:
+        signal.signal(number, signal.SIG_IGN)
 
 
 def checked_dataset(dataset: Any, said: str, global_batch: int) -> Any:
@@ -116,6 +133,7 @@ class BatchStream:
         if workers:
             extra = {"persistent_workers": self.settings.persistent_workers,
                      "prefetch_factor": self.settings.prefetch_factor or 2}
+            extra["worker_init_fn"] = functools.partial(_ignore_signals, self.settings.ignore_signals)
         return DataLoader(self.dataset, batch_sampler=_IndexBatches(copy.deepcopy(self.position)),
                           num_workers=workers, collate_fn=self.settings.collate, pin_memory=self._pin,
                           generator=torch.Generator().manual_seed(self.seed), **extra)
@@ -136,4 +154,12 @@ class BatchStream:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from ``state``; a loader already started is dropped (its workers stop)."""
         self.position.load_state_dict(state)
-        self._batches = None
+        self.close()
+
+    def close(self) -> None:
+        """Stop the workers now (the next batch starts new ones): before a requeue, whose SIGTERM reaches every
+        process of the job, and at the end of training."""
+        batches, self._batches = self._batches, None
+        shutdown = getattr(batches, "_shutdown_workers", None)
+        if callable(shutdown):
+            shutdown()

@@ -62,11 +62,13 @@ def _user_datasets(ctx: RankContext, entry: str, global_batch: int) -> tuple[Any
     return split("train"), evaluation
 
 
-def build_data(ctx: RankContext, groups: ParallelGroups, device: Any) -> RankData:
-    """This rank's data for ``ctx.config``: its data-parallel slice of every global batch, on ``device``."""
+def build_data(ctx: RankContext, groups: ParallelGroups, device: Any,
+               preemption_signals: tuple[int, ...] = ()) -> RankData:
+    """This rank's data for ``ctx.config``: its data-parallel slice of every global batch, on ``device``; loader
+    workers ignore ``preemption_signals`` (the training process handles them)."""
     config = ctx.config
     train, data = config.train, config.data
-    settings = LoaderSettings.from_section(data, _collate(data.collate))
+    settings = LoaderSettings.from_section(data, _collate(data.collate), preemption_signals)
     dp_rank, dp_size = groups.coord("dp"), groups.size("dp")
     if data.source in DATA_SOURCES:
         tokens = TokenDataset(make_source(data.source, data.path, data.vocab_size, train.seed), train.seq_len)

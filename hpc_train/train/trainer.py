@@ -148,6 +148,7 @@ def _stop(rank: _Rank, parts: _Parts, recorder: AttemptRecorder, step: int, sign
     received = watch.received_at or time.time()
     budget = max(10.0, plan.lead_seconds - (time.time() - received) - 5)
     log(f"{name} received: saving step {step}, then stopping (the save must finish within {budget:.0f} s)")
+    parts.stream.close()  # the workers leave before a requeue's SIGTERM reaches them
     timer = arm_force_exit(budget, log)
     _progress(rank.watchdog, "checkpoint", step)
     try:
@@ -243,7 +244,7 @@ def _build(rank: _Rank, spec: ModelSpec, topology: Topology, groups: ParallelGro
     flops = spec.flops_per_token(config, model)
     if info.rank == 0:
         write_model_card(rank.run_dir, model, config.train.model)
-    data = build_data(ctx, groups, device)
+    data = build_data(ctx, groups, device, tuple(rank.watch.signals))
     pipelined = topology.sizes["pp"] > 1  # DeepSpeed's pipeline engine brings its own grid: no mpu
     engine = build_engine(model, config, topology.sizes["dp"], None if pipelined else ModelParallelUnit(groups),
                           rank.run_dir, info.local_rank)
@@ -295,6 +296,7 @@ def _steps(rank: _Rank, parts: _Parts, monitor: Monitor, recorder: AttemptRecord
                     recorder.save_time(time.perf_counter() - saved)
                 _progress(rank.watchdog, "step", step)
         rank.watch.settle()
+        parts.stream.close()
         _progress(rank.watchdog, "checkpoint", progress.step)
         parts.checkpointer.finish()  # a background seal of the last checkpoint is durable before the attempt ends
     except BaseException as error:

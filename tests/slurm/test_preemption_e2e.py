@@ -1,7 +1,8 @@
 """Preemption on the real local Slurm cluster, 2 nodes, submitted through submitit: a job preempted by a
-higher-priority job, one that reaches its time limit, one sent ``scancel --signal=USR2``, one requeued from
-outside with ``scontrol requeue``. Each finishes, and its exported weights are bitwise identical to an
-uninterrupted run of the same config (fp32, CPU)."""
+higher-priority job, one that reaches its time limit, one requeued from outside with ``scontrol requeue``, a
+Hugging Face GPT-2 sent ``scancel --signal=USR2``, and a rendered sbatch script that requeues itself. Each
+finishes, and its exported weights are bitwise identical to an uninterrupted run of the same config (fp32,
+CPU)."""
 
 from __future__ import annotations
 
@@ -28,8 +29,8 @@ BASE = ["--site", "local-slurm", "--set", "job.nodes=2", "--set", "job.tasks_per
 BAD_STATES = {"FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
 
 
-def _submit(cwd: Path, steps: int, *extra: str, follow: bool = False) -> str:
-    args = [sys.executable, "-m", "hpc_train.submit", EXAMPLE, *BASE, "--set", f"train.steps={steps}", *extra]
+def _submit(cwd: Path, steps: int, *extra: str, follow: bool = False, example: str = EXAMPLE) -> str:
+    args = [sys.executable, "-m", "hpc_train.submit", example, *BASE, "--set", f"train.steps={steps}", *extra]
     result = subprocess.run([*args, *([] if follow else ["--no-follow"])], cwd=cwd, capture_output=True, text=True,
                             timeout=300, check=False)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -111,16 +112,35 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.T
     return _exported(work / "runs" / "tiny-gpt", work / "weights.pt")
 
 
-def test_scancel_signal_usr2(uninterrupted: dict[str, torch.Tensor], tmp_path: Path) -> None:
-    run_dir = tmp_path / "runs" / "tiny-gpt"
-    job_id = _submit(tmp_path, STEPS)
+def test_a_hugging_face_gpt2_sent_usr2_by_scancel_exports_the_uninterrupted_weights(tmp_path: Path) -> None:
+    """The HF GPT-2 example (ZeRO-2, 2 nodes, 2 DataLoader workers per rank): ``scancel --signal=USR2``, saved,
+    requeued by Slurm, resumed; the export is bitwise that of an uninterrupted run and loads strictly into
+    ``GPT2LMHeadModel``."""
+    transformers = pytest.importorskip("transformers", reason="the hf extra (pip install 'hpc_train[hf]') is missing")
+    tokens = tmp_path / "corpus.u16"
+    subprocess.run([sys.executable, "-m", "hpc_train.train.prepare", str(REPO / "examples" / "corpus" /
+                    "hpc_train_docs.txt"), str(tokens)], check=True, capture_output=True, timeout=60)
+    hf = ["--set", f"data.path={tokens}", "--set", "data.num_workers=2", "--set", "checkpoint.every_steps=100",
+          "--set", "monitor.eval_every=10"]
+    example = str(REPO / "examples" / "hf_gpt2" / "job.toml")
+    plain, interrupted = tmp_path / "plain", tmp_path / "interrupted"
+    plain.mkdir()
+    interrupted.mkdir()
+    _submit(plain, STEPS, *hf, follow=True, example=example)
+    reference = _exported(plain / "runs" / "hf-gpt2", tmp_path / "reference.pt")
+    run_dir = interrupted / "runs" / "hf-gpt2"
+    job_id = _submit(interrupted, STEPS, *hf, example=example)
     _wait_for_step(job_id, run_dir, 15)
     subprocess.run(["scancel", "--signal=USR2", job_id], check=True, timeout=30)
     _wait_until_completed(job_id, run_dir)
     first = _finished_run(run_dir, job_id)[0]
     assert first["outcome"] == "preempted" and first["signal"] == "SIGUSR2" and first["requeued"]
     assert _attempts(run_dir)[1]["start_step"] == first["end_step"]  # saved at the signal: no step lost
-    _assert_same(_exported(run_dir, tmp_path / "weights.pt"), uninterrupted, run_dir)
+    weights = _exported(run_dir, tmp_path / "weights.pt")
+    _assert_same(weights, reference, run_dir)
+    config = transformers.GPT2Config(**{k: v for k, v in json.loads((run_dir / "model.json").read_text())[
+        "hf_config"].items() if k not in ("architectures", "transformers_version")})
+    transformers.GPT2LMHeadModel(config).load_state_dict(weights, strict=True)
 
 
 def test_scontrol_requeue_from_outside(uninterrupted: dict[str, torch.Tensor], tmp_path: Path) -> None:
@@ -171,11 +191,11 @@ def test_time_limit(uninterrupted: dict[str, torch.Tensor], tmp_path: Path) -> N
     _assert_same(_exported(run_dir, tmp_path / "weights.pt"), uninterrupted, run_dir)
 
 
-@pytest.mark.parametrize("template", ["srun", "torchrun"])
-def test_rendered_sbatch_script_requeues_itself(uninterrupted: dict[str, torch.Tensor], tmp_path: Path,
-                                                template: str) -> None:
+def test_rendered_sbatch_script_requeues_itself(uninterrupted: dict[str, torch.Tensor], tmp_path: Path) -> None:
     """The sbatch path has no submitit: rank 0 runs ``scontrol requeue`` itself and Slurm runs the script again.
-    Under torchrun the signal reaches the agent too, which must survive it (it ignores it) for the ranks to save."""
+    Under torchrun the signal reaches the agent too, which must survive it (it ignores it) for the ranks to save.
+    (The srun template runs the same ranks without the agent: tests/slurm/test_user_code_e2e.py runs it.)"""
+    template = "torchrun"
     rendered = subprocess.run([sys.executable, "-m", "hpc_train", "render", EXAMPLE, *BASE, "--set",
                                f"train.steps={STEPS}", "--template", template, "--json"], cwd=tmp_path,
                               capture_output=True, text=True, timeout=60, check=True)

@@ -46,7 +46,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
     ("dp2-zero1", ["job.tasks_per_node=2", "train.micro_batch=4", "zero.stage=1"]),
     ("dp2-zero2", ["job.tasks_per_node=2", "train.micro_batch=4", "zero.stage=2"]),
     ("dp2-zero3", ["job.tasks_per_node=2", "train.micro_batch=4", "zero.stage=3"]),
-    ("tp2", ["job.tasks_per_node=2", "parallel.tensor=2", "train.micro_batch=8", "zero.stage=0"]),
+    ("tp2-dp2", ["job.tasks_per_node=4", "parallel.tensor=2", "train.micro_batch=4", "zero.stage=1"]),
     ("pp2", ["job.tasks_per_node=2", "parallel.pipeline=2", "train.micro_batch=4", "train.grad_accum=2",
              "zero.stage=1"]),
     ("tp2-dp2-pp2", ["job.tasks_per_node=8", "parallel.tensor=2", "parallel.pipeline=2", "train.micro_batch=2",
