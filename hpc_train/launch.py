@@ -29,6 +29,7 @@ from hpc_train.run.paths import (
     rank_error_path,
     rank_log_path,
 )
+from hpc_train.run.quick_exit import exit_quickly_when_done
 from hpc_train.train.preemption import PreemptionWatch
 
 __all__ = ["RankEntry", "main", "run_rank"]
@@ -112,6 +113,8 @@ def _run_rank(run_dir: Path, plan: Plan, watch: PreemptionWatch | None) -> dict[
     if info.rank == 0:
         name = SMOKE_FILE if "all_reduce" in result else PROGRAM_FILE if "program" in result else TRAIN_FILE
         atomic_write(run_dir / name, json.dumps(result, indent=2) + "\n")
+    if info.launcher != "single":  # a launcher's rank process, not someone's own Python calling run_rank
+        exit_quickly_when_done()
     return result
 
 

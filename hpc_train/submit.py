@@ -104,7 +104,8 @@ def _submit(argv: list[str] | None) -> int:
     followed = [FollowedJob(job, Path(run_dir), label=Path(run_dir).name, requeue=plan.requeue, log_offset=offset)
                 for job, run_dir, plan, offset in zip(jobs, run_dirs, plans, offsets, strict=True)]
     try:
-        return follow(followed, executor, console)
+        # Local jobs cost nothing to poll: back off to 1 s at most, so a laptop run ends when its ranks do.
+        return follow(followed, executor, console, max_poll_s=1.0 if executor == "local" else 5.0)
     except KeyboardInterrupt:
         ids = ",".join(job.job_id for job in followed)
         console.print(f"stopped following; job {ids} " + ("keeps running: 'scancel " + ids + "' stops it"

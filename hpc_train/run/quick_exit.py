@@ -1,0 +1,43 @@
+"""Leave a finished rank without the interpreter's teardown.
+
+Why: a process that imported torch and DeepSpeed spends 1-2 s at exit tearing down modules (measured on 2
+CPUs: 0.8 s after ``import torch`` alone, 1.5-1.9 s after ``deepspeed.initialize``), after its work, results
+and logs are written. Every job waits for its slowest rank to exit, and so does whoever follows it. Once a
+rank has finished well, :func:`exit_quickly_when_done` arranges that the process ends with status 0 as soon
+as the code that called the rank (submitit, which writes its result file first, or ``hpc_train.launch``)
+returns: the last registered ``atexit`` handler runs first, flushes the logs and the standard streams and
+calls ``os._exit(0)``. An exception that reaches the top of the process turns it off: that exit is left alone.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import os
+import sys
+from typing import Any
+
+__all__ = ["exit_quickly_when_done"]
+
+
+def exit_quickly_when_done() -> None:
+    """Call when the rank has finished and written everything; idempotent enough (the first exit wins)."""
+    failed: list[bool] = []
+    previous = sys.excepthook
+
+    def note_failure(*details: Any) -> None:
+        failed.append(True)
+        previous(*details)
+
+    def leave() -> None:
+        if failed:
+            return
+        logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(0)
+
+    sys.excepthook = note_failure
+    atexit.register(leave)
