@@ -117,27 +117,46 @@ def _module_state(state_dir: Path) -> dict[str, Any]:
     return dict(saved["module"])
 
 
+def _trained_model(folder: Path) -> str:
+    """``train.model`` of the run that saved ``folder``, from its ``model.json`` ("tiny" when a run from before
+    model.json has none: then it trained the built-in GPT)."""
+    try:
+        card = json.loads((folder.parent.parent / MODEL_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return "tiny"
+    return str(card.get("model", "tiny")) if isinstance(card, dict) else "tiny"
+
+
 def _pipeline_state(state_dir: Path) -> dict[str, Any]:
-    """Every layer file of the tensor rank 0, renamed from ``"<layer>.<name>"`` to GPT's names."""
+    """Every layer file of the tensor rank 0, renamed from ``"<layer>.<name>"`` by the model spec: to GPT's
+    names for the built-in GPT, kept as they are (``nn.Sequential(*layers)``'s names) for a user's layers."""
     import torch
 
-    from hpc_train.train.models import GPT_SPEC  # the one model family checkpoints hold today
+    from hpc_train.config.job import MODEL_PRESETS
 
     files = {int(m.group(1)): state_dir / name for name in os.listdir(state_dir) if (m := _LAYER_FILE.match(name))}
-    if not files or sorted(files) != list(range(len(files))) or len(files) < 3:
-        raise ValueError(f"expected layer_00 ... layer_NN model-state files (embedding, blocks, head), found layers "
-                         f"{sorted(files)}")
-    blocks = len(files) - 2
+    gpt = _trained_model(state_dir.parent) in MODEL_PRESETS
+    if not files or sorted(files) != list(range(len(files))) or (gpt and len(files) < 3):
+        raise ValueError(f"expected layer_00 ... layer_NN model-state files{' (embedding, blocks, head)' * gpt}, "
+                         f"found layers {sorted(files)}")
+    rename = _gpt_name(len(files) - 2) if gpt else (lambda name: name)
     state: dict[str, Any] = {}
     for index, path in sorted(files.items()):
         for name, tensor in torch.load(path, map_location="cpu", weights_only=True).items():
-            state[GPT_SPEC.parameter_name(f"{index}.{name}", blocks)] = tensor
+            state[rename(f"{index}.{name}")] = tensor
     return state
 
 
+def _gpt_name(blocks: int) -> Any:
+    from hpc_train.train.models import GPT_SPEC
+
+    return lambda name: GPT_SPEC.parameter_name(name, blocks)
+
+
 def _load_fp32(folder: Path, manifest: Manifest) -> dict[str, Any]:
-    """The consolidated state as fresh contiguous fp32 tensors (no views into DeepSpeed's flat buffers, which
-    torch.save would otherwise write whole)."""
+    """The consolidated state as fresh contiguous tensors, floating point ones in fp32, integer buffers (a batch
+    norm's count) as they are, so that ``load_state_dict(strict=True)`` finds every key (no views into
+    DeepSpeed's flat buffers, which torch.save would otherwise write whole)."""
     import torch
 
     state_dir = folder / STATE_TAG
@@ -151,8 +170,8 @@ def _load_fp32(folder: Path, manifest: Manifest) -> dict[str, Any]:
     except (OSError, ValueError, KeyError, RuntimeError, TypeError, pickle.UnpicklingError) as error:
         raise ConfigError(str(folder), f"verifies, but DeepSpeed's files cannot be consolidated "
                           f"({type(error).__name__}: {error})", "export another step") from None
-    return {name: tensor.detach().to(dtype=torch.float32, device="cpu").contiguous().clone()
-            for name, tensor in state.items() if torch.is_tensor(tensor) and tensor.is_floating_point()}
+    return {name: (tensor.detach().to(dtype=torch.float32) if tensor.is_floating_point() else tensor.detach())
+            .to(device="cpu").contiguous().clone() for name, tensor in state.items() if torch.is_tensor(tensor)}
 
 
 def _publish(tmp: Path, out: Path, force: bool) -> None:

@@ -55,6 +55,7 @@ __all__ = [
     "deepspeed_topology",
     "eval_step",
     "gpt_parameter_name",
+    "mark_replicated",
     "train_step",
 ]
 
@@ -124,7 +125,7 @@ def _check_tp_group(topology: Topology, tp_group: Any) -> None:
                          f"group of this rank is {expected}; pass ParallelGroups(topology).group('tp')")
 
 
-def _mark_replicated(module: nn.Module, group: Any) -> None:
+def mark_replicated(module: nn.Module, group: Any) -> None:
     """Count tensor-replicated parameters once per stage in DeepSpeed's norms (see the module docstring)."""
     first = tp_rank(group) == 0
     for param in module.parameters():
@@ -153,7 +154,7 @@ def build_pipeline_model(config: GPTConfig, topology: Topology, tp_group: Any, s
     layers.append(LayerSpec(HeadStage, config, tp_group, seed))
     model = PipelineModule(layers=layers, topology=ds_topology, loss_fn=VocabParallelLoss(tp_group),
                            partition_method="parameters")
-    _mark_replicated(model, tp_group)
+    mark_replicated(model, tp_group)
     return model
 
 

@@ -70,7 +70,8 @@ def test_a_factory_that_raises_or_returns_no_module_is_named_in_one_line(functio
 def test_a_user_model_with_a_pipeline_is_refused_at_start_saying_what_works() -> None:
     from hpc_train.train.entry_points import UserCodeError
 
-    with pytest.raises(UserCodeError, match=r"parallel.pipeline > 1 needs a pipeline .* set parallel.pipeline = 1"):
+    with pytest.raises(UserCodeError, match=r"parallel.pipeline > 1 needs the model as layers: return hpc_train.train"
+                       r".pipeline_layers.pipeline_layers\(layers, loss_fn\) from the factory, or set"):
         _build(f"{CODE}/cnn.py:model", pipeline=2)
 
 

@@ -21,11 +21,11 @@ TOLERANCE = 1e-5
 STEPS = 8
 
 
-def _job(tmp_path: Path, model: str, source: str = "synthetic") -> Path:
+def _job(tmp_path: Path, model: str, source: str = "synthetic", collate: str = "") -> Path:
     job = tmp_path / "job.toml"
     job.write_text(f'[job]\nname = "own"\n[train]\nmodel = "{model}"\nsteps = {STEPS}\nseq_len = 32\n'
                    'precision = "fp32"\nlr = 1e-2\nwarmup_steps = 2\n'
-                   f'[data]\nsource = "{source}"\nvocab_size = 64\n'
+                   f'[data]\nsource = "{source}"\nvocab_size = 64\ncollate = "{collate}"\n'
                    "[monitor]\nlog_every = 1\neval_every = 4\n[checkpoint]\nevery_steps = 0\n")
     return job
 
@@ -65,13 +65,48 @@ def test_tensor_parallel_layers_in_a_user_model_follow_one_rank(tmp_path: Path, 
     assert worst < TOLERANCE, f"max |tp=2 - tp=1| = {worst:.2e}\n{losses}\n{one_rank}"
 
 
+def test_a_user_model_as_pipeline_layers_on_two_stages_follows_one_rank(tmp_path: Path,
+                                                                         one_rank: list[float]) -> None:
+    """The factory returns ``pipeline_layers``: 2 stages of DeepSpeed's pipeline engine; its export is named as
+    ``nn.Sequential(*layers)`` names it."""
+    import torch
+
+    losses = _losses(tmp_path, _job(tmp_path, f"{CODE}/lm.py:pipeline_model"), "job.tasks_per_node=2",
+                     "parallel.pipeline=2", "train.micro_batch=8", "zero.stage=1")
+    worst = max(abs(a - b) for a, b in zip(losses, one_rank, strict=True))
+    assert worst < TOLERANCE, f"max |pp=2 - 1 rank| = {worst:.2e}\n{losses}\n{one_rank}"
+    out = tmp_path / "pipeline.pt"
+    result = subprocess.run([sys.executable, "-m", "hpc_train", "ckpt", "export", str(tmp_path / "runs" / "own"),
+                             "--out", str(out)], capture_output=True, text=True, timeout=180, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+    names = sorted(torch.load(out, weights_only=True))
+    assert names == ["0.weight", "1.block.down.bias", "1.block.down.weight", "1.block.up.bias", "1.block.up.weight",
+                     "2.block.down.bias", "2.block.down.weight", "2.block.up.bias", "2.block.up.weight",
+                     "3.head.weight", "3.norm.bias", "3.norm.weight"]
+
+
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_a_cnn_on_its_own_dataset_trains_at_every_zero_stage(tmp_path: Path, stage: int) -> None:
-    losses = _losses(tmp_path, _job(tmp_path, f"{CODE}/cnn.py:model", f"{CODE}/cnn.py:dataset"),
-                     "job.tasks_per_node=2", "train.micro_batch=16", f"zero.stage={stage}")
+    """Its collate function makes each batch a dict, passed to the forward as keywords; the export loads
+    strictly into the factory's module, its batch norm's buffers (one an integer count) included."""
+    import torch
+
+    from tests.train.user_code import cnn
+
+    losses = _losses(tmp_path, _job(tmp_path, f"{CODE}/cnn.py:model", f"{CODE}/cnn.py:dataset",
+                                    f"{CODE}/cnn.py:as_dict"), "job.tasks_per_node=2", "train.micro_batch=16",
+                     f"zero.stage={stage}")
     assert len(losses) == STEPS and losses[-1] < losses[0], losses
     model = json.loads((tmp_path / "runs" / "own" / "model.json").read_text())
     assert model["class"].endswith("SmallCNN") and "hf_config" not in model
+    if stage in (0, 3):  # DeepSpeed's module file, and the ZeRO-3 partitions merged
+        out = tmp_path / "cnn.pt"
+        result = subprocess.run([sys.executable, "-m", "hpc_train", "ckpt", "export", str(tmp_path / "runs" / "own"),
+                                 "--out", str(out)], capture_output=True, text=True, timeout=180, check=False)
+        assert result.returncode == 0, result.stdout + result.stderr
+        weights = torch.load(out, weights_only=True)
+        assert weights["norm.num_batches_tracked"].dtype == torch.int64
+        cnn.SmallCNN().load_state_dict(weights, strict=True)
 
 
 @pytest.mark.parametrize(("model", "source", "says"), [

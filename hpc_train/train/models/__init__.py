@@ -16,7 +16,7 @@ __all__ = ["GPT_SPEC", "ModelSpec", "Param", "model_spec"]
 def model_spec(model: str) -> ModelSpec:
     """The spec of ``train.model`` (validated on the login node): the GPT for a preset, else the user's factory
     (imported here, so call it where user code may run: on a rank)."""
-    if model in MODEL_PRESETS:
+    if model in MODEL_PRESETS or ":" not in model:  # a name is a preset: the GPT's spec refuses unknown ones
         return GPT_SPEC
     from hpc_train.train.models.user import user_spec
 

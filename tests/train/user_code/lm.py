@@ -13,6 +13,7 @@ from hpc_train.distributed.tensor_parallel import (
     VocabParallelEmbedding,
     vocab_parallel_cross_entropy,
 )
+from hpc_train.train.pipeline_layers import pipeline_layers
 
 
 class ParallelMLP(nn.Module):
@@ -46,3 +47,32 @@ class MLPLanguageModel(nn.Module):
 
 def model(ctx):
     return MLPLanguageModel(ctx.config.data.vocab_size, ctx.params.get("hidden", 32), 2, ctx.group("tp"))
+
+
+class Residual(nn.Module):
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.block(x)
+
+
+class NormHead(nn.Module):
+    def __init__(self, hidden: int, vocab: int, group) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(hidden)
+        self.head = ColumnParallelLinear(hidden, vocab, group, bias=False, seed=2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(x))
+
+
+def pipeline_model(ctx):
+    """The same model (the same seeds, so the same weights) as layers, to run with parallel.pipeline > 1."""
+    vocab, hidden, group = ctx.config.data.vocab_size, ctx.params.get("hidden", 32), ctx.group("tp")
+    layers = [VocabParallelEmbedding(vocab, hidden, group, seed=1)]
+    layers += [Residual(ParallelMLP(hidden, group, seed=10 * (i + 1))) for i in range(2)]
+    layers.append(NormHead(hidden, vocab, group))
+    return pipeline_layers(layers, lambda logits, targets: vocab_parallel_cross_entropy(logits, targets,
+                                                                                         group).mean())
