@@ -357,11 +357,11 @@ def _after_step(rank: _Rank, parts: _Parts, monitor: Monitor, progress: _Progres
     every = config.monitor.eval_every
     if not stopped_by and every and (step % every == 0 or last):
         result = _evaluate(engine, parts.data, parts.groups, None if last else watch, parts.said)
-        if result is None and not last:
-            stopped_by = watch.agreed(engine.device)
-        else:
+        if result is not None:
             progress.eval_loss = result
             monitor.eval(step, progress.eval_loss)
+        elif not last:  # cut short by a signal (or no evaluation set: then nothing was received)
+            stopped_by = watch.agreed(engine.device)
     return stopped_by
 
 
