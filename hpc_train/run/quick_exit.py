@@ -5,8 +5,9 @@ CPUs: 0.8 s after ``import torch`` alone, 1.5-1.9 s after ``deepspeed.initialize
 and logs are written. Every job waits for its slowest rank to exit, and so does whoever follows it. Once a
 rank has finished well, :func:`exit_quickly_when_done` arranges that the process ends with status 0 as soon
 as the code that called the rank (submitit, which writes its result file first, or ``hpc_train.launch``)
-returns: the last registered ``atexit`` handler runs first, flushes the logs and the standard streams and
-calls ``os._exit(0)``. An exception that reaches the top of the process turns it off: that exit is left alone.
+returns: the last registered ``atexit`` handler runs first, finalizes MPI if mpi4py started it, flushes the
+logs and the standard streams and calls ``os._exit(0)``. An exception that reaches the top of the process
+turns it off: that exit is left alone.
 """
 
 from __future__ import annotations
@@ -21,6 +22,13 @@ from typing import Any
 __all__ = ["exit_quickly_when_done"]
 
 
+def _finalize_mpi() -> None:
+    """mpirun counts a rank that leaves without ``MPI_Finalize`` as failed (mpi4py would call it at exit)."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        mpi.Finalize()
+
+
 def exit_quickly_when_done() -> None:
     """Call when the rank has finished and written everything; idempotent enough (the first exit wins)."""
     failed: list[bool] = []
@@ -33,6 +41,7 @@ def exit_quickly_when_done() -> None:
     def leave() -> None:
         if failed:
             return
+        _finalize_mpi()
         logging.shutdown()
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):

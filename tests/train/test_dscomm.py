@@ -24,10 +24,12 @@ def _start(rank: int, world: int, port: str, ours: bool) -> dict[str, Any]:
     import torch.distributed as dist
 
     from hpc_train.train.dscomm import init_deepspeed_comm
+    from hpc_train.train.jit_ops import use_extensions_root
 
     if ours:
         init_deepspeed_comm(rank)
-    else:
+    else:  # the op DeepSpeed builds on init is the one bootstrap built (else a fresh clone compiles it, ~50 s)
+        use_extensions_root()
         deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
     dist.barrier()
     return {"local_size": os.environ.get("LOCAL_SIZE"), "initialized": deepspeed.comm.is_initialized()}
