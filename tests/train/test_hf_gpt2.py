@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from hpc_train.run.watch import local_rank_pid
-from tests.conftest import REPO
+from tests.conftest import REPO, exported
 from tests.train.test_preemption_local import _attempts, _running
 
 transformers = pytest.importorskip("transformers", reason="the hf extra (pip install 'hpc_train[hf]') is missing")
@@ -51,13 +51,6 @@ def _finished(process: subprocess.Popen[str]) -> None:
     assert process.returncode == 0, output[-4000:]
 
 
-def _export(run_dir: Path, out: Path, *extra: str) -> Path:
-    result = subprocess.run([sys.executable, "-m", "hpc_train", "ckpt", "export", str(run_dir), "--out", str(out),
-                             *extra], capture_output=True, text=True, timeout=180, check=False)
-    assert result.returncode == 0, result.stdout + result.stderr
-    return out
-
-
 def _losses(run_dir: Path) -> dict[int, float]:
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: r["loss"] for r in records if "loss" in r}
@@ -68,7 +61,7 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory, tokens: Path) -> Sim
     work = tmp_path_factory.mktemp("plain")
     _finished(_submit(work, tokens))
     run_dir = work / "runs" / "hf-gpt2"
-    weights = torch.load(_export(run_dir, work / "weights.pt"), weights_only=True)
+    weights = torch.load(exported(run_dir, work / "weights.pt"), weights_only=True)
     return SimpleNamespace(weights=weights, losses=_losses(run_dir))
 
 
@@ -109,13 +102,13 @@ def test_preempted_at_random_steps_it_exports_the_uninterrupted_weights_loadable
             process.kill()
     attempts = _attempts(run_dir)
     assert [a["outcome"] for a in attempts] == ["preempted", "preempted", "completed"], (seed, plan, attempts)
-    weights = torch.load(_export(run_dir, tmp_path / "weights.pt"), weights_only=True)
+    weights = torch.load(exported(run_dir, tmp_path / "weights.pt"), weights_only=True)
     assert weights.keys() == uninterrupted.weights.keys()
     different = [name for name, tensor in uninterrupted.weights.items() if not torch.equal(weights[name], tensor)]
     assert not different, f"{different[:3]} differ after preemptions at {plan} (seed {seed})"
     assert _losses(run_dir) == uninterrupted.losses
     trained = _gpt2(weights)  # strict=True: every name of the module, nothing else
-    folder = _export(run_dir, tmp_path / "gpt2-hf", "--format", "hf")
+    folder = exported(run_dir, tmp_path / "gpt2-hf", "--format", "hf")
     assert sorted(p.name for p in folder.iterdir()) == ["config.json", "model.safetensors"]
     loaded = transformers.GPT2LMHeadModel.from_pretrained(folder).eval()
     inputs = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))

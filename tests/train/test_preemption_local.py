@@ -60,7 +60,7 @@ def test_signals_at_random_steps_end_with_the_uninterrupted_weights(
         uninterrupted: dict[str, torch.Tensor], tmp_path: Path) -> None:
     run_dir = tmp_path / "runs" / "tiny-gpt"
     seed = int(time.time())  # printed on failure: the steps are reproducible
-    plan = sorted(random.Random(seed).sample(range(3, STEPS - 5), 3))  # noqa: S311 - not a secret
+    plan = sorted(random.Random(seed).sample(range(3, STEPS - 5), 2))  # noqa: S311 - not a secret
     process = _submit(tmp_path)
     sent: list[tuple[int, str]] = []
     try:
@@ -82,9 +82,9 @@ def test_signals_at_random_steps_end_with_the_uninterrupted_weights(
             process.kill()
     assert process.returncode == 0, output[-4000:]
     attempts = _attempts(run_dir)
-    assert [a["outcome"] for a in attempts] == ["preempted"] * 3 + ["completed"], (seed, attempts)
-    assert [a["signal"] for a in attempts[:3]] == [name for _, name in sent]
-    assert all(a["requeued"] for a in attempts[:3]) and attempts[-1]["end_step"] == STEPS
+    assert [a["outcome"] for a in attempts] == ["preempted"] * 2 + ["completed"], (seed, attempts)
+    assert [a["signal"] for a in attempts[:2]] == [name for _, name in sent]
+    assert all(a["requeued"] for a in attempts[:2]) and attempts[-1]["end_step"] == STEPS
     for before, after in itertools.pairwise(attempts):
         assert after["start_step"] == before["end_step"]  # nothing lost: each attempt starts where one stopped
     for (at_step, _), attempt in zip(sent, attempts, strict=False):

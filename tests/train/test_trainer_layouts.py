@@ -43,14 +43,11 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
 
 
 @pytest.mark.parametrize(("name", "overrides"), [
-    ("dp2-zero1", ["job.tasks_per_node=2", "train.micro_batch=4", "zero.stage=1"]),
-    ("dp2-zero2", ["job.tasks_per_node=2", "train.micro_batch=4", "zero.stage=2"]),
-    ("dp2-zero3", ["job.tasks_per_node=2", "train.micro_batch=4", "zero.stage=3"]),
+    # 2 data-parallel ranks at ZeRO 0-3: tests/train/test_user_models.py (the same loop, another module)
     ("tp2-dp2", ["job.tasks_per_node=4", "parallel.tensor=2", "train.micro_batch=4", "zero.stage=1"]),
     ("pp2", ["job.tasks_per_node=2", "parallel.pipeline=2", "train.micro_batch=4", "train.grad_accum=2",
              "zero.stage=1"]),
-    ("tp2-dp2-pp2", ["job.tasks_per_node=8", "parallel.tensor=2", "parallel.pipeline=2", "train.micro_batch=2",
-                     "train.grad_accum=2", "zero.stage=1"]),
+    # tensor x data x pipeline together: tests/train/test_pipeline.py (the pipeline engine against one process)
 ])
 def test_layout_follows_one_rank(tmp_path: Path, reference: list[float], name: str, overrides: list[str]) -> None:
     losses = _losses(tmp_path, name, *[arg for item in overrides for arg in ("--set", item)])

@@ -1,9 +1,11 @@
 """Your own model (and data) in the real trainer, through ``hpc_train.submit`` on the local executor.
 
 Two models from files: a language model built from hpc_train's tensor-parallel layers, on the trainer's own
-synthetic tokens, and a small CNN classifier on its own tensor dataset. Each trains at ZeRO 0-3 on 2 ranks and
-its loss falls; the language model on 2 data-parallel ranks (ZeRO-0) and on 2 tensor-parallel ranks follows
-one rank within 1e-5 (fp32, the same global batch).
+synthetic tokens, and a small CNN classifier on its own tensor dataset with its own collate function. The
+language model trains at ZeRO 0-3 on 2 data-parallel ranks, on 2 tensor-parallel ranks and on 2 pipeline
+stages, and follows one rank (fp32, the same global batch: within 1e-5 at ZeRO-0, tensor and pipeline, 2e-5
+at ZeRO 1-3, whose buckets sum in another order); its loss falls. The CNN trains at ZeRO 0 and 3 (a module
+file, and partitions merged) and exports strictly loadable weights, batch-norm buffers included.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import exported
 
 pytestmark = pytest.mark.slow
 CODE = Path(__file__).parent / "user_code"
@@ -53,9 +57,9 @@ def test_a_language_model_from_a_file_trains_at_every_zero_stage(tmp_path: Path,
     losses = _losses(tmp_path, _job(tmp_path, f"{CODE}/lm.py:model"), "job.tasks_per_node=2", "train.micro_batch=4",
                      f"zero.stage={stage}")
     assert len(losses) == STEPS and losses[-1] < losses[0] - 0.5, losses
-    if stage == 0:
-        worst = max(abs(a - b) for a, b in zip(losses, one_rank, strict=True))
-        assert worst < TOLERANCE, f"max |2 ranks - 1 rank| = {worst:.2e}\n{losses}\n{one_rank}"
+    worst = max(abs(a - b) for a, b in zip(losses, one_rank, strict=True))
+    limit = TOLERANCE if stage == 0 else 2 * TOLERANCE  # ZeRO 1-3 reduce in buckets: other sums, as for the GPT
+    assert worst < limit, f"ZeRO-{stage}: max |2 ranks - 1 rank| = {worst:.2e}\n{losses}\n{one_rank}"
 
 
 def test_tensor_parallel_layers_in_a_user_model_follow_one_rank(tmp_path: Path, one_rank: list[float]) -> None:
@@ -75,18 +79,14 @@ def test_a_user_model_as_pipeline_layers_on_two_stages_follows_one_rank(tmp_path
                      "parallel.pipeline=2", "train.micro_batch=8", "zero.stage=1")
     worst = max(abs(a - b) for a, b in zip(losses, one_rank, strict=True))
     assert worst < TOLERANCE, f"max |pp=2 - 1 rank| = {worst:.2e}\n{losses}\n{one_rank}"
-    out = tmp_path / "pipeline.pt"
-    result = subprocess.run([sys.executable, "-m", "hpc_train", "ckpt", "export", str(tmp_path / "runs" / "own"),
-                             "--out", str(out)], capture_output=True, text=True, timeout=180, check=False)
-    assert result.returncode == 0, result.stdout + result.stderr
-    names = sorted(torch.load(out, weights_only=True))
+    names = sorted(torch.load(exported(tmp_path / "runs" / "own", tmp_path / "pipeline.pt"), weights_only=True))
     assert names == ["0.weight", "1.block.down.bias", "1.block.down.weight", "1.block.up.bias", "1.block.up.weight",
                      "2.block.down.bias", "2.block.down.weight", "2.block.up.bias", "2.block.up.weight",
                      "3.head.weight", "3.norm.bias", "3.norm.weight"]
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_a_cnn_on_its_own_dataset_trains_at_every_zero_stage(tmp_path: Path, stage: int) -> None:
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_cnn_on_its_own_dataset_trains_and_exports(tmp_path: Path, stage: int) -> None:
     """Its collate function makes each batch a dict, passed to the forward as keywords; the export loads
     strictly into the factory's module, its batch norm's buffers (one an integer count) included."""
     import torch
@@ -99,14 +99,10 @@ def test_a_cnn_on_its_own_dataset_trains_at_every_zero_stage(tmp_path: Path, sta
     assert len(losses) == STEPS and losses[-1] < losses[0], losses
     model = json.loads((tmp_path / "runs" / "own" / "model.json").read_text())
     assert model["class"].endswith("SmallCNN") and "hf_config" not in model
-    if stage in (0, 3):  # DeepSpeed's module file, and the ZeRO-3 partitions merged
-        out = tmp_path / "cnn.pt"
-        result = subprocess.run([sys.executable, "-m", "hpc_train", "ckpt", "export", str(tmp_path / "runs" / "own"),
-                                 "--out", str(out)], capture_output=True, text=True, timeout=180, check=False)
-        assert result.returncode == 0, result.stdout + result.stderr
-        weights = torch.load(out, weights_only=True)
-        assert weights["norm.num_batches_tracked"].dtype == torch.int64
-        cnn.SmallCNN().load_state_dict(weights, strict=True)
+    # export reads DeepSpeed's module file at ZeRO-0 and merges the partitions at ZeRO-3
+    weights = torch.load(exported(tmp_path / "runs" / "own", tmp_path / "cnn.pt"), weights_only=True)
+    assert weights["norm.num_batches_tracked"].dtype == torch.int64
+    cnn.SmallCNN().load_state_dict(weights, strict=True)
 
 
 @pytest.mark.parametrize(("model", "source", "says"), [
