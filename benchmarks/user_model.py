@@ -57,11 +57,15 @@ engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds, l
                                   torch.optim.lr_scheduler.LambdaLR(o, lambda s: lr_at(s, train) / train.lr))
 data = gpt2.dataset(ctx, "train")
 mine = torch.utils.data.Subset(data, range(rank, len(data), world))
-loader = iter(torch.utils.data.DataLoader(mine, batch_size=train.micro_batch, shuffle=True, drop_last=True))
+loader = torch.utils.data.DataLoader(mine, batch_size=train.micro_batch, shuffle=True, drop_last=True)
+batches = iter(loader)
 for step in range(steps):
     if step == warmup:
         start = time.perf_counter()
-    batch = next(loader)
+    batch = next(batches, None)
+    if batch is None:  # the next epoch
+        batches = iter(loader)
+        batch = next(batches)
     loss = engine(**batch).loss
     engine.backward(loss)
     engine.step()
