@@ -21,7 +21,7 @@ import torch
 
 from hpc_train.run.watch import local_rank_pid
 from tests.conftest import REPO, exported
-from tests.train.test_preemption_local import _attempts, _running
+from tests.train.test_preemption_local import _attempts, _running, signal_at_steps
 
 transformers = pytest.importorskip("transformers", reason="the hf extra (pip install 'hpc_train[hf]') is missing")
 pytestmark = pytest.mark.slow
@@ -86,16 +86,7 @@ def test_preempted_at_random_steps_it_exports_the_uninterrupted_weights_loadable
     plan = sorted(random.Random(seed).sample(range(3, STEPS - 4), 2))  # noqa: S311 - not a secret
     process = _submit(tmp_path, tokens)
     try:
-        for index, at_step in enumerate(plan):
-            deadline = time.monotonic() + 180
-            while not _running(run_dir, attempt=index + 1, past=at_step):
-                assert process.poll() is None and time.monotonic() < deadline, f"run ended before step {at_step}"
-                time.sleep(0.02)
-            os.kill(local_rank_pid(run_dir, 1), signal.SIGUSR2)  # one rank: the other learns of it at a step
-            deadline = time.monotonic() + 180
-            while len([a for a in _attempts(run_dir) if a["outcome"] != "running"]) <= index:
-                assert process.poll() is None and time.monotonic() < deadline, "no stop after the signal"
-                time.sleep(0.05)
+        signal_at_steps(process, run_dir, plan)
         _finished(process)
     finally:
         if process.poll() is None:

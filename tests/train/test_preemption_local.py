@@ -62,20 +62,9 @@ def test_signals_at_random_steps_end_with_the_uninterrupted_weights(
     seed = int(time.time())  # printed on failure: the steps are reproducible
     plan = sorted(random.Random(seed).sample(range(3, STEPS - 5), 2))  # noqa: S311 - not a secret
     process = _submit(tmp_path)
-    sent: list[tuple[int, str]] = []
+    sent = [(at_step, "SIGUSR2") for at_step in plan]
     try:
-        for index, at_step in enumerate(plan):
-            deadline = time.monotonic() + 180
-            while not _running(run_dir, attempt=index + 1, past=at_step):
-                assert process.poll() is None and time.monotonic() < deadline, f"run ended before step {at_step}"
-                time.sleep(0.02)
-            number = signal.SIGUSR2  # the site's signal (SIGTERM stops without a requeue: the test below)
-            os.kill(local_rank_pid(run_dir, 1), number)  # one rank only: the others learn of it at the step boundary
-            sent.append((at_step, number.name))
-            deadline = time.monotonic() + 180  # wait until the ranks have stopped before the next signal
-            while len([a for a in _attempts(run_dir) if a["outcome"] != "running"]) <= index:
-                assert process.poll() is None and time.monotonic() < deadline, "no stop after the signal"
-                time.sleep(0.05)
+        signal_at_steps(process, run_dir, plan)
         output, _ = process.communicate(timeout=300)
     finally:
         if process.poll() is None:
@@ -96,6 +85,21 @@ def test_signals_at_random_steps_end_with_the_uninterrupted_weights(
     steps = sorted(json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
                    if "loss" in json.loads(line))
     assert steps == list(range(1, STEPS + 1))  # one metrics line per step across all attempts
+
+
+def signal_at_steps(process: subprocess.Popen[str], run_dir: Path, plan: list[int]) -> None:
+    """Send the site's signal (USR2) to rank 1 only, once the attempt of each signal has logged its step of
+    ``plan``, and wait for the ranks to stop after each (the others learn of it at a step boundary)."""
+    for index, at_step in enumerate(plan):
+        deadline = time.monotonic() + 180
+        while not _running(run_dir, attempt=index + 1, past=at_step):
+            assert process.poll() is None and time.monotonic() < deadline, f"run ended before step {at_step}"
+            time.sleep(0.02)
+        os.kill(local_rank_pid(run_dir, 1), signal.SIGUSR2)
+        deadline = time.monotonic() + 180  # wait until the ranks have stopped before the next signal
+        while len([a for a in _attempts(run_dir) if a["outcome"] != "running"]) <= index:
+            assert process.poll() is None and time.monotonic() < deadline, "no stop after the signal"
+            time.sleep(0.05)
 
 
 def _running(run_dir: Path, attempt: int, past: int) -> bool:
