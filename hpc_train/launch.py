@@ -17,8 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from hpc_train.config.plan import Plan
+from hpc_train.errors import ConfigError
 from hpc_train.run.exit_codes import EXIT_NOT_RETRIED, EXIT_STOPPED
 from hpc_train.run.files import atomic_write
+from hpc_train.run.folder import check_run_folder
 from hpc_train.run.loglines import format_launch_error, format_start, format_stopped, rank_log_format
 from hpc_train.run.paths import (
     PLAN_FILE,
@@ -54,6 +56,7 @@ def _rank_logger(run_dir: Path, rank: int) -> logging.Logger:
 def run_rank(run_dir: Path) -> dict[str, Any]:
     """Run this rank's share of the job in ``run_dir``; return its result."""
     os.umask(0o077)  # logs and results of a run are private, like the run folder
+    check_run_folder(run_dir)  # never reached through a link, nor writable by others: ranks run what it holds
     plan = Plan.from_json((run_dir / PLAN_FILE).read_text(encoding="utf-8"))
     if plan.config.job.program == "smoke":  # nothing to save: signals keep their usual meaning
         return _run_rank(run_dir, plan, None)
@@ -217,6 +220,9 @@ def main(argv: list[str] | None = None) -> int:
     except (LaunchError, RendezvousError) as error:  # a wrong launch, said in one line on every rank
         print(format_launch_error(error), file=sys.stderr)
         return 1
+    except ConfigError as error:  # the run folder was refused
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     return 0
 
 

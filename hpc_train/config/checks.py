@@ -10,6 +10,8 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
+from hpc_train.distributed.hostlist import first_host
+
 __all__ = [
     "Check",
     "TableCheck",
@@ -38,7 +40,9 @@ Check = Callable[[str], "tuple[str, str] | None"]
 # A free table's check returns None, else (the key path below the table, problem, fix).
 TableCheck = Callable[[dict], "tuple[str, str, str] | None"]
 
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+# C0 and C1 control characters, DEL, Unicode line and paragraph separators, and the bidirectional overrides
+# that make a terminal show text in another order than it runs.
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u200e\u200f\u202a-\u202e\u2066-\u2069\ufeff]")
 _SLURM_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,127}")
 _CONSTRAINT = re.compile(r"[A-Za-z0-9._+\-&|\[\]*:()]{1,256}")
 _HOSTLIST = re.compile(r"[A-Za-z0-9._\-\[\],]{1,4096}")
@@ -51,12 +55,12 @@ _IFNAME = re.compile(r"[\^=]{0,2}[A-Za-z0-9._-]{1,64}(,[A-Za-z0-9._-]{1,64})*")
 _IMAGE = re.compile(r"[A-Za-z0-9._/+@,:=#-]{1,4096}")
 _SRUN_ARG = re.compile(r"--[a-z][a-z-]{0,63}(=[A-Za-z0-9._,:/=+-]{1,256})?")
 _TIME_FORMATS = (
-    re.compile(r"(?P<m>\d+)"),
-    re.compile(r"(?P<m>\d+):(?P<s>\d+)"),
-    re.compile(r"(?P<h>\d+):(?P<m>\d+):(?P<s>\d+)"),
-    re.compile(r"(?P<d>\d+)-(?P<h>\d+)"),
-    re.compile(r"(?P<d>\d+)-(?P<h>\d+):(?P<m>\d+)"),
-    re.compile(r"(?P<d>\d+)-(?P<h>\d+):(?P<m>\d+):(?P<s>\d+)"),
+    re.compile(r"(?P<m>[0-9]+)"),
+    re.compile(r"(?P<m>[0-9]+):(?P<s>[0-9]+)"),
+    re.compile(r"(?P<h>[0-9]+):(?P<m>[0-9]+):(?P<s>[0-9]+)"),
+    re.compile(r"(?P<d>[0-9]+)-(?P<h>[0-9]+)"),
+    re.compile(r"(?P<d>[0-9]+)-(?P<h>[0-9]+):(?P<m>[0-9]+)"),
+    re.compile(r"(?P<d>[0-9]+)-(?P<h>[0-9]+):(?P<m>[0-9]+):(?P<s>[0-9]+)"),
 )
 # Signals a job may ask Slurm for. USR1 is NCCL's; KILL and STOP cannot be caught.
 VALID_SIGNALS = ("USR2", "TERM", "INT", "HUP", "QUIT", "ALRM", "URG")
@@ -96,9 +100,27 @@ check_slurm_name = _allow_only(
 check_constraint = _allow_only(
     _CONSTRAINT, "{value!r} is not a Slurm constraint", "use feature names joined by & | and [ ] ( ) only", True,
     "Slurm feature expressions such as ``a100&ib`` or ``[rack1|rack2]``.")
-check_hostlist = _allow_only(
+_check_hostlist_chars = _allow_only(
     _HOSTLIST, "{value!r} is not a Slurm host list", "write it like node[01-04],gpu7 (letters, digits, . _ - [ ] ,)",
-    True, "Host-list expressions such as ``node[01-04,07],gpu3``.")
+    True, "")
+# Slurm itself refuses a range of more than 65,536 hosts; no job names more.
+MAX_HOSTS = 65536
+
+
+def check_hostlist(value: str) -> tuple[str, str] | None:
+    """Host-list expressions such as ``node[01-04,07],gpu3``, checked by the parser that expands them later."""
+    bad = _check_hostlist_chars(value)
+    if bad or not value:
+        return bad
+    try:
+        first_host(value, max_hosts=MAX_HOSTS)
+    except ValueError as error:
+        problem = str(error).split(": ", 1)[-1].split("; valid syntax")[0]
+        return (f"{value[:80]!r} is not a Slurm host list: {problem}",
+                f"write it like node[01-04],gpu7, naming at most {MAX_HOSTS:,} hosts")
+    return None
+
+
 check_mem = _allow_only(
     _MEM, "{value!r} is not a Slurm memory size", 'write a number with an optional K/M/G/T suffix, like "64G"', True,
     'Memory per node in Slurm syntax: ``0`` (all), ``64000`` (MB) or ``512G``.')

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import stat
 import tomllib
 import types
 import typing
@@ -15,9 +17,10 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar, get_args, get_origin
 
 from hpc_train.config.checks import check_env_value
+from hpc_train.config.portable import check_portable
 from hpc_train.errors import ConfigError, did_you_mean
 
-__all__ = ["build", "describe_type", "field_types", "load_toml", "rebuild"]
+__all__ = ["MAX_CONFIG_BYTES", "build", "checked_portable", "describe_type", "field_types", "load_toml", "rebuild"]
 
 T = TypeVar("T")
 
@@ -28,19 +31,53 @@ _KNOWN_MISTAKES = {
 }
 
 
-def load_toml(path: Path, what: str) -> dict[str, Any]:
-    """Read a TOML file; a missing file or a syntax error is a ConfigError naming the file."""
+MAX_CONFIG_BYTES = 1 << 20
+
+
+def _read_config_text(path: Path, what: str) -> str:
+    """The file's text, read without blocking: a FIFO, a device or a huge file is refused before any read."""
     try:
-        text = path.read_text(encoding="utf-8")
+        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
         raise ConfigError(str(path), f"{what} file not found", "check the path") from None
-    except (IsADirectoryError, PermissionError, UnicodeDecodeError) as error:
-        raise ConfigError(str(path), f"cannot read {what} file ({error.__class__.__name__})",
-                          "give a readable UTF-8 TOML file") from None
+    except OSError as error:
+        raise ConfigError(str(path), f"cannot open the {what} file ({error.strerror or error})",
+                          "give a readable TOML file") from None
+    with os.fdopen(descriptor, "rb") as handle:
+        info = os.fstat(handle.fileno())
+        if not stat.S_ISREG(info.st_mode):
+            kind = "a folder" if stat.S_ISDIR(info.st_mode) else "not a regular file (a FIFO, socket or device)"
+            raise ConfigError(str(path), f"the {what} file is {kind}", "give a regular TOML file")
+        if info.st_size > MAX_CONFIG_BYTES:
+            raise ConfigError(str(path), f"the {what} file is {info.st_size:,} bytes, over the "
+                              f"{MAX_CONFIG_BYTES:,}-byte limit", "keep data out of the config; name a file instead")
+        raw = handle.read(MAX_CONFIG_BYTES + 1)
     try:
-        return tomllib.loads(text)
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(str(path), f"the {what} file is not UTF-8 text", "save it as UTF-8") from None
+
+
+def checked_portable(data: dict[str, Any], where: str = "") -> dict[str, Any]:
+    """``data`` when it is portable (:func:`check_portable`), else a ConfigError naming the key."""
+    bad = check_portable(data)
+    if bad:
+        key = f"{where}: {bad[0]}" if where else bad[0]
+        raise ConfigError(key, bad[1], bad[2])
+    return data
+
+
+def load_toml(path: Path, what: str) -> dict[str, Any]:
+    """Read a TOML file; a missing, unreadable or non-regular file, a syntax error or content that plan.json and
+    config.toml cannot carry is a ConfigError naming the file."""
+    text = _read_config_text(path, what)
+    try:
+        data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as error:
         raise ConfigError(str(path), f"not valid TOML ({error})", "fix the syntax at that line") from None
+    except RecursionError:
+        raise ConfigError(str(path), "nests too deep to read", "flatten the arrays and tables") from None
+    return checked_portable(data, str(path))
 
 
 def field_types(cls: type) -> dict[str, Any]:

@@ -51,7 +51,7 @@ def parse_override(text: str, root: type) -> tuple[str, str, Any]:
     else:
         try:
             value = tomllib.loads(f"value = {raw}")["value"]
-        except tomllib.TOMLDecodeError:
+        except (tomllib.TOMLDecodeError, RecursionError):
             value = raw  # a free table keeps it as text; elsewhere the loader reports the key's expected type
     return section, key, value
 

@@ -20,7 +20,7 @@ from hpc_train.config.checks import check_path, parse_time_seconds
 from hpc_train.config.deepspeed import deepspeed_config
 from hpc_train.config.environment import detected_on_node, rank_env
 from hpc_train.config.job import DATA_SOURCES, MODEL_PRESETS, JobConfig
-from hpc_train.config.loader import build, load_toml, rebuild
+from hpc_train.config.loader import build, checked_portable, load_toml, rebuild
 from hpc_train.config.overrides import apply_overrides
 from hpc_train.config.program import resolve_entry_point, resolve_program
 from hpc_train.config.site import SiteConfig
@@ -109,7 +109,7 @@ class Plan:
 def load_job(path: Path, overrides: list[str]) -> JobConfig:
     """Read a job file, apply ``--set`` overrides and type-check every key."""
     data = load_toml(path, "config")
-    data = apply_overrides(data, overrides, JobConfig)
+    data = checked_portable(apply_overrides(data, overrides, JobConfig))
     return build(JobConfig, data)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 __all__ = ["dumps"]
@@ -22,8 +23,12 @@ def _value(value: Any) -> str:
     raise TypeError(f"cannot write {type(value).__name__} to TOML")
 
 
+_BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
+
+
 def _key(key: str) -> str:
-    return key if key.replace("_", "").replace("-", "").isalnum() else json.dumps(key)
+    """TOML bare keys are ASCII letters, digits, _ and - only; anything else is quoted (str.isalnum() is not)."""
+    return key if _BARE_KEY.fullmatch(key) else json.dumps(key)
 
 
 def _table(name: str, table: dict[str, Any], lines: list[str]) -> None:

@@ -6,35 +6,20 @@ fix things: resources, then layout, then training, then checkpoints and preempti
 
 from __future__ import annotations
 
-import re
-
 from hpc_train.config.checks import parse_time_seconds
+from hpc_train.config.env_policy import refused_env_name, secret_reason
 from hpc_train.config.job import MODEL_PRESETS, JobConfig
 from hpc_train.config.site import SiteConfig
 from hpc_train.distributed.topology import Topology
 from hpc_train.errors import ConfigError, did_you_mean
 
-__all__ = ["SLURM_SIGNAL_SLACK_S", "looks_secret", "validate"]
+__all__ = ["SLURM_SIGNAL_SLACK_S", "validate"]
 
 # Slurm may deliver --signal up to 60 s before the requested lead time.
 SLURM_SIGNAL_SLACK_S = 60
-_SECRET = re.compile(r"TOKEN|SECRET|PASSW(OR)?D|API_?KEY|ACCESS_?KEY|PRIVATE_?KEY|CREDENTIAL|_KEY$|AUTH",
-                     re.IGNORECASE)
-# Values that are credentials whatever their name: Hugging Face, GitHub, OpenAI-style, Slack, AWS keys, PEM
-# blocks, and passwords inside URLs.
-_SECRET_VALUE = re.compile(r"^(hf_|ghp_|gho_|github_pat_|sk-|xox[abp]-|AKIA|ASIA)[A-Za-z0-9_-]{8,}|-----BEGIN |"
-                           r"://[^/\s:@]+:[^/\s@]+@")
-# Variables the bootstrap owns: a value from [env] would point ranks at the wrong rendezvous or rank.
-RESERVED_ENV = frozenset({"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                          "MASTER_PORT", "GROUP_RANK", "CROSS_RANK", "CROSS_SIZE", "HPC_TRAIN_RUN_DIR", "PATH",
-                          "SLURM_EXPORT_ENV", "SUBMITIT_PREEMPT_SIGNAL"})
-
-
-def looks_secret(name: str) -> bool:
-    """True for variable names that usually hold credentials (HF_TOKEN, WANDB_API_KEY, ...)."""
-    return bool(_SECRET.search(name))
-
-
+# Beyond any cluster: a larger number is a typo, and would be rendered into #SBATCH lines as it is.
+MAX_NODES = 100_000
+MAX_TASKS_PER_NODE = 1024
 def _at_least(where: str, value: float, low: float, fix: str = "") -> None:
     if value < low:
         raise ConfigError(where, f"{value} is below the minimum {low}", fix or f"set it to {low} or more")
@@ -62,12 +47,36 @@ def _check_counts(cfg: JobConfig) -> None:
         ("retry.node_failure", cfg.retry.node_failure, 0), ("retry.infrastructure", cfg.retry.infrastructure, 0),
     ):
         _at_least(where, value, low)
+    for where, value, high in (("job.nodes", cfg.job.nodes, MAX_NODES), ("job.tasks_per_node", cfg.job.tasks_per_node,
+                               MAX_TASKS_PER_NODE), ("job.gpus_per_node", cfg.job.gpus_per_node or 0, 64),
+                              ("job.cpus_per_task", cfg.job.cpus_per_task or 1, 4096)):
+        if value > high:
+            raise ConfigError(where, f"{str(value)[:24]} is above the maximum {high:,}", "ask for a real machine size")
     if cfg.job.gpus_per_node is not None:
         _at_least("job.gpus_per_node", cfg.job.gpus_per_node, 0)
     if cfg.job.cpus_per_task is not None:
         _at_least("job.cpus_per_task", cfg.job.cpus_per_task, 1)
     if not cfg.job.name:
         raise ConfigError("job.name", "is empty", 'give the run a name, like name = "gpt-125m"')
+
+
+def _check_env(cfg: JobConfig, site: SiteConfig) -> None:
+    """[env] of the job and the site: no credentials written, nothing that runs code. job.forward_env passes
+    values of the submitting shell, which are the user's own, so only sbatch's keywords are refused there."""
+    for where, env in (("env", cfg.env), (f"site {site.name}: env", site.env)):
+        for name, value in env.items():
+            secret = secret_reason(name, value)
+            if secret:
+                raise ConfigError(f"{where}.{name}", f"looks like a secret ({secret}) and would be written into the "
+                                  f'job script and plan', f'remove it and add "{name}" to job.forward_env, or read '
+                                  "it from a 0600 file on the compute node")
+            refused = refused_env_name(name)
+            if refused:
+                raise ConfigError(f"{where}.{name}", refused, "remove it from [env]")
+    for name in cfg.job.forward_env:
+        if name.upper() in ("ALL", "NONE", "NIL"):
+            raise ConfigError("job.forward_env", f'"{name}" is an sbatch --export keyword, not a variable',
+                              "list the names of the variables to pass, like [\"WANDB_API_KEY\"]")
 
 
 def _check_resources(cfg: JobConfig, site: SiteConfig, gpus_per_node: int, cpus_per_task: int) -> None:
@@ -90,19 +99,7 @@ def _check_resources(cfg: JobConfig, site: SiteConfig, gpus_per_node: int, cpus_
     if limit is not None and seconds > limit:
         raise ConfigError("job.time", f'"{job.time}" is longer than the {site.name} limit "{site.slurm.max_time}"',
                           "shorten it; preemption and requeue carry the run on from its checkpoint")
-    for where, env in (("env", cfg.env), (f"site {site.name}: env", site.env)):
-        for name, value in env.items():
-            if looks_secret(name) or _SECRET_VALUE.search(value):
-                raise ConfigError(f"{where}.{name}", "looks like a secret and would be written into the job script",
-                                  f'remove it and add "{name}" to job.forward_env, or read it from a 0600 file on '
-                                  "the compute node")
-            if name in RESERVED_ENV or name.startswith(("SLURM_", "TORCHELASTIC_")):
-                raise ConfigError(f"{where}.{name}", "is set by the launcher or hpc_train on every rank",
-                                  "remove it; the rendezvous and rank variables are derived from the job")
-    for name in cfg.job.forward_env:
-        if name.upper() in ("ALL", "NONE", "NIL"):
-            raise ConfigError("job.forward_env", f'"{name}" is an sbatch --export keyword, not a variable',
-                              "list the names of the variables to pass, like [\"WANDB_API_KEY\"]")
+    _check_env(cfg, site)
     if site.container.runtime != "none" and not site.container.image:
         raise ConfigError(f"site {site.name}: container.image", f"is empty but runtime is {site.container.runtime}",
                           "set the image, or runtime = \"none\"")

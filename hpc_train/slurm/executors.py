@@ -15,7 +15,7 @@ from typing import Any
 
 from hpc_train.config.plan import Plan
 from hpc_train.errors import ConfigError
-from hpc_train.run.files import refuse_shared_writable
+from hpc_train.run.folder import private_folder
 from hpc_train.run.paths import SUBMITIT_DIR
 from hpc_train.slurm.directives import container_srun_flags, export_directive
 
@@ -39,11 +39,21 @@ def submitit_folder(plan: Plan) -> Path:
     return Path(plan.run_dir) / SUBMITIT_DIR
 
 
+def _folder_guard(run_dir: str) -> str:
+    """A shell test before srun, on the node: the ranks unpickle submitit's files from the run folder, so it
+    must still be a real folder of ours that nobody else can write (not a link, not replaced since submit)."""
+    folder, pickles = shlex.quote(run_dir), shlex.quote(f"{run_dir}/{SUBMITIT_DIR}")
+    return (f'if [ -L {folder} ] || {{ [ -e {folder} ] && [ ! -O {folder} ]; }} || [ -n "$(find {folder} {pickles} -maxdepth 0 -perm /022 '
+            f"2>/dev/null)\" ]; then echo 'hpc_train: refusing the run folder' {folder} '(a link, not yours, or "
+            "writable by others)' >&2; exit 2; fi")
+
+
 def _setup_lines(plan: Plan) -> list[str]:
     """Shell lines submitit puts before srun: module loads and exports, every value quoted."""
-    lines = [f"module load {shlex.quote(module)}" for module in plan.modules]
+    lines = [_folder_guard(plan.run_dir)]
+    lines += [f"module load {shlex.quote(module)}" for module in plan.modules]
     if plan.modules:
-        lines.insert(0, "module purge")
+        lines.insert(1, "module purge")
     lines += [f"export {name}={shlex.quote(value)}" for name, value in sorted(plan.env.items())]
     lines.append(f"export SUBMITIT_PREEMPT_SIGNAL={plan.signal}")  # submitit's handler on the node reads it
     lines.append("export SLURM_EXPORT_ENV=ALL")
@@ -100,8 +110,7 @@ def submit(plans: list[Plan]) -> list[Any]:
 
     # A sweep's array shares one submitit folder beside the run folders; a single job keeps its own inside.
     folder = submitit_folder(first) if len(plans) == 1 else Path(first.run_dir).parent / ".submitit"
-    folder.mkdir(mode=0o700, exist_ok=True)
-    refuse_shared_writable(folder)  # it holds the pickles every rank unpickles
+    private_folder(folder)  # it holds the pickles every rank unpickles
     executor: Any
     if first.executor == "local":
         executor = submitit.LocalExecutor(folder=folder, max_num_timeout=first.max_requeues)

@@ -1,0 +1,67 @@
+"""Which environment variables a job may set, and which values look like credentials.
+
+The job's ``[env]`` is exported by every rendered script and submitit's setup lines, before the shell, the
+dynamic loader, Python and srun read their own variables. A config copied from someone else could therefore
+run code (``BASH_ENV``, ``LD_PRELOAD``, ``PYTHONSTARTUP``) or change the job's resources behind the plan's back
+(``SBATCH_*``, ``SRUN_*``). Those names are refused, with the reason; credentials are refused by name and by
+the shape of known tokens, since the environment is written into plans and scripts.
+"""
+
+from __future__ import annotations
+
+import re
+
+__all__ = ["BOOTSTRAP_ENV", "refused_env_name", "secret_reason"]
+
+# Variables the bootstrap owns: a value from [env] would point ranks at the wrong rendezvous or rank.
+BOOTSTRAP_ENV = frozenset({"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                           "MASTER_PORT", "GROUP_RANK", "CROSS_RANK", "CROSS_SIZE", "HPC_TRAIN_RUN_DIR",
+                           "SLURM_EXPORT_ENV", "SUBMITIT_PREEMPT_SIGNAL"})
+_SHELL = frozenset({"BASH_ENV", "ENV", "SHELLOPTS", "BASHOPTS", "PS4", "PROMPT_COMMAND", "IFS", "CDPATH",
+                    "GLOBIGNORE", "PATH", "HOME", "SHELL", "ZDOTDIR", "EXECIGNORE", "BASH_XTRACEFD"})
+_LOADER = frozenset({"GLIBC_TUNABLES", "GCONV_PATH", "LOCPATH", "NLSPATH", "HOSTALIASES", "MALLOC_CONF"})
+_INTERPRETERS = frozenset({"PERL5OPT", "PERL5LIB", "PERLLIB", "RUBYOPT", "RUBYLIB", "NODE_OPTIONS"})
+_PYTHON_ALLOWED = frozenset({"PYTHONUNBUFFERED"})
+# Open MPI / PMIx / PRRTE parameters that name a program to run or a folder to load components from.
+_MPI_PREFIXES = ("OMPI_MCA_", "PMIX_MCA_", "PRTE_MCA_", "OPAL_")
+_MPI_LOADING = re.compile(r"PATH|AGENT|PLM|LAUNCH|EXEC|PREFIX|COMPONENT|PARAM_FILE|ENV_LIST", re.IGNORECASE)
+_NCCL_PLUGIN = re.compile(r"NCCL_(NET|TUNER|PROFILER|ENV)_PLUGIN|NCCL_.*PLUGIN", re.IGNORECASE)
+
+_SECRET_NAME = re.compile(r"TOKEN|SECRET|PASSW(OR)?D|PASSPHRASE|API_?KEY|ACCESS_?KEY|PRIVATE_?KEY|CREDENTIAL|"
+                          r"_KEY$|AUTH|COOKIE|(^|_)PAT$|(^|_)PAT_|SESSION_?ID|SIGNING", re.IGNORECASE)
+# Values that are credentials whatever their name: Hugging Face, GitHub, GitLab, OpenAI-style, Slack, npm, PyPI,
+# Google, AWS keys, JSON web tokens, PEM blocks, and passwords inside URLs.
+_SECRET_VALUE = re.compile(r"(^|[^A-Za-z0-9])(hf_|ghp_|gho_|ghs_|ghu_|ghr_|github_pat_|glpat-|sk-|xox[abposre]-|"
+                           r"npm_|pypi-|AIza|ya29\.|AKIA|ASIA)[A-Za-z0-9_.-]{8,}|eyJ[A-Za-z0-9_-]{8,}\.eyJ|"
+                           r"-----BEGIN [A-Z ]*PRIVATE KEY|://[^/\s:@]+:[^/\s@]+@")
+
+
+def refused_env_name(name: str) -> str | None:
+    """Why ``name`` may not be set from a job's ``[env]`` (or passed by ``forward_env``); None when it may."""
+    upper = name.upper()
+    if upper in BOOTSTRAP_ENV or upper.startswith("TORCHELASTIC_"):
+        return "is set by the launcher or hpc_train on every rank (the rendezvous and rank come from the job)"
+    if upper in _SHELL or upper.startswith("BASH_FUNC_"):
+        return "changes how the job's shell starts or finds programs (it could run code before hpc_train)"
+    if upper.startswith(("LD_", "DYLD_")) or upper in _LOADER:
+        return "changes what the dynamic loader loads into every process (it could run code in every rank)"
+    if upper.startswith("PYTHON") and upper not in _PYTHON_ALLOWED:
+        return "changes how Python starts (imports, startup files, home); put code on sys.path with job.program"
+    if upper in _INTERPRETERS:
+        return "changes how another interpreter starts (it could run code)"
+    if upper.startswith(("SLURM_", "SRUN_", "SBATCH_", "SALLOC_", "SPANK_")):
+        return "changes what Slurm does behind the plan's back; set the job's resources in [job] instead"
+    if upper.startswith(_MPI_PREFIXES) and _MPI_LOADING.search(upper):
+        return "makes the MPI runtime run a program or load components from a path"
+    if _NCCL_PLUGIN.fullmatch(upper):
+        return "makes NCCL load a shared library; a site sets its plugins in [network.nccl]"
+    return None
+
+
+def secret_reason(name: str, value: str) -> str | None:
+    """Why ``name = value`` looks like a credential (by its name or by the shape of a known token); None if not."""
+    if _SECRET_NAME.search(name):
+        return f'its name "{name}" is one that holds credentials'
+    if _SECRET_VALUE.search(value):
+        return "its value has the shape of a credential (a known token prefix, a private key or a password in a URL)"
+    return None
