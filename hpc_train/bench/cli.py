@@ -33,7 +33,7 @@ from hpc_train.errors import ConfigError, did_you_mean
 __all__ = ["add_parser", "format_size", "format_table", "parse_size", "parse_sizes"]
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-_SIZE = re.compile(r"(\d+)\s*([KMG]?)(?:I?B)?", re.IGNORECASE)
+_SIZE = re.compile(r"([0-9]+)\s*([KMG]?)(?:I?B)?", re.IGNORECASE)
 _SIZES_FIX = "write bytes with an optional K, M or G suffix (powers of 1024): a sweep 1K..256M or a list 4K,1M"
 DEFAULT_RANKS = 2
 
@@ -118,7 +118,7 @@ def _launch_rank() -> int:
     """This process's rank as the launcher gave it, before any process group (0 outside a job)."""
     for name in ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK"):
         value = os.environ.get(name, "")
-        if value.isdigit():
+        if (value.isascii() and value.isdigit()):
             return int(value)
     return 0
 

@@ -100,7 +100,7 @@ def element_counts(op: str, size_bytes: int, world_size: int) -> tuple[int, int]
 
 _USING = re.compile(r"NET/(\w+)\s*:\s*Using\s+(.*)")
 _VIA = re.compile(r"\bvia\s+(\S+(?: pointer)?)")
-_DEVICE = re.compile(r"\[\d+\]([^\s\[]+)")
+_DEVICE = re.compile(r"\[[0-9]+\]([^\s\[]+)")
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from hpc_train.run.paths import CHECKPOINTS_DIR, PLAN_FILE
 
 __all__ = ["Listing", "Target", "add_parser", "collect", "resolve_target"]
 
-_STEP = re.compile(r"^step-\d{8,}$")
+_STEP = re.compile(r"^step-[0-9]{8,}$")
 _WHAT = "give a run folder (runs/NAME), its checkpoints/ folder or one step-NNNNNNNN folder"
 
 

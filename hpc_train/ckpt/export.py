@@ -46,7 +46,7 @@ __all__ = [
 ]
 
 STATE_TAG = "state"  # DeepSpeed's tag folder inside a step folder (hpc_train.train.checkpointing.TAG)
-_LAYER_FILE = re.compile(r"^layer_(\d{2,})-(?:model_00-)?model_states\.pt$")
+_LAYER_FILE = re.compile(r"^layer_([0-9]{2,})-(?:model_00-)?model_states\.pt$")
 
 
 @dataclass(frozen=True)

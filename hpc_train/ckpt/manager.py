@@ -42,9 +42,9 @@ log = logging.getLogger(__name__)
 
 VerifyLevel = Literal["size", "sha256"]
 LATEST_NAME = "latest"
-_STEP = re.compile(r"^step-(\d{8,})$")
-_TMP = re.compile(r"^\.tmp-step-(\d{8,})-(\d+)$")
-_TRASH = re.compile(r"^\.trash-step-(\d{8,})-(\d+)$")
+_STEP = re.compile(r"^step-([0-9]{8,})$")
+_TMP = re.compile(r"^\.tmp-step-([0-9]{8,})-([0-9]+)$")
+_TRASH = re.compile(r"^\.trash-step-([0-9]{8,})-([0-9]+)$")
 
 
 class CheckpointError(RuntimeError):

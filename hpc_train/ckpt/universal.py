@@ -47,7 +47,7 @@ __all__ = ["CACHE_NAME", "MODEL_AXES", "SOURCE_NAME", "cached_copy", "clear_cach
 CACHE_NAME = ".universal"
 SOURCE_NAME = "source.json"
 MODEL_AXES = ("tensor", "pipeline", "context")
-_OWN = re.compile(r"^(?:\.tmp-|\.trash-)?step-\d{8,}(?:-\d+)*$")
+_OWN = re.compile(r"^(?:\.tmp-|\.trash-)?step-[0-9]{8,}(?:-[0-9]+)*$")
 _TAIL_CHARS = 3000
 
 

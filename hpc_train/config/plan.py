@@ -133,7 +133,7 @@ def _lead_seconds(configured: int, run_dir: str, time_seconds: int) -> int:
     leave every later attempt only a sliver of its time to train."""
     from hpc_train.run.attempts import AttemptLog, recommended_lead_seconds  # it imports the run folder's writer
 
-    measured = recommended_lead_seconds(AttemptLog(Path(run_dir)).read(), floor=configured)
+    measured = recommended_lead_seconds(AttemptLog(Path(run_dir)).read(warn=True), floor=configured)
     if time_seconds:
         measured = min(measured, max(configured, time_seconds // 2))
     return measured

@@ -34,13 +34,13 @@ def _fault(rank: int) -> Fault | None:
     spec = os.environ.get(FAULT_VARIABLE, "")
     kind, _, rest = spec.partition(":")
     target, _, argument = rest.partition(":")
-    if not target.isdigit() or int(target) != rank:
+    if not (target.isascii() and target.isdigit()) or int(target) != rank:
         return None
     restart = os.environ.get(RESTART_VARIABLE, "")
     if restart and restart != os.environ.get("SLURM_RESTART_COUNT", "0"):
         return None
     step = os.environ.get(STEP_VARIABLE, "")
-    return Fault(kind, rank, argument, int(step) if step.isdigit() else None)
+    return Fault(kind, rank, argument, int(step) if (step.isascii() and step.isdigit()) else None)
 
 
 def maybe_inject_fault(rank: int, step: int | None = None) -> None:
@@ -60,6 +60,6 @@ def maybe_inject_fault(rank: int, step: int | None = None) -> None:
 def injected_delay_s(rank: int) -> float:
     """Seconds a ``slow`` fault adds to each forward pass of ``rank``; 0 otherwise."""
     fault = _fault(rank)
-    if fault is None or fault.kind != "slow" or not fault.argument.isdigit():
+    if fault is None or fault.kind != "slow" or not (fault.argument.isascii() and fault.argument.isdigit()):
         return 0.0
     return int(fault.argument) / 1000

@@ -55,7 +55,7 @@ def tasks_on_node(spec: str, node: int) -> int:
     """Tasks on node ``node`` from Slurm's compressed ``SLURM_STEP_TASKS_PER_NODE`` (``2(x3),1``)."""
     counts: list[int] = []
     for part in spec.split(","):
-        match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        match = re.fullmatch(r"([0-9]+)(?:\(x([0-9]+)\))?", part.strip())
         if not match:
             raise LaunchError(f"cannot read the tasks per node {spec!r}")
         counts += [int(match[1])] * int(match[2] or 1)

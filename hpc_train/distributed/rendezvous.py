@@ -32,7 +32,7 @@ class Rendezvous:
 
 def derive_port(job_id: str, restart: int, low: int, high: int) -> int:
     """A port in ``[low, high)`` from the job id and restart count (the templates' formula)."""
-    digits = "".join(ch for ch in job_id if ch.isdigit()) or "0"
+    digits = "".join(ch for ch in job_id if (ch.isascii() and ch.isdigit())) or "0"
     return low + (int(digits) * 7919 + restart * 104729) % (high - low)
 
 

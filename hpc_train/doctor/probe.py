@@ -369,7 +369,7 @@ def run_probe(request: ProbeRequest, timeout_s: float) -> ProbeOutcome:
     outcome.folder = str(folder)
     submitted = run_slurm(["sbatch", "--parsable", str(script)], env=_submit_env(os.environ))
     job_id = submitted.stdout.strip().split(";")[0]
-    if submitted.returncode != 0 or not job_id.isdigit():
+    if submitted.returncode != 0 or not (job_id.isascii() and job_id.isdigit()):
         outcome.findings.append(Finding("probe", "error", f"sbatch refused the probe job ({last_line(submitted)})",
                                         "check the partition, account and QoS (job.partition, job.account, job.qos "
                                         f"or the site's); the script is {script}"))

@@ -52,8 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signum, lambda _signum, _frame: received.append(time.time()))  # only a flag, as in training
     rank = os.environ.get("SLURM_PROCID", "0")
     node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
-    about = {"rank": int(rank) if rank.isdigit() else rank, "node": node, "hostname": socket.gethostname(),
-             "pid": os.getpid(), "job_id": os.environ.get("SLURM_JOB_ID", "")}
+    about = {"rank": int(rank) if (rank.isascii() and rank.isdigit()) else rank, "node": node,
+             "hostname": socket.gethostname(), "pid": os.getpid(), "job_id": os.environ.get("SLURM_JOB_ID", "")}
     if len(args) == 3:  # the user program's file: compute nodes must see it as they see the run folder
         about["code_seen"] = Path(args[2]).exists()
     if not folder.is_dir():  # nothing is created on a node that does not share the folder

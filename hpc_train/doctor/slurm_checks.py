@@ -94,7 +94,7 @@ def parse_slurm_time(text: str) -> int | None:
 def _count(text: str) -> int | None:
     """An integer field; None for UNLIMITED and anything that is not a number."""
     value = text.strip()
-    return int(value) if value.isdigit() else None
+    return int(value) if (value.isascii() and value.isdigit()) else None
 
 
 def parse_gpus(gres: str) -> int:
@@ -105,7 +105,7 @@ def parse_gpus(gres: str) -> int:
         if parts[0] != "gpu":
             continue
         count = parts[-1] if len(parts) > 1 else "1"
-        total += int(count) if count.isdigit() else 0
+        total += int(count) if (count.isascii() and count.isdigit()) else 0
     return total
 
 

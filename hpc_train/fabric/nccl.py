@@ -81,7 +81,7 @@ def parse_device_list(value: str) -> DeviceList:
     for part in text.split(","):
         name, _, port = part.strip().partition(":")
         if name:
-            items.append((name, int(port) if port.isdigit() else None))
+            items.append((name, int(port) if (port.isascii() and port.isdigit()) else None))
     return DeviceList(mode=mode, items=items)
 
 
@@ -200,7 +200,7 @@ def _check_ifname(variable: str, value: str, fabric: Fabric) -> list[NcclFinding
 
 
 def _check_gid(value: str, fabric: Fabric, hca: str | None, interconnect: str) -> list[NcclFinding]:
-    if not value.strip().isdigit():
+    if not (value.strip().isascii() and value.strip().isdigit()):
         return [NcclFinding("NCCL_IB_GID_INDEX", "warning", f"{value!r} is not a GID index",
                             "give a number from `show_gids`, or leave it unset to detect it")]
     index = int(value)

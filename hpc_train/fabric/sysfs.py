@@ -124,7 +124,8 @@ class SysfsTree:
 
 
 def _natural_key(name: str) -> list[Any]:
-    return [(0, int(tok), "") if tok.isdigit() else (1, 0, tok) for tok in re.split(r"(\d+)", name) if tok]
+    return [(0, int(tok), "") if (tok.isascii() and tok.isdigit()) else (1, 0, tok)
+            for tok in re.split(r"([0-9]+)", name) if tok]
 
 
 def _after_colon(text: str | None) -> str | None:
@@ -297,7 +298,7 @@ class Fabric:
 def _read_gids(tree: SysfsTree, port_rel: str) -> tuple[Gid, ...]:
     gids = []
     for name in tree.listdir(f"{port_rel}/gids"):
-        if not name.isdigit():
+        if not (name.isascii() and name.isdigit()):
             continue
         gid = tree.read(f"{port_rel}/gids/{name}")
         if not gid or gid.lower() == ZERO_GID:
@@ -316,7 +317,8 @@ def _read_port(tree: SysfsTree, port_rel: str, number: int) -> Port:
 
 def _read_device(tree: SysfsTree, name: str) -> RdmaDevice:
     rel = f"class/infiniband/{name}"
-    ports = tuple(_read_port(tree, f"{rel}/ports/{n}", int(n)) for n in tree.listdir(f"{rel}/ports") if n.isdigit())
+    ports = tuple(_read_port(tree, f"{rel}/ports/{n}", int(n)) for n in tree.listdir(f"{rel}/ports")
+                  if n.isascii() and n.isdigit())
     return RdmaDevice(name=name, node_guid=tree.read(f"{rel}/node_guid"), numa_node=tree.numa_node(f"{rel}/device"),
                       pci_address=tree.pci_address(f"{rel}/device"), ports=ports)
 

@@ -86,13 +86,13 @@ def is_hardware_fault(text: str) -> bool:
 _NETWORK = re.compile(r"unhandled system error|NET/IB|ibv_\w+ failed|IBV_WC_\w+|Transport retry count exceeded|"
                       r"unhandled cuda error|NCCL error.*internal error")
 _TIMEOUT = re.compile(r"Watchdog caught collective operation timeout|collective operation timeout|NCCL timeout|"
-                      r"Timeout\(ms\)=|Timed out waiting \d+ ?ms|[Gg]loo.*[Tt]imed out|Socket Timeout|"
+                      r"Timeout\(ms\)=|Timed out waiting [0-9]+ ?ms|[Gg]loo.*[Tt]imed out|Socket Timeout|"
                       r"Application timeout caused pair closure")
 _SECONDARY = re.compile(r"Connection closed by peer|Connection reset by peer|Broken pipe|ncclRemoteError|"
                         r"remote process exited|NCCL communicator was aborted|Some NCCL operations have failed|"
                         r"DistNetworkError|failed to recv, got 0 bytes|ProcessGroup\w* .*abort", re.IGNORECASE)
 _NOT_PRIMARY = re.compile(r"^(SystemExit|KeyboardInterrupt|GeneratorExit)\b")
-_FRAME = re.compile(r'File "([^"]+)", line (\d+)(?:, in (\S+))?')
+_FRAME = re.compile(r'File "([^"]+)", line ([0-9]+)(?:, in (\S+))?')
 _SLURM_DUE = re.compile(r"\*\*\* (?:JOB|STEP) \S+ ON (\S+) CANCELLED AT \S+(?: DUE TO ([A-Z ]+?))? \*\*\*")
 _SIGNALS = {1: "SIGHUP", 2: "SIGINT", 6: "SIGABRT", 7: "SIGBUS", 9: "SIGKILL", 11: "SIGSEGV", 15: "SIGTERM"}
 

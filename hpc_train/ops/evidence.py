@@ -20,7 +20,7 @@ from hpc_train.run.paths import LOGS_DIR, rank_error_path, rank_log_path, stacks
 __all__ = ["SRUN_ERROR", "Evidence", "RankReport", "collect_evidence", "srun_tasks"]
 
 _TAIL_BYTES = 1 << 20
-SRUN_ERROR = re.compile(r"srun: error: (\S+): tasks? ([\d,\-]+): (.+)")  # srun on a task that failed
+SRUN_ERROR = re.compile(r"srun: error: (\S+): tasks? ([0-9,\-]+): (.+)")  # srun on a task that failed
 
 
 @dataclass(frozen=True)
@@ -63,10 +63,10 @@ def collect_evidence(run_dir: Path, job_id: str | None = None, restart: int | No
     batch = _batch_log(run_dir, job_id, restart, tail_lines)
     stderr: dict[int, list[str]] = {}
     for line in batch.splitlines():
-        if m := re.match(r"\[rank(\d+)\]:(.*)", line):
+        if m := re.match(r"\[rank([0-9]+)\]:(.*)", line):
             stderr.setdefault(int(m[1]), []).append(m[2])
     names = [p.name for p in logs.glob("*rank-*")] if logs.is_dir() else []
-    ranks = sorted({int(m[1]) for name in names if (m := re.match(r"(?:stacks-)?rank-(\d+)\.", name))} | set(stderr))
+    ranks = sorted({int(m[1]) for name in names if (m := re.match(r"(?:stacks-)?rank-([0-9]+)\.", name))} | set(stderr))
     reports = []
     for rank in ranks:
         lines = _read_tail(rank_log_path(run_dir, rank)).splitlines()
@@ -172,7 +172,7 @@ def srun_tasks(batch: str) -> dict[int, tuple[str, str, str]]:
     for m in SRUN_ERROR.finditer(batch):
         for part in m[2].split(","):
             low, _, high = part.partition("-")
-            if low.isdigit() and (high.isdigit() or not high):
+            if (low.isascii() and low.isdigit()) and ((high.isascii() and high.isdigit()) or not high):
                 for task in range(int(low), int(high or low) + 1):
                     tasks.setdefault(task, (m[1], m[2], m[3]))
     return tasks

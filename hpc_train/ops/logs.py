@@ -29,12 +29,12 @@ from hpc_train.run.paths import LOGS_DIR, RANK_ERROR_GLOB, RANK_LOG_GLOB, SUBMIT
 __all__ = ["LogRecord", "MergedLogs", "RankError", "format_text", "merged_view", "read_records"]
 
 _RANK_RECORD = RANK_RECORD  # what launch.rank_log_format writes
-_ANY_STAMP = re.compile(r"(\d{4}-\d\d-\d\d)[ T](\d\d:\d\d:\d\d)(?:[,.](\d{1,6}))?")
+_ANY_STAMP = re.compile(r"([0-9]{4}-[0-9][0-9]-[0-9][0-9])[ T]([0-9][0-9]:[0-9][0-9]:[0-9][0-9])(?:[,.]([0-9]{1,6}))?")
 _ERROR_TEXT = re.compile(r"Traceback \(most recent call last\)|\berror\b|\bKilled\b|CANCELLED|oom[-_ ]kill|"
                          r"Out Of Memory|Segmentation fault|\bTimed? ?out\b", re.IGNORECASE)
-_RANK_PREFIX = re.compile(r"\[rank\d+\]:")  # torch's prefix on a rank's stderr lines
+_RANK_PREFIX = re.compile(r"\[rank[0-9]+\]:")  # torch's prefix on a rank's stderr lines
 # Logged at INFO but what an operator looks for: the watchdog, the straggler check, a preemption signal and its save
-_NOTICE = re.compile(r"(hang|straggler)\b|SIG[A-Z0-9]+ received|saved step \d+ .* after SIG")
+_NOTICE = re.compile(r"(hang|straggler)\b|SIG[A-Z0-9]+ received|saved step [0-9]+ .* after SIG")
 _MAX_BYTES = 64 << 20  # per file: a longer log is read from its last 64 MiB (and the view says so)
 
 
@@ -190,14 +190,14 @@ def _rank_errors(logs: Path, rank: int | None) -> list[RankError]:
             continue
         when = data.get("time")
         tb = str(data.get("traceback", ""))
-        frames = re.findall(r'File "([^"]+)", line (\d+), in (\S+)', tb)
+        frames = re.findall(r'File "([^"]+)", line ([0-9]+), in (\S+)', tb)
         where = f"{'/'.join(Path(frames[-1][0]).parts[-2:])}:{frames[-1][1]} in {frames[-1][2]}" if frames else ""
         found.append(RankError(data["rank"], str(data.get("host", "")), float(when) if isinstance(
             when, int | float) else None, str(data.get("error", "")), where, tb))
     found.sort(key=lambda e: (e.time if e.time is not None else float("inf"), e.rank))
     folded: dict[str, RankError] = {}
     for error in found:
-        key = re.sub(r"\d+", "#", error.error)
+        key = re.sub(r"[0-9]+", "#", error.error)
         if key in folded:
             first = folded[key]
             folded[key] = RankError(**{**asdict(first), "same_ranks": (*first.same_ranks, error.rank)})
@@ -212,7 +212,7 @@ def _fold(records: list[LogRecord]) -> list[tuple[LogRecord, list[str]]]:
     folded: dict[str, tuple[LogRecord, list[str]]] = {}
     for record in records:
         text = "\n".join([record.level, record.text, *record.more])
-        key = re.sub(r"\d+", "#", text) if record.rank is not None else "batch\0" + _ANY_STAMP.sub("", text)
+        key = re.sub(r"[0-9]+", "#", text) if record.rank is not None else "batch\0" + _ANY_STAMP.sub("", text)
         if key in folded:
             folded[key][1].append(record.source)
         else:
@@ -221,7 +221,7 @@ def _fold(records: list[LogRecord]) -> list[tuple[LogRecord, list[str]]]:
 
 
 def _rank_of(path: Path) -> int | None:
-    m = re.fullmatch(r"rank-(\d+)\.log", path.name)
+    m = re.fullmatch(r"rank-([0-9]+)\.log", path.name)
     return int(m[1]) if m else None
 
 

@@ -64,8 +64,8 @@ class SlurmRecord:
         found = []
         for text in [*(s.exit_code for s in self.steps), self.exit_code]:
             rc, _, sig = text.partition(":")
-            if rc.isdigit():
-                found.append((int(rc), int(sig) if sig.isdigit() else 0))
+            if (rc.isascii() and rc.isdigit()):
+                found.append((int(rc), int(sig) if (sig.isascii() and sig.isdigit()) else 0))
         return found
 
 
@@ -112,11 +112,11 @@ def parse_duration(text: str) -> float | None:
     days = 0
     if "-" in text:
         day_text, _, text = text.partition("-")
-        if not day_text.isdigit():
+        if not (day_text.isascii() and day_text.isdigit()):
             return None
         days = int(day_text)
     parts = text.split(":")
-    if not text or len(parts) > 3 or not all(p.isdigit() for p in parts):
+    if not text or len(parts) > 3 or not all((p.isascii() and p.isdigit()) for p in parts):
         return None
     if len(parts) == 1:  # plain minutes (a time limit)
         return days * 86400 + int(parts[0]) * 60.0

@@ -46,8 +46,9 @@ from hpc_train.run.paths import (
 __all__ = ["AttemptView", "CheckpointState", "RunFolder", "RunStatus", "Telemetry", "build_status", "collect",
            "find_run_dirs", "read_folder", "render", "to_json"]
 
-_SUBMITIT_FILE = re.compile(r"^(\d+(?:_\d+)?)_(?:submitted\.pkl|submission\.sh|\d+_log\.(?:out|err)|\d+_result\.pkl)$")
-_SLURM_FILE = re.compile(r"^slurm-(\d+(?:_\d+)?)\.(?:out|err)$")
+_SUBMITIT_FILE = re.compile(r"^([0-9]+(?:_[0-9]+)?)_(?:submitted\.pkl|submission\.sh|[0-9]+_log\.(?:out|err)|"
+                            r"[0-9]+_result\.pkl)$")
+_SLURM_FILE = re.compile(r"^slurm-([0-9]+(?:_[0-9]+)?)\.(?:out|err)$")
 _ENDED_BADLY = {"FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL",
                 "DEADLINE", "KILLED", "STOPPED", "HUNG"}
 _FAILED_OUTCOMES = ("failed", "killed", "hang")
@@ -169,7 +170,7 @@ def read_folder(path: Path) -> RunFolder:
     if program not in ("", "train", "smoke"):
         steps = None  # a user program: train.steps is the built-in trainer's, its own total is unknown
     executor = str(plan.get("executor", ""))
-    attempts = AttemptLog(path).read()
+    attempts = AttemptLog(path).read(warn=True)
     ids = [] if executor == "local" else _folder_job_ids(path, attempts)
     try:
         excluded = [e.node for e in read_exclusions(path)]
@@ -188,7 +189,7 @@ def _folder_job_ids(path: Path, attempts: list[Attempt]) -> list[str]:
     for folder, pattern in ((path / SUBMITIT_DIR, _SUBMITIT_FILE), (path / LOGS_DIR, _SLURM_FILE)):
         if folder.is_dir():
             ids |= {m[1] for name in os.listdir(folder) if (m := pattern.match(name))}
-    return sorted((i for i in ids if re.fullmatch(r"\d+(_\d+)?", i)), key=_id_key)
+    return sorted((i for i in ids if re.fullmatch(r"[0-9]+(_[0-9]+)?", i)), key=_id_key)
 
 
 def _id_key(job_id: str) -> tuple[int, int]:
@@ -224,7 +225,7 @@ def _checkpoint(path: Path) -> CheckpointState | None:
         moment = latest.stat().st_mtime
     except OSError:
         return None
-    m = re.fullmatch(r"step-(\d+)", name)
+    m = re.fullmatch(r"step-([0-9]+)", name)
     return CheckpointState(name, int(m[1]) if m else None, moment)
 
 
@@ -282,7 +283,7 @@ def build_status(folder: RunFolder, answer: scheduler.SchedulerAnswer) -> RunSta
     ids = list(folder.job_ids)
     if folder.executor != "local":
         ids += [i for e in answer.queue if scheduler.queue_matches(e, folder.path) for i in [e.array_id or e.job_id]
-                if i and i not in ids and re.fullmatch(r"\d+(_\d+)?", i)]
+                if i and i not in ids and re.fullmatch(r"[0-9]+(_[0-9]+)?", i)]
     ids.sort(key=_id_key)
     job_id = ids[-1] if ids else (folder.attempts[-1].job_id if folder.attempts else "")
     state, nodes, reason, record = _state(folder, answer, job_id, notes)
@@ -328,7 +329,7 @@ def _alive(attempt: Attempt) -> bool:
     """Whether a local run's controller (its job id is that process's id, on this host) still runs."""
     import socket
 
-    if attempt.host != socket.gethostname() or not attempt.job_id.isdigit():
+    if attempt.host != socket.gethostname() or not (attempt.job_id.isascii() and attempt.job_id.isdigit()):
         return True  # cannot tell from here
     try:
         os.kill(int(attempt.job_id), 0)

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
-from hpc_train.run.files import atomic_write
+from hpc_train.run.files import atomic_write, read_record_text, warn_bad_record
 from hpc_train.run.paths import ATTEMPTS_FILE
 
 __all__ = ["ATTEMPTS_FILE", "Attempt", "AttemptLog", "recommended_lead_seconds", "requeues_so_far"]
@@ -45,8 +45,36 @@ class Attempt:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Attempt:
-        known = {f.name for f in fields(cls)}
-        return cls(**{key: value for key, value in data.items() if key in known})
+        """The attempt a line describes; ValueError naming the first field of the wrong type."""
+        known = {f.name: f for f in fields(cls)}
+        values = {key: value for key, value in data.items() if key in known}
+        for key in ("attempt", "job_id", "restart", "host", "started", "start_step"):
+            if key not in values:
+                raise ValueError(f'has no "{key}"')
+        for key, value in values.items():
+            if not (value is None and key in _OPTIONAL) and not _typed(value, _FIELD_TYPES[key]):
+                raise ValueError(f'"{key}" is {str(value)[:40]!r}, not {_FIELD_TYPES[key]}')
+        return cls(**values)
+
+
+_MAX_LINE = 65536
+_FIELD_TYPES = {"attempt": "an integer", "job_id": "a string", "restart": "an integer", "host": "a string",
+                "started": "a number", "start_step": "an integer", "outcome": "an outcome", "ended": "a number",
+                "end_step": "an integer", "signal": "a string", "requeued": "true or false",
+                "step_s_max": "a number", "save_s_max": "a number", "note": "a string"}
+_OPTIONAL = {"ended", "end_step", "signal", "step_s_max", "save_s_max"}
+
+
+def _typed(value: Any, kind: str) -> bool:
+    if kind == "an integer":
+        return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**63
+    if kind == "a number":
+        return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    if kind == "an outcome":
+        return value in OUTCOMES
+    if kind == "true or false":
+        return isinstance(value, bool)
+    return isinstance(value, str) and len(value) <= 4096
 
 
 class AttemptLog:
@@ -55,18 +83,19 @@ class AttemptLog:
     def __init__(self, run_dir: Path) -> None:
         self.path = Path(run_dir) / ATTEMPTS_FILE
 
-    def read(self) -> list[Attempt]:
-        """Every readable line; a torn or foreign line is skipped rather than failing the run."""
-        if not self.path.exists():
-            return []
+    def read(self, warn: bool = False) -> list[Attempt]:
+        """Every readable line; a torn or foreign line is skipped rather than failing the run (with a warning
+        naming the file and line when ``warn``, for commands a person reads)."""
         attempts = []
-        for line in self.path.read_text(encoding="utf-8").splitlines():
+        for number, line in enumerate(read_record_text(self.path).splitlines(), start=1):
             try:
-                data = json.loads(line)
-                if isinstance(data, dict):
-                    attempts.append(Attempt.from_dict(data))
-            except (ValueError, TypeError):
-                continue
+                data = json.loads(line) if len(line) <= _MAX_LINE else None
+                if not isinstance(data, dict):
+                    raise ValueError("is not a JSON object" if len(line) <= _MAX_LINE else "is too long")
+                attempts.append(Attempt.from_dict(data))
+            except (ValueError, TypeError, RecursionError) as error:
+                if warn and line.strip():
+                    warn_bad_record(self.path, number, str(error) or "is not an attempt")
         return attempts
 
     def _write(self, attempts: list[Attempt]) -> None:

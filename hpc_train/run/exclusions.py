@@ -8,6 +8,7 @@ writes it (:func:`add_exclusions`), and the next submission reads it into ``sbat
 from __future__ import annotations
 
 import json
+import math
 import re
 import time
 from collections.abc import Iterable
@@ -15,8 +16,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from hpc_train.distributed.hostlist import compress, expand  # pure standard library
-from hpc_train.errors import ConfigError
-from hpc_train.run.files import atomic_write
+from hpc_train.run.files import atomic_write, read_record_text, warn_bad_record
 from hpc_train.run.paths import EXCLUDED_FILE
 
 __all__ = ["Exclusion", "add_exclusions", "exclude_expression", "read_exclusions"]
@@ -40,28 +40,40 @@ class Exclusion:
 
 
 def read_exclusions(run_dir: Path) -> list[Exclusion]:
-    """The run's excluded nodes (none when the file does not exist); ConfigError naming the file when it is not
-    what :func:`add_exclusions` writes (someone edited it by hand)."""
+    """The run's excluded nodes (none when the file does not exist). What is not what :func:`add_exclusions`
+    writes (someone edited it by hand, or it is torn) is skipped with a warning naming the file: a broken list
+    must not stop a submission or a status, and the next requeue rewrites it whole."""
     path = Path(run_dir) / EXCLUDED_FILE
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
+    text = read_record_text(path)
+    if not text:
         return []
-    except (OSError, ValueError) as error:
-        raise ConfigError(str(path), f"cannot be read ({error})", "fix the JSON or delete the file to exclude no "
-                          "node") from None
+    try:
+        data = json.loads(text)
+    except (ValueError, RecursionError) as error:
+        warn_bad_record(path, None, f"is not JSON ({str(error)[:80]})")
+        return []
     entries = data.get("nodes") if isinstance(data, dict) else None
     if not isinstance(entries, list):
-        raise ConfigError(str(path), 'has no "nodes" list', 'write {"nodes": []} or delete the file')
+        warn_bad_record(path, None, 'has no "nodes" list')
+        return []
     found = []
-    for entry in entries:
-        node = entry.get("node") if isinstance(entry, dict) else None
-        if not isinstance(node, str) or not _NODE.fullmatch(node):
-            raise ConfigError(str(path), f"holds {entry!r}, which names no node",
-                              'give each entry a "node" like "gpu017", or delete the entry')
-        found.append(Exclusion(node, str(entry.get("class", "")), str(entry.get("job_id", "")),
-                               float(entry.get("time", 0) or 0), str(entry.get("reason", ""))))
+    for index, entry in enumerate(entries):
+        try:
+            found.append(_exclusion(entry))
+        except ValueError as error:
+            warn_bad_record(path, None, f"entry {index} {error}")
     return found
+
+
+def _exclusion(entry: object) -> Exclusion:
+    node = entry.get("node") if isinstance(entry, dict) else None
+    if not isinstance(entry, dict) or not isinstance(node, str) or not _NODE.fullmatch(node):
+        raise ValueError(f"({str(entry)[:60]}) names no node")
+    stamp = entry.get("time", 0) or 0
+    if isinstance(stamp, bool) or not isinstance(stamp, int | float) or not math.isfinite(stamp):
+        raise ValueError(f"has the time {str(stamp)[:30]!r}, not a number")
+    return Exclusion(node, str(entry.get("class", ""))[:64], str(entry.get("job_id", ""))[:64], float(stamp),
+                     str(entry.get("reason", ""))[:500])
 
 
 def add_exclusions(run_dir: Path, nodes: Iterable[str], failure_class: str, job_id: str, reason: str,
@@ -93,4 +105,4 @@ def exclude_expression(nodes: Iterable[Exclusion | str], also: str = "") -> str:
 
 
 def _natural(name: str) -> tuple[object, ...]:
-    return tuple(int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name))
+    return tuple(int(part) if (part.isascii() and part.isdigit()) else part for part in re.split(r"([0-9]+)", name))

@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
+import sys
 from pathlib import Path
 from typing import Any
 
 from hpc_train.errors import ConfigError
 
-__all__ = ["atomic_write", "read_json_object", "refuse_shared_writable"]
+__all__ = ["MAX_RECORD_FILE", "atomic_write", "read_json_object", "read_record_text", "refuse_shared_writable",
+           "warn_bad_record"]
 
 
 def atomic_write(path: Path, text: str, mode: int = 0o600) -> None:
@@ -33,6 +36,32 @@ def atomic_write(path: Path, text: str, mode: int = 0o600) -> None:
         os.fsync(folder)
     finally:
         os.close(folder)
+
+
+# No record file of a run folder is legitimately larger; a bigger one is read only this far.
+MAX_RECORD_FILE = 16 << 20
+_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+
+
+def read_record_text(path: Path) -> str:
+    """The text of a run-folder record file, read without following a link or blocking on a FIFO, at most
+    :data:`MAX_RECORD_FILE` bytes, undecodable bytes replaced; "" when it is missing or not a regular file."""
+    try:
+        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return ""
+    with open(descriptor, "rb") as handle:
+        if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
+            return ""
+        return handle.read(MAX_RECORD_FILE).decode("utf-8", errors="replace")
+
+
+def warn_bad_record(path: Path, line: int | None, problem: str) -> None:
+    """One warning on stderr naming the file (and line) of a record that is skipped: a hand-edited or torn file
+    is reported, never a crash. Control characters are shown escaped, never sent to the terminal."""
+    where = f"{path}:{line}" if line else str(path)
+    text = _UNPRINTABLE.sub(lambda m: repr(m.group())[1:-1], f"warning: {where}: {problem}; skipped")
+    print(text[:500], file=sys.stderr)
 
 
 def read_json_object(path: Path) -> dict[str, Any]:

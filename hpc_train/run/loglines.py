@@ -20,9 +20,9 @@ __all__ = [
 
 # -- the record prefix: logging's "%(asctime)s rankN LEVEL message" ----------------------------------------
 
-_STAMP = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}"
-RANK_LINE = re.compile(rf"^({_STAMP}) rank\d+ ([A-Z]+) ")  # groups: time stamp, level
-RANK_RECORD = re.compile(rf"^({_STAMP}) rank(\d+) ([A-Z]+) ?(.*)$")  # groups: time stamp, rank, level, message
+_STAMP = r"[0-9]{4}-[0-9][0-9]-[0-9][0-9] [0-9][0-9]:[0-9][0-9]:[0-9][0-9],[0-9]{3}"
+RANK_LINE = re.compile(rf"^({_STAMP}) rank[0-9]+ ([A-Z]+) ")  # groups: time stamp, level
+RANK_RECORD = re.compile(rf"^({_STAMP}) rank([0-9]+) ([A-Z]+) ?(.*)$")  # groups: time stamp, rank, level, message
 
 
 def rank_log_format(rank: int) -> str:
@@ -32,7 +32,8 @@ def rank_log_format(rank: int) -> str:
 
 # -- an attempt's first line ---------------------------------------------------------------------------------
 
-START = re.compile(r"start: (\S+) rank (\d+)/(\d+) \(local \d+/\d+, node (\d+)/(\d+)\) job (\S+) restart (\d+)")
+START = re.compile(r"start: (\S+) rank ([0-9]+)/([0-9]+) \(local [0-9]+/[0-9]+, node ([0-9]+)/([0-9]+)\) job (\S+) "
+                   r"restart ([0-9]+)")
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,7 @@ def parse_start(line: str) -> StartLine | None:
 
 # -- a stop after a signal -----------------------------------------------------------------------------------
 
-STOPPED = re.compile(r"saved step (\d+) [\d.]+ s after (SIG\w+)|stopped after step (\d+) on (SIG\w+)")
+STOPPED = re.compile(r"saved step ([0-9]+) [0-9.]+ s after (SIG\w+)|stopped after step ([0-9]+) on (SIG\w+)")
 
 
 def format_saved_after_signal(step: int, seconds: float, signal_name: str, requeued: bool, reason: str) -> str:
@@ -86,7 +87,7 @@ def parse_stop(line: str) -> tuple[int, str] | None:
 
 # -- the watchdog's suspects -----------------------------------------------------------------------------------
 
-NOT_IN_COLLECTIVE = re.compile(r"hang: rank (\d+) is not in a collective")  # the watchdog on rank 0
+NOT_IN_COLLECTIVE = re.compile(r"hang: rank ([0-9]+) is not in a collective")  # the watchdog on rank 0
 
 
 def format_not_in_collective(rank: int, frame: str) -> str:
@@ -96,7 +97,7 @@ def format_not_in_collective(rank: int, frame: str) -> str:
 # -- the batch step's output ------------------------------------------------------------------------------------
 
 LAUNCH_ERROR_PREFIX = "hpc_train.launch: "  # a wrong launch, said in one line on every rank's stderr
-BATCH_START = re.compile(r"hpc_train: job \S+ restart \d+")  # echoed by sbatch_templates/_preamble.j2
+BATCH_START = re.compile(r"hpc_train: job \S+ restart [0-9]+")  # echoed by sbatch_templates/_preamble.j2
 
 
 def format_launch_error(error: object) -> str:

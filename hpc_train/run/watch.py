@@ -38,7 +38,7 @@ def local_rank_pid(run_dir: Path, rank: int) -> int | None:
     ``submitit.core._submit`` on the run's ``submitit/`` folder and carry their rank in the environment)."""
     marker = str(Path(run_dir) / SUBMITIT_DIR).encode()
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
+        if not (entry.name.isascii() and entry.name.isdigit()):
             continue
         try:
             cmdline = (entry / "cmdline").read_bytes()

@@ -43,9 +43,9 @@ def _folder_guard(run_dir: str) -> str:
     """A shell test before srun, on the node: the ranks unpickle submitit's files from the run folder, so it
     must still be a real folder of ours that nobody else can write (not a link, not replaced since submit)."""
     folder, pickles = shlex.quote(run_dir), shlex.quote(f"{run_dir}/{SUBMITIT_DIR}")
-    return (f'if [ -L {folder} ] || {{ [ -e {folder} ] && [ ! -O {folder} ]; }} || [ -n "$(find {folder} {pickles} -maxdepth 0 -perm /022 '
-            f"2>/dev/null)\" ]; then echo 'hpc_train: refusing the run folder' {folder} '(a link, not yours, or "
-            "writable by others)' >&2; exit 2; fi")
+    shared = f'[ -n "$(find {folder} {pickles} -maxdepth 0 -perm /022 2>/dev/null)" ]'
+    refusal = f"echo 'hpc_train: refusing the run folder' {folder} '(a link, not yours, or writable by others)' >&2"
+    return f"if [ -L {folder} ] || {{ [ -e {folder} ] && [ ! -O {folder} ]; }} || {shared}; then {refusal}; exit 2; fi"
 
 
 def _setup_lines(plan: Plan) -> list[str]:

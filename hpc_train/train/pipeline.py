@@ -162,7 +162,7 @@ def gpt_parameter_name(name: str, layers: int) -> str:
     """The name in ``GPT.named_parameters()`` of a pipeline parameter (``"1.attn.qkv.weight"`` ->
     ``"blocks.0.attn.qkv.weight"``), for comparing weights and converting checkpoints."""
     index, _, rest = name.partition(".")
-    if not index.isdigit() or not rest or not 0 <= int(index) <= layers + 1:
+    if not (index.isascii() and index.isdigit()) or not rest or not 0 <= int(index) <= layers + 1:
         raise ValueError(f"{name!r} is not a parameter of a {layers}-block pipeline GPT")
     if 1 <= int(index) <= layers:
         return f"blocks.{int(index) - 1}.{rest}"

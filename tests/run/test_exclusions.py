@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from hpc_train.errors import ConfigError
 from hpc_train.run.exclusions import add_exclusions, exclude_expression, read_exclusions
 from hpc_train.run.paths import EXCLUDED_FILE
 
@@ -31,17 +30,18 @@ def test_exclusion_list_round_trip(tmp_path: Path) -> None:
     assert exclude_expression([]) == ""
 
 
-def test_a_hand_broken_exclusion_file_names_itself(tmp_path: Path) -> None:
-    path = tmp_path / EXCLUDED_FILE
-    path.write_text("{not json")
-    with pytest.raises(ConfigError, match=EXCLUDED_FILE):
-        read_exclusions(tmp_path)
-    path.write_text(json.dumps({"nodes": [{"node": "n1,n2"}]}))
-    with pytest.raises(ConfigError, match="names no node"):
-        read_exclusions(tmp_path)
-    path.write_text("[]")
-    with pytest.raises(ConfigError, match='no "nodes" list'):
-        read_exclusions(tmp_path)
+@pytest.mark.parametrize(("text", "said"), [
+    ("{not json", "is not JSON"), (json.dumps({"nodes": [{"node": "n1,n2"}, {"node": "n3"}]}), "names no node"),
+    ("[]", 'no "nodes" list'), (json.dumps({"nodes": [{"node": "n3", "time": "noon"}]}), "'noon', not a number"),
+    (json.dumps({"nodes": "x"}), 'no "nodes" list'), ("[" * 100000, "is not JSON"), ("\udcff\x00", "is not JSON"),
+])
+def test_a_hand_broken_exclusion_file_is_skipped_with_a_warning_naming_it(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, said: str) -> None:
+    (tmp_path / EXCLUDED_FILE).write_text(text, errors="surrogateescape")
+    nodes = [e.node for e in read_exclusions(tmp_path)]
+    assert nodes == (["n3"] if '"n3"}' in text else [])
+    err = capsys.readouterr().err
+    assert f"warning: {tmp_path / EXCLUDED_FILE}: " in err and said in err and "\x00" not in err
 
 
 def test_add_refuses_what_is_not_a_node_name(tmp_path: Path) -> None:
