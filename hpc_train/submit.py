@@ -18,6 +18,7 @@ from hpc_train.cli.common import (
 from hpc_train.config.plan import Plan
 from hpc_train.errors import ConfigError
 from hpc_train.run.paths import rank_log_path
+from hpc_train.terminal import shown
 
 __all__ = ["build_parser", "main"]
 
@@ -98,7 +99,7 @@ def _submit(argv: list[str] | None) -> int:
         raise ConfigError("sbatch", "refused the job" + (f": {detail[-1].strip()}" if detail else ""),
                           "check the partition, account, QoS and limits (sinfo, sacctmgr show assoc)") from None
     for job, run_dir in zip(jobs, run_dirs, strict=True):
-        console.print(f"submitted job [bold]{job.job_id}[/] ({executor}); run folder {run_dir}")
+        console.print(f"submitted job [bold]{shown(job.job_id)}[/] ({executor}); run folder {shown(run_dir)}")
     if args.no_follow:
         return 0
     followed = [FollowedJob(job, Path(run_dir), label=Path(run_dir).name, requeue=plan.requeue, log_offset=offset)

@@ -166,7 +166,7 @@ def test_login_node_modules_reach_no_heavy_package() -> None:
 
 def test_config_imports_nothing_above_it() -> None:
     allowed = ("hpc_train.config", "hpc_train.errors", "hpc_train.resources", "hpc_train.run",
-               "hpc_train.distributed.topology", "hpc_train.distributed.hostlist")
+               "hpc_train.distributed.topology", "hpc_train.distributed.hostlist", "hpc_train.terminal")
     offenders = {name: sorted(t for t in m.anywhere if not t.startswith(allowed) and t != "hpc_train")
                  for name, m in import_graph().items() if name.startswith("hpc_train.config")}
     assert not {k: v for k, v in offenders.items() if v}
@@ -178,7 +178,7 @@ def test_config_imports_nothing_above_it() -> None:
 ROOMS = {  # room: module prefixes, longest match wins
     "base": ("hpc_train", "hpc_train.errors", "hpc_train.resources"),
     "run": ("hpc_train.run",),
-    "pure": ("hpc_train.distributed.hostlist", "hpc_train.distributed.topology"),
+    "pure": ("hpc_train.distributed.hostlist", "hpc_train.distributed.topology", "hpc_train.terminal"),
     "fabric": ("hpc_train.fabric",),
     "config": ("hpc_train.config",),
     "ops": ("hpc_train.ops",),

@@ -22,6 +22,7 @@ from typing import Any
 from hpc_train.ckpt.manager import LATEST_NAME, CheckpointInfo, CheckpointManager, VerifyLevel, inspect_checkpoint
 from hpc_train.errors import ConfigError
 from hpc_train.run.paths import CHECKPOINTS_DIR, PLAN_FILE
+from hpc_train.terminal import plain, shown
 
 __all__ = ["Listing", "Target", "add_parser", "collect", "resolve_target"]
 
@@ -148,18 +149,17 @@ def _layout_cell(row: dict[str, Any]) -> str:
 
 def _print_table(listing: Listing) -> None:
     from rich.console import Console
-    from rich.markup import escape
     from rich.table import Table
 
-    table = Table(title=escape(f"Checkpoints in {listing.root}"), title_justify="left")
+    table = Table(title=shown(f"Checkpoints in {listing.root}"), title_justify="left")
     for column in ("step", "folder", "size", "world = layout", "ZeRO", "dtype", f"verified ({listing.level})",
                    "latest", "resume"):
         table.add_column(column, overflow="fold")  # never cut a file name short
     for info in listing.infos:
         row = _row(info, listing)
-        table.add_row(str(row["step"]), row["folder"], _human_bytes(row["bytes"]), _layout_cell(row),
-                      "-" if row["zero_stage"] is None else str(row["zero_stage"]), row["dtype"] or "-",
-                      "yes" if row["verified"] else escape(f"no: {row['problem']}"),
+        table.add_row(str(row["step"]), shown(row["folder"]), _human_bytes(row["bytes"]), shown(_layout_cell(row)),
+                      "-" if row["zero_stage"] is None else shown(row["zero_stage"]), shown(row["dtype"] or "-"),
+                      "yes" if row["verified"] else shown(f"no: {row['problem']}"),
                       "<- latest" if row["latest"] else "", "<- resume" if row["resume"] else "")
     Console(width=max(120, Console().width)).print(table)
 
@@ -169,7 +169,7 @@ def _ls(args: argparse.Namespace) -> int:
     if args.json:
         print(_as_json(listing))
     elif not listing.infos:
-        print(f"no checkpoints in {listing.root}")
+        print(plain(f"no checkpoints in {listing.root}"))
     else:
         _print_table(listing)
     return 0
@@ -183,10 +183,10 @@ def _verify(args: argparse.Namespace) -> int:
     else:
         level = f"checked by {listing.level}"
         for info in listing.infos:
-            print(f"{info.path.name}: " + ("ok" if info.verified else f"FAILED: {info.error}")
-                  + (f" ({level})" if target.only is not None else ""))
+            print(plain(f"{info.path.name}: " + ("ok" if info.verified else f"FAILED: {info.error}")
+                        + (f" ({level})" if target.only is not None else "")))
         if target.only is None:
-            print(_verdict(listing, level))
+            print(plain(_verdict(listing, level)))
     if target.only is not None:
         return 0 if listing.infos[0].verified else 1
     return 0 if listing.resume is not None else 1

@@ -13,6 +13,7 @@ from rich.table import Table
 
 from hpc_train.config.plan import Plan
 from hpc_train.fabric.nccl import detected_rows
+from hpc_train.terminal import shown
 
 __all__ = ["print_summary", "rank_placement"]
 
@@ -34,7 +35,7 @@ def _table(title: str, rows: list[tuple[str, Any]]) -> Table:
     table.add_column(style="bold cyan", no_wrap=True)
     table.add_column(overflow="fold")
     for key, value in rows:
-        table.add_row(key, str(value))
+        table.add_row(shown(key), shown(value))
     return table
 
 
@@ -93,6 +94,6 @@ def print_sweep(console: Console, plans: list[Plan], sweeps: list[str]) -> None:
         table_of = dataclasses.asdict(plan.config)
         for key in keys:
             section, _, name = key.partition(".")
-            section_values.append(str(table_of.get(section, {}).get(name, "")))
-        table.add_row(plan.run_dir, *section_values)
+            section_values.append(shown(table_of.get(section, {}).get(name, "")))
+        table.add_row(shown(plan.run_dir), *section_values)
     console.print(table)

@@ -25,12 +25,13 @@ _STATUS_ABOUT = ("Where runs stand: the scheduler's state and nodes (one squeue 
 
 def _logs(args: argparse.Namespace) -> int:
     from hpc_train.ops.logs import format_text, merged_view
+    from hpc_train.terminal import plain
 
     view = merged_view(args.run_dir, rank=args.rank, errors_only=args.errors_only, tail=args.tail)
     if args.json:
         print(json.dumps(view.to_dict(), indent=2))
     else:
-        print(format_text(view))
+        print(plain(format_text(view)))
     return 0
 
 

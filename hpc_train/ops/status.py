@@ -42,6 +42,7 @@ from hpc_train.run.paths import (
     RESULT_FILES,
     SUBMITIT_DIR,
 )
+from hpc_train.terminal import plain, shown
 
 __all__ = ["AttemptView", "CheckpointState", "RunFolder", "RunStatus", "Telemetry", "build_status", "collect",
            "find_run_dirs", "read_folder", "render", "to_json"]
@@ -394,9 +395,9 @@ def render(statuses: list[RunStatus], answer: scheduler.SchedulerAnswer, now: fl
     """The rich renderable of one poll: a row per run; for a single run also its attempts and failure."""
     from rich import box
     from rich.console import Group
-    from rich.markup import escape
     from rich.table import Table
     from rich.text import Text
+
 
     now = time.time() if now is None else now
     table = Table(title=f"hpc_train status at {_clock(now)}", title_justify="left", box=box.SIMPLE_HEAD)
@@ -414,18 +415,19 @@ def render(statuses: list[RunStatus], answer: scheduler.SchedulerAnswer, now: fl
         attempts = f"{len(s.attempts)}" + (f" ({failed} failed)" if failed else "")
         state = Text(s.state + (f" ({s.reason})" if s.reason and s.state == "PENDING" else ""),
                      style=_STYLE.get(s.state, ""))
-        table.add_row(escape(s.name), state, s.job_id or "-", escape(s.nodes or "-"), step,
+        table.add_row(shown(s.name), state, shown(s.job_id or "-"), shown(s.nodes or "-"), step,
                       "-" if t.loss is None else f"{t.loss:.4f}",
                       "-" if t.tokens_per_s is None else f"{t.tokens_per_s:,.0f}",
                       f"{100 * t.mfu:.1f}%" if t.mfu else "n/a", _duration(t.eta_s), ckpt, attempts)
     parts: list[Any] = [table]
     for s in statuses:
         if s.failure is not None:
-            parts.append(Text.assemble((f"{s.name}: ", "bold"), (s.failure.failure_class, "bold red"), "  ",
-                                       s.failure.reason))
+            parts.append(Text.assemble((f"{plain(s.name)}: ", "bold"), (s.failure.failure_class, "bold red"), "  ",
+                                       plain(s.failure.reason)))
     if len(statuses) == 1:
         parts += _details(statuses[0], now)
-    parts += [Text(f"note: {note}", style="dim") for note in [*answer.notes, *(n for s in statuses for n in s.notes)]]
+    notes = [*answer.notes, *(n for s in statuses for n in s.notes)]
+    parts += [Text(f"note: {plain(note)}", style="dim") for note in notes]
     return Group(*parts)
 
 
@@ -434,8 +436,8 @@ def _details(s: RunStatus, now: float) -> list[Any]:
     from rich.table import Table
     from rich.text import Text
 
-    parts: list[Any] = [Text(f"run folder {s.run_dir}; executor {s.executor}; jobs {', '.join(s.job_ids) or '-'}",
-                             style="dim")]
+    parts: list[Any] = [Text(plain(f"run folder {s.run_dir}; executor {s.executor}; jobs "
+                                   f"{', '.join(s.job_ids) or '-'}"), style="dim")]
     if s.attempts:
         table = Table(title="attempts", title_justify="left", box=box.SIMPLE_HEAD)
         for column in ("#", "job", "restart", "start", "end", "outcome", "steps", "why"):
@@ -443,11 +445,11 @@ def _details(s: RunStatus, now: float) -> list[Any]:
         for a in s.attempts:
             steps = f"{a.start_step}->{a.end_step if a.end_step is not None else '...'}"
             why = a.failure["reason"] if a.failure else a.note
-            table.add_row(str(a.attempt), a.job_id, str(a.restart), _clock(a.started), _clock(a.ended),
-                          Text(a.outcome, style=_STYLE.get(a.outcome.upper(), "")), steps, why)
+            table.add_row(str(a.attempt), shown(a.job_id), str(a.restart), _clock(a.started), _clock(a.ended),
+                          Text(a.outcome, style=_STYLE.get(a.outcome.upper(), "")), steps, shown(why))
         parts.append(table)
     if s.excluded:
-        parts.append(Text(f"excluded nodes: {', '.join(s.excluded)}"))
+        parts.append(Text(plain(f"excluded nodes: {', '.join(s.excluded)}")))
     t = s.telemetry
     if t.updated is not None:
         rate = f"; {t.seconds_per_step:.2f} s per step recently" if t.seconds_per_step else ""

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import stat
 import sys
 from pathlib import Path
 from typing import Any
 
 from hpc_train.errors import ConfigError
+from hpc_train.terminal import plain
 
 __all__ = ["MAX_RECORD_FILE", "atomic_write", "read_json_object", "read_record_text", "refuse_shared_writable",
            "warn_bad_record"]
@@ -40,7 +40,6 @@ def atomic_write(path: Path, text: str, mode: int = 0o600) -> None:
 
 # No record file of a run folder is legitimately larger; a bigger one is read only this far.
 MAX_RECORD_FILE = 16 << 20
-_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
 
 
 def read_record_text(path: Path) -> str:
@@ -60,8 +59,7 @@ def warn_bad_record(path: Path, line: int | None, problem: str) -> None:
     """One warning on stderr naming the file (and line) of a record that is skipped: a hand-edited or torn file
     is reported, never a crash. Control characters are shown escaped, never sent to the terminal."""
     where = f"{path}:{line}" if line else str(path)
-    text = _UNPRINTABLE.sub(lambda m: repr(m.group())[1:-1], f"warning: {where}: {problem}; skipped")
-    print(text[:500], file=sys.stderr)
+    print(plain(f"warning: {where}: {problem}; skipped")[:500], file=sys.stderr)
 
 
 def read_json_object(path: Path) -> dict[str, Any]:

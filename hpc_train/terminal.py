@@ -1,0 +1,28 @@
+"""Text from configs, run folders and Slurm made safe to show: no control codes, no rich markup.
+
+A key, a job id or a checkpoint path can come from someone else's file. Printed raw, an escape sequence
+rewrites the terminal (its title, the screen, a fake prompt) and rich reads ``[/]`` or ``[link=...]`` as
+markup (a crash, or a link that shows other text). Every value a command shows goes through :func:`shown`
+(for rich) or :func:`plain` (for ``print``).
+"""
+
+from __future__ import annotations
+
+import re
+
+__all__ = ["plain", "shown"]
+
+# C0 (but tab and newline), DEL, C1, line separators and the bidirectional overrides and isolates.
+_UNSAFE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029\u200e\u200f\u202a-\u202e\u2066-\u2069\ufeff]")
+
+
+def plain(value: object) -> str:
+    """``str(value)`` with every control character written as its escape (``\\x1b``), for ``print``."""
+    return _UNSAFE.sub(lambda m: repr(m.group())[1:-1], str(value))
+
+
+def shown(value: object) -> str:
+    """:func:`plain`, with rich markup escaped too, for ``console.print`` and table cells."""
+    from rich.markup import escape
+
+    return escape(plain(value))
