@@ -12,6 +12,7 @@ from hpc_train.bench.cli import add_parser as add_bench_parser
 from hpc_train.ckpt.cli import add_parser as add_ckpt_parser
 from hpc_train.cli.common import (
     ArgumentParser,
+    add_debug_argument,
     add_plan_arguments,
     plan_from_args,
     prepare_plan_folder,
@@ -135,6 +136,7 @@ def _render(args: argparse.Namespace) -> int:
 def _build_parser() -> ArgumentParser:
     parser = ArgumentParser(prog="python -m hpc_train", description=__doc__)
     parser.add_argument("--version", action="version", version=f"hpc_train {__version__}")
+    add_debug_argument(parser)
     commands = parser.add_subparsers(dest="command", required=True, parser_class=ArgumentParser)
     validate = commands.add_parser("validate", help="check a job config against a site and show the plan")
     add_plan_arguments(validate)
@@ -162,7 +164,7 @@ def _build_parser() -> ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
-    return run_command(lambda: args.run(args))
+    return run_command(lambda: args.run(args), debug=args.debug)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from hpc_train.cli.common import (
     ArgumentParser,
+    add_debug_argument,
     add_plan_arguments,
     plan_from_args,
     prepare_plan_folder,
@@ -31,6 +32,7 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--dry-run", action="store_true", help="show everything, submit and write nothing")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON for machines")
     parser.add_argument("--no-follow", action="store_true", help="return once submitted instead of following")
+    add_debug_argument(parser)
     return parser
 
 
@@ -67,8 +69,7 @@ def _show(args: argparse.Namespace, plans: list[Plan]) -> None:
         print_sweep(console, plans, args.sweep)
 
 
-def _submit(argv: list[str] | None) -> int:
-    args = build_parser().parse_args(argv)
+def _submit(args: argparse.Namespace) -> int:
     plans = _plans(args)
     _show(args, plans)
     if args.dry_run:
@@ -77,7 +78,8 @@ def _submit(argv: list[str] | None) -> int:
         return 0
     from rich.console import Console
 
-    from hpc_train.slurm.executors import submit
+    from hpc_train.cli.undo import Undo
+    from hpc_train.slurm.executors import submit, submitit_folder
     from hpc_train.slurm.follow import FollowedJob, follow
     from hpc_train.slurm.jobstate import check_slurm_available
 
@@ -88,12 +90,16 @@ def _submit(argv: list[str] | None) -> int:
         _refuse_busy_run_folders(plans)
     console = Console(stderr=args.json, soft_wrap=True)  # job output lines are never re-wrapped
     os.umask(0o077)  # submitit's folder and the ranks' files stay private
-    run_dirs = [prepare_plan_folder(plan) for plan in plans]
-    offsets = [_size(rank_log_path(Path(run_dir), 0)) for run_dir in run_dirs]  # follow only new lines
+    undo = Undo.record([Path(plans[0].run_dir).parent, *(Path(plan.run_dir) for plan in plans), submitit_folder(plans)])
     try:
+        run_dirs = [prepare_plan_folder(plan) for plan in plans]
+        offsets = [_size(rank_log_path(Path(run_dir), 0)) for run_dir in run_dirs]  # follow only new lines
         jobs = submit(plans)
     except Exception as error:  # sbatch said no (submitit's FailedJobError): bad partition, account, limits
-        if type(error).__name__ not in ("FailedJobError", "CalledProcessError"):
+        refused = type(error).__name__ in ("FailedJobError", "CalledProcessError")
+        if refused or isinstance(error, ConfigError):
+            undo.roll_back()  # nothing was submitted: what this submission wrote goes again
+        if not refused:
             raise
         detail = [line for line in str(error).splitlines() if line.strip()]
         raise ConfigError("sbatch", "refused the job" + (f": {detail[-1].strip()}" if detail else ""),
@@ -155,7 +161,8 @@ def _size(path: Path) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_command(lambda: _submit(argv))
+    args = build_parser().parse_args(argv)
+    return run_command(lambda: _submit(args), debug=args.debug)
 
 
 if __name__ == "__main__":

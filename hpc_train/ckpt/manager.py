@@ -176,6 +176,8 @@ def _check_file(folder: Path, entry: FileEntry, level: VerifyLevel) -> str | Non
             info = path.lstat()
         except FileNotFoundError:
             return f"{entry.path} is missing"
+        except OSError as error:
+            return f"{entry.path} cannot be read ({error.strerror or error})"
         if stat.S_ISLNK(info.st_mode):
             return f"{entry.path} goes through a symlink"
     if not stat.S_ISREG(info.st_mode):
@@ -188,6 +190,19 @@ def _check_file(folder: Path, entry: FileEntry, level: VerifyLevel) -> str | Non
     return None
 
 
+_MAX_MANIFEST = 64 << 20
+
+
+def _read_manifest_text(path: Path) -> str:
+    """The manifest's text, opened without following a link or blocking (a FIFO planted as the manifest)."""
+    descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+    with open(descriptor, "rb") as handle:
+        info = os.fstat(handle.fileno())
+        if not stat.S_ISREG(info.st_mode) or info.st_size > _MAX_MANIFEST:
+            raise OSError(0, f"not a regular file of at most {_MAX_MANIFEST >> 20} MB")
+        return handle.read(_MAX_MANIFEST).decode("utf-8")
+
+
 def inspect_checkpoint(folder: Path, level: VerifyLevel = "size") -> tuple[Manifest | None, str | None]:
     """Return ``(manifest or None, problem or None)`` for one step folder; never raises for a bad folder."""
     match = _STEP.match(folder.name)
@@ -198,11 +213,11 @@ def inspect_checkpoint(folder: Path, level: VerifyLevel = "size") -> tuple[Manif
     if not stat.S_ISDIR(info.st_mode) or match is None:
         return None, "not a step folder"
     try:
-        text = (folder / MANIFEST_NAME).read_text(encoding="utf-8")
+        text = _read_manifest_text(folder / MANIFEST_NAME)
     except FileNotFoundError:
         return None, f"no {MANIFEST_NAME} (an incomplete or foreign folder)"
     except (OSError, UnicodeDecodeError) as error:
-        return None, f"cannot read {MANIFEST_NAME} ({error})"
+        return None, f"cannot read {MANIFEST_NAME} ({getattr(error, 'strerror', None) or error})"
     try:
         manifest = Manifest.from_json(text)
     except ValueError as error:

@@ -181,6 +181,8 @@ class Manifest:
             data = json.loads(text)
         except ValueError as error:
             raise ValueError(f"manifest: not valid JSON ({error})") from None
+        except RecursionError:
+            raise ValueError("manifest: nests too deep to be a manifest") from None
         return cls.from_dict(data)
 
     @property

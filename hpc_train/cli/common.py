@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -14,11 +15,13 @@ from pathlib import Path
 from hpc_train.config.plan import Plan, load_job, make_plan
 from hpc_train.config.sites import load_site
 from hpc_train.errors import ConfigError
+from hpc_train.terminal import plain
 
-__all__ = ["EXIT_USAGE", "ArgumentParser", "add_plan_arguments", "plan_from_args", "prepare_plan_folder",
-           "run_command"]
+__all__ = ["EXIT_USAGE", "ArgumentParser", "add_debug_argument", "add_plan_arguments", "plan_from_args",
+           "prepare_plan_folder", "run_command"]
 
 EXIT_USAGE = 2
+EXIT_FAILURE = 1
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -63,10 +66,41 @@ def prepare_plan_folder(plan: Plan) -> Path:
     return prepare_run_folder(plan.run_dir, plan.to_json(), dumps(dataclasses.asdict(plan.config)), plan.config_hash)
 
 
-def run_command(command: Callable[[], int]) -> int:
-    """Run a command; a ConfigError becomes one message on stderr and exit status 2."""
+def add_debug_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an unexpected failure")
+
+
+def run_command(command: Callable[[], int], debug: bool = False) -> int:
+    """Run a command: a ConfigError becomes one message on stderr and exit status 2; anything unexpected one
+    line naming it and the file that holds its traceback, and exit status 1 (the traceback itself on the
+    terminal only with ``--debug``)."""
     try:
         return command()
     except ConfigError as error:
-        print(f"error: {error}", file=sys.stderr)
+        print(f"error: {plain(error)}", file=sys.stderr)
         return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+    except Exception as error:
+        if debug:
+            raise
+        log = _crash_log()
+        summary = plain(f"{type(error).__name__}: {error}")[:300]
+        print(f"error: an unexpected failure ({summary}); its traceback is in {log or 'no file (unwritable)'}, and "
+              "--debug shows it here", file=sys.stderr)
+        return EXIT_FAILURE
+
+
+def _crash_log() -> str:
+    """The current traceback in a new private file of the temporary folder (never through a link)."""
+    import tempfile
+    import traceback
+
+    try:
+        descriptor, name = tempfile.mkstemp(prefix="hpc_train-error-", suffix=".log")
+        with os.fdopen(descriptor, "w", encoding="utf-8") as handle:
+            handle.write(traceback.format_exc())
+    except OSError:
+        return ""
+    return name

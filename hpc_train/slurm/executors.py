@@ -34,9 +34,12 @@ def resolve_executor(requested: str, slurm_enabled: bool) -> str:
     return requested
 
 
-def submitit_folder(plan: Plan) -> Path:
-    """submitit keeps its pickles and logs inside the run folder, so they are private like the rest."""
-    return Path(plan.run_dir) / SUBMITIT_DIR
+def submitit_folder(plans: list[Plan]) -> Path:
+    """submitit keeps its pickles and logs inside the run folder, so they are private like the rest; a sweep's
+    array shares one folder beside its run folders."""
+    if len(plans) == 1:
+        return Path(plans[0].run_dir) / SUBMITIT_DIR
+    return Path(plans[0].run_dir).parent / ".submitit"
 
 
 def _folder_guard(run_dir: str) -> str:
@@ -108,8 +111,7 @@ def submit(plans: list[Plan]) -> list[Any]:
 
     from hpc_train.launch import RankEntry
 
-    # A sweep's array shares one submitit folder beside the run folders; a single job keeps its own inside.
-    folder = submitit_folder(first) if len(plans) == 1 else Path(first.run_dir).parent / ".submitit"
+    folder = submitit_folder(plans)
     private_folder(folder)  # it holds the pickles every rank unpickles
     executor: Any
     if first.executor == "local":
