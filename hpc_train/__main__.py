@@ -12,7 +12,6 @@ from hpc_train.bench.cli import add_parser as add_bench_parser
 from hpc_train.ckpt.cli import add_parser as add_ckpt_parser
 from hpc_train.cli.common import (
     ArgumentParser,
-    add_debug_argument,
     add_plan_arguments,
     plan_from_args,
     prepare_plan_folder,
@@ -27,11 +26,15 @@ __all__ = ["main"]
 def _layout_for_world(args: argparse.Namespace) -> int:
     """The rank layout of the config's parallel sizes at any world size, without the job's node shape."""
     from hpc_train.config.plan import load_job
+    from hpc_train.config.validate import MAX_WORLD
     from hpc_train.distributed.topology import Topology
     from hpc_train.errors import ConfigError
 
     cfg = load_job(args.config, args.overrides)
     par = cfg.parallel
+    if not 1 <= args.world <= MAX_WORLD:
+        raise ConfigError("--world", f"{str(args.world)[:30]} ranks is outside 1..{MAX_WORLD:,}",
+                          "give a real world size")
     try:
         topology = Topology.build(args.world, tp=par.tensor, pp=par.pipeline, cp=par.context, order=par.order)
     except ValueError as error:
@@ -136,7 +139,6 @@ def _render(args: argparse.Namespace) -> int:
 def _build_parser() -> ArgumentParser:
     parser = ArgumentParser(prog="python -m hpc_train", description=__doc__)
     parser.add_argument("--version", action="version", version=f"hpc_train {__version__}")
-    add_debug_argument(parser)
     commands = parser.add_subparsers(dest="command", required=True, parser_class=ArgumentParser)
     validate = commands.add_parser("validate", help="check a job config against a site and show the plan")
     add_plan_arguments(validate)
@@ -164,7 +166,7 @@ def _build_parser() -> ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
-    return run_command(lambda: args.run(args), debug=args.debug)
+    return run_command(lambda: args.run(args), debug=getattr(args, "debug", False))
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ from pathlib import Path
 
 from hpc_train.cli.common import (
     ArgumentParser,
-    add_debug_argument,
     add_plan_arguments,
     plan_from_args,
     prepare_plan_folder,
@@ -19,7 +18,7 @@ from hpc_train.cli.common import (
 from hpc_train.config.plan import Plan
 from hpc_train.errors import ConfigError
 from hpc_train.run.paths import rank_log_path
-from hpc_train.terminal import shown
+from hpc_train.terminal import plain
 
 __all__ = ["build_parser", "main"]
 
@@ -32,7 +31,6 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--dry-run", action="store_true", help="show everything, submit and write nothing")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON for machines")
     parser.add_argument("--no-follow", action="store_true", help="return once submitted instead of following")
-    add_debug_argument(parser)
     return parser
 
 
@@ -77,6 +75,7 @@ def _submit(args: argparse.Namespace) -> int:
             print("dry run: nothing submitted, nothing written")
         return 0
     from rich.console import Console
+    from rich.text import Text
 
     from hpc_train.cli.undo import Undo
     from hpc_train.slurm.executors import submit, submitit_folder
@@ -105,7 +104,8 @@ def _submit(args: argparse.Namespace) -> int:
         raise ConfigError("sbatch", "refused the job" + (f": {detail[-1].strip()}" if detail else ""),
                           "check the partition, account, QoS and limits (sinfo, sacctmgr show assoc)") from None
     for job, run_dir in zip(jobs, run_dirs, strict=True):
-        console.print(f"submitted job [bold]{shown(job.job_id)}[/] ({executor}); run folder {shown(run_dir)}")
+        console.print(Text.assemble("submitted job ", (plain(job.job_id), "bold"), f" ({executor}); run folder ",
+                                    plain(run_dir)))
     if args.no_follow:
         return 0
     followed = [FollowedJob(job, Path(run_dir), label=Path(run_dir).name, requeue=plan.requeue, log_offset=offset)
@@ -162,7 +162,7 @@ def _size(path: Path) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return run_command(lambda: _submit(args), debug=args.debug)
+    return run_command(lambda: _submit(args), debug=getattr(args, "debug", False))
 
 
 if __name__ == "__main__":

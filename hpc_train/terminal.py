@@ -3,12 +3,16 @@
 A key, a job id or a checkpoint path can come from someone else's file. Printed raw, an escape sequence
 rewrites the terminal (its title, the screen, a fake prompt) and rich reads ``[/]`` or ``[link=...]`` as
 markup (a crash, or a link that shows other text). Every value a command shows goes through :func:`shown`
-(for rich) or :func:`plain` (for ``print``).
+(for rich: a ``Text``, never parsed as markup) or :func:`plain` (for ``print``).
 """
 
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rich.text import Text
 
 __all__ = ["plain", "shown"]
 
@@ -21,8 +25,9 @@ def plain(value: object) -> str:
     return _UNSAFE.sub(lambda m: repr(m.group())[1:-1], str(value))
 
 
-def shown(value: object) -> str:
-    """:func:`plain`, with rich markup escaped too, for ``console.print`` and table cells."""
-    from rich.markup import escape
+def shown(value: object) -> Text:
+    """:func:`plain` as a rich ``Text``, for ``console.print`` and table cells: a Text is never read as markup
+    (``[/]``, ``[link=...]``) or emoji codes (``:smile:``)."""
+    from rich.text import Text
 
-    return escape(plain(value))
+    return Text(plain(value))

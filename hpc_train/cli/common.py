@@ -11,13 +11,14 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from hpc_train.config.plan import Plan, load_job, make_plan
 from hpc_train.config.sites import load_site
 from hpc_train.errors import ConfigError
 from hpc_train.terminal import plain
 
-__all__ = ["EXIT_USAGE", "ArgumentParser", "add_debug_argument", "add_plan_arguments", "plan_from_args",
+__all__ = ["EXIT_USAGE", "ArgumentParser", "add_plan_arguments", "plan_from_args",
            "prepare_plan_folder", "run_command"]
 
 EXIT_USAGE = 2
@@ -25,7 +26,13 @@ EXIT_FAILURE = 1
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse whose usage errors follow our one-message, exit-2 rule."""
+    """argparse whose usage errors follow our one-message, exit-2 rule, and where every command and subcommand
+    takes ``--debug`` (read it with ``getattr(args, "debug", False)``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                          help="show the traceback of an unexpected failure")
 
     def error(self, message: str) -> None:  # type: ignore[override]
         self.print_usage(sys.stderr)
@@ -64,10 +71,6 @@ def prepare_plan_folder(plan: Plan) -> Path:
     from hpc_train.run.folder import prepare_run_folder
 
     return prepare_run_folder(plan.run_dir, plan.to_json(), dumps(dataclasses.asdict(plan.config)), plan.config_hash)
-
-
-def add_debug_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--debug", action="store_true", help="show the traceback of an unexpected failure")
 
 
 def run_command(command: Callable[[], int], debug: bool = False) -> int:

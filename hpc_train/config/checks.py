@@ -112,6 +112,9 @@ def check_hostlist(value: str) -> tuple[str, str] | None:
     bad = _check_hostlist_chars(value)
     if bad or not value:
         return bad
+    if value.startswith("[") or ",[" in value:
+        return (f"{value[:80]!r} is not a Slurm host list: a host name starts with a bracket",
+                "give each host its name before the brackets, like node[01-04]")
     try:
         first_host(value, max_hosts=MAX_HOSTS)
     except ValueError as error:

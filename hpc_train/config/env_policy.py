@@ -20,10 +20,12 @@ BOOTSTRAP_ENV = frozenset({"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "LO
 _SHELL = frozenset({"BASH_ENV", "ENV", "SHELLOPTS", "BASHOPTS", "PS4", "PROMPT_COMMAND", "IFS", "CDPATH",
                     "GLOBIGNORE", "PATH", "HOME", "SHELL", "ZDOTDIR", "EXECIGNORE", "BASH_XTRACEFD"})
 _LOADER = frozenset({"GLIBC_TUNABLES", "GCONV_PATH", "LOCPATH", "NLSPATH", "HOSTALIASES", "MALLOC_CONF"})
+_LOADER_PREFIXES = ("LD_", "DYLD_", "MALLOC_")
 _INTERPRETERS = frozenset({"PERL5OPT", "PERL5LIB", "PERLLIB", "RUBYOPT", "RUBYLIB", "NODE_OPTIONS"})
 _PYTHON_ALLOWED = frozenset({"PYTHONUNBUFFERED"})
 # Open MPI / PMIx / PRRTE parameters that name a program to run or a folder to load components from.
-_MPI_PREFIXES = ("OMPI_MCA_", "PMIX_MCA_", "PRTE_MCA_", "OPAL_")
+_MPI_PREFIXES = ("OMPI_MCA_", "OPAL_")
+_RUNTIME_PREFIXES = ("PMIX_MCA_", "PRTE_MCA_")  # the PMIx server and PRRTE launcher: none of them is a job's
 _MPI_LOADING = re.compile(r"PATH|AGENT|PLM|LAUNCH|EXEC|PREFIX|COMPONENT|PARAM_FILE|ENV_LIST", re.IGNORECASE)
 _NCCL_PLUGIN = re.compile(r"NCCL_(NET|TUNER|PROFILER|ENV)_PLUGIN|NCCL_.*PLUGIN", re.IGNORECASE)
 
@@ -43,15 +45,15 @@ def refused_env_name(name: str) -> str | None:
         return "is set by the launcher or hpc_train on every rank (the rendezvous and rank come from the job)"
     if upper in _SHELL or upper.startswith("BASH_FUNC_"):
         return "changes how the job's shell starts or finds programs (it could run code before hpc_train)"
-    if upper.startswith(("LD_", "DYLD_")) or upper in _LOADER:
-        return "changes what the dynamic loader loads into every process (it could run code in every rank)"
+    if upper.startswith(_LOADER_PREFIXES) or upper in _LOADER:
+        return "changes what the dynamic loader or the C library does in every process (it could run code there)"
     if upper.startswith("PYTHON") and upper not in _PYTHON_ALLOWED:
         return "changes how Python starts (imports, startup files, home); put code on sys.path with job.program"
     if upper in _INTERPRETERS:
         return "changes how another interpreter starts (it could run code)"
     if upper.startswith(("SLURM_", "SRUN_", "SBATCH_", "SALLOC_", "SPANK_")):
         return "changes what Slurm does behind the plan's back; set the job's resources in [job] instead"
-    if upper.startswith(_MPI_PREFIXES) and _MPI_LOADING.search(upper):
+    if upper.startswith(_RUNTIME_PREFIXES) or (upper.startswith(_MPI_PREFIXES) and _MPI_LOADING.search(upper)):
         return "makes the MPI runtime run a program or load components from a path"
     if _NCCL_PLUGIN.fullmatch(upper):
         return "makes NCCL load a shared library; a site sets its plugins in [network.nccl]"

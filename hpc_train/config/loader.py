@@ -43,11 +43,12 @@ def _read_config_text(path: Path, what: str) -> str:
     except OSError as error:
         raise ConfigError(str(path), f"cannot open the {what} file ({error.strerror or error})",
                           "give a readable TOML file") from None
+    info = os.fstat(descriptor)
+    if not stat.S_ISREG(info.st_mode):
+        os.close(descriptor)
+        kind = "a folder" if stat.S_ISDIR(info.st_mode) else "not a regular file (a FIFO, socket or device)"
+        raise ConfigError(str(path), f"the {what} file is {kind}", "give a regular TOML file")
     with os.fdopen(descriptor, "rb") as handle:
-        info = os.fstat(handle.fileno())
-        if not stat.S_ISREG(info.st_mode):
-            kind = "a folder" if stat.S_ISDIR(info.st_mode) else "not a regular file (a FIFO, socket or device)"
-            raise ConfigError(str(path), f"the {what} file is {kind}", "give a regular TOML file")
         if info.st_size > MAX_CONFIG_BYTES:
             raise ConfigError(str(path), f"the {what} file is {info.st_size:,} bytes, over the "
                               f"{MAX_CONFIG_BYTES:,}-byte limit", "keep data out of the config; name a file instead")

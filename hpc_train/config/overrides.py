@@ -6,6 +6,7 @@ import dataclasses
 import tomllib
 from typing import Any, get_args, get_origin
 
+from hpc_train.config.checks import has_control_chars
 from hpc_train.config.loader import field_types
 from hpc_train.errors import ConfigError, did_you_mean
 
@@ -41,6 +42,9 @@ def _field_type(root: type, section: str, key: str, text: str) -> Any:
 
 def parse_override(text: str, root: type) -> tuple[str, str, Any]:
     """Split ``section.key=value`` and type the value from the schema of ``root``."""
+    if has_control_chars(text):
+        raise ConfigError(f"--set {text!r}", "contains a control character (a newline would end the value early)",
+                          "give one line of plain text")
     dotted, sep, raw = text.partition("=")
     section, dot, key = dotted.strip().partition(".")
     if not sep or not dot or not section or not key or "." in key:

@@ -13,13 +13,14 @@ from hpc_train.config.site import SiteConfig
 from hpc_train.distributed.topology import Topology
 from hpc_train.errors import ConfigError, did_you_mean
 
-__all__ = ["SLURM_SIGNAL_SLACK_S", "validate"]
+__all__ = ["MAX_WORLD", "SLURM_SIGNAL_SLACK_S", "validate"]
 
 # Slurm may deliver --signal up to 60 s before the requested lead time.
 SLURM_SIGNAL_SLACK_S = 60
 # Beyond any cluster: a larger number is a typo, and would be rendered into #SBATCH lines as it is.
 MAX_NODES = 100_000
 MAX_TASKS_PER_NODE = 1024
+MAX_WORLD = 262_144  # ranks; the largest jobs today are a tenth of it
 def _at_least(where: str, value: float, low: float, fix: str = "") -> None:
     if value < low:
         raise ConfigError(where, f"{value} is below the minimum {low}", fix or f"set it to {low} or more")
@@ -115,6 +116,9 @@ def _check_resources(cfg: JobConfig, site: SiteConfig, gpus_per_node: int, cpus_
 def _check_layout(cfg: JobConfig, gpus_per_node: int) -> int:
     job, par = cfg.job, cfg.parallel
     world = job.nodes * job.tasks_per_node
+    if world > MAX_WORLD:
+        raise ConfigError("job.nodes", f"{job.nodes} nodes x {job.tasks_per_node} tasks_per_node = {world:,} ranks, "
+                          f"above the maximum {MAX_WORLD:,}", "ask for fewer nodes")
     model_parallel = par.tensor * par.pipeline * par.context
     if world % model_parallel:
         sizes = f"tensor x pipeline = {par.tensor} x {par.pipeline}" if par.context == 1 else (

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hpc_train.run.attempts import AttemptLog
-from hpc_train.run.files import read_json_object
+from hpc_train.run.files import open_record, read_json_object
 from hpc_train.run.loglines import BATCH_START, parse_start, rank_line_time
 from hpc_train.run.paths import LOGS_DIR, rank_error_path, rank_log_path, stacks_path
 
@@ -156,7 +156,7 @@ def _file_job(name: str) -> str:
 
 def _read_tail(path: Path, limit: int = _TAIL_BYTES) -> str:
     try:
-        with open(path, "rb") as handle:
+        with open_record(path) as handle:
             size = handle.seek(0, 2)
             handle.seek(max(0, size - limit))
             data = handle.read()

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from hpc_train.errors import ConfigError
+from hpc_train.run.files import open_record, read_record_text
 from hpc_train.run.loglines import RANK_RECORD
 from hpc_train.run.paths import LOGS_DIR, RANK_ERROR_GLOB, RANK_LOG_GLOB, SUBMITIT_DIR, rank_error_path
 
@@ -112,10 +113,14 @@ def _epoch(date: str, clock: str, fraction: str | None) -> float | None:
 
 
 def _read(path: Path, notes: list[str]) -> str:
-    with open(path, "rb") as handle:
-        size = handle.seek(0, 2)
-        handle.seek(max(0, size - _MAX_BYTES))
-        data = handle.read()
+    try:
+        with open_record(path) as handle:
+            size = handle.seek(0, 2)
+            handle.seek(max(0, size - _MAX_BYTES))
+            data = handle.read()
+    except OSError as error:
+        notes.append(f"{path.name}: not read ({error.strerror or error})")
+        return ""
     text = data.decode("utf-8", errors="replace")
     if size > _MAX_BYTES:
         notes.append(f"{path.name} is {size >> 20} MiB: only its last {_MAX_BYTES >> 20} MiB are shown")
@@ -181,8 +186,8 @@ def _rank_errors(logs: Path, rank: int | None) -> list[RankError]:
     found = []
     for path in logs.glob(RANK_ERROR_GLOB):
         try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
+            data = json.loads(read_record_text(path))
+        except (ValueError, RecursionError):
             continue
         if not isinstance(data, dict) or not isinstance(data.get("rank"), int):
             continue

@@ -31,7 +31,7 @@ from hpc_train.ops.classify import Classification, classify
 from hpc_train.ops.evidence import collect_evidence
 from hpc_train.run.attempts import Attempt, AttemptLog
 from hpc_train.run.exclusions import read_exclusions
-from hpc_train.run.files import read_json_object
+from hpc_train.run.files import open_record, read_json_object
 from hpc_train.run.paths import (
     ATTEMPTS_FILE,
     CHECKPOINTS_DIR,
@@ -201,7 +201,7 @@ def _id_key(job_id: str) -> tuple[int, int]:
 def _metrics_tail(path: Path) -> list[dict[str, Any]]:
     """The last step records (a user program's may carry no loss; evaluation-only lines are left out)."""
     try:
-        with open(path, "rb") as handle:
+        with open_record(path) as handle:
             size = handle.seek(0, 2)
             handle.seek(max(0, size - _METRICS_BYTES))
             text = handle.read().decode("utf-8", errors="replace")
@@ -211,7 +211,7 @@ def _metrics_tail(path: Path) -> list[dict[str, Any]]:
     for line in text.splitlines():
         try:
             record = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):
             continue
         # A user program's ctx.log records may have no loss; an evaluation's record has only eval_loss.
         if isinstance(record, dict) and isinstance(record.get("step"), int) and set(record) - {"step", "eval_loss"}:
@@ -222,11 +222,12 @@ def _metrics_tail(path: Path) -> list[dict[str, Any]]:
 def _checkpoint(path: Path) -> CheckpointState | None:
     latest = path / CHECKPOINTS_DIR / "latest"
     try:
-        name = latest.read_text(encoding="utf-8").strip()
-        moment = latest.stat().st_mtime
+        with open_record(latest) as handle:
+            name = handle.read(256).decode("utf-8", errors="replace").strip()
+        moment = latest.lstat().st_mtime
     except OSError:
         return None
-    m = re.fullmatch(r"step-([0-9]+)", name)
+    m = re.fullmatch(r"step-([0-9]{1,30})", name)
     return CheckpointState(name, int(m[1]) if m else None, moment)
 
 
@@ -410,7 +411,7 @@ def render(statuses: list[RunStatus], answer: scheduler.SchedulerAnswer, now: fl
         ckpt = "-"
         if s.checkpoint is not None:
             where = s.checkpoint.step if s.checkpoint.step is not None else s.checkpoint.name
-            ckpt = f"step {where} ({_ago(s.checkpoint.time, now)})"
+            ckpt = shown(f"step {where} ({_ago(s.checkpoint.time, now)})")
         failed = sum(1 for a in s.attempts if a.outcome in _FAILED_OUTCOMES)
         attempts = f"{len(s.attempts)}" + (f" ({failed} failed)" if failed else "")
         state = Text(s.state + (f" ({s.reason})" if s.reason and s.state == "PENDING" else ""),

@@ -7,18 +7,19 @@ execute, so every writer goes through :func:`atomic_write` and every folder is c
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import stat
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from hpc_train.errors import ConfigError
 from hpc_train.terminal import plain
 
-__all__ = ["MAX_RECORD_FILE", "atomic_write", "read_json_object", "read_record_text", "refuse_shared_writable",
-           "warn_bad_record"]
+__all__ = ["MAX_RECORD_FILE", "atomic_write", "open_record", "read_json_object", "read_record_text",
+           "refuse_shared_writable", "warn_bad_record"]
 
 
 def atomic_write(path: Path, text: str, mode: int = 0o600) -> None:
@@ -42,17 +43,24 @@ def atomic_write(path: Path, text: str, mode: int = 0o600) -> None:
 MAX_RECORD_FILE = 16 << 20
 
 
+def open_record(path: Path) -> BinaryIO:
+    """A run-folder file opened for reading without following a link or blocking: OSError when it is a link, a
+    FIFO, a device or a folder (someone planted it; a reader would hang on it or read elsewhere)."""
+    descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+    if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+        os.close(descriptor)
+        raise OSError(errno.EINVAL, f"not a regular file: {path}")
+    return open(descriptor, "rb")
+
+
 def read_record_text(path: Path) -> str:
-    """The text of a run-folder record file, read without following a link or blocking on a FIFO, at most
-    :data:`MAX_RECORD_FILE` bytes, undecodable bytes replaced; "" when it is missing or not a regular file."""
+    """The text of a run-folder record file (:func:`open_record`), at most :data:`MAX_RECORD_FILE` bytes,
+    undecodable bytes replaced; "" when it is missing or not a regular file."""
     try:
-        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+        with open_record(path) as handle:
+            return handle.read(MAX_RECORD_FILE).decode("utf-8", errors="replace")
     except OSError:
         return ""
-    with open(descriptor, "rb") as handle:
-        if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
-            return ""
-        return handle.read(MAX_RECORD_FILE).decode("utf-8", errors="replace")
 
 
 def warn_bad_record(path: Path, line: int | None, problem: str) -> None:
@@ -66,8 +74,8 @@ def read_json_object(path: Path) -> dict[str, Any]:
     """A JSON object from the run folder, or {} when it is missing, torn or not an object: readers on the login
     node show what is there and never fail on a file a rank is rewriting."""
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        data = json.loads(read_record_text(path))
+    except (ValueError, RecursionError):
         return {}
     return data if isinstance(data, dict) else {}
 

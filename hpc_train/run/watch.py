@@ -26,7 +26,7 @@ def last_logged_step(run_dir: Path) -> int:
     for line in lines:
         try:
             record = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):
             continue
         if isinstance(record, dict) and isinstance(record.get("step"), int):
             steps.append(record["step"])

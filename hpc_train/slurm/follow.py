@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from hpc_train.run.attempts import Attempt, AttemptLog
+from hpc_train.run.files import read_record_text
 from hpc_train.run.paths import LOGS_DIR, RANK_ERROR_GLOB, SUBMITIT_DIR, rank_log_path
 from hpc_train.slurm.jobstate import SlurmQueryError, query_states
 
@@ -69,8 +70,8 @@ class FollowedJob:
         errors = []
         for path in sorted((self.run_dir / LOGS_DIR).glob(RANK_ERROR_GLOB)):
             try:
-                errors.append(json.loads(path.read_text(encoding="utf-8")))
-            except (OSError, ValueError):
+                errors.append(json.loads(read_record_text(path)))
+            except (ValueError, RecursionError):
                 continue  # being written right now: next poll
         # The first rank to fail is the cause; the others usually fail because it went away.
         return sorted(errors, key=lambda error: (error.get("time", 0.0), error.get("rank", 0)))
