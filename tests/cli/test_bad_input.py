@@ -83,8 +83,8 @@ CASES = [
      "preempt.lead_seconds: 120 s is not shorter than job.time"),
     ("lead-under-slack", "[preempt]\nlead_seconds = 10\n", [], "less than Slurm's 60 s delivery slack"),
     ("signal-usr1", '[preempt]\nsignal = "USR1"\n', [], "preempt.signal: USR1 is used by NCCL"),
-    ("name-newline", '[job]\nname = "x\\ntouch /tmp/pwned"\n', [], "job.name: 'x\\ntouch /tmp/pwned' contains a "
-     "control character"),
+    ("name-newline", '[job]\nname = "x\\ntouch /tmp/pwned"\n', [], "job.name: holds the control character '\\n' "
+     "('x\\ntouch /tmp/pwned')"),
     ("name-command-substitution", '[job]\nname = "$(id)"\n', [], "job.name: '$(id)' is not allowed"),
     ("partition-semicolon", '[job]\npartition = "gpu;id"\n', [], "job.partition: 'gpu;id' is not allowed"),
     ("mem-format", '[job]\nmem = "lots"\n', [], "job.mem: 'lots' is not a Slurm memory size"),
@@ -92,7 +92,7 @@ CASES = [
     ("run-root-space", '[job]\nrun_root = "/tmp/my runs"\n', [], "job.run_root: '/tmp/my runs' has characters"),
     ("env-bad-name", '[env]\n"1BAD" = "x"\n', [], "env.1BAD: '1BAD' is not a valid environment variable name"),
     ("env-secret", '[env]\nHF_TOKEN = "hf_abc"\n', [], 'env.HF_TOKEN: looks like a secret'),
-    ("env-value-newline", '[env]\nA = "x\\ny"\n', [], "env.A: 'x\\ny' contains a control character"),
+    ("env-value-newline", '[env]\nA = "x\\ny"\n', [], "env.A: holds the control character '\\n' ('x\\ny')"),
     ("gpus-on-cpu-site", "[job]\ngpus_per_node = 1\n", [], "job.gpus_per_node: 1 GPUs asked for, but site local"),
     ("forward-env-all", '[job]\nforward_env = ["ALL"]\n', [], 'job.forward_env: "ALL" is an sbatch --export keyword'),
     ("env-reserved", '[env]\nMASTER_ADDR = "10.0.0.1"\n', [], "env.MASTER_ADDR: is set by the launcher"),
