@@ -19,7 +19,6 @@ import resource
 import shutil
 import stat
 import subprocess
-import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -27,20 +26,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+import rich.console
+import submitit
 
-# Imported once here so that a case's 2 s budget measures the command, not the first import of rich or submitit.
 import hpc_train.ckpt.cli
 import hpc_train.ops.status
 import hpc_train.slurm.render
-import rich.console
-import submitit  # noqa: F401
 from hpc_train import __main__ as hpc_main
 from hpc_train import submit as hpc_submit
 from tests.conftest import PYTHON, chdir
 
-__all__ = ["Case", "Outcome", "World", "cases_ids", "make_world", "run_case"]
+__all__ = ["Case", "Outcome", "World", "cases_ids", "make_stubs", "make_world", "run_case"]
 
-_ = (hpc_train.ckpt.cli, hpc_train.ops.status, hpc_train.slurm.render, rich.console)
+# Imported once here so that a case's 2 s budget measures the command, not the first import of rich or submitit.
+_ = (hpc_train.ckpt.cli, hpc_train.ops.status, hpc_train.slurm.render, rich.console, submitit)
 LIMIT_S = 2.0
 SCRIPT_TIMEOUT_S = 10
 JOB_NAME = "hpc-train"
@@ -51,45 +50,53 @@ _STUBS = {
     "scancel": "exit 0", "module": "exit 0",
     "scontrol": 'case "$1" in show) echo n1 ;; ping) echo "Slurmctld(primary) at stub is UP" ;; esac\nexit 0',
 }
-_SBATCH = """if [ -e {refuse} ]; then
+# sbatch copies the script it is given into the case's capture folder (or refuses, when the case says so).
+_SBATCH = """here="$HPC_SECURITY_WORLD/.harness"
+if [ -e "$here/sbatch-refuses" ]; then
   echo "sbatch: error: Batch job submission failed: Invalid account or account/partition combination" >&2
   exit 1
 fi
 last=""
 for arg in "$@"; do last="$arg"; done
-n=$(ls {captured} | wc -l)
-cp -- "$last" {captured}/script-$n.sh
+n=$(ls "$here/captured" | wc -l)
+cp -- "$last" "$here/captured/script-$n.sh"
 echo "Submitted batch job 4242"
 """
 
 
 @dataclass(frozen=True)
 class World:
-    """The tmp tree of one case. ``.harness`` (stubs, captured scripts) is outside what the snapshot compares."""
+    """The tmp tree of one case. ``.harness`` (what the sbatch stub was given, printed scripts) is outside what the
+    snapshot compares; the stub tools themselves live outside the tree, shared by all cases."""
 
     root: Path
+    bin: Path  # the stub tools, shared by every case (make_stubs)
 
     work = property(lambda self: self.root / "work")  # the working folder and the job file
     runs = property(lambda self: self.root / "runs")  # job.run_root of every job file
     run_dir = property(lambda self: self.runs / JOB_NAME)
     home = property(lambda self: self.root / "home")
+    tmp = property(lambda self: self.root / "tmp")  # TMPDIR: a crash log or temporary file shows in the snapshot
     victim = property(lambda self: self.root / "victim")  # a folder planted links point at
     victim_file = property(lambda self: self.root / "victim" / "precious.txt")
     payload = property(lambda self: self.root / "payload.sh")  # a file that creates the canary when sourced
     canary = property(lambda self: self.root / "canary")
     harness = property(lambda self: self.root / ".harness")
-    stubs = property(lambda self: self.root / ".harness" / "bin")
-    script_stubs = property(lambda self: self.root / ".harness" / "bin-script")  # python stubs for scripts only
+    stubs = property(lambda self: self.bin / "bin")
+    script_stubs = property(lambda self: self.bin / "bin-script")  # python and python3, for scripts only
     captured = property(lambda self: self.root / ".harness" / "captured")
     refuse_flag = property(lambda self: self.root / ".harness" / "sbatch-refuses")
 
     def sub(self, text: str) -> str:
         """Put this world's paths into a case's text (``@CANARY@``, ``@RUN@``, ...)."""
+        if "@" not in text:
+            return text
         for token, path in (("@JOB@", self.work / "job.toml"), ("@SITE@", self.work / "site.toml"),
                             ("@RUNS@", self.runs), ("@RUN@", self.run_dir), ("@WORK@", self.work),
                             ("@CANARY@", self.canary), ("@VICTIM@", self.victim), ("@PAYLOAD@", self.payload),
                             ("@HOME@", self.home), ("@ROOT@", self.root)):
-            text = text.replace(token, str(path))
+            if token in text:
+                text = text.replace(token, str(path))
         return text
 
 
@@ -98,19 +105,25 @@ def _stub(path: Path, body: str) -> None:
     path.chmod(0o755)
 
 
-def make_world(root: Path) -> World:
-    world = World(root)
-    for folder in (world.work, world.runs, world.home, world.victim, world.stubs, world.script_stubs,
-                   world.captured):
+def make_stubs(folder: Path) -> None:
+    """The stub tools under ``folder``: bin/ (Slurm and MPI, first on PATH) and bin-script/ (python, python3)."""
+    (folder / "bin").mkdir(parents=True)
+    (folder / "bin-script").mkdir()
+    for name, body in {**_STUBS, "sbatch": _SBATCH}.items():
+        _stub(folder / "bin" / name, body)
+    for name in ("python", "python3"):
+        _stub(folder / "bin-script" / name, "exit 0")
+
+
+def make_world(root: Path, stubs: Path) -> World:
+    """The tree of one case; ``stubs`` is the folder :func:`make_stubs` filled. The sbatch stub finds the case's
+    capture folder through $HPC_SECURITY_WORLD, which the fixture sets."""
+    world = World(root, stubs)
+    for folder in (world.work, world.runs, world.home, world.tmp, world.victim, world.captured):
         folder.mkdir(parents=True, exist_ok=True)
     world.victim_file.write_text("the bytes a planted link must never change\n", encoding="utf-8")
     (world.victim / "notes.txt").write_text("victim folder\n", encoding="utf-8")
     world.payload.write_text(f"touch {world.canary}\n", encoding="utf-8")
-    for name, body in _STUBS.items():
-        _stub(world.stubs / name, body)
-    _stub(world.stubs / "sbatch", _SBATCH.format(refuse=world.refuse_flag, captured=world.captured))
-    for name in ("python", "python3"):
-        _stub(world.script_stubs / name, "exit 0")
     return world
 
 
@@ -131,7 +144,7 @@ class Case:
     warns: tuple[str, ...] = ()  # regular expressions a stderr line must match (exit 0)
     shows: tuple[str, ...] = ()  # texts stdout must hold (exit 0)
     site: str | None = None  # TOML of @SITE@
-    secret: str = ""  # must be in no file under the world afterwards
+    leak: str = ""  # a secret value that must be in no file under the world afterwards
     setup: Callable[[World], None] | None = None
     check: Check | None = None
     refuse_sbatch: bool = False
@@ -189,8 +202,8 @@ def _in_process(case: Case, argv: list[str], world: World) -> Outcome:
                 code = exit_.code if isinstance(exit_.code, int) else 1
     except BaseException as error:  # what the command let escape is the finding
         code = -1
-        frames = traceback.format_exception(error)
-        escaped = f"{type(error).__name__} escaped: {str(error)[:200]!r} at {''.join(frames[-3:-1]).strip()[-300:]}"
+        last = traceback.extract_tb(error.__traceback__)[-1]
+        escaped = f"{type(error).__name__} escaped: {str(error)[:200]!r} at {last.filename}:{last.lineno} {last.name}"
     finally:
         seconds = time.monotonic() - start
         os.environ.clear()
@@ -295,6 +308,8 @@ def _check_messages(case: Case, outcome: Outcome) -> None:
     if "Traceback" in out + err:
         where = err if "Traceback" in err else out
         outcome.problems.append(f"a Traceback: {_excerpt(where[where.index('Traceback'):], 300)}")
+    if re.search(r"unexpected failure|internal error", err, re.I):
+        outcome.problems.append(f"crashed into the catch-all handler: {_excerpt(err, 200)}")
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     if code == 2 and len(errors) != 1:
         outcome.problems.append(f"{len(errors)} lines start with 'error:' on stderr, expected one")
@@ -356,7 +371,7 @@ def _run_scripts(world: World, scripts: list[Path], outcome: Outcome) -> None:
 
 def _check_secret(case: Case, world: World, outcome: Outcome) -> None:
     inputs = {world.work / "job.toml", world.work / "site.toml"}
-    needle = case.secret.encode()
+    needle = case.leak.encode()
     for path in world.root.rglob("*"):
         if path in inputs or not stat.S_ISREG(path.lstat().st_mode):
             continue
@@ -381,10 +396,14 @@ def run_case(case: Case, world: World) -> Outcome:
     _check_messages(case, outcome)
     _check_tree(case, world, outcome, before, after)
     _check_plans(world, outcome, after)
-    _run_scripts(world, _scripts(case, world, outcome, before, after), outcome)
+    scripts = _scripts(case, world, outcome, before, after)
+    submitted = case.entry == "submit" and "--dry-run" not in case.argv
+    if submitted and outcome.code == 0 and not any(world.captured.iterdir()):
+        outcome.problems.append("exit 0 but sbatch was never called (no script to run)")
+    _run_scripts(world, scripts, outcome)
     if os.path.lexists(world.canary):
         outcome.problems.append("the canary was written: a payload ran")
-    if case.secret:
+    if case.leak:
         _check_secret(case, world, outcome)
     if case.check is not None and outcome.code in case.expect:
         try:

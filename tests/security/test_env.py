@@ -1,4 +1,4 @@
-"""[env], forward_env and --set env.*: names that run code or steer Slurm, and credentials, are refused.
+"""[env], --set env.* and a site's [env]: names that run code or steer Slurm, and credentials, are refused.
 
 Why: the job's environment is exported by every rendered script and submitit's setup lines before bash, the
 loader, Python and srun read their own variables, and it is written into plan.json: a config copied from someone
@@ -72,21 +72,21 @@ def _allowed_cases() -> list[Case]:
 
 def _secret_cases() -> list[Case]:
     cases = [on("dry", f"secret-name-{name}", _env(name, f"v4lue-of-{name.lower()}-0x5eed"), says=(name,),
-                secret=f"v4lue-of-{name.lower()}-0x5eed") for name in SECRET_NAMES]
-    cases += [on("render", f"secret-value-{label}", _env("FOO", value), says=("FOO",), secret=value)
+                leak=f"v4lue-of-{name.lower()}-0x5eed") for name in SECRET_NAMES]
+    cases += [on("render", f"secret-value-{label}", _env("FOO", value), says=("FOO",), leak=value)
               for label, value in SECRET_VALUES]
     cases += [
-        on("dry", "secret-value-ghp-dry", _env("FOO", SECRET_VALUES[0][1]), says=("FOO",), secret=SECRET_VALUES[0][1]),
+        on("dry", "secret-value-ghp-dry", _env("FOO", SECRET_VALUES[0][1]), says=("FOO",), leak=SECRET_VALUES[0][1]),
         on("submit", "secret-name-HF_TOKEN-submit", _env("HF_TOKEN", "hf_SubmitPathSecret0123456789"),
-           says=("HF_TOKEN",), secret="hf_SubmitPathSecret0123456789"),
+           says=("HF_TOKEN",), leak="hf_SubmitPathSecret0123456789"),
         on("submit", "secret-value-hf-submit", _env("FOO", "hf_SubmitValueSecret012345678"), says=("FOO",),
-           secret="hf_SubmitValueSecret012345678"),
+           leak="hf_SubmitValueSecret012345678"),
         on("render", "secret-set-env", "", "--set", "env.WANDB_API_KEY=wandbSetSecret0xdeadbeef",
-           says=("WANDB_API_KEY",), secret="wandbSetSecret0xdeadbeef"),
+           says=("WANDB_API_KEY",), leak="wandbSetSecret0xdeadbeef"),
         on("render", "secret-site-env", "", site=site_toml({"env.FOO": q("ghp_SiteSecretAbCdEfGhIjKlMn01")}),
-           says=("FOO",), secret="ghp_SiteSecretAbCdEfGhIjKlMn01"),
+           says=("FOO",), leak="ghp_SiteSecretAbCdEfGhIjKlMn01"),
         on("stdout", "secret-value-stdout", _env("FOO", "sk-StdoutSecretAbCdEfGhIjKl01"), says=("FOO",),
-           secret="sk-StdoutSecretAbCdEfGhIjKl01"),
+           leak="sk-StdoutSecretAbCdEfGhIjKl01"),
     ]
     return cases
 
