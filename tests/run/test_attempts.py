@@ -69,3 +69,18 @@ def _attempt(step: float | None, save: float | None) -> Attempt:
 ])
 def test_recommended_lead_seconds(attempts: list[Attempt], floor: int, lead: int) -> None:
     assert recommended_lead_seconds(attempts, floor) == lead
+
+
+def test_bad_lines_are_skipped_with_a_warning_naming_the_file_and_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    log = AttemptLog(tmp_path)
+    good = log.begin("7", 0, "n1", 100.0, 0)
+    with open(log.path, "ab") as handle:
+        handle.write(b'[1, 2]\n{"attempt": "x", "job_id": "7", "restart": 0, "host": "n", "started": 1, '
+                     b'"start_step": 0}\n\xff\xfe\x00\n{"attempt": 3, "job_id": "7", "restart": 0, "host": "n", '
+                     b'"started": NaN, "start_step": 0}\n')
+    assert log.read(warn=True) == [good]
+    err = capsys.readouterr().err
+    assert f"{log.path}:2: is not a JSON object" in err and f"{log.path}:3: \"attempt\" is 'x'" in err
+    assert f"{log.path}:5: \"started\"" in err and "\x00" not in err
+    assert log.read() == [good] and capsys.readouterr().err == ""  # quiet for the ranks

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import stat
 from pathlib import Path
 
@@ -39,3 +40,37 @@ def test_a_folder_others_can_write_is_refused(tmp_path: Path) -> None:
     run_dir.chmod(0o777)
     with pytest.raises(ConfigError, match="writable by others"):
         prepare_run_folder(run_dir, _plan("x"), "", "x")
+
+
+@pytest.mark.parametrize("entry", ["", "logs", "checkpoints", "plan.json", "config.toml"])
+def test_a_planted_link_is_refused_and_nothing_is_written_through_it(tmp_path: Path, entry: str) -> None:
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "precious.txt").write_text("keep")
+    run_dir = tmp_path / "runs" / "a"
+    if entry:
+        prepare_run_folder(run_dir, _plan("x"), "", "x")
+        target = run_dir / entry
+        if target.is_dir():
+            shutil.rmtree(target)
+        target.unlink(missing_ok=True)
+        target.symlink_to(victim / "precious.txt" if "." in entry else victim)
+    else:
+        run_dir.parent.mkdir(parents=True)
+        run_dir.symlink_to(victim)
+    with pytest.raises(ConfigError, match="symbolic link"):
+        prepare_run_folder(run_dir, _plan("y"), "", "y")
+    assert sorted(p.name for p in victim.iterdir()) == ["precious.txt"]
+    assert (victim / "precious.txt").read_text() == "keep"
+
+
+def test_a_run_root_everyone_can_write_needs_the_sticky_bit(tmp_path: Path) -> None:
+    root = tmp_path / "shared"
+    root.mkdir()
+    root.chmod(0o777)
+    with pytest.raises(ConfigError, match="sticky bit"):
+        prepare_run_folder(root / "a", _plan("x"), "", "x")
+    assert not (root / "a").exists()
+    root.chmod(0o1777)
+    run_dir = prepare_run_folder(root / "a", _plan("x"), "", "x")
+    assert stat.S_IMODE(run_dir.stat().st_mode) == 0o700
