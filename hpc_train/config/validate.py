@@ -21,6 +21,8 @@ SLURM_SIGNAL_SLACK_S = 60
 MAX_NODES = 100_000
 MAX_TASKS_PER_NODE = 1024
 MAX_WORLD = 262_144  # ranks; the largest jobs today are a tenth of it
+
+
 def _at_least(where: str, value: float, low: float, fix: str = "") -> None:
     if value < low:
         raise ConfigError(where, f"{value} is below the minimum {low}", fix or f"set it to {low} or more")
