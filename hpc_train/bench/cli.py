@@ -166,10 +166,11 @@ def _in_job_results(args: argparse.Namespace, sizes: list[int]) -> tuple[list[Re
 
 def _gather(mine: Any, world_size: int) -> list[Any]:
     """Every rank's ``mine``, in rank order, on every rank."""
-    import torch.distributed as dist
+    from hpc_train.distributed.collectives import all_gather_objects
 
-    everyone: list[Any] = [None] * world_size
-    dist.all_gather_object(everyone, mine)
+    everyone = all_gather_objects(mine)
+    if len(everyone) != world_size:
+        raise RuntimeError(f"gathered {len(everyone)} ranks, expected {world_size}")
     return everyone
 
 

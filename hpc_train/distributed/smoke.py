@@ -21,32 +21,27 @@ __all__ = ["run_smoke"]
 
 
 def _check_groups(topology: Topology, rank: int) -> dict[str, list[int]]:
-    import torch
-    import torch.distributed as dist
-
+    from hpc_train.distributed.collectives import all_reduce_values, group_device
     from hpc_train.distributed.mesh import ParallelGroups
 
-    groups = ParallelGroups(topology)
+    groups = ParallelGroups(topology, group_device().type)
     seen = {}
     for axis in AXES:
         ranks = groups.ranks(axis)
         expected = topology.group_of(rank, axis)
         if ranks != expected:
             raise RuntimeError(f"the {axis} group of rank {rank} holds {ranks}, the topology says {expected}")
-        value = torch.tensor([float(rank)])
-        dist.all_reduce(value, group=groups.group(axis))
-        if value.item() != sum(expected):
-            raise RuntimeError(f"all-reduce over the {axis} group {expected} gave {value.item()}")
+        total = all_reduce_values([float(rank)], group=groups.group(axis))[0]
+        if total != sum(expected):
+            raise RuntimeError(f"all-reduce over the {axis} group {expected} gave {total}")
         seen[axis] = ranks
     return seen
 
 
 def run_smoke(plan: Plan, info: LaunchInfo) -> dict[str, Any]:
     """Bootstrap, all-reduce the ranks, check every group; raise on any mismatch."""
-    import torch
-    import torch.distributed as dist
-
     from hpc_train.distributed.bootstrap import bootstrap, shutdown
+    from hpc_train.distributed.collectives import all_gather_objects, all_reduce_values
 
     dist_config = plan.config.dist
     context = bootstrap(info, port_range=(plan.port_range[0], plan.port_range[1]), fabric_suffix=plan.fabric_suffix,
@@ -55,21 +50,18 @@ def run_smoke(plan: Plan, info: LaunchInfo) -> dict[str, Any]:
     # No try/finally: on an error the process group is left to process exit, so that the failing rank reports
     # before its peers notice it is gone (the follower names the first rank to fail as the cause).
     maybe_inject_fault(info.rank)
-    device = torch.device("cuda", info.local_rank) if context.backend == "nccl" else torch.device("cpu")
-    value = torch.tensor([float(info.rank)], device=device)
-    dist.all_reduce(value)
+    value = all_reduce_values([float(info.rank)])[0]
     expected = info.world_size * (info.world_size - 1) / 2
-    if value.item() != expected:
-        raise RuntimeError(f"all_reduce of ranks gave {value.item()}, expected {expected}")
-    hosts: list[Any] = [None] * info.world_size
+    if value != expected:
+        raise RuntimeError(f"all_reduce of ranks gave {value}, expected {expected}")
     # Slurm's node name tells nodes apart even where several share one host (the local test cluster).
-    dist.all_gather_object(hosts, os.environ.get("SLURMD_NODENAME") or socket.gethostname())
+    hosts = all_gather_objects(os.environ.get("SLURMD_NODENAME") or socket.gethostname())
     layout = plan.layout
     topology = Topology.build(info.world_size, tp=layout.tensor, pp=layout.pipeline, cp=layout.context,
                               order=layout.order)
-    groups = _check_groups(topology, info.rank) if context.backend == "gloo" else {}
+    groups = _check_groups(topology, info.rank)  # on every backend: the numbers go to the group's device
     shutdown()
     return {"rank": info.rank, "world_size": info.world_size, "backend": context.backend,
-            "all_reduce": value.item(), "expected": expected, "hosts": hosts, "launcher": info.launcher,
+            "all_reduce": value, "expected": expected, "hosts": hosts, "launcher": info.launcher,
             "node_rank": info.node_rank, "num_nodes": info.num_nodes, "groups": groups,
             "rendezvous": f"{context.rendezvous.addr}:{context.rendezvous.port}"}

@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 
 from hpc_train.ckpt import MANIFEST_NAME, CheckpointError, Manifest
-from hpc_train.program import random_state
+from hpc_train.distributed.collectives import all_gather_objects
+from hpc_train.train import random_state
 from hpc_train.train.checkpointing import TAG, Checkpointer
 from hpc_train.train.stopping import AttemptRecorder
 
@@ -36,9 +37,7 @@ def _is_engine(value: Any) -> bool:
 
 def _agree(problem: str | None) -> None:
     """Every rank raises the same error when any rank found a problem, instead of some waiting in a collective."""
-    problems: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(problems, problem)
-    found = [p for p in problems if p]
+    found = [p for p in all_gather_objects(problem) if p]
     if found:
         raise CheckpointError(found[0])
 

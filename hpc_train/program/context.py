@@ -19,6 +19,7 @@ from rich.console import Console
 
 from hpc_train.config.plan import Plan
 from hpc_train.distributed.bootstrap import bootstrap
+from hpc_train.distributed.collectives import group_device
 from hpc_train.distributed.context import RankContext
 from hpc_train.distributed.launchers import LaunchInfo
 from hpc_train.distributed.mesh import ParallelGroups
@@ -79,12 +80,9 @@ def context() -> RunContext:
     return session.context
 
 
-def _devices(info: LaunchInfo) -> tuple[torch.device, torch.device]:
-    """(the rank's device, the device collectives of the default group take: the GPU on NCCL, else the CPU)."""
-    device = torch.device("cuda", info.local_rank) if torch.cuda.is_available() else torch.device("cpu")
-    if dist.get_backend() == "nccl":
-        return device, torch.device("cuda", torch.cuda.current_device())
-    return device, torch.device("cpu")
+def _device(info: LaunchInfo) -> torch.device:
+    """The rank's device: its GPU when it has one."""
+    return torch.device("cuda", info.local_rank) if torch.cuda.is_available() else torch.device("cpu")
 
 
 class RunContext(RankContext):
@@ -100,14 +98,14 @@ class RunContext(RankContext):
             raise RuntimeError(f"the program's process group has {dist.get_world_size()} ranks but the job has "
                                f"{info.world_size}: start it with init_method='env://' (hpc_train sets the "
                                "torchrun variables)")
-        device, collective_device = _devices(info)
+        device = _device(info)
         layout = plan.layout
         topology = Topology.build(info.world_size, tp=layout.tensor, pp=layout.pipeline, cp=layout.context,
                                   order=layout.order)
-        super().__init__(plan, info, session.run_dir, ParallelGroups(topology, collective_device.type), device)
+        super().__init__(plan, info, session.run_dir, ParallelGroups(topology, group_device().type), device)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self._session = session
-        self._stop = StopAgreement(plan, session.watch, collective_device, session.recorder, session.log)
+        self._stop = StopAgreement(plan, session.watch, session.recorder, session.log)
         self.checkpoint = UserCheckpoint(_checkpointer(session), self.device, session.recorder, session.progress,
                                          session.log)
         self._monitor: Monitor | None = None

@@ -45,9 +45,9 @@ class StopAgreement:
     proposal for ``every`` (the calls that take about :data:`ROUND_S`, from the spacing it measured), and all
     ranks take the largest, so they hold their rounds at the same calls and stop at the same one."""
 
-    def __init__(self, plan: Plan, watch: PreemptionWatch, device: Any, recorder: AttemptRecorder,
+    def __init__(self, plan: Plan, watch: PreemptionWatch, recorder: AttemptRecorder,
                  log: Callable[[str], None]) -> None:
-        self.plan, self.watch, self.device, self.recorder, self.log = plan, watch, device, recorder, log
+        self.plan, self.watch, self.recorder, self.log = plan, watch, recorder, log
         self.asked = threading.Event()
         self.signum = 0
         self.decision: Requeue | None = None
@@ -89,19 +89,15 @@ class StopAgreement:
 
     def _round(self) -> int:
         """Read the previous round's answer (the signal, the agreed spacing) and start the next round."""
-        import torch
-        import torch.distributed as dist
+        from hpc_train.distributed.collectives import PendingReduce  # the flags go to the group's device
 
         earlier = 0
         if self._pending is not None:
-            work, flag = self._pending
-            work.wait()
-            earlier, self.every = int(flag[0].item()), int(flag[1].item())
+            earlier, self.every = self._pending.wait()
             self._pending = None
         now = time.monotonic()
         if not earlier:
-            flag = torch.tensor([self.watch.received, self._proposal(now)], dtype=torch.int64, device=self.device)
-            self._pending = dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True), flag
+            self._pending = PendingReduce([self.watch.received, self._proposal(now)], "max")
         self._last_round = (self.calls, now)
         self._next_round = self.calls + self.every
         return earlier
@@ -112,7 +108,7 @@ class StopAgreement:
             self._timer.cancel()
         if self._pending is not None:
             with contextlib.suppress(RuntimeError):  # the program destroyed its group after our last all-reduce
-                self._pending[0].wait()
+                self._pending.wait()
             self._pending = None
 
 

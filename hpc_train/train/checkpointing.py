@@ -2,8 +2,9 @@
 
 Every rank writes its DeepSpeed shards and its own random state into the temporary folder rank 0 opened;
 after a barrier rank 0 seals it (manifest, rename, ``latest``). On start, rank 0 picks the newest checkpoint
-that verifies and every rank loads it: the model, optimizer and scheduler through DeepSpeed, the sampler's
-position and the step from the client state, and each rank's Python and torch random state.
+that verifies and every rank loads it: the model, optimizer and scheduler through DeepSpeed (with fp16 the
+loss scaler, which DeepSpeed keeps in the optimizer's state), the sampler's position and the step from the
+client state, and each rank's random state (Python, NumPy, torch and, on a GPU, CUDA).
 
 A checkpoint saved at another data-parallel size (same tensor and pipeline sizes) is resumed through DeepSpeed's
 universal checkpoint: rank 0 converts it once into ``checkpoints/.universal/`` while the other ranks wait
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -41,7 +41,9 @@ from hpc_train.ckpt.universal import (
     optimizer_is_partitioned,
 )
 from hpc_train.config.job import JobConfig
+from hpc_train.distributed.collectives import barrier, broadcast_object, gather_objects
 from hpc_train.errors import ConfigError
+from hpc_train.train import random_state
 
 __all__ = ["TAG", "Checkpointer"]
 
@@ -52,9 +54,7 @@ _CONVERT_WORKERS = 4
 
 
 def _broadcast(value: Any) -> Any:
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+    return broadcast_object(value, src=0)
 
 
 @dataclass(frozen=True)
@@ -166,12 +166,12 @@ class Checkpointer:
 
     def save(self, engine: Any, step: int, sampler_state: dict[str, int], wait: bool = False) -> None:
         """The trainer's save: DeepSpeed's shards with the step and sampler in the client state, and each rank's
-        Python and torch random state (:meth:`save_with`)."""
+        random state (:mod:`hpc_train.train.random_state`, :meth:`save_with`)."""
         def write(tmp: Path) -> None:
             engine.save_checkpoint(str(tmp), tag=TAG, client_state={"step": step, "sampler": sampler_state})
             rng = tmp / "rng"
             rng.mkdir(exist_ok=True)
-            torch.save({"python": random.getstate(), "torch": torch.get_rng_state()}, rng / f"rank-{self.rank}.pt")
+            torch.save(random_state.capture(engine.device), rng / f"rank-{self.rank}.pt")
 
         self.save_with(step, write, wait)
 
@@ -186,7 +186,7 @@ class Checkpointer:
             raise self._commit_error or opened.error()
         tmp = Path(opened)
         write(tmp)
-        dist.barrier()  # every rank's files are on disk before rank 0 seals the folder
+        barrier()  # every rank's files are on disk before rank 0 seals the folder
         fields = {"step": step, **self.fields}
         if self.async_save and not wait:
             if self.manager:  # rank 0 alone, off the training path
@@ -195,7 +195,7 @@ class Checkpointer:
                 self._committer.start()
         else:
             self._seal_together(tmp, fields)
-        dist.barrier()
+        barrier()
 
     def latest(self) -> Path | None:
         """Every rank: the newest checkpoint that verifies (rank 0 looks, falling back past damaged ones with a
@@ -232,8 +232,7 @@ class Checkpointer:
             mine: Any = seal_share(tmp, files, self.rank, dist.get_world_size())
         except Exception as error:
             mine = f"rank {self.rank}: {error}"
-        shares: list[Any] | None = [None] * dist.get_world_size() if self.manager else None
-        dist.gather_object(mine, shares, dst=0)
+        shares = gather_objects(mine, dst=0)
         status = None
         if self.manager and shares is not None:
             problems = [share for share in shares if isinstance(share, str)]
@@ -298,16 +297,14 @@ class Checkpointer:
             _, client = engine.load_checkpoint(chosen.load_dir, tag=TAG)
         if chosen.universal:
             _repair_zero3_universal_load(engine, Path(chosen.load_dir))
-        self._load_rng(Path(chosen.sealed))
+        self._load_rng(Path(chosen.sealed), engine.device)
         return int(client["step"]), client["sampler"]
 
-    def _load_rng(self, sealed: Path) -> None:
+    def _load_rng(self, sealed: Path, device: torch.device) -> None:
         """This rank's random state; a rank that did not exist when the checkpoint was saved has none."""
         rng_file = sealed / "rng" / f"rank-{self.rank}.pt"
         if rng_file.exists():
-            state = torch.load(rng_file, weights_only=True)
-            random.setstate(state["python"])
-            torch.set_rng_state(state["torch"])
+            random_state.restore(torch.load(rng_file, weights_only=True), device)
 
     def _choose(self, manager: CheckpointManager) -> _Load | _Refusal | None:
         """Rank 0: the checkpoint to load and how, or why not; any error goes to every rank, not only to this one."""

@@ -33,10 +33,11 @@ def init_deepspeed_comm(local_rank: int | None = None) -> None:
     import deepspeed
     import torch.distributed as dist
 
+    from hpc_train.distributed.collectives import barrier
     from hpc_train.train.jit_ops import prepare_for_initialize
 
     if deepspeed.comm.is_initialized():
         return
-    prepare_for_initialize(local_rank, dist.barrier)
+    prepare_for_initialize(local_rank, barrier)
     with _local_size_hidden():
         deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)

@@ -15,6 +15,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from hpc_train.distributed.collectives import all_reduce_values
+
 __all__ = ["NATIVE_BF16_FLAGS", "agreed_precision", "cpu_flags", "decide_precision"]
 
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
@@ -61,15 +63,14 @@ def _local_decision(requested: str, cuda: bool) -> tuple[str, str]:
 
 def agreed_precision(requested: str, device: torch.device) -> tuple[str, str]:
     """This job's number format: ``requested`` when explicit; for ``"auto"`` each rank decides on its own
-    hardware and all ranks take the weakest answer (one all-reduce on ``device``, the process group's device)."""
+    hardware (``device`` is the rank's) and all ranks take the weakest answer (one all-reduce)."""
     if requested != "auto":
         return requested, "train.precision"
     precision, reason = _local_decision(requested, device.type == "cuda")
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return precision, reason
-    code = torch.tensor([_CODES[precision]], dtype=torch.int64, device=device)
-    dist.all_reduce(code, op=dist.ReduceOp.MIN)
-    agreed = next(name for name, value in _CODES.items() if value == int(code.item()))
+    code = all_reduce_values([_CODES[precision]], "min", dtype=torch.int64)[0]
+    agreed = next(name for name, value in _CODES.items() if value == code)
     if agreed != precision:
         return agreed, f"another rank cannot train in {precision} ({reason} here)"
     return precision, reason

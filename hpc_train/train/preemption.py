@@ -39,7 +39,7 @@ class PreemptionWatch:
         self.received = 0
         self.received_at: float | None = None
         self._previous: dict[int, Any] = {}
-        self._pending: tuple[Any, Any] | None = None
+        self._pending: Any = None  # a PendingReduce
 
     def __enter__(self) -> PreemptionWatch:
         if threading.current_thread() is threading.main_thread():
@@ -56,39 +56,34 @@ class PreemptionWatch:
         if not self.received:  # the first one counts: TERM after USR2 changes nothing
             self.received, self.received_at = number, time.time()
 
-    def _start(self, device: Any) -> tuple[Any, Any]:
-        import torch  # not at import time: the watch is installed before the ranks import torch
-        import torch.distributed as dist
+    def _start(self) -> Any:
+        # Not at import time: the watch is installed before the ranks import torch.
+        from hpc_train.distributed.collectives import PendingReduce
 
-        flag = torch.tensor([self.received], dtype=torch.int64, device=device)
-        return dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True), flag
+        return PendingReduce([self.received], "max")
 
     def _finish_pending(self) -> int:
         if self._pending is None:
             return 0
-        work, flag = self._pending
-        self._pending = None
-        work.wait()
-        return int(flag.item())
+        pending, self._pending = self._pending, None
+        return pending.wait()[0]
 
-    def agreed(self, device: Any = "cpu") -> int:
+    def agreed(self) -> int:
         """The signal number if any rank received one (the largest, so every rank gets the same), else 0.
         Blocking: for places that must decide now (between evaluation batches)."""
         earlier = self._finish_pending()
         if earlier:
             return earlier
-        work, flag = self._start(device)
-        work.wait()
-        return int(flag.item())
+        return self._start().wait()[0]
 
-    def poll(self, device: Any = "cpu") -> int:
+    def poll(self) -> int:
         """Like :meth:`agreed`, one step late and without waiting: returns what the all-reduce started at the
         previous call found, and starts the next one. Every rank calls it at the same steps, so every rank gets
         the same answer at the same step; the step does not wait for the round trip (a blocking all-reduce per
         step cost 5 % of a small model's step time)."""
         earlier = self._finish_pending()
         if not earlier:
-            self._pending = self._start(device)
+            self._pending = self._start()
         return earlier
 
     def settle(self) -> None:

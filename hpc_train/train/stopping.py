@@ -12,8 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
-
+from hpc_train.distributed.collectives import broadcast_object
 from hpc_train.distributed.launchers import LaunchInfo
 from hpc_train.run.attempts import Attempt, AttemptLog, recommended_lead_seconds, requeues_so_far
 from hpc_train.run.exit_codes import EXIT_HUNG
@@ -83,9 +82,7 @@ class AttemptRecorder:
         """Collective, when the ranks agreed on a signal: rank 0 decides whether the job will requeue and every
         rank gets the same decision (carried out later by :meth:`record_stop`, once the program has saved)."""
         decision = self.requeue_decision(requeue_signal, requeue_enabled, max_requeues) if self.is_writer else None
-        box = [decision]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
+        return broadcast_object(decision, src=0)
 
     def record_stop(self, step: int, signum: int, decision: Requeue, why: str = "") -> Requeue:
         """Rank 0 carries out ``decision`` (``scontrol requeue``) and records the attempt as preempted; no
@@ -111,9 +108,7 @@ class AttemptRecorder:
         if self.is_writer:
             decision = self.record_stop(step, signum, self.requeue_decision(requeue_signal, requeue_enabled,
                                                                             max_requeues))
-        box = [decision]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
+        return broadcast_object(decision, src=0)
 
 
 def decide_hang(run_dir: Path, info: LaunchInfo, recorder: AttemptRecorder | None, hang: Hang, retries: int,

@@ -17,6 +17,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hpc_train.distributed.collectives import all_gather_objects, all_gather_values
+
 __all__ = ["StragglerCheck", "find_straggler", "others_median"]
 
 MIN_GAP_S = 0.010  # below 10 ms a gap is noise on a busy CPU, not a straggler
@@ -78,7 +80,7 @@ class StragglerCheck:
         time would only measure the kernel launches, and a slow GPU would show up later, in ``.item()``."""
         return _ForwardTimer(self, device)
 
-    def check(self, step: int, device: Any = "cpu") -> tuple[int, str, float] | None:
+    def check(self, step: int) -> tuple[int, str, float] | None:
         """Gather every rank's mean forward time; rank 0 logs a straggler. Returns (rank, host, ratio) or None."""
         if self.factor <= 0 or not dist.is_initialized():
             return None
@@ -89,13 +91,8 @@ class StragglerCheck:
         mean = sum(self.samples) / len(self.samples) if self.samples else 0.0
         self.samples.clear()
         if self.hosts is None:
-            hosts: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(hosts, socket.gethostname())
-            self.hosts = [str(h) for h in hosts]
-        mine = torch.tensor([mean], dtype=torch.float64, device=device)
-        gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-        dist.all_gather(gathered, mine)
-        times = [float(t.item()) for t in gathered]
+            self.hosts = [str(h) for h in all_gather_objects(socket.gethostname())]
+        times = [values[0] for values in all_gather_values([mean])]
         found = find_straggler(times, self.factor)
         previous, self.previous = self.previous, (found[0] if found else None)
         if found is None or self.rank != 0 or previous != found[0]:

@@ -21,6 +21,7 @@ from rich.console import Console
 
 from hpc_train.config.plan import Plan
 from hpc_train.distributed.bootstrap import bootstrap, shutdown
+from hpc_train.distributed.collectives import all_reduce_values
 from hpc_train.distributed.context import RankContext
 from hpc_train.distributed.faults import injected_delay_s, maybe_inject_fault
 from hpc_train.distributed.launchers import LaunchInfo
@@ -53,10 +54,8 @@ def _memory_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def _mean_over(value: float, group: Any, device: Any) -> float:
-    tensor = torch.tensor([value], dtype=torch.float64, device=device)  # on the group's device (NCCL: the GPU)
-    dist.all_reduce(tensor, group=group)
-    return float(tensor.item()) / dist.get_world_size(group)
+def _mean_over(value: float, group: Any) -> float:
+    return float(all_reduce_values([value], group=group)[0]) / dist.get_world_size(group)
 
 
 def _evaluate(engine: Any, data: RankData, groups: ParallelGroups, watch: PreemptionWatch | None, said: str,
@@ -74,12 +73,12 @@ def _evaluate(engine: Any, data: RankData, groups: ParallelGroups, watch: Preemp
     try:
         with torch.no_grad():
             for _ in range(batches):
-                if watch is not None and watch.agreed(engine.device):
+                if watch is not None and watch.agreed():
                     return None
                 total += float(forward_loss(engine, next(stream), said))
     finally:
         engine.train()
-    return _mean_over(total / batches, groups.group("dp"), engine.device)
+    return _mean_over(total / batches, groups.group("dp"))
 
 
 @dataclass
@@ -319,7 +318,7 @@ def _micro_batches(rank: _Rank, parts: _Parts, logged: bool) -> float:
         engine.backward(micro_loss)
         engine.step()
         total += float(micro_loss)
-    return _mean_over(total / accum, parts.groups.group("dp"), engine.device) if logged else float("nan")
+    return _mean_over(total / accum, parts.groups.group("dp")) if logged else float("nan")
 
 
 def _step(rank: _Rank, parts: _Parts, monitor: Monitor, recorder: AttemptRecorder, progress: _Progress) -> None:
@@ -334,7 +333,7 @@ def _step(rank: _Rank, parts: _Parts, monitor: Monitor, recorder: AttemptRecorde
         progress.loss = _micro_batches(rank, parts, logged)
     maybe_inject_fault(rank.info.rank, step)
     if logged:
-        parts.stragglers.check(step, engine.device)
+        parts.stragglers.check(step)
     norm = engine.get_global_grad_norm() if logged else None
     elapsed = time.perf_counter() - start
     tokens_per_step = rank.plan.layout.global_batch * rank.plan.config.train.seq_len
@@ -351,7 +350,7 @@ def _after_step(rank: _Rank, parts: _Parts, monitor: Monitor, progress: _Progres
     last = step == config.train.steps
     if last:
         watch.settle()  # the run is done: a signal now needs no save and no requeue
-    stopped_by = 0 if last else watch.poll(engine.device)
+    stopped_by = 0 if last else watch.poll()
     if not stopped_by and monitor.histograms_due(step):
         monitor.histograms(step, parts.model.named_parameters())
     every = config.monitor.eval_every
@@ -361,7 +360,7 @@ def _after_step(rank: _Rank, parts: _Parts, monitor: Monitor, progress: _Progres
             progress.eval_loss = result
             monitor.eval(step, progress.eval_loss)
         elif not last:  # cut short by a signal (or no evaluation set: then nothing was received)
-            stopped_by = watch.agreed(engine.device)
+            stopped_by = watch.agreed()
     return stopped_by
 
 

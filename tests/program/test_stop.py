@@ -28,7 +28,7 @@ def _rank(rank: int, store_path: str, signal_at: int, signalled: int, sleep_s: f
     watch = SimpleNamespace(received=0, received_at=None)
     plan = SimpleNamespace(signal="USR2", lead_seconds=60,
                            config=SimpleNamespace(preempt=SimpleNamespace(requeue=True, max_requeues=10)))
-    agreement = StopAgreement(plan, watch, "cpu", _Recorder(), lambda _line: None)  # type: ignore[arg-type]
+    agreement = StopAgreement(plan, watch, _Recorder(), lambda _line: None)  # type: ignore[arg-type]
     jitter = random.Random(rank)  # noqa: S311 - not a secret
     call = 0
     while not agreement.ask(call):

@@ -45,12 +45,10 @@ def _whole_model_parameters(model: Any, tensor: int) -> int:
     if grid is None or grid.get_pipe_parallel_world_size() == 1:
         return count
     import torch
-    import torch.distributed as dist
 
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    total = torch.tensor([count], dtype=torch.int64, device=device)  # on the group's device (NCCL: the GPU)
-    dist.all_reduce(total, group=grid.get_pipe_parallel_group())
-    return int(total.item())
+    from hpc_train.distributed.collectives import all_reduce_values
+
+    return int(all_reduce_values([count], group=grid.get_pipe_parallel_group(), dtype=torch.int64)[0])
 
 
 def _module(made: Any, said: str, ctx: RankContext, topology: Topology, groups: ParallelGroups) -> Any:
