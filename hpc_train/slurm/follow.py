@@ -102,6 +102,12 @@ def _waiting_for_requeue(job: FollowedJob, patience_s: float = 300.0) -> bool:
 
 
 def _local_ok(job: FollowedJob) -> bool:
+    """A finished local job succeeded when it left a result that is not an error. One that ended without any
+    (a rank that left through ``os._exit``: a hang, a crash) has failed now: submitit's ``results()`` would wait
+    15 s for a result file a dead process can no longer write."""
+    paths = getattr(job.job, "paths", None)
+    if paths is not None and not paths.result_pickle.exists():
+        return False
     try:
         job.job.results()
     except Exception:
