@@ -29,6 +29,3 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     .venv/bin/python -m pip install -q -c constraints/cpu.txt -e '.[train,mpi,hf,dev]'
     echo "$want" > "$stamp"
 fi
-# Build DeepSpeed's just-in-time ops now, one process, clearing a lock a killed build left: otherwise the first
-# test or job compiles them (about 30 s) and every later one waits on such a lock for ever.
-.venv/bin/python -m hpc_train.train.jit_ops 2>&1 | grep -v "Setting accelerator to CPU" || true

@@ -1,10 +1,14 @@
 """DeepSpeed's communication layer, started on the process group our bootstrap already made.
 
-Two things of DeepSpeed's CPU backend are kept in check here. It compiles an op on first use
-(:mod:`hpc_train.train.jit_ops` builds it once per node). And when ``LOCAL_SIZE`` equals the world size it maps a
-66 MB shared-memory all-reduce buffer per rank in ``/dev/shm`` (``deepspeed_allreduce_buffer_*``), used only by
-inference all-reduce, which training never calls, and never unlinks it: every CPU run on one machine leaked
-130 MB or more of RAM until ``/dev/shm`` filled memory. ``LOCAL_SIZE`` is hidden while the backend starts.
+DeepSpeed's CPU backend brings a shared-memory all-reduce that only inference all-reduce uses, which training
+never calls (and which falls back to the process group without it). It costs twice. On its first start it is
+compiled (about 40 s on two cores, for every new installation, and every later job waits on the lock of a
+build that was killed). And when ``LOCAL_SIZE`` equals the world size it maps a 66 MB buffer per rank in
+``/dev/shm`` (``deepspeed_allreduce_buffer_*``) and never unlinks it: every CPU run on one machine leaked 130 MB
+or more of RAM until ``/dev/shm`` filled memory. So the op is marked incompatible before the backend starts,
+which leaves nothing to compile and nothing to map, and ``LOCAL_SIZE`` is hidden while it starts as well. The
+ops a job's optimizer needs (``cpu_adam``, ``fused_adam``) are built by :mod:`hpc_train.train.jit_ops` once
+per node.
 """
 
 from __future__ import annotations
@@ -28,8 +32,20 @@ def _local_size_hidden() -> Iterator[None]:
             os.environ["LOCAL_SIZE"] = saved
 
 
-def init_deepspeed_comm(local_rank: int | None = None) -> None:
-    """Adopt the initialised torch.distributed group as DeepSpeed's (idempotent); ops built first, no shm buffers."""
+def _without_shm_all_reduce() -> None:
+    """DeepSpeed's CPU backend compiles its shm all-reduce op on first start (about 40 s on two cores) and maps
+    its buffers; only inference all-reduce uses it, which falls back to the process group without it."""
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
+
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is not None:
+        deepspeed.ops.__compatible_ops__[builder.NAME] = False
+
+
+def init_deepspeed_comm(local_rank: int | None = None, ops: tuple[str, ...] = ()) -> None:
+    """Adopt the initialised torch.distributed group as DeepSpeed's (idempotent): the ``ops`` the job's optimizer
+    needs built first, and no shm all-reduce (nothing to compile on CPU, no buffers)."""
     import deepspeed
     import torch.distributed as dist
 
@@ -38,6 +54,7 @@ def init_deepspeed_comm(local_rank: int | None = None) -> None:
 
     if deepspeed.comm.is_initialized():
         return
-    prepare_for_initialize(local_rank, barrier)
+    _without_shm_all_reduce()
+    prepare_for_initialize(local_rank, barrier, ops)
     with _local_size_hidden():
         deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)

@@ -47,10 +47,11 @@ def build_engine(model: torch.nn.Module, config: JobConfig, data_parallel: int, 
     import torch.distributed as dist
 
     from hpc_train.train.dscomm import init_deepspeed_comm
-
-    init_deepspeed_comm(local_rank)
+    from hpc_train.train.jit_ops import OPTIMIZER_OPS
 
     train = config.train
+    init_deepspeed_comm(local_rank, OPTIMIZER_OPS[train.optimizer])
+
     ds = deepspeed_config(config, data_parallel)
     optimizer: Any = None
     if train.optimizer == "torch_adamw":

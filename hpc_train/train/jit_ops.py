@@ -1,11 +1,11 @@
 """DeepSpeed's just-in-time compiled ops, built once per node and never waited on forever.
 
-DeepSpeed compiles some ops on first use (on CPU the shared-memory all-reduce, ``deepspeed_shm_comm``) under
+DeepSpeed compiles some ops on first use (``cpu_adam``, ``fused_adam``) under
 torch's extension folder, guarded by a ``lock`` file that the builder deletes when it is done. A rank killed
 while compiling (preempted, timed out, Ctrl-C) leaves that file behind, and from then on every job of that user
-waits for it without end and without a word. Here the ops are built before ``deepspeed.initialize`` by one
-rank per node while the others wait at a barrier, and a lock older than any build is removed with a warning.
-``python -m hpc_train.train.jit_ops`` does the same from a shell (``scripts/bootstrap.sh`` runs it).
+waits for it without end and without a word. Here the ops a job's optimizer needs are built before
+``deepspeed.initialize`` by one rank per node while the others wait at a barrier, and a lock older than any
+build is removed with a warning. ``python -m hpc_train.train.jit_ops cpu_adam`` does the same from a shell.
 """
 
 from __future__ import annotations
@@ -18,13 +18,15 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["STALE_AFTER_S", "StaleLock", "build_ops", "extensions_root", "prepare_for_initialize", "remove_stale_locks",
-           "use_extensions_root"]
+__all__ = ["OPTIMIZER_OPS", "STALE_AFTER_S", "StaleLock", "build_ops", "extensions_root", "prepare_for_initialize",
+           "remove_stale_locks", "use_extensions_root"]
 
 # A build of the shm op takes about 35 s on two busy cores; ten times that is no longer a build.
 STALE_AFTER_S = float(os.environ.get("HPC_TRAIN_JIT_LOCK_STALE_S", "600"))
-# The ops DeepSpeed loads by itself during ``initialize`` (the others only when the config asks for them).
-INIT_OPS = ("ShareMemCommBuilder",)
+# The ops a job's config makes DeepSpeed compile, by train.optimizer. (DeepSpeed's CPU shm all-reduce, which it
+# would compile on every first start, is switched off by hpc_train.train.dscomm: training never calls it.)
+OPTIMIZER_OPS: dict[str, tuple[str, ...]] = {"torch_adamw": (), "cpu_adam": ("CPUAdamBuilder",),
+                                             "fused_adam": ("FusedAdamBuilder",)}
 
 
 @dataclass(frozen=True)
@@ -115,7 +117,7 @@ def remove_stale_locks(root: Path, stale_after_s: float = STALE_AFTER_S, wait: b
     return removed
 
 
-def build_ops(names: tuple[str, ...] = INIT_OPS, stale_after_s: float = STALE_AFTER_S,
+def build_ops(names: tuple[str, ...] = (), stale_after_s: float = STALE_AFTER_S,
               warn: Callable[[str], None] = _warn) -> list[str]:
     """Clear stale locks, then load (building if needed) each op this accelerator has and can compile.
     Returns the names of the ops that were loaded."""
@@ -131,20 +133,28 @@ def build_ops(names: tuple[str, ...] = INIT_OPS, stale_after_s: float = STALE_AF
     return [builder.NAME for builder in builders]
 
 
-def prepare_for_initialize(local_rank: int | None, barrier: Callable[[], None]) -> None:
-    """One rank per node (local rank 0) builds the ops ``deepspeed.initialize`` needs while the others wait at
-    ``barrier`` (a collective over all ranks), so no rank races the build or waits on a dead builder's lock.
-    Without a known local rank every rank clears stale locks and loads; torch's lock then orders the builds."""
+def prepare_for_initialize(local_rank: int | None, barrier: Callable[[], None], names: tuple[str, ...] = ()) -> None:
+    """One rank per node (local rank 0) builds the ops ``names`` (those the job's optimizer needs) while the
+    others wait at ``barrier`` (a collective over all ranks), so no rank races the build or waits on a dead
+    builder's lock. Without a known local rank every rank clears stale locks and loads; torch's lock then
+    orders the builds."""
     use_extensions_root()  # every rank, before DeepSpeed loads an op
-    if local_rank is None or local_rank == 0:
-        build_ops()
-    barrier()
+    if names and (local_rank is None or local_rank == 0):
+        build_ops(names)
+    if names:
+        barrier()
 
 
-def main() -> int:
-    """Build the ops for this machine now, so that no job pays for (or hangs on) the first compile."""
+def main(argv: list[str] | None = None) -> int:
+    """Build the ops of the optimizers named (``cpu_adam``, ``fused_adam``) for this machine now, so that no job
+    pays for (or hangs on) the first compile."""
+    optimizers = sys.argv[1:] if argv is None else argv
+    unknown = [name for name in optimizers if name not in OPTIMIZER_OPS]
+    if unknown:
+        print(f"jit_ops: unknown optimizer {unknown[0]!r}; use {', '.join(OPTIMIZER_OPS)}", file=sys.stderr)
+        return 2
     started = time.monotonic()
-    loaded = build_ops()
+    loaded = build_ops(tuple(op for name in optimizers for op in OPTIMIZER_OPS[name]))
     names = ", ".join(loaded) or "none needed on this accelerator"
     print(f"jit_ops: ready in {time.monotonic() - started:.1f} s under {extensions_root()}: {names}")
     return 0
