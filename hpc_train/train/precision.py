@@ -17,9 +17,12 @@ import torch.distributed as dist
 
 from hpc_train.distributed.collectives import all_reduce_values
 
-__all__ = ["NATIVE_BF16_FLAGS", "agreed_precision", "cpu_flags", "decide_precision"]
+__all__ = ["CPU_BF16_MIN_HIDDEN", "NATIVE_BF16_FLAGS", "agreed_precision", "cpu_flags", "decide_precision"]
 
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+# On a CPU with AMX (2 ranks, ZeRO-2, this repository's GPT) bf16 ran at 0.85 of fp32's tokens/s for a model 128
+# wide and at 1.56 for one 768 wide (docs/performance.md): below this width fp32 is the faster choice.
+CPU_BF16_MIN_HIDDEN = 512
 # Codes for the agreement: the smallest wins, so fp32 (runs everywhere) beats bf16.
 _CODES = {"fp32": 0, "bf16": 1, "fp16": 2}
 
@@ -34,9 +37,11 @@ def cpu_flags(cpuinfo: str) -> set[str]:
     return flags
 
 
-def decide_precision(requested: str, *, cuda: bool, cuda_bf16: bool, cpuinfo: str) -> tuple[str, str]:
+def decide_precision(requested: str, *, cuda: bool, cuda_bf16: bool, cpuinfo: str,
+                     hidden: int | None = None) -> tuple[str, str]:
     """The number format to train in and why. ``requested`` other than ``"auto"`` is kept as it is; ``cuda`` says
-    whether this rank trains on a GPU and ``cuda_bf16`` whether that GPU supports bf16."""
+    whether this rank trains on a GPU and ``cuda_bf16`` whether that GPU supports bf16; ``hidden`` is the model's
+    width when it is known before the model is built (a GPT preset), else None."""
     if requested != "auto":
         return requested, "train.precision"
     if cuda:
@@ -44,6 +49,9 @@ def decide_precision(requested: str, *, cuda: bool, cuda_bf16: bool, cpuinfo: st
             return "bf16", "GPU with bf16 support"
         return "fp32", "GPU without bf16 support; fp16 is never chosen automatically"
     found = [flag for flag in NATIVE_BF16_FLAGS if flag in cpu_flags(cpuinfo)]
+    if found and hidden is not None and hidden < CPU_BF16_MIN_HIDDEN:
+        return "fp32", (f"CPU with native bf16 ({', '.join(found)}), but a model {hidden} wide trains faster in fp32: "
+                        f"its matrices are too small for bf16 to repay the casts (below {CPU_BF16_MIN_HIDDEN})")
     if found:
         return "bf16", f"CPU with native bf16: {', '.join(found)}"
     return "fp32", "CPU without native bf16: no " + "/".join(NATIVE_BF16_FLAGS)
@@ -56,17 +64,19 @@ def _read_cpuinfo(path: Path = Path("/proc/cpuinfo")) -> str:
         return ""  # no cpuinfo (not Linux): no native bf16 known, fp32
 
 
-def _local_decision(requested: str, cuda: bool) -> tuple[str, str]:
+def _local_decision(requested: str, cuda: bool, hidden: int | None) -> tuple[str, str]:
     cuda_bf16 = bool(cuda and torch.cuda.is_bf16_supported())
-    return decide_precision(requested, cuda=cuda, cuda_bf16=cuda_bf16, cpuinfo="" if cuda else _read_cpuinfo())
+    return decide_precision(requested, cuda=cuda, cuda_bf16=cuda_bf16, cpuinfo="" if cuda else _read_cpuinfo(),
+                            hidden=hidden)
 
 
-def agreed_precision(requested: str, device: torch.device) -> tuple[str, str]:
+def agreed_precision(requested: str, device: torch.device, hidden: int | None = None) -> tuple[str, str]:
     """This job's number format: ``requested`` when explicit; for ``"auto"`` each rank decides on its own
-    hardware (``device`` is the rank's) and all ranks take the weakest answer (one all-reduce)."""
+    hardware (``device`` is the rank's; ``hidden`` the model's width when known) and all ranks take the weakest
+    answer (one all-reduce)."""
     if requested != "auto":
         return requested, "train.precision"
-    precision, reason = _local_decision(requested, device.type == "cuda")
+    precision, reason = _local_decision(requested, device.type == "cuda", hidden)
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return precision, reason
     code = all_reduce_values([_CODES[precision]], "min", dtype=torch.int64)[0]

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from rich.console import Console
 
+from hpc_train.config.job import MODEL_PRESETS
 from hpc_train.config.plan import Plan
 from hpc_train.distributed.bootstrap import bootstrap, shutdown
 from hpc_train.distributed.collectives import all_reduce_values
@@ -128,7 +129,8 @@ def _resolve_precision(plan: Plan, backend: str, log: Callable[[str], None]) -> 
     """``plan`` with ``train.precision`` decided on this hardware (``"auto"``), the same on every rank."""
     requested = plan.config.train.precision
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-    precision, reason = agreed_precision(requested, device)
+    preset = MODEL_PRESETS.get(plan.config.train.model)  # a user's model: its width is unknown until it is built
+    precision, reason = agreed_precision(requested, device, preset["hidden"] if preset else None)
     log(f"precision: {requested} -> {precision} ({reason})" if requested == "auto" else f"precision: {precision}")
     config = dataclasses.replace(plan.config, train=dataclasses.replace(plan.config.train, precision=precision))
     return dataclasses.replace(plan, config=config)

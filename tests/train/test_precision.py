@@ -29,6 +29,14 @@ def test_auto_on_cpu_takes_bf16_only_when_native(cpuinfo: str, expected: str, wh
     assert decide_precision("auto", cuda=False, cuda_bf16=False, cpuinfo=cpuinfo) == (expected, why)
 
 
+def test_auto_on_a_native_bf16_cpu_keeps_fp32_for_a_model_too_narrow_to_gain() -> None:
+    precision, why = decide_precision("auto", cuda=False, cuda_bf16=False, cpuinfo=SAPPHIRE, hidden=128)
+    assert precision == "fp32" and "128 wide trains faster in fp32" in why
+    assert decide_precision("auto", cuda=False, cuda_bf16=False, cpuinfo=SAPPHIRE, hidden=768)[0] == "bf16"
+    assert decide_precision("auto", cuda=False, cuda_bf16=False, cpuinfo=AVX2_ONLY, hidden=768)[0] == "fp32"
+    assert decide_precision("auto", cuda=True, cuda_bf16=True, cpuinfo="", hidden=128)[0] == "bf16"
+
+
 def test_auto_on_gpu_follows_bf16_support_and_never_picks_fp16() -> None:
     assert decide_precision("auto", cuda=True, cuda_bf16=True, cpuinfo=AVX2_ONLY)[0] == "bf16"
     precision, why = decide_precision("auto", cuda=True, cuda_bf16=False, cpuinfo=SAPPHIRE)

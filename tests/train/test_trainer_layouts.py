@@ -74,7 +74,8 @@ def test_loss_falls_on_the_shipped_corpus(tmp_path: Path) -> None:
     assert (run_dir / "deepspeed_config.json").exists() and (run_dir / "train.json").exists()
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
     # precision "auto" (the default) is decided on the ranks, from this CPU's flags, and recorded
-    expected, _ = decide_precision("auto", cuda=False, cuda_bf16=False, cpuinfo=Path("/proc/cpuinfo").read_text())
+    expected, _ = decide_precision("auto", cuda=False, cuda_bf16=False, cpuinfo=Path("/proc/cpuinfo").read_text(),
+                                   hidden=128)  # the tiny preset
     assert json.loads((run_dir / "train.json").read_text())["precision"] == expected
     assert f"precision: auto -> {expected} (" in (run_dir / "logs" / "rank-0.log").read_text()
 
