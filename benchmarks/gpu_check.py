@@ -213,9 +213,13 @@ def step_resume(check: Check) -> dict[str, Any]:
     if len(attempts) < 2 or attempts[0]["outcome"] != "preempted":
         raise RuntimeError(f"expected a preempted attempt and a resumed one: {attempts}")
     straight, resumed = _exported(check, check.work / "runs" / "resume-straight"), _exported(check, cut)
-    differ = [name for name in straight if not torch.equal(straight[name], resumed[name])]
-    if differ or straight.keys() != resumed.keys():
-        raise RuntimeError(f"resumed weights differ from the uninterrupted run in {differ[:5]}")
+    if straight.keys() != resumed.keys():
+        raise RuntimeError(f"the resumed run has other tensors: {sorted(set(straight) ^ set(resumed))[:5]}")
+    differ = {name: float((straight[name].float() - resumed[name].float()).abs().max()) for name in straight
+              if not torch.equal(straight[name], resumed[name])}
+    if differ:  # the size says which: a resume bug is large, a non-deterministic CUDA kernel a few ulps
+        raise RuntimeError(f"resumed weights differ from the uninterrupted run in {len(differ)} tensors, "
+                           f"largest difference {max(differ.values()):.3g}: {dict(list(differ.items())[:5])}")
     return {"attempts": [(a["outcome"], a["start_step"], a.get("end_step")) for a in attempts],
             "tensors_compared": len(straight), "bitwise_equal": True}
 
