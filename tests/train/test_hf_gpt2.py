@@ -21,7 +21,9 @@ import torch
 
 from hpc_train.run.watch import local_rank_pid
 from tests.conftest import REPO, exported
-from tests.train.test_preemption_local import _attempts, _running, signal_at_steps
+from tests.train.signals import attempts as _attempts
+from tests.train.signals import running as _running
+from tests.train.signals import signal_at_steps
 
 transformers = pytest.importorskip("transformers", reason="the hf extra (pip install 'hpc_train[hf]') is missing")
 pytestmark = pytest.mark.slow
