@@ -14,15 +14,19 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from rich.text import Text
 
-__all__ = ["plain", "shown"]
+__all__ = ["UNSAFE_IN_LINE", "UNSAFE_IN_TEXT", "plain", "shown"]
 
-# C0 (but tab and newline), DEL, C1, line separators and the bidirectional overrides and isolates.
-_UNSAFE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029\u200e\u200f\u202a-\u202e\u2066-\u2069\ufeff]")
+# The one definition of what never reaches a terminal, a script or a file unescaped: C0 control characters (but
+# tab and newline), DEL, C1, the Unicode line and paragraph separators, the direction marks, the bidirectional
+# overrides and isolates (they make a terminal show text in another order than it runs), and the BOM.
+UNSAFE_IN_TEXT = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029\u200e\u200f\u202a-\u202e\u2066-\u2069\ufeff]")
+# The same, and tab and newline too: for a value that must stay one line (anything that reaches a script).
+UNSAFE_IN_LINE = re.compile(f"[\t\n]|{UNSAFE_IN_TEXT.pattern}")
 
 
 def plain(value: object) -> str:
     """``str(value)`` with every control character written as its escape (``\\x1b``), for ``print``."""
-    return _UNSAFE.sub(lambda m: repr(m.group())[1:-1], str(value))
+    return UNSAFE_IN_TEXT.sub(lambda m: repr(m.group())[1:-1], str(value))
 
 
 def shown(value: object) -> Text:

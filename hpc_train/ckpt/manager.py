@@ -33,7 +33,7 @@ from typing import Any, Literal
 
 from hpc_train.ckpt.manifest import MANIFEST_NAME, FileEntry, Manifest, sha256_file
 from hpc_train.errors import ConfigError
-from hpc_train.run.files import atomic_write, refuse_shared_writable
+from hpc_train.run.files import atomic_write, open_record, refuse_shared_writable
 
 __all__ = ["LATEST_NAME", "CheckpointError", "CheckpointInfo", "CheckpointManager", "VerifyLevel",
            "fsync_path", "inspect_checkpoint", "list_files", "seal_share", "step_folder_name"]
@@ -195,11 +195,9 @@ _MAX_MANIFEST = 64 << 20
 
 def _read_manifest_text(path: Path) -> str:
     """The manifest's text, opened without following a link or blocking (a FIFO planted as the manifest)."""
-    descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
-    with open(descriptor, "rb") as handle:
-        info = os.fstat(handle.fileno())
-        if not stat.S_ISREG(info.st_mode) or info.st_size > _MAX_MANIFEST:
-            raise OSError(0, f"not a regular file of at most {_MAX_MANIFEST >> 20} MB")
+    with open_record(path) as handle:
+        if os.fstat(handle.fileno()).st_size > _MAX_MANIFEST:
+            raise OSError(0, f"larger than {_MAX_MANIFEST >> 20} MB")
         return handle.read(_MAX_MANIFEST).decode("utf-8")
 
 

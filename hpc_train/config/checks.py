@@ -11,6 +11,7 @@ import re
 from collections.abc import Callable
 
 from hpc_train.distributed.hostlist import first_host
+from hpc_train.terminal import UNSAFE_IN_LINE
 
 __all__ = [
     "Check",
@@ -40,9 +41,7 @@ Check = Callable[[str], "tuple[str, str] | None"]
 # A free table's check returns None, else (the key path below the table, problem, fix).
 TableCheck = Callable[[dict], "tuple[str, str, str] | None"]
 
-# C0 and C1 control characters, DEL, Unicode line and paragraph separators, and the bidirectional overrides
-# that make a terminal show text in another order than it runs.
-_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u200e\u200f\u202a-\u202e\u2066-\u2069\ufeff]")
+_CONTROL = UNSAFE_IN_LINE  # control characters, line separators, bidirectional overrides (hpc_train.terminal)
 _SLURM_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,127}")
 _CONSTRAINT = re.compile(r"[A-Za-z0-9._+\-&|\[\]*:()]{1,256}")
 _HOSTLIST = re.compile(r"[A-Za-z0-9._\-\[\],]{1,4096}")

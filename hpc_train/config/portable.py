@@ -14,14 +14,13 @@ import math
 import re
 from typing import Any
 
+from hpc_train.terminal import UNSAFE_IN_LINE, UNSAFE_IN_TEXT
+
 __all__ = ["MAX_DEPTH", "MULTILINE_SECTIONS", "check_portable"]
 
 MAX_DEPTH = 32
 MAX_STRING = 65536
 _INT_LIMIT = 2**63
-# Control characters (tab and newline are text), DEL, C1, line separators and bidirectional overrides.
-_UNSAFE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029\u200e\u200f\u202a-\u202e\u2066-\u2069\ufeff]")
-_UNSAFE_IN_LINE = re.compile(f"[\t\n]|{_UNSAFE.pattern}")
 _KEY = re.compile(r"[A-Za-z0-9_.+-]{1,128}")
 # The free tables a user's program or DeepSpeed reads from plan.json: a multi-line string is data there, and it
 # never reaches a script. Everywhere else a value is one line.
@@ -40,7 +39,7 @@ def _scalar_problem(value: Any, multiline: bool) -> tuple[str, str] | None:
     if isinstance(value, str):
         if len(value) > MAX_STRING:
             return f"is a string of {len(value):,} characters", f"keep values under {MAX_STRING:,} characters"
-        bad = (_UNSAFE if multiline else _UNSAFE_IN_LINE).search(value)
+        bad = (UNSAFE_IN_TEXT if multiline else UNSAFE_IN_LINE).search(value)
         if bad:
             allowed = "a newline or tab is fine here, " if multiline else "one line, "
             return (f"holds the control character {bad.group()!r} ({value[:40]!r})",
