@@ -89,7 +89,8 @@ def _submit(args: argparse.Namespace) -> int:
         _refuse_busy_run_folders(plans)
     console = Console(stderr=args.json, soft_wrap=True)  # job output lines are never re-wrapped
     os.umask(0o077)  # submitit's folder and the ranks' files stay private
-    undo = Undo.record([Path(plans[0].run_dir).parent, *(Path(plan.run_dir) for plan in plans), submitit_folder(plans)])
+    undo = Undo.record([*(Path(plan.run_dir) for plan in plans), submitit_folder(plans)],
+                       roots=[Path(plans[0].run_dir).parent])
     try:
         run_dirs = [prepare_plan_folder(plan) for plan in plans]
         offsets = [_size(rank_log_path(Path(run_dir), 0)) for run_dir in run_dirs]  # follow only new lines

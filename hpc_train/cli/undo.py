@@ -8,9 +8,11 @@ the config, earlier results) gets its old bytes back. Nothing is followed throug
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import stat
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,10 +46,13 @@ class Undo:
 
     created: list[Path] = field(default_factory=list)
     before: dict[Path, dict[str, bytes | None]] = field(default_factory=dict)
+    new_roots: list[Path] = field(default_factory=list)
 
     @classmethod
-    def record(cls, folders: list[Path]) -> Undo:
-        undo = cls()
+    def record(cls, folders: Sequence[Path], roots: Sequence[Path] = ()) -> Undo:
+        """``folders`` are ours (run folders, submitit's): their content is recorded. ``roots`` (the run root)
+        may be shared with other runs and users: only whether they existed, and one made now goes only if empty."""
+        undo = cls(new_roots=[root for root in dict.fromkeys(roots) if not os.path.lexists(root)])
         for folder in dict.fromkeys(folders):
             if os.path.islink(folder):
                 continue  # refused before anything is written through it
@@ -76,3 +81,6 @@ class Undo:
                     descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
                     with os.fdopen(descriptor, "wb") as handle:
                         handle.write(content)
+        for root in self.new_roots:
+            with contextlib.suppress(OSError):  # not empty: another submission uses it now
+                os.rmdir(root)

@@ -39,3 +39,19 @@ def test_a_link_is_never_followed(tmp_path: Path) -> None:
     (victim / "other.txt").write_text("made by someone else")
     undo.roll_back()
     assert sorted(p.name for p in victim.iterdir()) == ["other.txt", "precious.txt"]
+
+
+def test_a_shared_run_root_is_never_read_or_emptied(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (shared / "someone-else").mkdir()
+    (shared / "their.txt").write_text("theirs")
+    (shared / "their.txt").chmod(0)  # not readable by them alone; a snapshot must not try
+    fresh = tmp_path / "fresh"
+    undo = Undo.record([shared / "mine", fresh / "mine"], roots=[shared, fresh])
+    (shared / "mine").mkdir()
+    (shared / "another-run").mkdir()  # made meanwhile by another submission
+    (fresh / "mine").mkdir(parents=True)
+    undo.roll_back()
+    assert sorted(p.name for p in shared.iterdir()) == ["another-run", "someone-else", "their.txt"]
+    assert not fresh.exists()  # the run root this submission made, empty again
