@@ -25,8 +25,9 @@ import os
 import re
 import shutil
 import stat
+import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -36,7 +37,7 @@ from hpc_train.errors import ConfigError
 from hpc_train.run.files import atomic_write, open_record, refuse_shared_writable
 
 __all__ = ["LATEST_NAME", "CheckpointError", "CheckpointInfo", "CheckpointManager", "VerifyLevel",
-           "fsync_path", "inspect_checkpoint", "list_files", "seal_share", "step_folder_name"]
+           "fsync_path", "inspect_checkpoint", "list_files", "step_folder_name"]
 
 log = logging.getLogger(__name__)
 
@@ -134,37 +135,26 @@ def list_files(folder: Path) -> list[tuple[str, int]]:
     return files
 
 
-def seal_share(folder: Path, files: list[tuple[str, int]], share: int, shares: int) -> list[FileEntry]:
-    """Hash and fsync this writer's share of ``files`` (sizes balanced greedily, the same split on every writer),
-    so that all ranks seal a checkpoint together instead of rank 0 reading all of it back alone."""
-    loads = [0] * shares
-    mine = []
-    for relative, size in sorted(files, key=lambda f: (-f[1], f[0])):
-        owner = loads.index(min(loads))
-        loads[owner] += size
-        if owner == share:
-            path = folder / relative
-            size_now, digest = sha256_file(path)
-            fsync_path(path)
-            mine.append(FileEntry(path=relative, size=size_now, sha256=digest))
-    return mine
-
-
 def _sealed_elsewhere(folder: Path, entries: list[FileEntry]) -> list[FileEntry]:
-    """Check entries sealed by the writers against the folder (the same files, the same sizes), fsync folders."""
+    """Check the entries the writers hashed while writing against the folder (each listed file there, with its
+    size), hash and fsync what they did not write (files a library put there by itself: small ones), then fsync
+    every folder."""
     on_disk = dict(list_files(folder))
     listed = {entry.path: entry.size for entry in entries}
-    if on_disk != listed:
-        extra = sorted(set(on_disk) - set(listed))
-        missing = sorted(set(listed) - set(on_disk))
-        changed = sorted(p for p in set(on_disk) & set(listed) if on_disk[p] != listed[p])
-        raise CheckpointError(f"{folder}: the files sealed by the ranks do not match the folder (not sealed: "
-                              f"{extra[:3]}, gone: {missing[:3]}, size changed: {changed[:3]})")
+    missing = sorted(set(listed) - set(on_disk))
+    changed = sorted(p for p in set(on_disk) & set(listed) if on_disk[p] != listed[p])
+    if missing or changed or len(listed) != len(entries):
+        raise CheckpointError(f"{folder}: the files the ranks wrote do not match the folder (gone: {missing[:3]}, "
+                              f"size changed: {changed[:3]}, listed twice: {len(entries) - len(listed)})")
+    others = [FileEntry(path=relative, size=size, sha256=sha256_file(folder / relative)[1])
+              for relative, size in sorted(on_disk.items()) if relative not in listed]
+    for entry in others:
+        fsync_path(folder / entry.path)
     for _relative, path, info in reversed(list(_walk(folder))):
         if stat.S_ISDIR(info.st_mode):
             fsync_path(path)
     fsync_path(folder)
-    return sorted(entries, key=lambda e: e.path)
+    return sorted([*entries, *others], key=lambda e: e.path)
 
 
 def _check_file(folder: Path, entry: FileEntry, level: VerifyLevel) -> str | None:
@@ -236,7 +226,7 @@ def inspect_checkpoint(folder: Path, level: VerifyLevel = "size") -> tuple[Manif
 class CheckpointManager:
     """Begin, commit, prune and find checkpoints under one ``checkpoints/`` folder (see the module doc)."""
 
-    def __init__(self, root: Path, keep: int, verify: VerifyLevel = "size") -> None:
+    def __init__(self, root: Path, keep: int, verify: VerifyLevel = "size", background_prune: bool = False) -> None:
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise ConfigError("checkpoint.keep", f"must be an integer >= 1, got {keep!r}")
         if verify not in ("size", "sha256"):
@@ -244,6 +234,9 @@ class CheckpointManager:
         self.root = Path(root)
         self.keep = keep
         self.verify: VerifyLevel = verify
+        # Pruning after ``latest`` moved, in a thread, so that a save does not wait for old folders to go.
+        self.background_prune = background_prune
+        self._pruner: threading.Thread | None = None
 
     # ----- writing -----
 
@@ -252,6 +245,7 @@ class CheckpointManager:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step: must be an integer >= 0, got {step!r}")
         self._ensure_root()
+        self.wait()  # the previous commit's pruning: it renames folders in this root too
         self._remove_stale()
         tmp = self.root / f".tmp-{step_folder_name(step)}-{os.getpid()}"
         os.mkdir(tmp, 0o700)
@@ -263,16 +257,35 @@ class CheckpointManager:
 
         ``manifest_fields`` holds the Manifest fields but ``files`` (computed here) and ``step`` (taken from
         the folder; a different value is an error); ``created`` defaults to now. ``sealed``: the files already
-        hashed and fsynced by the writers (:func:`seal_share`); they must be exactly the folder's files.
+        hashed and fsynced by the writers (:func:`hpc_train.ckpt.writer.write_file`); each
+        must be in the folder with its size, and the files they do not list are hashed here.
+        With ``background_prune`` the old folders go in a thread after ``latest`` moved (:meth:`wait`).
         """
         tmp, step = self._own_tmp(tmp)
+        self.wait()
         files = _seal_files(tmp) if sealed is None else _sealed_elsewhere(tmp, sealed)
         manifest = self._build_manifest(step, manifest_fields, files)
         self._write_manifest(tmp, manifest)
         final = self._publish(tmp, step)
         self._point_latest(final)
-        self._prune()
+        if self.background_prune:
+            self._pruner = threading.Thread(target=self._prune_quietly, name=f"prune-before-{final.name}")
+            self._pruner.start()
+        else:
+            self._prune()
         return final
+
+    def wait(self) -> None:
+        """Return once a background pruning has finished (a crash during it is safe: see :meth:`_discard`)."""
+        if self._pruner is not None:
+            self._pruner.join()
+            self._pruner = None
+
+    def _prune_quietly(self) -> None:
+        try:
+            self._prune()
+        except OSError as error:  # the checkpoint is committed; a folder left over goes at the next prune
+            log.warning("pruning old checkpoints in %s failed: %s; retried after the next save", self.root, error)
 
     def _build_manifest(self, step: int, fields: Mapping[str, Any], files: list[FileEntry]) -> Manifest:
         given = dict(fields)
@@ -337,12 +350,16 @@ class CheckpointManager:
 
     # ----- reading -----
 
-    def latest_verified(self) -> Path | None:
-        """The folder to resume from: ``latest`` if it verifies, else the newest older one that does."""
+    def latest_verified(self, level: VerifyLevel | None = None, skip: Collection[Path] = ()) -> Path | None:
+        """The folder to resume from: ``latest`` if it verifies, else the newest older one that does. ``level``
+        overrides ``verify`` (a loader that hashes while it reads asks for sizes here); ``skip``: folders a load
+        already found damaged."""
         if not self._root_usable():
             return None
         for path in self._candidates():
-            _manifest, problem = inspect_checkpoint(path, self.verify)
+            if path in skip:
+                continue
+            _manifest, problem = inspect_checkpoint(path, level or self.verify)
             if problem is None:
                 return path
             log.warning("checkpoint %s skipped: %s; falling back to the previous one", path, problem)

@@ -65,12 +65,12 @@ class UserCheckpoint:
         def write(folder: Path) -> None:
             for name in sorted(state):
                 if _is_engine(state[name]):
+                    self._checkpointer.install(state[name])
                     state[name].save_checkpoint(str(folder / ENGINES_DIR / name), tag=TAG)
             objects = {name: value.state_dict() if hasattr(value, "state_dict") else value
                        for name, value in state.items() if not _is_engine(value)}
-            (folder / RANKS_DIR).mkdir(exist_ok=True)
             payload = {"step": step, "objects": objects, "random": random_state.capture(self._device)}
-            torch.save(payload, folder / RANKS_DIR / f"rank-{self.rank}.pt")
+            self._checkpointer.files.save(payload, folder / RANKS_DIR / f"rank-{self.rank}.pt")
 
         self._checkpointer.save_with(step, write)
         self._recorder.save_time(time.perf_counter() - started)
@@ -88,6 +88,7 @@ class UserCheckpoint:
         _agree(problem)
         for name in sorted(state):
             if _is_engine(state[name]):
+                self._checkpointer.install(state[name])
                 state[name].load_checkpoint(str(found / ENGINES_DIR / name), tag=TAG)
         for name, value in list(state.items()):
             if _is_engine(value):

@@ -18,9 +18,12 @@ rank, before anything is loaded.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import shutil
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -31,7 +34,8 @@ import torch
 import torch.distributed as dist
 
 from hpc_train.ckpt import MANIFEST_NAME, CheckpointError, CheckpointManager, Manifest
-from hpc_train.ckpt.manager import list_files, seal_share
+from hpc_train.ckpt.manager import inspect_checkpoint
+from hpc_train.ckpt.manifest import FileEntry
 from hpc_train.ckpt.universal import (
     cached_copy,
     clear_cache,
@@ -41,9 +45,11 @@ from hpc_train.ckpt.universal import (
     optimizer_is_partitioned,
 )
 from hpc_train.config.job import JobConfig
-from hpc_train.distributed.collectives import barrier, broadcast_object, gather_objects
+from hpc_train.distributed.collectives import all_gather_objects, broadcast_object, gather_objects
 from hpc_train.errors import ConfigError
+from hpc_train.run.files import open_record
 from hpc_train.train import random_state
+from hpc_train.train.checkpoint_files import WRITTEN_DIR, FileCheckpointEngine, RankFiles, written_marker
 
 __all__ = ["TAG", "Checkpointer"]
 
@@ -51,6 +57,7 @@ TAG = "state"  # DeepSpeed's tag inside a checkpoint folder: the folder name alr
 # Rank 0 converts while the others wait in a collective: it gives up a little before they would time out.
 _CONVERT_SHARE_OF_TIMEOUT = 0.9
 _CONVERT_WORKERS = 4
+_MARKER_POLL_S = 0.02  # rank 0's commit thread looks for the ranks' written markers this often
 
 
 def _broadcast(value: Any) -> Any:
@@ -148,8 +155,11 @@ class Checkpointer:
         # The trainer's progress log; by default the rank's own logger, which hpc_train.launch sets up.
         self.log = log or logging.getLogger(f"hpc_train.rank{self.rank}").info
         self.convert_timeout_s = config.dist.timeout_s * _CONVERT_SHARE_OF_TIMEOUT
-        self.manager = CheckpointManager(run_dir / "checkpoints", keep=checkpoint.keep,
-                                         verify=checkpoint.verify) if self.rank == 0 else None
+        self.manager = CheckpointManager(run_dir / "checkpoints", keep=checkpoint.keep, verify=checkpoint.verify,
+                                         background_prune=True) if self.rank == 0 else None
+        self.world = dist.get_world_size()
+        self.check_sha256 = checkpoint.verify == "sha256"
+        self.write_timeout_s = float(config.watchdog.checkpoint_timeout_s)
         if self.manager:
             _forward_manager_warnings(self.log)
         self.fields = {"world_size": layout.world, "zero_stage": config.zero.stage,
@@ -158,44 +168,53 @@ class Checkpointer:
                                   "context": layout.context}}
         self._error: Exception | None = None
         self.async_save = checkpoint.async_save
+        self.files = RankFiles(self.rank, self.async_save)
         self._committer: threading.Thread | None = None
         self._commit_error: BaseException | None = None
 
     def due(self, step: int, last: int) -> bool:
         return step == last or bool(self.every and step % self.every == 0)
 
+    def install(self, engine: Any) -> None:
+        """DeepSpeed writes and reads this engine's files through this rank's :class:`RankFiles`: hashed while
+        written, staged for the background with ``async_save``, read once and checked when loaded."""
+        if not isinstance(getattr(engine, "checkpoint_engine", None), FileCheckpointEngine):
+            engine.checkpoint_engine = FileCheckpointEngine(self.files)
+
     def save(self, engine: Any, step: int, sampler_state: dict[str, int], wait: bool = False) -> None:
         """The trainer's save: DeepSpeed's shards with the step and sampler in the client state, and each rank's
         random state (:mod:`hpc_train.train.random_state`, :meth:`save_with`)."""
+        self.install(engine)
+
         def write(tmp: Path) -> None:
             engine.save_checkpoint(str(tmp), tag=TAG, client_state={"step": step, "sampler": sampler_state})
-            rng = tmp / "rng"
-            rng.mkdir(exist_ok=True)
-            torch.save(random_state.capture(engine.device), rng / f"rank-{self.rank}.pt")
+            self.files.save(random_state.capture(engine.device), tmp / "rng" / f"rank-{self.rank}.pt")
 
         self.save_with(step, write, wait)
 
     def save_with(self, step: int, write: Callable[[Path], None], wait: bool = False) -> None:
-        """Every rank calls ``write(folder)`` to put its files into the folder rank 0 opened; rank 0 then seals
-        it (fsync, manifest with checksums, rename, ``latest``). With ``checkpoint.async_save`` the sealing runs
-        in a thread on rank 0 while training goes on, unless ``wait``; ``latest`` still moves only once
-        everything is durable. A previous background seal always finishes first, and its failure stops every
-        rank here."""
+        """Every rank calls ``write(folder)`` to put its files into the folder rank 0 opened (through
+        ``self.files``, or any other way); rank 0 then seals it (manifest with every file's size and sha256,
+        rename, ``latest``). With ``checkpoint.async_save`` and not ``wait``, ``self.files`` stages each file in
+        memory and writes it in this rank's writer thread, and rank 0 commits in its own thread once every rank
+        has said it is done; ``latest`` still moves only once everything is durable. A previous background save
+        always finishes first, and its failure stops every rank here."""
         opened = _broadcast(self._open(self.manager, step) if self.manager else None)
         if isinstance(opened, _Refusal):
             raise self._commit_error or opened.error()
         tmp = Path(opened)
-        write(tmp)
-        barrier()  # every rank's files are on disk before rank 0 seals the folder
+        staged = self.async_save and not wait
+        self.files.begin(tmp, staged)
         fields = {"step": step, **self.fields}
-        if self.async_save and not wait:
-            if self.manager:  # rank 0 alone, off the training path
-                self._committer = threading.Thread(target=self._commit, args=(self.manager, tmp, fields),
-                                                   name=f"seal-step-{step}", daemon=False)
-                self._committer.start()
-        else:
-            self._seal_together(tmp, fields)
-        barrier()
+        if not staged:
+            self._seal_together(tmp, fields, write)
+            return
+        write(tmp)
+        self.files.announce()
+        if self.manager:  # rank 0 alone, off the training path
+            self._committer = threading.Thread(target=self._commit, args=(self.manager, tmp, fields),
+                                               name=f"commit-step-{step}", daemon=False)
+            self._committer.start()
 
     def latest(self) -> Path | None:
         """Every rank: the newest checkpoint that verifies (rank 0 looks, falling back past damaged ones with a
@@ -214,31 +233,23 @@ class Checkpointer:
             raise found.error()
         return None if found is None else Path(found)
 
-    def _seal_together(self, tmp: Path, fields: dict[str, Any]) -> None:
-        """Every rank hashes and fsyncs a share of the files (by size), rank 0 gets all the entries and commits:
-        the sha256 pass is spread over the ranks (and nodes) instead of rank 0 reading the whole checkpoint back.
-        A failure on any rank reaches every rank as the same error, instead of leaving the others in a
-        collective until the timeout."""
-        files: Any = None
-        if self.manager:
-            try:
-                files = list_files(tmp)
-            except Exception as error:
-                files = _Refusal(str(error), False)
-        files = _broadcast(files)
-        if isinstance(files, _Refusal):
-            raise files.error()
+    def _seal_together(self, tmp: Path, fields: dict[str, Any], write: Callable[[Path], None]) -> None:
+        """Every rank writes its files (each hashed and fsynced as it is written), rank 0 gathers their entries
+        and commits: nothing is read back. A failure on any rank reaches every rank as the same error, instead
+        of leaving the others in a collective until the timeout."""
         try:
-            mine: Any = seal_share(tmp, files, self.rank, dist.get_world_size())
+            write(tmp)
+            self.files.drain()
+            mine: Any = list(self.files.entries)
         except Exception as error:
-            mine = f"rank {self.rank}: {error}"
+            mine = f"rank {self.rank}: {type(error).__name__}: {error}"
         shares = gather_objects(mine, dst=0)
         status = None
         if self.manager and shares is not None:
             problems = [share for share in shares if isinstance(share, str)]
             try:
                 if problems:
-                    raise CheckpointError(f"sealing {tmp.name} failed on {'; '.join(problems)}")
+                    raise CheckpointError(f"saving {tmp.name} failed on {'; '.join(problems)}")
                 self.manager.commit(tmp, fields, sealed=[entry for share in shares for entry in share])
             except Exception as error:
                 status = _Refusal(str(error), False)
@@ -256,10 +267,35 @@ class Checkpointer:
             return _Refusal(str(error), False)
 
     def _commit(self, manager: CheckpointManager, tmp: Path, fields: dict[str, Any]) -> None:
+        """Rank 0's commit thread: wait for every rank's written marker, then commit their entries."""
         try:
-            manager.commit(tmp, fields)
+            manager.commit(tmp, fields, sealed=self._written_entries(tmp))
         except BaseException as error:  # reported to every rank by the next save or finish()
             self._commit_error = error
+
+    def _written_entries(self, tmp: Path) -> list[FileEntry]:
+        """The entries of every rank's marker (polled: each rank's writer thread writes its own, on whatever node
+        it runs), or the first rank's error; ``.written/`` is removed before the commit lists the folder."""
+        deadline = time.monotonic() + self.write_timeout_s
+        records: dict[int, Any] = {}
+        while len(records) < self.world:
+            for rank in range(self.world):
+                marker = written_marker(tmp, rank)
+                if rank not in records and os.path.lexists(marker):
+                    with open_record(marker) as handle:
+                        records[rank] = json.loads(handle.read())
+            if len(records) < self.world:
+                if time.monotonic() > deadline:
+                    missing = sorted(set(range(self.world)) - set(records))
+                    raise CheckpointError(f"ranks {missing[:8]} did not finish writing {tmp.name} within "
+                                          f"{self.write_timeout_s:.0f} s (watchdog.checkpoint_timeout_s)")
+                time.sleep(_MARKER_POLL_S)
+        errors = [record["error"] for _rank, record in sorted(records.items()) if "error" in record]
+        if errors:
+            raise CheckpointError(f"writing {tmp.name} failed on {'; '.join(errors)}")
+        shutil.rmtree(tmp / WRITTEN_DIR)
+        return [FileEntry.from_dict(item, f"rank {rank} marker") for rank, record in sorted(records.items())
+                for item in record["files"]]
 
     def _join(self) -> None:
         if self._committer is not None:
@@ -270,10 +306,12 @@ class Checkpointer:
 
     def finish(self) -> None:
         """Every rank: return once rank 0's background seal (if any) is durable; raise its error on every rank."""
+        self.files.drain()
         status = None
         if self.manager:
             try:
                 self._join()
+                self.manager.wait()
             except CheckpointError as error:
                 status = _Refusal(str(error), False)
         status = _broadcast(status)
@@ -283,37 +321,87 @@ class Checkpointer:
     def resume(self, engine: Any) -> tuple[int, dict[str, int] | None]:
         """(the last completed step, the sampler state) of the newest good checkpoint, or (0, None).
 
-        The sampler state is the global sample position, valid at any data-parallel size (see the module doc).
+        Rank 0 picks the newest checkpoint whose files have the manifest's sizes; every rank then reads its own
+        files once, checking each one's sha256 on the way with ``checkpoint.verify = "sha256"``. A rank that
+        finds a damaged file still finishes the load (DeepSpeed's collectives must not be left half way), then
+        all ranks agree and load the previous good checkpoint over it. The sampler state is the global sample
+        position, valid at any data-parallel size (see the module doc).
         """
         if not self.resume_enabled:
             return 0, None
-        # The other ranks wait here while rank 0 converts.
-        chosen = _broadcast(self._choose(self.manager) if self.manager else None)
-        if isinstance(chosen, _Refusal):
-            raise self._error or chosen.error()
-        if chosen is None:
-            return 0, None
-        with _universal_load(engine, chosen.universal):
-            _, client = engine.load_checkpoint(chosen.load_dir, tag=TAG)
-        if chosen.universal:
-            _repair_zero3_universal_load(engine, Path(chosen.load_dir))
-        self._load_rng(Path(chosen.sealed), engine.device)
-        return int(client["step"]), client["sampler"]
+        self.install(engine)
+        damaged: list[str] = []
+        while True:
+            # The other ranks wait here while rank 0 checks sizes (and converts, for another layout).
+            chosen = _broadcast(self._choose(self.manager, damaged) if self.manager else None)
+            if isinstance(chosen, _Refusal):
+                raise self._error or chosen.error()
+            if chosen is None:
+                if damaged:
+                    raise CheckpointError(f"every checkpoint failed verification while it was loaded "
+                                          f"({', '.join(Path(d).name for d in damaged)}); the model is partly "
+                                          "loaded, so the run stops: set checkpoint.resume = false to start over")
+                return 0, None
+            problem, client = self._load(engine, chosen)
+            problems = [p for p in all_gather_objects(problem) if p]
+            if not problems:
+                return int(client["step"]), client["sampler"]
+            if self.manager:
+                self.log(f"warning: checkpoint {chosen.sealed} skipped: {problems[0]}; loading the previous one")
+            damaged.append(chosen.sealed)
+
+    def _load(self, engine: Any, chosen: _Load) -> tuple[str | None, dict[str, Any]]:
+        """Load ``chosen`` on this rank; a file that fails its sha256 is reported, not raised."""
+        sealed = Path(chosen.sealed)
+        entries = list(Manifest.from_json((sealed / MANIFEST_NAME).read_text(encoding="utf-8")).files)
+        self.files.load_problems.clear()
+        try:
+            # A universal copy has no manifest: rank 0 verified its source before converting it.
+            self.files.begin_load(None if chosen.universal else sealed, entries, self.check_sha256)
+            with _universal_load(engine, chosen.universal):
+                _, client = engine.load_checkpoint(chosen.load_dir, tag=TAG)
+            if chosen.universal:
+                _repair_zero3_universal_load(engine, Path(chosen.load_dir))
+            self.files.begin_load(sealed, entries, self.check_sha256)
+            self._load_rng(sealed, engine.device)
+        finally:
+            self.files.begin_load(None, [], False)
+        problems = self.files.load_problems
+        return (f"rank {self.rank}: {problems[0]}" if problems else None), client
 
     def _load_rng(self, sealed: Path, device: torch.device) -> None:
         """This rank's random state; a rank that did not exist when the checkpoint was saved has none."""
         rng_file = sealed / "rng" / f"rank-{self.rank}.pt"
         if rng_file.exists():
-            random_state.restore(torch.load(rng_file, weights_only=True), device)
+            random_state.restore(self.files.load(rng_file), device)
 
-    def _choose(self, manager: CheckpointManager) -> _Load | _Refusal | None:
-        """Rank 0: the checkpoint to load and how, or why not; any error goes to every rank, not only to this one."""
+    def _choose(self, manager: CheckpointManager, damaged: list[str]) -> _Load | _Refusal | None:
+        """Rank 0: the checkpoint to load and how, or why not; any error goes to every rank, not only to this one.
+        Sizes are checked here; sha256, when configured, while every rank reads its files."""
         try:
-            found = manager.latest_verified()
-            return None if found is None else self._plan(manager, found)
+            while True:
+                found = manager.latest_verified(level="size", skip=[Path(d) for d in damaged])
+                if found is None:
+                    return None
+                problem = self._source_problem(found)
+                if problem is None:
+                    return self._plan(manager, found)
+                self.log(f"warning: checkpoint {found} skipped: {problem}; falling back to the previous one")
+                damaged.append(str(found))
         except Exception as error:
             self._error = error
             return _Refusal(str(error), isinstance(error, ConfigError))
+
+    def _source_problem(self, found: Path) -> str | None:
+        """With sha256 on, a checkpoint that must be converted (another layout) is hashed whole first: the
+        conversion reads it with DeepSpeed's own loader, not through the checked reads of :meth:`_load`."""
+        if not self.check_sha256:
+            return None
+        manifest = Manifest.from_json((found / MANIFEST_NAME).read_text(encoding="utf-8"))
+        if not compare_layouts(f"checkpoint {found}", manifest.layout, manifest.world_size, self.fields["layout"],
+                               self.fields["world_size"]):
+            return None
+        return inspect_checkpoint(found, "sha256")[1]
 
     def _plan(self, manager: CheckpointManager, found: Path) -> _Load:
         """Load ``found`` as it is when the layout is the same, else (data-parallel size only) its universal form."""

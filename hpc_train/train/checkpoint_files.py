@@ -1,0 +1,263 @@
+"""How a rank writes and reads the files of a checkpoint: once each, hashed on the way, in the background.
+
+:class:`RankFiles` is one rank's part of a save. Every file goes through :func:`hpc_train.ckpt.writer.write_file`
+(``torch.save`` into a hashing, fsyncing writer), so the rank knows each file's size and sha256 when the file is
+on disk and the commit reads nothing back. DeepSpeed's own files take the same path through
+:class:`FileCheckpointEngine`, DeepSpeed's pluggable checkpoint engine, installed on the engine before a save or
+a load.
+
+Asynchronous saves (``checkpoint.async_save``): :meth:`RankFiles.save` copies the state into host memory (pinned
+memory on a GPU, the copy queued on the current CUDA stream and waited for by the writer thread through an
+event, so the step after the save does not wait for it; on a CPU a plain copy) and hands it to the rank's
+writer thread; training goes on as soon as every file is staged. When there is not enough free memory for the
+copy, that file is written at once instead. :meth:`RankFiles.announce` queues, after this rank's last file,
+``.written/rank-N.json`` (the entries, or the error), which rank 0's commit thread waits for.
+
+Loading reads every file once (:func:`hpc_train.ckpt.writer.read_file`): size always checked against the
+manifest, sha256 too when ``checkpoint.verify = "sha256"``, before a byte is deserialized, and deserialized with
+``torch.load(weights_only=True)``, DeepSpeed's few non-tensor classes allowed by name.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import queue
+import threading
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
+
+from hpc_train.ckpt.manifest import FileEntry
+from hpc_train.ckpt.writer import CorruptFileError, read_file, write_file
+from hpc_train.run.files import atomic_write
+
+__all__ = ["WRITTEN_DIR", "FileCheckpointEngine", "RankFiles", "load_safely", "written_marker"]
+
+log = logging.getLogger(__name__)
+
+WRITTEN_DIR = ".written"  # per-rank completion markers of an asynchronous save, removed before the commit
+_MEMORY_SHARE = 0.5  # stage a file only while it takes at most this share of the memory still available
+
+
+def written_marker(folder: Path, rank: int) -> Path:
+    return folder / WRITTEN_DIR / f"rank-{rank}.json"
+
+
+def _safe_globals() -> list[Any]:
+    """The non-tensor classes DeepSpeed pickles into its checkpoints (0.16-0.19), allowed for weights_only."""
+    allowed: list[Any] = []
+    for module, names in (("deepspeed.runtime.fp16.loss_scaler", ("LossScaler", "DynamicLossScaler")),
+                          ("deepspeed.runtime.zero.config", ("ZeroStageEnum",)),
+                          ("deepspeed.utils.tensor_fragment", ("fragment_address",))):
+        try:
+            imported = __import__(module, fromlist=list(names))
+        except ImportError:
+            continue
+        allowed += [getattr(imported, name) for name in names if hasattr(imported, name)]
+    return allowed
+
+
+def load_safely(data: Any, map_location: Any = None) -> Any:
+    """``torch.load`` of bytes already read and checked, with ``weights_only=True``."""
+    with torch.serialization.safe_globals(_safe_globals()):
+        return torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
+
+
+def _available_memory() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _tensor_bytes(value: Any) -> int:
+    if torch.is_tensor(value):
+        return value.numel() * value.element_size()
+    if isinstance(value, Mapping):
+        return sum(_tensor_bytes(item) for item in value.values())
+    if isinstance(value, list | tuple):
+        return sum(_tensor_bytes(item) for item in value)
+    return 0
+
+
+def _stage(value: Any, pinned: bool) -> Any:
+    """A copy of ``value`` whose tensors live in host memory and no longer change with training; the rest of
+    the structure (dicts, lists, numbers, strings) rebuilt around them."""
+    if torch.is_tensor(value):
+        tensor = value.detach()
+        if tensor.device.type == "cpu":
+            return tensor.clone()
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pinned)
+        return host.copy_(tensor, non_blocking=pinned)
+    if isinstance(value, dict):  # OrderedDict stays one: module state dicts are
+        return type(value)((key, _stage(item, pinned)) for key, item in value.items())
+    if isinstance(value, list):
+        return [_stage(item, pinned) for item in value]
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        return tuple(_stage(item, pinned) for item in value)
+    return value
+
+
+class RankFiles:
+    """One rank's files of the checkpoint being saved (entries for the manifest) or loaded (checked reads)."""
+
+    def __init__(self, rank: int, async_save: bool) -> None:
+        self.rank = rank
+        self.async_save = async_save
+        self.folder: Path | None = None
+        self.entries: list[FileEntry] = []
+        self._staging = False
+        self._jobs: queue.Queue[tuple[bool, Callable[[], None]]] = queue.Queue()
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        self._reading: tuple[Path, dict[str, FileEntry], bool] | None = None
+        self.load_problems: list[str] = []
+
+    # ----- saving -----
+
+    def begin(self, folder: Path, staged: bool) -> None:
+        """Start this rank's part of the save into ``folder``; ``staged``: write it in the background."""
+        self.drain()
+        self.folder, self.entries, self._error = folder, [], None
+        self._staging = staged and self.async_save
+
+    def save(self, state: Any, path: Path) -> None:
+        """``torch.save(state, path)`` as part of the current save: hashed while written, or staged."""
+        folder = self._folder()
+        relative = Path(os.path.abspath(path)).relative_to(os.path.abspath(folder)).as_posix()
+        if self._staging and self._fits(state):
+            pinned = torch.cuda.is_available() and any(
+                torch.is_tensor(t) and t.device.type == "cuda" for t in _leaves(state))
+            copy = _stage(state, pinned)
+            event = torch.cuda.Event() if pinned else None
+            if event is not None:
+                event.record()  # the host copies are done when this event is: the writer waits for it
+            self._start()
+            self._jobs.put((False, lambda: self._write(folder, relative, copy, event)))
+        else:
+            self._write(folder, relative, state, None)
+
+    def announce(self) -> None:
+        """After this rank's last file of an asynchronous save: its marker for rank 0's commit thread."""
+        folder = self._folder()
+        self._start()
+        self._jobs.put((True, lambda: self._mark(folder)))
+
+    def drain(self) -> None:
+        """Wait until every queued write of this rank is on disk (the marker too)."""
+        if self._thread is not None:
+            self._jobs.join()
+
+    def _fits(self, state: Any) -> bool:
+        available = _available_memory()
+        needed = _tensor_bytes(state)
+        if available is None or needed <= available * _MEMORY_SHARE:
+            return True
+        log.warning("checkpoint: %.1f GB to stage, %.1f GB of memory available: writing this file before training "
+                    "goes on", needed / 1e9, available / 1e9)
+        return False
+
+    def _write(self, folder: Path, relative: str, state: Any, event: Any) -> None:
+        if event is not None:
+            event.synchronize()
+        entry = write_file(folder, relative, lambda sink: torch.save(state, sink))
+        self.entries.append(entry)
+
+    def _mark(self, folder: Path) -> None:
+        record: dict[str, Any] = {"rank": self.rank}
+        if self._error is not None:
+            record["error"] = f"rank {self.rank}: {type(self._error).__name__}: {self._error}"
+        else:
+            record["files"] = [{"path": e.path, "size": e.size, "sha256": e.sha256} for e in self.entries]
+        marker = written_marker(folder, self.rank)
+        marker.parent.mkdir(mode=0o700, exist_ok=True)
+        atomic_write(marker, json.dumps(record) + "\n")
+
+    def _start(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._run, name=f"checkpoint-writer-rank{self.rank}", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            is_marker, job = self._jobs.get()
+            try:
+                if is_marker or self._error is None:  # after a failure only the marker, which reports it
+                    job()
+            except BaseException as error:  # reported to rank 0 through the marker, then to every rank
+                self._error = error
+                log.error("checkpoint: writing in the background failed on rank %d: %s", self.rank, error)
+            finally:
+                self._jobs.task_done()
+
+    def _folder(self) -> Path:
+        if self.folder is None:
+            raise RuntimeError("RankFiles.save outside a checkpoint save (begin() first)")
+        return self.folder
+
+    # ----- loading -----
+
+    def begin_load(self, folder: Path | None, entries: list[FileEntry], check_sha256: bool) -> None:
+        """Loads below ``folder`` are checked against ``entries`` (None: a folder without a manifest, read as it
+        is). A file whose sha256 differs is still deserialized and handed back (the load it is part of has
+        collectives every rank must reach) and its problem kept in ``load_problems`` for the ranks to agree on."""
+        self._reading = None if folder is None else (folder, {e.path: e for e in entries}, check_sha256)
+
+    def load(self, path: Path, map_location: Any = None) -> Any:
+        """Read ``path`` once, check it against the manifest, then deserialize it with ``weights_only=True``."""
+        entry, check = None, False
+        if self._reading is not None:
+            folder, entries, check = self._reading
+            try:
+                relative: str | None = Path(os.path.abspath(path)).relative_to(os.path.abspath(folder)).as_posix()
+            except ValueError:
+                relative = None
+            entry = entries.get(relative) if relative else None
+        try:
+            data = read_file(Path(path), entry, check)
+        except CorruptFileError as error:
+            self.load_problems.append(str(error))
+            data = error.data
+        return load_safely(data, map_location)
+
+
+def _leaves(value: Any) -> list[Any]:
+    if isinstance(value, Mapping):
+        return [leaf for item in value.values() for leaf in _leaves(item)]
+    if isinstance(value, list | tuple):
+        return [leaf for item in value for leaf in _leaves(item)]
+    return [value]
+
+
+class FileCheckpointEngine(CheckpointEngine):
+    """DeepSpeed's checkpoint engine that writes and reads through :class:`RankFiles`."""
+
+    def __init__(self, files: RankFiles) -> None:
+        super().__init__()
+        self.name = "hpc_train"
+        self.files = files
+
+    def create(self, info: Any) -> None:
+        """The folder is the one the Checkpointer opened."""
+
+    def makedirs(self, path: str, exist_ok: bool = False) -> None:
+        os.makedirs(path, mode=0o700, exist_ok=exist_ok)
+
+    def save(self, state_dict: Any, path: str) -> None:
+        self.files.save(state_dict, Path(path))
+
+    def load(self, path: str, map_location: Any = None) -> Any:
+        return self.files.load(Path(path), map_location)
+
+    def commit(self, info: Any) -> bool:
+        """The Checkpointer commits the whole folder, for every rank at once."""
+        return True
