@@ -231,17 +231,25 @@ def _export(args: argparse.Namespace) -> int:
     from hpc_train.ckpt.export import check_out_folder, check_out_path, export_checkpoint, export_hf
 
     target = resolve_target(args.path)
-    (check_out_folder if args.format == "hf" else check_out_path)(args.out, args.force)  # before hashing gigabytes
+    if args.format == "hf":  # before hashing gigabytes
+        check_out_folder(args.out, args.force)
+    else:
+        check_out_path(args.out, args.force, sidecar=args.format == "pt")
     info = _export_source(target)
     if info.manifest is None:  # a verified folder always has one
         raise ConfigError(str(info.path), "has no manifest", "export another step")
-    export = export_hf if args.format == "hf" else export_checkpoint
-    result = export(info.path, info.manifest, args.out, force=args.force)
+    if args.format == "hf":
+        result = export_hf(info.path, info.manifest, args.out, force=args.force, dtype=args.dtype)
+    else:
+        result = export_checkpoint(info.path, info.manifest, args.out, force=args.force, fmt=args.format,
+                                   dtype=args.dtype)
     summary = {"out": str(result.out), "source": str(result.source), "step": result.step, "tensors": result.tensors,
-               "parameters": result.parameters, "bytes": result.bytes, "file_bytes": result.file_bytes}
+               "parameters": result.parameters, "bytes": result.bytes, "file_bytes": result.file_bytes,
+               "format": result.format, "dtype": result.dtype}
     print(json.dumps(summary) if args.json else
-          f"wrote {result.out} from {result.source.name}: {result.tensors} tensors, {result.parameters:,} "
-          f"parameters, {result.bytes:,} bytes of fp32 ({_human_bytes(result.file_bytes)} on disk)")
+          plain(f"wrote {result.out} ({result.format}) from {result.source.name}: {result.tensors} tensors, "
+                f"{result.parameters:,} parameters, {result.bytes:,} bytes of {result.dtype} "
+                f"({_human_bytes(result.file_bytes)} on disk)"))
     return 0
 
 
@@ -254,18 +262,25 @@ def add_parser(commands: Any) -> None:
     path_help = "a run folder (runs/NAME), its checkpoints/ folder, or one step-NNNNNNNN folder"
     ls = actions.add_parser("ls", help="a table of the checkpoints: step, size, layout, verified, latest, resume")
     verify = actions.add_parser("verify", help="check every file against the manifest; exit 1 if resume has none")
-    export = actions.add_parser("export", help="write one consolidated fp32 state dict of the model")
+    export = actions.add_parser("export", help="write one consolidated state dict of the model (tensor-parallel "
+                                "shards merged): safetensors (recommended), pt or a Hugging Face folder")
     for parser in (ls, verify, export):
         parser.add_argument("path", type=Path, metavar="RUN_OR_CHECKPOINT", help=path_help)
         parser.add_argument("--json", action="store_true", help="print the result as JSON")
     for parser in (ls, verify):
         parser.add_argument("--sha256", action="store_true", help="also hash every file (reads all of it)")
     export.add_argument("--out", type=Path, required=True, metavar="FILE",
-                        help="the .pt file to write (mode 0600), or with --format hf the folder")
-    export.add_argument("--format", choices=("pt", "hf"), default="pt",
-                        help="pt: a torch state dict under the module's own parameter names (torch.load with "
+                        help="the file to write (mode 0600; with --format pt also FILE.json, the model's "
+                        "description), or with --format hf the folder")
+    export.add_argument("--format", choices=("pt", "safetensors", "hf"), default="pt",
+                        help="safetensors (recommended: no pickle, loads anywhere, the model's description in its "
+                        "metadata, hpc_train.train.load_exported rebuilds the built-in GPT); pt (the default): a "
+                        "torch state dict under the module's own parameter names (torch.load with "
                         "weights_only=True); hf: a Hugging Face model's save_pretrained folder (config.json, "
                         "model.safetensors)")
+    export.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
+                        help="fp32 (default): the fp32 master weights; bf16: floating tensors cast to bf16, "
+                        "integer buffers kept")
     export.add_argument("--force", action="store_true", help="replace FILE if it exists")
     ls.set_defaults(run=_ls)
     verify.set_defaults(run=_verify)

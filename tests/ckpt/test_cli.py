@@ -1,6 +1,7 @@
 """``python -m hpc_train ckpt ls|verify|export`` on checkpoints of real tiny trainings (2 ranks, fp32): ZeRO-2,
-ZeRO-3 and a 2-stage pipeline. Exports are checked against DeepSpeed's own fp32 module weights, against each
-other and against the GPT they started from, so a wrong merge or a wrong name fails; bad input exits 2 and
+ZeRO-3, a 2-stage pipeline and tensor = 2. Exports are checked against DeepSpeed's own fp32 module weights,
+against each other and against the GPT they started from, so a wrong merge or a wrong name fails; safetensors
+and bf16 exports against the pt one, and back into the GPT through ``load_exported``; bad input exits 2 and
 writes nothing."""
 
 from __future__ import annotations
@@ -14,9 +15,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
 
 from hpc_train import __main__ as hpc_main
 from hpc_train.ckpt import CheckpointManager
+from hpc_train.train import load_exported
 from hpc_train.train.model import GPT, GPTConfig
 from tests.conftest import REPO, CliResult, call_cli
 
@@ -46,6 +50,14 @@ def zero2(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def zero3(tmp_path_factory: pytest.TempPathFactory) -> Path:
     # Two steps, as the ZeRO-2 run's step-2 checkpoint: the same data, schedule and start.
     return _train(tmp_path_factory.mktemp("zero3"), zero__stage="3", train__steps="2")
+
+
+@pytest.fixture(scope="module")
+def tensor2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # Two steps on the ZeRO-2 run's data: one data-parallel rank with micro_batch 16 takes the 16 samples its two
+    # ranks of 8 took, the mean loss over them is the same, and the layers start from the same full weights.
+    return _train(tmp_path_factory.mktemp("tensor2"), parallel__tensor="2", train__steps="2",
+                  train__micro_batch="16")
 
 
 @pytest.fixture(scope="module")
@@ -133,13 +145,16 @@ def test_a_flipped_bit_fails_sha256_naming_the_file(zero2: Path, tmp_path: Path)
     assert single.code == 1 and "is corrupt" in single.out
     refused = _ckpt(tmp_path, "export", str(run / "checkpoints" / STEP4), "--out", str(tmp_path / "m.pt"))
     assert refused.code == 2 and "does not verify" in refused.err and "is corrupt" in refused.err
+    refused = _ckpt(tmp_path, "export", str(run / "checkpoints" / STEP4), "--out", str(tmp_path / "m.safetensors"),
+                    "--format", "safetensors")
+    assert refused.code == 2 and "does not verify" in refused.err and "is corrupt" in refused.err
     fallback = _ckpt(tmp_path, "export", str(run), "--out", str(tmp_path / "fallback.pt"), "--json")
     assert fallback.code == 0 and json.loads(fallback.out)["step"] == 2, fallback.err
     _flip_a_bit(run / "checkpoints" / STEP2 / "rng" / "rank-0.pt")
     none = _ckpt(tmp_path, "verify", str(run), "--sha256")
     assert none.code == 1 and f"{STEP2}: FAILED: rng/rank-0.pt is corrupt" in none.out
     assert "no checkpoint verifies" in none.out
-    assert not (tmp_path / "m.pt").exists()
+    assert not (tmp_path / "m.pt").exists() and not (tmp_path / "m.safetensors").exists()
 
 
 def test_export_zero2_equals_deepspeeds_fp32_weights(zero2: Path, tmp_path: Path) -> None:
@@ -153,7 +168,7 @@ def test_export_zero2_equals_deepspeeds_fp32_weights(zero2: Path, tmp_path: Path
     assert again.code == 2 and "already exists" in again.err and "--force" in again.err
     forced = _ckpt(tmp_path, "export", str(zero2), "--out", str(tmp_path / "model.pt"), "--force", "--json")
     assert forced.code == 0 and json.loads(forced.out)["tensors"] == len(state)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.pt"]  # no temporary file left
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.pt", "model.pt.json"]  # no temporary file left
 
 
 def test_export_reports_counts(zero2: Path, tmp_path: Path) -> None:
@@ -181,6 +196,68 @@ def test_export_pipeline_renames_layers(pipeline: Path, tmp_path: Path) -> None:
     assert list(state) == list(_initial_weights())  # in GPT's own order
 
 
+def test_export_tensor_parallel_merges_to_what_tensor_1_exports(zero2: Path, tensor2: Path, tmp_path: Path) -> None:
+    row = json.loads(_ckpt(tensor2, "ls", str(tensor2), "--json").out)["checkpoints"][0]
+    assert row["layout"] == {"tensor": 2, "pipeline": 1, "data": 1, "context": 1} and row["zero_stage"] == 2
+    state = _export(tensor2, tmp_path / "tp2.pt")
+    _assert_gpt_shaped_and_trained(state)
+    # Exactly each tensor rank's fp32 module weights DeepSpeed saved (fp32 training: the master weights the
+    # per-rank consolidation merged), concatenated along the split dims model.json records.
+    record = json.loads((tensor2 / "model.json").read_text())["tensor_parallel"]
+    ranks = [torch.load(tensor2 / "checkpoints" / STEP2 / "state" / f"mp_rank_0{rank}_model_states.pt",
+                        weights_only=True)["module"] for rank in (0, 1)]
+    for name, value in state.items():
+        dim = record["split_dims"].get(name)
+        assert torch.equal(value, ranks[0][name] if dim is None else torch.cat([r[name] for r in ranks], dim)), name
+    assert all(torch.equal(ranks[0][name], ranks[1][name]) for name in ranks[0] if name not in record["split_dims"])
+    reference = _export(zero2 / "checkpoints" / STEP2, tmp_path / "tp1.pt")
+    worst = max(float((state[name] - reference[name]).abs().max()) for name in reference)
+    assert worst < 1e-4, worst  # the same two steps on the same data; only the order of reductions differs
+
+
+def test_export_safetensors_loads_anywhere_and_into_the_gpt(zero2: Path, tmp_path: Path) -> None:
+    reference = _export(zero2, tmp_path / "model.pt")
+    out = tmp_path / "model.safetensors"
+    result = _ckpt(tmp_path, "export", str(zero2), "--format", "safetensors", "--out", str(out), "--json")
+    assert result.code == 0, result.err
+    assert json.loads(result.out)["format"] == "safetensors" and stat.S_IMODE(out.stat().st_mode) == 0o600
+    state = load_file(str(out))
+    assert sorted(state) == sorted(reference) and all(torch.equal(state[n], reference[n]) for n in reference)
+    with safe_open(str(out), framework="pt") as handle:
+        metadata = handle.metadata()
+    assert (metadata["hpc_train.model"], metadata["hpc_train.step"], metadata["hpc_train.dtype"]) == ("tiny", "4",
+                                                                                                     "fp32")
+    assert json.loads(metadata["hpc_train.gpt_config"]) == {"vocab_size": 256, "seq_len": 64, "layers": 2,
+                                                            "heads": 4, "hidden": 128}
+    for path in (out, tmp_path / "model.pt"):  # the pt file through its sidecar model.pt.json
+        model = load_exported(path)
+        assert isinstance(model, GPT) and not model.training
+        assert all(torch.equal(param, reference[name]) for name, param in model.named_parameters())
+    again = _ckpt(tmp_path, "export", str(zero2), "--format", "safetensors", "--out", str(out))
+    assert again.code == 2 and "already exists" in again.err and "--force" in again.err
+    forced = _ckpt(tmp_path, "export", str(zero2), "--format", "safetensors", "--out", str(out), "--force")
+    assert forced.code == 0, forced.err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.pt", "model.pt.json", "model.safetensors"]
+
+
+def test_export_bf16_casts_the_fp32_export(zero2: Path, tmp_path: Path) -> None:
+    reference = _export(zero2, tmp_path / "fp32.pt")
+    out = tmp_path / "bf16.safetensors"
+    result = _ckpt(tmp_path, "export", str(zero2), "--format", "safetensors", "--dtype", "bf16", "--out", str(out),
+                   "--json")
+    assert result.code == 0, result.err
+    summary = json.loads(result.out)
+    assert summary["dtype"] == "bf16" and summary["bytes"] == 2 * summary["parameters"]
+    state = load_file(str(out))
+    assert sorted(state) == sorted(reference)
+    assert all(state[n].dtype == torch.bfloat16 and torch.equal(state[n], reference[n].to(torch.bfloat16))
+               for n in reference)
+    model = load_exported(out)
+    assert {param.dtype for param in model.parameters()} == {torch.bfloat16}
+    tokens = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
+    assert torch.isfinite(model(tokens, tokens))
+
+
 def _fake_checkpoint(root: Path, layout: dict[str, int], dtype: str = "fp32", zero: int = 1) -> Path:
     """A committed checkpoint of placeholder files: enough for the refusals, which load nothing."""
     manager = CheckpointManager(root / "checkpoints", keep=2)
@@ -203,8 +280,14 @@ BAD = [
     ("out-folder-missing", ["export", "{t}/run", "--out", "no/m.pt"], "--out: the folder no does not exist"),
     ("out-exists", ["export", "{t}/run", "--out", "exists.pt"], "exists.pt already exists"),
     ("out-is-folder", ["export", "{t}/run", "--out", "run"], "--out: run is a folder"),
-    ("tensor-parallel", ["export", "{t}/run", "--out", "m.pt"],
-     "tensor 2 x pipeline 1 x data 1 x context 1, ZeRO-1, fp32; export supports tensor = 1"),
+    ("tensor-parallel-no-record", ["export", "{t}/run", "--out", "m.safetensors", "--format", "safetensors"],
+     "tensor 2 x pipeline 1 x data 1 x context 1, ZeRO-1, fp32, and its run's model.json records no "
+     "tensor-parallel split dims"),
+    ("sidecar-exists", ["export", "{t}/run", "--out", "side.pt"], "side.pt.json already exists"),
+    ("safetensors-exists", ["export", "{t}/run", "--out", "exists.pt", "--format", "safetensors"],
+     "exists.pt already exists"),
+    ("bad-format", ["export", "{t}/run", "--out", "m.pt", "--format", "onnx"], "invalid choice: 'onnx'"),
+    ("bad-dtype", ["export", "{t}/run", "--out", "m.pt", "--dtype", "fp16"], "invalid choice: 'fp16'"),
     ("pipeline-bf16", ["export", "{t}/pipe", "--out", "m.pt"], 'export runs trained with train.precision = "fp32"'),
     ("no-out", ["export", "{t}/run"], "the following arguments are required: --out"),
 ]
@@ -216,6 +299,7 @@ def test_bad_input_exits_2_and_writes_nothing(tmp_path: Path, argv: list[str], m
     _fake_checkpoint(tmp_path / "pipe", {"tensor": 1, "pipeline": 2, "data": 1}, dtype="bf16")
     (tmp_path / "bare" / "checkpoints" / STEP2).mkdir(parents=True)
     (tmp_path / "exists.pt").write_bytes(b"keep me")
+    (tmp_path / "side.pt.json").write_bytes(b"keep me")
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "plan.json").write_text("{}")
     before = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
