@@ -20,6 +20,7 @@ manifest, sha256 too when ``checkpoint.verify = "sha256"``, before a byte is des
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import logging
@@ -214,18 +215,16 @@ class RankFiles:
 
     def load(self, path: Path, map_location: Any = None) -> Any:
         """Read ``path`` once, check it against the manifest, then deserialize it with ``weights_only=True``."""
-        entry, check = None, False
+        entry, check, relative = None, False, str(path)
         if self._reading is not None:
             folder, entries, check = self._reading
-            try:
-                relative: str | None = Path(os.path.abspath(path)).relative_to(os.path.abspath(folder)).as_posix()
-            except ValueError:
-                relative = None
-            entry = entries.get(relative) if relative else None
+            with contextlib.suppress(ValueError):  # not below the checked folder: nothing to check it against
+                relative = Path(os.path.abspath(path)).relative_to(os.path.abspath(folder)).as_posix()
+            entry = entries.get(relative)
         try:
             data = read_file(Path(path), entry, check)
         except CorruptFileError as error:
-            self.load_problems.append(str(error))
+            self.load_problems.append(f"{relative} is corrupt: sha256 differs from the manifest")
             data = error.data
         return load_safely(data, map_location)
 

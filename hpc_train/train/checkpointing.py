@@ -347,7 +347,8 @@ class Checkpointer:
             if not problems:
                 return int(client["step"]), client["sampler"]
             if self.manager:
-                self.log(f"warning: checkpoint {chosen.sealed} skipped: {problems[0]}; loading the previous one")
+                self.log(f"warning: checkpoint {chosen.sealed} skipped: {problems[0]}; falling back to the previous "
+                         "one")
             damaged.append(chosen.sealed)
 
     def _load(self, engine: Any, chosen: _Load) -> tuple[str | None, dict[str, Any]]:
@@ -367,7 +368,7 @@ class Checkpointer:
         finally:
             self.files.begin_load(None, [], False)
         problems = self.files.load_problems
-        return (f"rank {self.rank}: {problems[0]}" if problems else None), client
+        return (f"{problems[0]} (found by rank {self.rank} while loading)" if problems else None), client
 
     def _load_rng(self, sealed: Path, device: torch.device) -> None:
         """This rank's random state; a rank that did not exist when the checkpoint was saved has none."""
