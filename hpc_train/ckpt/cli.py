@@ -281,7 +281,8 @@ def add_parser(commands: Any) -> None:
     export.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
                         help="fp32 (default): the fp32 master weights; bf16: floating tensors cast to bf16, "
                         "integer buffers kept")
-    export.add_argument("--force", action="store_true", help="replace FILE if it exists")
+    export.add_argument("--force", action="store_true",
+                        help="replace FILE (and FILE.json with --format pt) if it exists")
     ls.set_defaults(run=_ls)
     verify.set_defaults(run=_verify)
     export.set_defaults(run=_export)

@@ -80,8 +80,8 @@ FORMATS = ("safetensors", "pt", "hf")
 DTYPES = ("fp32", "bf16")
 _LAYER_FILE = re.compile(r"^layer_([0-9]{2,})-(?:model_([0-9]{2,})-)?model_states\.pt$")
 _MP_FILE = re.compile(r"(?:^|_)mp_rank_([0-9]{2,})_(?:model|optim)_states\.pt$")
-_TP_FIX = ("resume the run for one step with this hpc_train (rank 0 rewrites model.json before its first step) "
-           "and export that checkpoint, or gather the shards in a job of the same layout (DeepSpeed load_checkpoint)")
+_TP_FIX = ("train it one more step with this hpc_train (submit it again with train.steps one higher: rank 0 "
+           "rewrites model.json before its first step) and export that checkpoint")
 
 
 @dataclass(frozen=True)
@@ -138,6 +138,9 @@ def _tp_record(folder: Path, manifest: Manifest) -> dict[str, Any]:
     where = str(folder)
     record = _card(folder).get("tensor_parallel")
     dims = record.get("split_dims") if isinstance(record, dict) else None
+    if isinstance(record, dict) and "error" in record:
+        raise ConfigError(where, f"its layout is {_layout_text(manifest)}, and rank 0 could not record the split "
+                          f"dims in its run's {MODEL_FILE} ({record['error']})", _TP_FIX)
     if not isinstance(dims, dict):
         raise ConfigError(where, f"its layout is {_layout_text(manifest)}, and its run's {MODEL_FILE} records no "
                           "tensor-parallel split dims (the run predates them), so the shards cannot be merged",
@@ -147,7 +150,7 @@ def _tp_record(folder: Path, manifest: Manifest) -> dict[str, Any]:
         raise ConfigError(where, f"its run's {MODEL_FILE} records {len(unknown)} tensor-parallel parameter(s) "
                           f"whose split dim is unknown ({', '.join(map(str, unknown[:3]))})",
                           "build them with hpc_train's ColumnParallelLinear, RowParallelLinear or "
-                          "VocabParallelEmbedding, or set param.partition_dim, then resume for one step")
+                          "VocabParallelEmbedding, or set param.partition_dim, then train one more step")
     shapes = record.get("shapes") if isinstance(record.get("shapes"), dict) else {}
     return {"split_dims": dims, "shapes": shapes}
 
@@ -171,17 +174,13 @@ def _quiet() -> Iterator[None]:
         yield
 
 
-def rank_files(state_dir: Path, tensor: int) -> list[list[Path]]:
-    """Each tensor rank's DeepSpeed files (``*mp_rank_NN_{model,optim}_states.pt``), ValueError unless every
-    rank ``0 .. tensor - 1`` has some and no other rank does."""
+def rank_files(state_dir: Path) -> dict[int, list[Path]]:
+    """Each tensor rank's DeepSpeed files (``*mp_rank_NN_{model,optim}_states.pt``) by rank."""
     ranks: dict[int, list[Path]] = {}
     for name in sorted(os.listdir(state_dir)):
         if match := _MP_FILE.search(name):
             ranks.setdefault(int(match.group(1)), []).append(state_dir / name)
-    if sorted(ranks) != list(range(tensor)):
-        raise ValueError(f"expected the files of tensor ranks 0 .. {tensor - 1} (mp_rank_00 ...), found ranks "
-                         f"{sorted(ranks)}")
-    return [ranks[rank] for rank in range(tensor)]
+    return ranks
 
 
 @contextlib.contextmanager
@@ -201,13 +200,8 @@ def _zero_state(state_dir: Path, rank: int | None) -> dict[str, Any]:
 
     if rank is None:
         return dict(get_fp32_state_dict_from_zero_checkpoint(str(state_dir.parent), tag=state_dir.name))
-    with _rank_view(_files_of(state_dir, rank)) as view:
+    with _rank_view(rank_files(state_dir).get(rank, [])) as view:
         return dict(get_fp32_state_dict_from_zero_checkpoint(str(view.parent), tag=view.name))
-
-
-def _files_of(state_dir: Path, rank: int) -> list[Path]:
-    return [state_dir / name for name in sorted(os.listdir(state_dir))
-            if (match := _MP_FILE.search(name)) and int(match.group(1)) == rank]
 
 
 def _module_state(state_dir: Path, rank: int | None) -> dict[str, Any]:
@@ -307,8 +301,9 @@ def _load_fp32(folder: Path, manifest: Manifest) -> dict[str, Any]:
                 state = loader(state_dir, None)
             else:
                 record = _tp_record(folder, manifest)
-                if manifest.layout["pipeline"] == 1:
-                    rank_files(state_dir, tensor)  # every rank's files, and no others
+                found = sorted(rank_files(state_dir))
+                if manifest.layout["pipeline"] == 1 and found != list(range(tensor)):
+                    raise ValueError(f"expected the files of tensor ranks 0 .. {tensor - 1}, found ranks {found}")
                 states = [_fp32(loader(state_dir, rank)) for rank in range(tensor)]
                 state = merge_tensor_parallel(states, record["split_dims"], record["shapes"], str(folder))
     except (OSError, ValueError, KeyError, RuntimeError, TypeError, pickle.UnpicklingError) as error:
