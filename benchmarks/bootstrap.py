@@ -1,6 +1,6 @@
 """Process start to first all-reduce on 4 local ranks: hpc_train's bootstrap against a bare init_process_group.
 
-    .venv/bin/python benchmarks/bootstrap.py [--runs 8]
+    .venv/bin/python benchmarks/bootstrap.py [--runs 8] [--smoke]
 
 Both start 4 fresh interpreters that import torch, join one gloo group on 127.0.0.1 and all-reduce once; the
 figure is the slowest rank's time from the parent's Popen to the end of that all-reduce. hpc_train's path adds
@@ -57,15 +57,21 @@ def run(path: str, world: int = 4) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=8)
+    parser.add_argument("--smoke", action="store_true", help="one run of 2 ranks each, no warm-up: the benchmark "
+                        "runs end to end in seconds (CI), its figures mean nothing")
     args = parser.parse_args()
+    world, warmups = (2, 0) if args.smoke else (4, 1)
+    if args.smoke:
+        args.runs = 1
     results: dict[str, list[float]] = {"hpc_train bootstrap": [], "bare init_process_group": []}
-    run("bare")  # warm-up: page cache
+    for _ in range(warmups):
+        run("bare", world)  # warm-up: page cache
     for index in range(args.runs):
         order = list(results) if index % 2 == 0 else list(reversed(results))
         for name in order:
-            results[name].append(run("hpc_train" if name.startswith("hpc") else "bare"))
+            results[name].append(run("hpc_train" if name.startswith("hpc") else "bare", world))
     base = statistics.median(results["bare init_process_group"])
-    print(f"{args.runs} runs, 4 ranks on this machine: median (min-max) seconds to the first all-reduce")
+    print(f"{args.runs} runs, {world} ranks on this machine: median (min-max) seconds to the first all-reduce")
     for name, times in results.items():
         median = statistics.median(times)
         print(f"{name:26} {median:6.2f} ({min(times):.2f}-{max(times):.2f}) {median / base:6.2f}x")

@@ -1,6 +1,6 @@
 """Wall time of the login-node commands against a bare interpreter, in the same run.
 
-    .venv/bin/python benchmarks/cli_latency.py [--runs 15]
+    .venv/bin/python benchmarks/cli_latency.py [--runs 15] [--smoke]
 
 Each command runs in a fresh interpreter (as a user types it); the figure is the median of --runs runs after
 one warm-up. Target: every command under 0.5 s on a 2-core machine.
@@ -41,7 +41,11 @@ def _time(argv: list[str], runs: int, cwd: str) -> list[float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=15)
+    parser.add_argument("--smoke", action="store_true", help="one run of each command: the benchmark runs end to "
+                        "end in seconds (CI), its figures mean nothing")
     args = parser.parse_args()
+    if args.smoke:
+        args.runs = 1
     with tempfile.TemporaryDirectory() as cwd:
         results = {name: _time(argv, args.runs, cwd) for name, argv in COMMANDS.items()}
     base = statistics.median(results["python -c pass (baseline)"])

@@ -1,6 +1,6 @@
 """From a preemption signal to a durable checkpoint, and the steps a preemption loses.
 
-    .venv/bin/python benchmarks/preemption.py [--runs 3] [--at 30]
+    .venv/bin/python benchmarks/preemption.py [--runs 3] [--at 30] [--smoke]
 
 Each run trains the quick-start example through ``hpc_train.submit`` (local executor, 2 ranks, ZeRO-2) with no
 periodic checkpoints, sends SIGUSR2 to rank 1 once step ``--at`` is logged, and times until ``checkpoints/latest``
@@ -26,14 +26,17 @@ from pathlib import Path
 from hpc_train.run.watch import last_logged_step, local_rank_pid
 
 REPO = Path(__file__).resolve().parent.parent
-ARGS = ["--site", "local", "--set", "train.steps=200", "--set", "checkpoint.every_steps=1000", "--set",
-        "monitor.log_every=1", "--set", "monitor.eval_every=0"]
+ARGS = ["--site", "local", "--set", "checkpoint.every_steps=1000", "--set", "monitor.log_every=1", "--set",
+        "monitor.eval_every=0"]
+STEPS = 200
+SMOKE = {"at": 2, "steps": 8, "sets": ["train.warmup_steps=1"]}  # the example warms the learning rate up for 20
 
 
-def _one_run(work: Path, at: int) -> dict[str, float]:
+def _one_run(work: Path, at: int, steps: int = STEPS, sets: tuple[str, ...] = ()) -> dict[str, float]:
     run_dir = work / "runs" / "tiny-gpt"
+    extra = [arg for item in (f"train.steps={steps}", *sets) for arg in ("--set", item)]
     process = subprocess.Popen([sys.executable, "-m", "hpc_train.submit", str(REPO / "examples" / "tiny_gpt.toml"),
-                                *ARGS], cwd=work, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                *ARGS, *extra], cwd=work, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         while last_logged_step(run_dir) < at or local_rank_pid(run_dir, 1) is None:
             if process.poll() is not None:
@@ -62,11 +65,16 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--at", type=int, default=30, help="the step after which the signal is sent")
+    parser.add_argument("--smoke", action="store_true", help=f"one run of {SMOKE['steps']} steps, the signal after "
+                        f"step {SMOKE['at']}: the benchmark runs end to end in seconds (CI), its figures mean nothing")
     args = parser.parse_args()
+    steps, sets = (SMOKE["steps"], SMOKE["sets"]) if args.smoke else (STEPS, [])
+    if args.smoke:
+        args.runs, args.at = 1, SMOKE["at"]
     results = []
     for index in range(args.runs):
         with tempfile.TemporaryDirectory(prefix="hpc_train-preempt-") as folder:
-            result = _one_run(Path(folder), args.at)
+            result = _one_run(Path(folder), args.at, steps, tuple(sets))
         results.append(result)
         print(f"run {index + 1}: signal after step {result['at']}, saved step "
               f"{result['saved']}, durable {result['durable_s']:.2f} s after the signal (the save itself "

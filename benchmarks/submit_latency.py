@@ -1,6 +1,6 @@
 """Submit-to-first-output on the local Slurm cluster: hpc_train.submit against a hand-written sbatch script.
 
-    scripts/local_slurm.sh up && .venv/bin/python benchmarks/submit_latency.py [--runs 7]
+    scripts/local_slurm.sh up && .venv/bin/python benchmarks/submit_latency.py [--runs 7] [--smoke]
 
 Both run the same work on 2 nodes x 2 ranks (start, import torch, join one gloo group, all-reduce) and write
 rank 0's first line to a file. The clock starts before the submitting command and stops when that line
@@ -37,14 +37,14 @@ out.write(f"{time.time()} rank {rank} smoke: all_reduce {value.item()}\\n")
 """
 BASELINE = """#!/bin/bash
 #SBATCH --nodes=2
-#SBATCH --ntasks-per-node=2
+#SBATCH --ntasks-per-node={tasks_per_node}
 #SBATCH --cpus-per-task=2
 #SBATCH --output={out}/slurm-%j.out
 export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)
 export MASTER_PORT=$(( 20000 + SLURM_JOB_ID % 40000 ))
 srun {python} -u {program} {out}
 """
-JOB = '[job]\nname = "latency"\nprogram = "smoke"\nnodes = 2\ntasks_per_node = 2\ntime = "00:10:00"\n'
+JOB = '[job]\nname = "latency"\nprogram = "smoke"\nnodes = 2\ntasks_per_node = {tasks_per_node}\ntime = "00:10:00"\n'
 
 
 def _wait_for_line(path: Path, needle: str, start: float, timeout: float = 120) -> float:
@@ -65,10 +65,10 @@ def _idle(jitter: float) -> None:
     time.sleep(0.5 + jitter)
 
 
-def run_hpc_train(work: Path, index: int) -> tuple[float, float]:
+def run_hpc_train(work: Path, index: int, tasks_per_node: int) -> tuple[float, float]:
     folder = work / f"h{index}"
     folder.mkdir()
-    (folder / "job.toml").write_text(JOB)
+    (folder / "job.toml").write_text(JOB.format(tasks_per_node=tasks_per_node))
     start = time.perf_counter()
     command = subprocess.Popen([sys.executable, "-m", "hpc_train.submit", "job.toml", "--site", "local-slurm"],
                                cwd=folder, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -80,12 +80,13 @@ def run_hpc_train(work: Path, index: int) -> tuple[float, float]:
     return first, done
 
 
-def run_baseline(work: Path, index: int) -> tuple[float, float]:
+def run_baseline(work: Path, index: int, tasks_per_node: int) -> tuple[float, float]:
     folder = work / f"b{index}"
     folder.mkdir()
     (folder / "rank.py").write_text(RANK_PROGRAM)
     script = folder / "job.sbatch"
-    script.write_text(BASELINE.format(out=folder, python=sys.executable, program=folder / "rank.py"))
+    script.write_text(BASELINE.format(out=folder, python=sys.executable, program=folder / "rank.py",
+                                      tasks_per_node=tasks_per_node))
     start = time.perf_counter()
     subprocess.run(["sbatch", str(script)], cwd=folder, capture_output=True, check=True)
     log = folder / "rank-0.log"
@@ -96,24 +97,30 @@ def run_baseline(work: Path, index: int) -> tuple[float, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=12)
+    parser.add_argument("--smoke", action="store_true", help="one run of 2 nodes x 1 rank each, no warm-up: the "
+                        "benchmark runs end to end in seconds (CI), its figures mean nothing")
     args = parser.parse_args()
+    tasks_per_node, warmups = (1, 0) if args.smoke else (2, 1)
+    if args.smoke:
+        args.runs = 1
     results: dict[str, list[tuple[float, float]]] = {"hpc_train.submit": [], "hand-written sbatch": []}
     phases = random.Random(0)  # noqa: S311 - benchmark phases, not secrets
     with tempfile.TemporaryDirectory(dir=REPO) as tmp:
         work = Path(tmp)
         _idle(0.0)
-        run_baseline(work, 99)  # warm-up: page cache, torch import
+        for index in range(warmups):
+            run_baseline(work, 99 - index, tasks_per_node)  # warm-up: page cache, torch import
         for index in range(args.runs):
             jitter = phases.random()
             order = [("hpc_train.submit", run_hpc_train), ("hand-written sbatch", run_baseline)]
             for name, runner in order if index % 2 == 0 else order[::-1]:
                 _idle(jitter)
-                results[name].append(runner(work, index))
+                results[name].append(runner(work, index, tasks_per_node))
     # Means, not medians: start times are quantised by Slurm's one-second tick, and with the phase spread
     # evenly the mean is the expected wait a user sees; medians of quantised samples jump by whole ticks.
     base = results["hand-written sbatch"]
     base_first, base_done = statistics.mean(t[0] for t in base), statistics.mean(t[1] for t in base)
-    print(f"{args.runs} runs each, 2 nodes x 2 ranks: mean (median, min-max) seconds")
+    print(f"{args.runs} runs each, 2 nodes x {tasks_per_node} ranks: mean (median, min-max) seconds")
     print(f"{'path':22} {'first line':>26} {'ratio':>6} {'all-reduce done':>26} {'ratio':>6}")
     for name, times in results.items():
         cells = []

@@ -1,6 +1,6 @@
 """Topology at scale: every group of every axis for 16,384 and 131,072 ranks, against a brute-force baseline.
 
-    .venv/bin/python benchmarks/topology.py
+    .venv/bin/python benchmarks/topology.py [--smoke]
 
 The baseline is the obvious code: compute every rank's coordinates, then bucket ranks by their other
 coordinates (what a per-rank loop over a dict does). Targets: under 1 s for 16,384 ranks, 10 s for 131,072.
@@ -8,6 +8,7 @@ coordinates (what a per-rank loop over a dict does). Targets: under 1 s for 16,3
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 from collections import defaultdict
@@ -16,6 +17,7 @@ from hpc_train.distributed.topology import AXES, Topology
 
 LAYOUTS = {"16,384 ranks (tp 8, pp 16, dp 128)": (16384, 8, 16), "131,072 ranks (tp 8, pp 16, dp 1024)":
            (131072, 8, 16)}
+SMOKE_LAYOUTS = {"64 ranks (tp 2, pp 4, dp 8)": (64, 2, 4), "512 ranks (tp 8, pp 16, dp 4)": (512, 8, 16)}
 
 
 def ours(world: int, tp: int, pp: int) -> int:
@@ -52,9 +54,15 @@ def _median_time(function: object, *args: int, runs: int = 3) -> float:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny layouts, one repetition: the benchmark runs "
+                        "end to end in a second (CI), its figures mean nothing")
+    args = parser.parse_args()
+    layouts, runs = (SMOKE_LAYOUTS, 1) if args.smoke else (LAYOUTS, 3)
     print(f"{'layout':38} {'hpc_train s':>12} {'brute force s':>14} {'ratio':>6} {'target':>7}")
-    for name, (world, tp, pp) in LAYOUTS.items():
-        mine, base = _median_time(ours, world, tp, pp), _median_time(brute_force, world, tp, pp)
+    for name, (world, tp, pp) in layouts.items():
+        mine = _median_time(ours, world, tp, pp, runs=runs)
+        base = _median_time(brute_force, world, tp, pp, runs=runs)
         target = 1.0 if world <= 16384 else 10.0
         print(f"{name:38} {mine:12.3f} {base:14.3f} {mine / base:6.2f} {'met' if mine < target else 'MISSED':>7}")
 

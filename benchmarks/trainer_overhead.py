@@ -1,6 +1,6 @@
 """hpc_train's training step against a hand-written DeepSpeed loop: same model, data, config, 2 ranks.
 
-    .venv/bin/python benchmarks/trainer_overhead.py [--runs 3] [--steps 110]
+    .venv/bin/python benchmarks/trainer_overhead.py [--runs 3] [--steps 110] [--smoke]
 
 hpc_train runs the quick-start example through ``hpc_train.submit`` (local executor, ZeRO-2, bf16); the raw
 loop builds the same GPT, the same DeepSpeed config and AdamW, and feeds the same batches, with nothing else.
@@ -21,6 +21,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 WARMUP = 10
+# --smoke: 1 untimed step, 1 rank (the same path on both sides at half the processes), the learning rate warmed
+# up for 1 step (the example's 20 would need 20 steps)
+SMOKE_WARMUP, SMOKE_RANKS, SMOKE_SETS = 1, 1, ["train.warmup_steps=1"]
 RAW_LOOP = """
 import json, os, sys, time, dataclasses
 import torch, torch.distributed as dist, deepspeed
@@ -32,11 +35,18 @@ from hpc_train.config.deepspeed import deepspeed_config
 from hpc_train.train.engine import weight_decay_groups, lr_at
 from hpc_train.train.model import GPT, GPTConfig
 steps, warmup = int(sys.argv[2]), int(sys.argv[3])
-config = build(JobConfig, apply_overrides(load_toml(__import__("pathlib").Path(sys.argv[1]),
-                                                             "config"), [f"train.steps={steps}"], JobConfig))
+config = build(JobConfig, apply_overrides(load_toml(__import__("pathlib").Path(sys.argv[1]), "config"),
+                                          [f"train.steps={steps}", *json.loads(sys.argv[4])], JobConfig))
 torch.set_num_threads(1)
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
+# As hpc_train does (hpc_train.train.dscomm): no DeepSpeed CPU shm all-reduce, which training never calls, so
+# nothing is compiled before the first step (40 s or more on a fresh machine)
+import deepspeed.ops
+from deepspeed.accelerator import get_accelerator
+shm_builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+if shm_builder is not None:
+    deepspeed.ops.__compatible_ops__[shm_builder.NAME] = False
 train = config.train
 model = GPT(GPTConfig.from_preset(train.model, 256, train.seq_len), dist.new_group([rank]), seed=train.seed)
 optimizer = torch.optim.AdamW(weight_decay_groups(model, train.weight_decay), lr=train.lr,
@@ -59,29 +69,32 @@ if rank == 0:
 """
 
 
-def run_hpc_train(work: Path, steps: int) -> float:
-    """Seconds per step between the logged steps WARMUP and ``steps`` (metrics.jsonl times)."""
+def run_hpc_train(work: Path, steps: int, warmup: int, ranks: int, sets: list[str]) -> float:
+    """Seconds per step between the logged steps ``warmup`` and ``steps`` (metrics.jsonl times)."""
+    extra = [arg for item in (f"job.tasks_per_node={ranks}", *sets) for arg in ("--set", item)]
     subprocess.run([sys.executable, "-m", "hpc_train.submit", str(REPO / "examples" / "tiny_gpt.toml"), "--site",
-                    "local", "--set", f"train.steps={steps}", "--set", f"monitor.log_every={WARMUP}", "--set",
-                    "monitor.eval_every=0", "--set", "job.name=overhead"], cwd=work, check=True,
+                    "local", "--set", f"train.steps={steps}", "--set", f"monitor.log_every={warmup}", "--set",
+                    "monitor.eval_every=0", "--set", "job.name=overhead", *extra], cwd=work, check=True,
                    capture_output=True)
     records = [json.loads(line) for line in (work / "runs" / "overhead" / "metrics.jsonl").read_text().splitlines()]
     times = {r["step"]: r["time"] for r in records if "time" in r}
-    return (times[steps] - times[WARMUP]) / (steps - WARMUP)
+    return (times[steps] - times[warmup]) / (steps - warmup)
 
 
-def run_raw(work: Path, steps: int) -> float:
+def run_raw(work: Path, steps: int, warmup: int, ranks: int, sets: list[str]) -> float:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     procs = []
-    for rank in range(2):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
+    for rank in range(ranks):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(ranks), "LOCAL_RANK": str(rank),
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
         procs.append(subprocess.Popen([sys.executable, "-c", RAW_LOOP, str(REPO / "examples" / "tiny_gpt.toml"),
-                                       str(steps), str(WARMUP - 1)], env=env, cwd=work, stdout=subprocess.PIPE,
-                                      stderr=subprocess.DEVNULL, text=True))
+                                       str(steps), str(warmup - 1), json.dumps(sets)], env=env, cwd=work,
+                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True))
     outputs = [proc.communicate(timeout=600)[0] for proc in procs]
+    if any(proc.returncode for proc in procs):
+        raise SystemExit(f"the raw loop failed (exit {[proc.returncode for proc in procs]}): {outputs}")
     result = json.loads([line for line in outputs[0].splitlines() if line.startswith("{")][-1])
     return result["seconds"] / result["steps"]
 
@@ -90,9 +103,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--steps", type=int, default=110)
+    parser.add_argument("--smoke", action="store_true", help="one run of 3 steps each on 1 rank: the benchmark runs "
+                        "end to end in seconds (CI), its figures mean nothing")
     args = parser.parse_args()
+    warmup, ranks, sets = (SMOKE_WARMUP, SMOKE_RANKS, SMOKE_SETS) if args.smoke else (WARMUP, 2, [])
+    if args.smoke:
+        args.runs, args.steps = 1, SMOKE_WARMUP + 2
     results: dict[str, list[float]] = {"hpc_train": [], "raw DeepSpeed loop": []}
-    tokens_per_step = 16 * 128  # the example: micro 8 x data 2, seq 128
+    tokens_per_step = 8 * ranks * 128  # the example: micro 8 x data parallel, seq 128
     with tempfile.TemporaryDirectory() as tmp:
         for index in range(args.runs):
             order = list(results) if index % 2 == 0 else list(reversed(results))
@@ -100,9 +118,10 @@ def main() -> None:
                 work = Path(tmp) / f"{name.split()[0]}-{index}"
                 work.mkdir()
                 runner = run_hpc_train if name == "hpc_train" else run_raw
-                results[name].append(runner(work, args.steps))
+                results[name].append(runner(work, args.steps, warmup, ranks, sets))
     base = statistics.median(results["raw DeepSpeed loop"])
-    print(f"{args.runs} runs, {args.steps - WARMUP} timed steps each, tiny GPT, 2 ranks, ZeRO-2, bf16")
+    print(f"{args.runs} runs, {args.steps - warmup} timed steps each, tiny GPT, {ranks} rank{'s' * (ranks > 1)}, "
+          "ZeRO-2, bf16")
     print(f"{'path':20} {'s/step':>8} {'tokens/s':>9} {'ratio':>6}")
     for name, values in results.items():
         median = statistics.median(values)

@@ -1,6 +1,6 @@
 """Your own code under hpc_train, against the same loop under plain torchrun and under submitit's Checkpointable.
 
-    .venv/bin/python benchmarks/user_code.py [--runs N] [--slurm] [--only first|overhead|slurm]
+    .venv/bin/python benchmarks/user_code.py [--runs N] [--slurm] [--only first|overhead|slurm] [--smoke]
 
 The user code is ``benchmarks/user_code_loop.py``: an MLP (16 -> hidden -> hidden -> 1, ``--hidden``) trained with
 DDP over gloo, one thread per rank, the same batches in every form. Three figures, each against baselines
@@ -67,6 +67,8 @@ LOOP = BENCH / "user_code_loop.py"
 _RANK_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
                    "GROUP_RANK", "TORCHELASTIC_RUN_ID")
 OVERHEAD_VARIANTS = ["plain", "should_stop", "should_stop+log", "async_all_reduce"]
+# --smoke: these arguments (the rest keep their defaults; (c) still needs steps after the signal to stop at)
+SMOKE = {"runs": 1, "hidden": 16, "rounds": 1, "block": 2, "warmup": 1, "at": 2, "after": 20}
 
 
 class SubmititLoop(submitit.helpers.Checkpointable):
@@ -232,9 +234,10 @@ FIRST_PATHS: dict[str, Callable[[Path, int, int], dict[str, float]]] = {
 }
 
 
-def measure_first(work: Path, runs: int, hidden: int) -> None:
+def measure_first(work: Path, runs: int, hidden: int, warmups: int = 1) -> None:
     steps = 5
-    _first_torchrun(_fresh(work, "warmup"), steps, hidden)  # page cache: torch, the venv
+    for index in range(warmups):
+        _first_torchrun(_fresh(work, f"warmup-{index}"), steps, hidden)  # page cache: torch, the venv
     results: dict[str, list[dict[str, float]]] = {name: [] for name in FIRST_PATHS}
     names = list(FIRST_PATHS)
     for index in range(runs):
@@ -475,15 +478,20 @@ def main() -> int:
     parser.add_argument("--cpus-per-task", type=int, default=4, help="(c) submitit's cpus_per_task (hpc_train's "
                         "comes from the site: 4 for 1 task per node)")
     parser.add_argument("--keep", action="store_true", help="keep the run folders (printed at the end)")
+    parser.add_argument("--smoke", action="store_true", help="one run of each part, tiny sizes, no warm-up run: "
+                        "the benchmark runs end to end in seconds (CI), its figures mean nothing")
     parser.add_argument("--submitit-submit", nargs=2, metavar=("KIND", "CONFIG"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.smoke:
+        for name, value in SMOKE.items():
+            setattr(args, name, value)
     if args.submitit_submit:
         return _submitit_submit(args.submitit_submit[0], json.loads(args.submitit_submit[1]))
     parts = [args.only] if args.only else ["first", "overhead"] + (["slurm"] if args.slurm else [])
     work = Path(tempfile.mkdtemp(prefix="hpc_train-user-code-"))
     try:
         if "first" in parts:
-            measure_first(work, args.runs, args.hidden)
+            measure_first(work, args.runs, args.hidden, warmups=0 if args.smoke else 1)
         if "overhead" in parts:
             measure_overhead(work, args.runs, args)
         if "slurm" in parts:

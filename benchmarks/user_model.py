@@ -1,6 +1,6 @@
 """Your own model in the trainer, measured against what it replaces, in the same run.
 
-    .venv/bin/python benchmarks/user_model.py [--only overhead|data] [--runs 3] [--steps 60]
+    .venv/bin/python benchmarks/user_model.py [--only overhead|data] [--runs 3] [--steps 60] [--smoke]
 
 overhead: the HF GPT-2 example (``examples/hf_gpt2``: a user factory and dataset through hpc_train's
 DataLoader stream, 2 ranks, ZeRO-2, fp32) through ``hpc_train.submit`` on the local executor, against a raw
@@ -22,11 +22,26 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "hf_gpt2"
 WARMUP = 10
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What --smoke changes: untimed steps at the start of every job, ranks, and --set overrides of every job."""
+
+    warmup: int = WARMUP
+    ranks: int = 2
+    sets: tuple[str, ...] = ()
+
+
+# One rank: the same path on both sides at half the processes; the learning rate warms up for 1 step (the
+# example's 10 would need 10 steps).
+SMOKE, SMOKE_RUNS, SMOKE_STEPS = Shape(warmup=1, ranks=1, sets=("train.warmup_steps=1",)), 1, 3
 RAW_LOOP = """
 import json, sys, time
 import torch, torch.distributed as dist, deepspeed
@@ -39,12 +54,19 @@ from hpc_train.config.overrides import apply_overrides
 from hpc_train.config.deepspeed import deepspeed_config
 from hpc_train.train.engine import weight_decay_groups, lr_at
 steps, warmup = int(sys.argv[2]), int(sys.argv[3])
-overrides = [f"train.steps={steps}", "train.precision=fp32", f"data.path={sys.argv[5]}"]
+overrides = [f"train.steps={steps}", "train.precision=fp32", f"data.path={sys.argv[5]}", *json.loads(sys.argv[6])]
 config = build(JobConfig, apply_overrides(load_toml(__import__("pathlib").Path(sys.argv[1]), "config"), overrides,
                                           JobConfig))
 torch.set_num_threads(1)
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
+# As hpc_train does (hpc_train.train.dscomm): no DeepSpeed CPU shm all-reduce, which training never calls, so
+# nothing is compiled before the first step (40 s or more on a fresh machine)
+import deepspeed.ops
+from deepspeed.accelerator import get_accelerator
+shm_builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+if shm_builder is not None:
+    deepspeed.ops.__compatible_ops__[shm_builder.NAME] = False
 train = config.train
 ctx = SimpleNamespace(params=dict(config.params), config=config)
 torch.manual_seed(train.seed)
@@ -117,35 +139,37 @@ def _free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def _seconds_per_step(run_dir: Path, steps: int) -> float:
-    """Seconds per step between the logged steps WARMUP and ``steps`` (metrics.jsonl times)."""
+def _seconds_per_step(run_dir: Path, steps: int, shape: Shape) -> float:
+    """Seconds per step between the logged steps ``shape.warmup`` and ``steps`` (metrics.jsonl times)."""
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     times = {r["step"]: r["time"] for r in records if "time" in r}
-    return (times[steps] - times[WARMUP]) / (steps - WARMUP)
+    return (times[steps] - times[shape.warmup]) / (steps - shape.warmup)
 
 
-def _submit(work: Path, config: Path, steps: int, *sets: str) -> Path:
-    args = [arg for item in (f"train.steps={steps}", f"monitor.log_every={WARMUP}", "monitor.eval_every=0",
-                             "checkpoint.every_steps=0", "job.name=bench", *sets) for arg in ("--set", item)]
+def _submit(work: Path, config: Path, steps: int, shape: Shape, *sets: str) -> Path:
+    args = [arg for item in (f"train.steps={steps}", f"monitor.log_every={shape.warmup}", "monitor.eval_every=0",
+                             "checkpoint.every_steps=0", "job.name=bench", f"job.tasks_per_node={shape.ranks}",
+                             *shape.sets, *sets) for arg in ("--set", item)]
     subprocess.run([sys.executable, "-m", "hpc_train.submit", str(config), "--site", "local", *args], cwd=work,
                    check=True, capture_output=True)
     return work / "runs" / "bench"
 
 
-def run_hpc_train(work: Path, tokens: Path, steps: int) -> float:
-    return _seconds_per_step(_submit(work, EXAMPLE / "job.toml", steps, "train.precision=fp32",
-                                     f"data.path={tokens}", "data.num_workers=0"), steps)
+def run_hpc_train(work: Path, tokens: Path, steps: int, shape: Shape) -> float:
+    return _seconds_per_step(_submit(work, EXAMPLE / "job.toml", steps, shape, "train.precision=fp32",
+                                     f"data.path={tokens}", "data.num_workers=0"), steps, shape)
 
 
-def run_raw(work: Path, tokens: Path, steps: int) -> float:
+def run_raw(work: Path, tokens: Path, steps: int, shape: Shape) -> float:
     port = _free_port()
     procs = []
-    for rank in range(2):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
+    for rank in range(shape.ranks):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(shape.ranks), "LOCAL_RANK": str(rank),
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
         procs.append(subprocess.Popen([sys.executable, "-c", RAW_LOOP, str(EXAMPLE / "job.toml"), str(steps),
-                                       str(WARMUP), str(EXAMPLE), str(tokens)], cwd=work, env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True))
+                                       str(shape.warmup), str(EXAMPLE), str(tokens), json.dumps(shape.sets)],
+                                      cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                      text=True))
     outputs = [proc.communicate(timeout=600)[0] for proc in procs]
     if any(proc.returncode for proc in procs):
         raise SystemExit(f"the raw loop failed: {outputs}")
@@ -153,7 +177,7 @@ def run_raw(work: Path, tokens: Path, steps: int) -> float:
     return float(result["seconds"]) / int(result["steps"])
 
 
-def overhead(runs: int, steps: int) -> None:
+def overhead(runs: int, steps: int, shape: Shape) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         tokens = Path(tmp) / "corpus.u16"
         subprocess.run([sys.executable, "-m", "hpc_train.train.prepare", str(REPO / "examples" / "corpus" /
@@ -161,9 +185,9 @@ def overhead(runs: int, steps: int) -> None:
         ours, raw = [], []
         for index in range(runs):  # alternate, so that a busy moment does not favour one side
             with tempfile.TemporaryDirectory() as work:
-                ours.append(run_hpc_train(Path(work), tokens, steps))
+                ours.append(run_hpc_train(Path(work), tokens, steps, shape))
             with tempfile.TemporaryDirectory() as work:
-                raw.append(run_raw(Path(work), tokens, steps))
+                raw.append(run_raw(Path(work), tokens, steps, shape))
             print(f"run {index + 1}: hpc_train {ours[-1] * 1000:.2f} ms/step, raw DeepSpeed {raw[-1] * 1000:.2f} "
                   f"ms/step, ratio {ours[-1] / raw[-1]:.3f}")
     mine, theirs = statistics.median(ours), statistics.median(raw)
@@ -171,7 +195,7 @@ def overhead(runs: int, steps: int) -> None:
           f"ratio {mine / theirs:.3f} (target <= 1.03)")
 
 
-def data_bound(runs: int, steps: int, item_ms: float) -> None:
+def data_bound(runs: int, steps: int, item_ms: float, shape: Shape) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         code = Path(tmp) / "bench_data.py"
         code.write_text(DATA_BOUND)
@@ -184,7 +208,7 @@ def data_bound(runs: int, steps: int, item_ms: float) -> None:
             if workers:
                 sets.append("data.persistent_workers=true")
             with tempfile.TemporaryDirectory() as work:
-                return _seconds_per_step(_submit(Path(work), config, steps, *sets), steps)
+                return _seconds_per_step(_submit(Path(work), config, steps, shape, *sets), steps, shape)
 
         for index in range(runs):
             compute = step_s(0.0, 0)
@@ -202,11 +226,16 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--item-ms", type=float, default=1.0, help="data: the cost of one item (a sleep)")
+    parser.add_argument("--smoke", action="store_true", help=f"one run of {SMOKE_STEPS} steps per job, "
+                        f"{SMOKE.ranks} rank: the benchmark runs end to end in seconds (CI), its figures mean nothing")
     args = parser.parse_args()
+    shape = SMOKE if args.smoke else Shape()
+    if args.smoke:
+        args.runs, args.steps = SMOKE_RUNS, SMOKE_STEPS
     if args.only in (None, "overhead"):
-        overhead(args.runs, args.steps)
+        overhead(args.runs, args.steps, shape)
     if args.only in (None, "data"):
-        data_bound(args.runs, args.steps, args.item_ms)
+        data_bound(args.runs, args.steps, args.item_ms, shape)
 
 
 if __name__ == "__main__":
