@@ -178,7 +178,9 @@ class CheckpointSection:
 
     every_steps: int = option(50, "Save every N steps; 0 saves only on preemption and at the end.")
     keep: int = option(3, "Checkpoints kept; the newest verified one is never deleted.")
-    async_save: bool = option(False, "Write files in the background while training goes on.")
+    async_save: bool = option(True, "Stage files in memory and write them in the background while training "
+                              "goes on (a file too big for free memory is written at once; the save before a "
+                              "requeue is always synchronous).")
     verify: Literal["size", "sha256"] = option("size", "What resume checks: file sizes, or sizes and sha256.")
     resume: bool = option(True, "Resume from the latest verified checkpoint of the run folder.")
 

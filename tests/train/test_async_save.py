@@ -1,6 +1,8 @@
-"""checkpoint.async_save: rank 0 seals checkpoints (fsync, sha256 manifest, rename, ``latest``) in the background
-while training goes on. The run trains exactly as with synchronous saves, every checkpoint it keeps verifies,
-``latest`` names the last one, and it resumes from it."""
+"""checkpoint.async_save (the default): every rank stages its files in memory and writes them in a thread, rank 0
+commits (manifest, rename, ``latest``) in another while training goes on. The run trains exactly as with
+synchronous saves, its checkpoints hold the same bytes as the synchronous run's (the staged copy is the state at
+the save, not what training made of it since), every checkpoint it keeps verifies, ``latest`` names the last
+one, and it resumes from it."""
 
 from __future__ import annotations
 
@@ -35,16 +37,20 @@ def test_async_saves_train_the_same_and_every_checkpoint_verifies(tmp_path: Path
     sync_dir, async_dir = tmp_path / "sync", tmp_path / "async"
     sync_dir.mkdir()
     async_dir.mkdir()
-    _run(sync_dir)
-    _run(async_dir, "--set", "checkpoint.async_save=true")
+    _run(sync_dir, "--set", "checkpoint.async_save=false")
+    _run(async_dir)
     run = async_dir / "runs" / "tiny-gpt"
     assert _losses(run) == _losses(sync_dir / "runs" / "tiny-gpt")
     checkpoints = run / "checkpoints"
     assert (checkpoints / "latest").read_text().strip() == "step-00000008"
     assert sorted(p.name for p in checkpoints.glob("step-*")) == ["step-00000006", "step-00000008"]  # keep = 2
-    assert not list(checkpoints.glob(".tmp-*"))
+    assert not list(checkpoints.glob(".tmp-*")) and not list(checkpoints.glob("*/.written"))
+    for step in ("step-00000006", "step-00000008"):
+        staged, written = (json.loads((root / step / "manifest.json").read_text())["files"]
+                           for root in (checkpoints, sync_dir / "runs" / "tiny-gpt" / "checkpoints"))
+        assert staged == written, step  # every file, byte for byte (sha256)
     verify = subprocess.run([sys.executable, "-m", "hpc_train", "ckpt", "verify", str(run), "--sha256"],
                             capture_output=True, text=True, timeout=120, check=False)
     assert verify.returncode == 0 and "FAILED" not in verify.stdout, verify.stdout + verify.stderr
-    again = _run(async_dir, "--set", "checkpoint.async_save=true", "--set", "train.steps=10")
+    again = _run(async_dir, "--set", "train.steps=10")
     assert "resumed from step 8" in again.stdout
