@@ -178,7 +178,8 @@ class Checkpointer:
     def install(self, engine: Any) -> None:
         """DeepSpeed writes and reads this engine's files through this rank's :class:`RankFiles`: hashed while
         written, staged for the background with ``async_save``, read once and checked when loaded."""
-        if not isinstance(getattr(engine, "checkpoint_engine", None), FileCheckpointEngine):
+        current = getattr(engine, "checkpoint_engine", None)
+        if not isinstance(current, FileCheckpointEngine) or current.files is not self.files:
             engine.checkpoint_engine = FileCheckpointEngine(self.files)
 
     def save(self, engine: Any, step: int, sampler_state: dict[str, int], wait: bool = False) -> None:
