@@ -21,6 +21,7 @@ manifest, sha256 too when ``checkpoint.verify = "sha256"``, before a byte is des
 from __future__ import annotations
 
 import contextlib
+import copy
 import io
 import json
 import logging
@@ -91,8 +92,8 @@ def _tensor_bytes(value: Any) -> int:
 
 
 def _stage(value: Any, pinned: bool) -> Any:
-    """A copy of ``value`` whose tensors live in host memory and no longer change with training; the rest of
-    the structure (dicts, lists, numbers, strings) rebuilt around them."""
+    """A copy of ``value`` that no longer changes with training: tensors copied into host memory, containers
+    rebuilt around them, other mutable objects deep-copied."""
     if torch.is_tensor(value):
         tensor = value.detach()
         if tensor.device.type == "cpu":
@@ -105,7 +106,12 @@ def _stage(value: Any, pinned: bool) -> Any:
         return [_stage(item, pinned) for item in value]
     if isinstance(value, tuple) and not hasattr(value, "_fields"):
         return tuple(_stage(item, pinned) for item in value)
-    return value
+    if value is None or isinstance(value, bool | int | float | complex | str | bytes):
+        return value
+    try:  # a NumPy array, a set, an object of the user's: training may change it in place
+        return copy.deepcopy(value)
+    except (TypeError, copy.Error, RuntimeError):  # cannot be copied: written as it is then
+        return value
 
 
 class RankFiles:
