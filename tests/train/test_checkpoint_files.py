@@ -37,7 +37,8 @@ def test_a_staged_save_writes_the_state_at_the_save(tmp_path: Path) -> None:
     assert loaded["numpy"].tolist() == [0, 1, 2, 3] and loaded["groups"][0]["lr"] == 0.1
     marker = json.loads(written_marker(tmp_path, 1).read_text())
     assert [FileEntry(**item) for item in marker["files"]] == files.entries
-    assert files.entries[0].path == "state/a.pt" and files.entries[0].size == (tmp_path / "state" / "a.pt").stat().st_size
+    assert files.entries[0].path == "state/a.pt"
+    assert files.entries[0].size == (tmp_path / "state" / "a.pt").stat().st_size
 
 
 def test_a_file_too_big_for_free_memory_is_written_before_training_goes_on(tmp_path: Path,
@@ -85,5 +86,5 @@ def test_loads_refuse_code_in_a_pickle(tmp_path: Path) -> None:
     path = tmp_path / "evil.pt"
     torch.save({"f": print}, path)  # a global weights_only does not allow
     files = RankFiles(rank=0, async_save=False)
-    with pytest.raises(Exception, match="[Ww]eights only load failed|Unsupported global"):
+    with pytest.raises(Exception, match=r"[Ww]eights only load failed|Unsupported global"):
         files.load(path)
