@@ -306,13 +306,13 @@ def _load_fp32(folder: Path, manifest: Manifest) -> dict[str, Any]:
                     raise ValueError(f"expected the files of tensor ranks 0 .. {tensor - 1}, found ranks {found}")
                 states = [_fp32(loader(state_dir, rank)) for rank in range(tensor)]
                 state = merge_tensor_parallel(states, record["split_dims"], record["shapes"], str(folder))
+            if manifest.layout["pipeline"] > 1:
+                state = _renamed(state, folder)
     except (OSError, ValueError, KeyError, RuntimeError, TypeError, pickle.UnpicklingError) as error:
         if isinstance(error, ConfigError):
             raise
         raise ConfigError(str(folder), f"verifies, but DeepSpeed's files cannot be consolidated "
                           f"({type(error).__name__}: {error})", "export another step") from None
-    if manifest.layout["pipeline"] > 1:
-        state = _renamed(state, folder)
     return {name: tensor.contiguous().clone() for name, tensor in _fp32(state).items()}
 
 
