@@ -308,7 +308,7 @@ def _load_fp32(folder: Path, manifest: Manifest) -> dict[str, Any]:
                 state = merge_tensor_parallel(states, record["split_dims"], record["shapes"], str(folder))
             if manifest.layout["pipeline"] > 1:
                 state = _renamed(state, folder)
-    except (OSError, ValueError, KeyError, RuntimeError, TypeError, pickle.UnpicklingError) as error:
+    except (OSError, ValueError, KeyError, AttributeError, RuntimeError, TypeError, pickle.UnpicklingError) as error:
         if isinstance(error, ConfigError):
             raise
         raise ConfigError(str(folder), f"verifies, but DeepSpeed's files cannot be consolidated "
