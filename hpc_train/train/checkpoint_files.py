@@ -28,6 +28,7 @@ import logging
 import os
 import queue
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -91,27 +92,37 @@ def _tensor_bytes(value: Any) -> int:
     return 0
 
 
-def _stage(value: Any, pinned: bool) -> Any:
-    """A copy of ``value`` that no longer changes with training: tensors copied into host memory, containers
-    rebuilt around them, other mutable objects deep-copied."""
+def _stage(value: Any, pinned: bool, memo: dict[int, Any] | None = None) -> Any:
+    """A copy of ``value`` that no longer changes with training: tensors copied into host memory, dicts, lists
+    and tuples rebuilt around them, other mutable objects deep-copied. An object met twice is copied once (its
+    pickle then holds one object and a reference, as the original's would); immutable tuple kinds (torch.Size,
+    named tuples) stay as they are."""
+    memo = {} if memo is None else memo
+    if id(value) in memo:
+        return memo[id(value)]
+    kind = type(value)
     if torch.is_tensor(value):
         tensor = value.detach()
         if tensor.device.type == "cpu":
-            return tensor.clone()
-        host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pinned)
-        return host.copy_(tensor, non_blocking=pinned)
-    if isinstance(value, dict):  # OrderedDict stays one: module state dicts are
-        return type(value)((key, _stage(item, pinned)) for key, item in value.items())
-    if isinstance(value, list):
-        return [_stage(item, pinned) for item in value]
-    if isinstance(value, tuple) and not hasattr(value, "_fields"):
-        return tuple(_stage(item, pinned) for item in value)
-    if value is None or isinstance(value, bool | int | float | complex | str | bytes):
+            copied: Any = tensor.clone()
+        else:
+            host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pinned)
+            copied = host.copy_(tensor, non_blocking=pinned)
+    elif kind is dict or kind is OrderedDict:
+        copied = kind((key, _stage(item, pinned, memo)) for key, item in value.items())
+    elif kind is list:
+        copied = [_stage(item, pinned, memo) for item in value]
+    elif kind is tuple:
+        copied = tuple(_stage(item, pinned, memo) for item in value)
+    elif value is None or isinstance(value, bool | int | float | complex | str | bytes | tuple | torch.dtype):
         return value
-    try:  # a NumPy array, a set, an object of the user's: training may change it in place
-        return copy.deepcopy(value)
-    except (TypeError, copy.Error, RuntimeError):  # cannot be copied: written as it is then
-        return value
+    else:
+        try:  # a NumPy array, a set, an object of the user's: training may change it in place
+            copied = copy.deepcopy(value)
+        except (TypeError, copy.Error, RuntimeError):  # cannot be copied: written as it is then
+            copied = value
+    memo[id(value)] = copied
+    return copied
 
 
 class RankFiles:
