@@ -29,22 +29,27 @@ REPO = Path(__file__).resolve().parent.parent
 ARGS = ["--site", "local", "--set", "checkpoint.every_steps=1000", "--set", "monitor.log_every=1", "--set",
         "monitor.eval_every=0"]
 STEPS = 200
-SMOKE = {"at": 2, "steps": 8, "sets": ["train.warmup_steps=1"]}  # the example warms the learning rate up for 20
+RANKS = 2
+# --smoke: 1 rank (signalled itself: the same handler, agreement and save, at half the processes), and the
+# learning rate warmed up for 1 step (the example's 20 would need 20 steps)
+SMOKE = {"at": 2, "steps": 8, "ranks": 1, "sets": ["train.warmup_steps=1"]}
 
 
-def _one_run(work: Path, at: int, steps: int = STEPS, sets: tuple[str, ...] = ()) -> dict[str, float]:
+def _one_run(work: Path, at: int, steps: int = STEPS, ranks: int = RANKS,
+             sets: tuple[str, ...] = ()) -> dict[str, float]:
     run_dir = work / "runs" / "tiny-gpt"
-    extra = [arg for item in (f"train.steps={steps}", *sets) for arg in ("--set", item)]
+    signalled = ranks - 1  # rank 1 of 2: its signal must reach rank 0 through the agreement
+    extra = [arg for item in (f"train.steps={steps}", f"job.tasks_per_node={ranks}", *sets) for arg in ("--set", item)]
     process = subprocess.Popen([sys.executable, "-m", "hpc_train.submit", str(REPO / "examples" / "tiny_gpt.toml"),
                                 *ARGS, *extra], cwd=work, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        while last_logged_step(run_dir) < at or local_rank_pid(run_dir, 1) is None:
+        while last_logged_step(run_dir) < at or local_rank_pid(run_dir, signalled) is None:
             if process.poll() is not None:
                 raise RuntimeError(f"the run ended before step {at}")
             time.sleep(0.01)
         step_at_signal = last_logged_step(run_dir)
         sent = time.monotonic()
-        os.kill(local_rank_pid(run_dir, 1), signal.SIGUSR2)
+        os.kill(local_rank_pid(run_dir, signalled), signal.SIGUSR2)
         latest = run_dir / "checkpoints" / "latest"
         while not latest.exists():
             time.sleep(0.002)
@@ -65,16 +70,17 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--at", type=int, default=30, help="the step after which the signal is sent")
-    parser.add_argument("--smoke", action="store_true", help=f"one run of {SMOKE['steps']} steps, the signal after "
-                        f"step {SMOKE['at']}: the benchmark runs end to end in seconds (CI), its figures mean nothing")
+    parser.add_argument("--smoke", action="store_true", help=f"one run of {SMOKE['steps']} steps on "
+                        f"{SMOKE['ranks']} rank, the signal after step {SMOKE['at']}: the benchmark runs end to end in "
+                        "seconds (CI), its figures mean nothing")
     args = parser.parse_args()
-    steps, sets = (SMOKE["steps"], SMOKE["sets"]) if args.smoke else (STEPS, [])
+    steps, ranks, sets = (SMOKE["steps"], SMOKE["ranks"], SMOKE["sets"]) if args.smoke else (STEPS, RANKS, [])
     if args.smoke:
         args.runs, args.at = 1, SMOKE["at"]
     results = []
     for index in range(args.runs):
         with tempfile.TemporaryDirectory(prefix="hpc_train-preempt-") as folder:
-            result = _one_run(Path(folder), args.at, steps, tuple(sets))
+            result = _one_run(Path(folder), args.at, steps, ranks, tuple(sets))
         results.append(result)
         print(f"run {index + 1}: signal after step {result['at']}, saved step "
               f"{result['saved']}, durable {result['durable_s']:.2f} s after the signal (the save itself "
