@@ -99,9 +99,9 @@ class Result:
 
 
 class Runs:
-    """Every runnable case started in its lane; ``result(case)`` waits for one."""
+    """Every runnable case of ``cases`` started in its lane; ``result(case)`` waits for one."""
 
-    def __init__(self) -> None:
+    def __init__(self, cases: list[Case]) -> None:
         self.before = _untracked()
         slurm_problem = cluster_problem()
         self._procs: set[subprocess.Popen[str]] = set()
@@ -109,7 +109,7 @@ class Runs:
         self._pools = [ThreadPoolExecutor(LOCAL_LANES), ThreadPoolExecutor(1)]
         self.futures: dict[Case, Future[Result]] = {}
         self.not_started: dict[Case, str] = {}  # why (the Slurm cases' tests say it through slurm_cluster)
-        for case in CASES:
+        for case in cases:
             why = _missing(case)
             if case.slurm and slurm_problem:
                 why = f"the local Slurm cluster did not answer when the runs started: {slurm_problem}"
@@ -166,8 +166,11 @@ def _stop(proc: subprocess.Popen[str]) -> None:
 
 
 @pytest.fixture(scope="module")
-def runs() -> Iterator[Runs]:
-    started = Runs()
+def runs(request: pytest.FixtureRequest) -> Iterator[Runs]:
+    """The runs of the selected cases only (``-k topology`` starts one benchmark, not all of them)."""
+    selected = {item.callspec.params["case"] for item in request.session.items
+                if item.module is request.module and hasattr(item, "callspec")}
+    started = Runs([case for case in CASES if case in selected])
     yield started
     started.close()
 
