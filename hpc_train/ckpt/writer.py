@@ -16,18 +16,22 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import hashlib
+import io
 import os
 import stat
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from hpc_train.ckpt.manifest import FileEntry
 
-__all__ = ["CorruptFileError", "HashingFile", "VerifyError", "read_file", "write_file"]
+__all__ = ["CorruptFileError", "HashingFile", "VerifyError", "ViewReader", "read_file", "write_file"]
 
 _BLOCK = 8 << 20  # hashed and handed to the kernel in blocks this size: flat memory, full disk bandwidth
 _SYNC_FILE_RANGE_WRITE = 2  # start writeback of the range, do not wait for it (linux/fs.h)
+_OVERLAP_FROM = 2 * _BLOCK  # writes this large hash in a thread beside the write; small ones hash inline
+_HASHER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-sha256")
 
 
 class VerifyError(Exception):
@@ -35,12 +39,14 @@ class VerifyError(Exception):
 
 
 class CorruptFileError(VerifyError):
-    """A file of the right size whose sha256 differs from the manifest; ``data`` holds what was read, for a
-    caller that must finish what it started (a collective load) before it can give up on the checkpoint."""
+    """A file of the right size whose sha256 differs from the manifest. ``buffer`` and ``view`` are what
+    :func:`read_file` would have returned, for a caller that must finish what it started (a collective load)
+    before it can give up on the checkpoint."""
 
-    def __init__(self, message: str, data: bytearray) -> None:
+    def __init__(self, message: str, buffer: bytearray, view: memoryview) -> None:
         super().__init__(message)
-        self.data = data
+        self.buffer = buffer
+        self.view = view
 
 
 def _sync_file_range() -> Callable[[int, int, int, int], int] | None:
@@ -70,9 +76,15 @@ class HashingFile:
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
+        hashing: Future[None] | None = None
         for start in range(0, len(view), _BLOCK):
             block = view[start:start + _BLOCK]
-            self.digest.update(block)  # hashlib drops the GIL for large blocks: other threads go on meanwhile
+            if len(view) < _OVERLAP_FROM:
+                self.digest.update(block)
+            else:  # hash this block in the hasher thread while it is written here (both drop the GIL)
+                if hashing is not None:
+                    hashing.result()
+                hashing = _HASHER.submit(self.digest.update, block)
             written = 0
             while written < len(block):
                 written += os.write(self.descriptor, block[written:])
@@ -80,6 +92,8 @@ class HashingFile:
             if _START_WRITEBACK is not None and self.size - self._flushed >= _BLOCK:
                 _START_WRITEBACK(self.descriptor, self._flushed, self.size - self._flushed, _SYNC_FILE_RANGE_WRITE)
                 self._flushed = self.size
+        if hashing is not None:
+            hashing.result()  # the caller may reuse ``data`` once this returns
         return len(view)
 
     def flush(self) -> None:
@@ -108,9 +122,12 @@ def write_file(folder: Path, relative: str, fill: Callable[[HashingFile], None])
     return FileEntry(path=relative, size=sink.size, sha256=sink.digest.hexdigest())
 
 
-def read_file(path: Path, entry: FileEntry | None, check_sha256: bool) -> bytearray:
-    """The whole file, read once without following a link; checked against ``entry`` (its size always, its
-    sha256 when asked) before the caller deserializes it. Raises :class:`VerifyError` naming the file
+def read_file(path: Path, entry: FileEntry | None, check_sha256: bool,
+              buffer: bytearray | None = None) -> tuple[bytearray, memoryview]:
+    """The whole file, read once without following a link into ``buffer`` (reused when it is big enough, so a
+    rank loading several files touches fresh memory once), checked against ``entry`` (its size always, its
+    sha256 when asked) before the caller deserializes it. Returns the buffer and a view of the file's bytes in
+    it (release the view before the buffer is reused). Raises :class:`VerifyError` naming the file
     (:class:`CorruptFileError` for a wrong sha256)."""
     descriptor = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
@@ -120,19 +137,50 @@ def read_file(path: Path, entry: FileEntry | None, check_sha256: bool) -> bytear
         if entry is not None and info.st_size != entry.size:
             kind = "short (truncated)" if info.st_size < entry.size else "long"
             raise VerifyError(f"{path} is {kind}: {info.st_size} bytes, manifest says {entry.size}")
-        data = bytearray(info.st_size)
-        view = memoryview(data)
+        if buffer is None or len(buffer) < info.st_size:
+            buffer = bytearray(info.st_size)
+        view = memoryview(buffer)[:info.st_size]
         digest = hashlib.sha256() if check_sha256 and entry is not None else None
         done = 0
-        while done < len(data):
+        while done < len(view):
             count = os.readv(descriptor, [view[done:done + _BLOCK]])
             if count == 0:
-                raise VerifyError(f"{path} shrank while it was read ({done} of {len(data)} bytes)")
+                raise VerifyError(f"{path} shrank while it was read ({done} of {len(view)} bytes)")
             if digest is not None:
                 digest.update(view[done:done + count])
             done += count
     finally:
         os.close(descriptor)
     if digest is not None and entry is not None and digest.hexdigest() != entry.sha256:
-        raise CorruptFileError(f"{path} is corrupt: sha256 differs from the manifest", data)
-    return data  # io.BytesIO(data) copies once more; memoryview(data) does not
+        raise CorruptFileError(f"{path} is corrupt: sha256 differs from the manifest", buffer, view)
+    return buffer, view
+
+
+class ViewReader(io.RawIOBase):
+    """A seekable binary file over bytes already in memory, read with ``readinto`` so that ``torch.load`` copies
+    each record once, into its tensor (``io.BytesIO`` would first copy the whole file)."""
+
+    def __init__(self, view: memoryview) -> None:
+        super().__init__()
+        self.view = view
+        self.position = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, target: Any) -> int:
+        count = max(0, min(len(target), len(self.view) - self.position))
+        memoryview(target).cast("B")[:count] = self.view[self.position:self.position + count]
+        self.position += count
+        return count
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.position, io.SEEK_END: len(self.view)}[whence]
+        self.position = base + offset
+        return self.position
+
+    def tell(self) -> int:
+        return self.position

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import io
 import json
 import logging
 import os
@@ -37,7 +36,7 @@ import torch
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
 
 from hpc_train.ckpt.manifest import FileEntry
-from hpc_train.ckpt.writer import CorruptFileError, read_file, write_file
+from hpc_train.ckpt.writer import CorruptFileError, ViewReader, read_file, write_file
 from hpc_train.run.files import atomic_write
 
 __all__ = ["WRITTEN_DIR", "FileCheckpointEngine", "RankFiles", "load_safely", "written_marker"]
@@ -67,9 +66,10 @@ def _safe_globals() -> list[Any]:
 
 
 def load_safely(data: Any, map_location: Any = None) -> Any:
-    """``torch.load`` of bytes already read and checked, with ``weights_only=True``."""
-    with torch.serialization.safe_globals(_safe_globals()):
-        return torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
+    """``torch.load`` of bytes already read and checked, with ``weights_only=True``; each record is copied once,
+    into its tensor (:class:`~hpc_train.ckpt.writer.ViewReader`)."""
+    with torch.serialization.safe_globals(_safe_globals()), memoryview(data) as view:
+        return torch.load(ViewReader(view.cast("B")), map_location=map_location, weights_only=True)
 
 
 def _available_memory() -> int | None:
@@ -92,8 +92,30 @@ def _tensor_bytes(value: Any) -> int:
     return 0
 
 
-def _stage(value: Any, pinned: bool, memo: dict[int, Any] | None = None) -> Any:
-    """A copy of ``value`` that no longer changes with training: tensors copied into host memory, dicts, lists
+class _Buffers:
+    """The host buffers one file was staged into last time, handed out again in the same order when the next
+    save stages the same file with the same shapes: no allocation per save (a fresh allocation is slow on a
+    VM that handed the memory back, and pinned memory is slow to allocate on any GPU machine)."""
+
+    def __init__(self, previous: list[torch.Tensor], pinned: bool) -> None:
+        self.previous = previous
+        self.pinned = pinned
+        self.used: list[torch.Tensor] = []
+
+    def copy(self, tensor: torch.Tensor) -> torch.Tensor:
+        index = len(self.used)
+        host = self.previous[index] if index < len(self.previous) else None
+        if host is None or host.shape != tensor.shape or host.dtype != tensor.dtype:
+            host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu",
+                               pin_memory=self.pinned and tensor.device.type == "cuda")
+        # On a GPU the copy is queued on the current stream; the writer thread waits for the event recorded after.
+        host.copy_(tensor.detach(), non_blocking=tensor.device.type == "cuda" and host.is_pinned())
+        self.used.append(host)
+        return host
+
+
+def _stage(value: Any, buffers: _Buffers, memo: dict[int, Any] | None = None) -> Any:
+    """A copy of ``value`` that no longer changes with training: tensors copied into host buffers, dicts, lists
     and tuples rebuilt around them, other mutable objects deep-copied. An object met twice is copied once (its
     pickle then holds one object and a reference, as the original's would); immutable tuple kinds (torch.Size,
     named tuples) stay as they are."""
@@ -102,18 +124,13 @@ def _stage(value: Any, pinned: bool, memo: dict[int, Any] | None = None) -> Any:
         return memo[id(value)]
     kind = type(value)
     if torch.is_tensor(value):
-        tensor = value.detach()
-        if tensor.device.type == "cpu":
-            copied: Any = tensor.clone()
-        else:
-            host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pinned)
-            copied = host.copy_(tensor, non_blocking=pinned)
+        copied: Any = buffers.copy(value)
     elif kind is dict or kind is OrderedDict:
-        copied = kind((key, _stage(item, pinned, memo)) for key, item in value.items())
+        copied = kind((key, _stage(item, buffers, memo)) for key, item in value.items())
     elif kind is list:
-        copied = [_stage(item, pinned, memo) for item in value]
+        copied = [_stage(item, buffers, memo) for item in value]
     elif kind is tuple:
-        copied = tuple(_stage(item, pinned, memo) for item in value)
+        copied = tuple(_stage(item, buffers, memo) for item in value)
     elif value is None or isinstance(value, bool | int | float | complex | str | bytes | tuple | torch.dtype):
         return value
     else:
@@ -139,6 +156,8 @@ class RankFiles:
         self._thread: threading.Thread | None = None
         self._reading: tuple[Path, dict[str, FileEntry], bool] | None = None
         self.load_problems: list[str] = []
+        self._buffers: dict[str, list[torch.Tensor]] = {}  # staging buffers per file, reused by the next save
+        self._read_buffer: bytearray | None = None  # one buffer every load of this rank reads into
 
     # ----- saving -----
 
@@ -152,15 +171,20 @@ class RankFiles:
         """``torch.save(state, path)`` as part of the current save: hashed while written, or staged."""
         folder = self._folder()
         relative = Path(os.path.abspath(path)).relative_to(os.path.abspath(folder)).as_posix()
-        if self._staging and self._fits(state):
-            pinned = torch.cuda.is_available() and any(
-                torch.is_tensor(t) and t.device.type == "cuda" for t in _leaves(state))
-            copy = _stage(state, pinned)
-            event = torch.cuda.Event() if pinned else None
+        if self._staging and self._fits(state, relative):
+            on_gpu = any(torch.is_tensor(t) and t.device.type == "cuda" for t in _leaves(state))
+            buffers = _Buffers(self._buffers.get(relative, []), pinned=on_gpu)
+            copy = _stage(state, buffers)
+            self._buffers[relative] = buffers.used
+            event = torch.cuda.Event() if on_gpu else None
             if event is not None:
                 event.record()  # the host copies are done when this event is: the writer waits for it
             self._start()
             self._jobs.put((False, lambda: self._write(folder, relative, copy, event)))
+        elif self._staging:  # too big to stage: DeepSpeed skipped its clone for us, so make it here
+            from deepspeed.checkpoint.utils import clone_tensors_for_torch_save
+
+            self._write(folder, relative, clone_tensors_for_torch_save(state), None)
         else:
             self._write(folder, relative, state, None)
 
@@ -175,9 +199,14 @@ class RankFiles:
         if self._thread is not None:
             self._jobs.join()
 
-    def _fits(self, state: Any) -> bool:
+    @property
+    def staging(self) -> bool:
+        """Whether the current save stages its files (DeepSpeed then need not clone its state first)."""
+        return self._staging
+
+    def _fits(self, state: Any, relative: str) -> bool:
         available = _available_memory()
-        needed = _tensor_bytes(state)
+        needed = _tensor_bytes(state) - sum(t.numel() * t.element_size() for t in self._buffers.get(relative, []))
         if available is None or needed <= available * _MEMORY_SHARE:
             return True
         log.warning("checkpoint: %.1f GB to stage, %.1f GB of memory available: writing this file before training "
@@ -239,11 +268,14 @@ class RankFiles:
                 relative = Path(os.path.abspath(path)).relative_to(os.path.abspath(folder)).as_posix()
             entry = entries.get(relative)
         try:
-            data = read_file(Path(path), entry, check)
+            self._read_buffer, view = read_file(Path(path), entry, check, self._read_buffer)
         except CorruptFileError as error:
             self.load_problems.append(f"{relative} is corrupt: sha256 differs from the manifest")
-            data = error.data
-        return load_safely(data, map_location)
+            self._read_buffer, view = error.buffer, error.view
+        try:
+            return load_safely(view, map_location)
+        finally:
+            view.release()  # the buffer is read into again by the next load
 
 
 def _leaves(value: Any) -> list[Any]:
@@ -277,3 +309,8 @@ class FileCheckpointEngine(CheckpointEngine):
     def commit(self, info: Any) -> bool:
         """The Checkpointer commits the whole folder, for every rank at once."""
         return True
+
+    def preserves_storage_sharing(self) -> bool:
+        """True makes DeepSpeed clone the module's state before saving it (so that a view does not drag its
+        whole flat buffer into the file); a staged save copies every tensor anyway, so that copy is skipped."""
+        return not self.files.staging

@@ -41,6 +41,22 @@ def test_a_staged_save_writes_the_state_at_the_save(tmp_path: Path) -> None:
     assert files.entries[0].size == (tmp_path / "state" / "a.pt").stat().st_size
 
 
+def test_the_next_save_stages_into_the_same_buffers(tmp_path: Path) -> None:
+    files = RankFiles(rank=0, async_save=True)
+    for step in (1, 2):
+        folder = tmp_path / f"step-{step}"
+        files.begin(folder, staged=True)
+        files.save({"w": torch.full((64,), float(step))}, folder / "a.pt")
+        first = files._buffers["a.pt"][0]
+        if step == 1:
+            kept = first
+        files.announce()
+        files.drain()
+    assert first is kept  # no allocation for the second save
+    assert torch.equal(torch.load(tmp_path / "step-1" / "a.pt")["w"], torch.full((64,), 1.0))
+    assert torch.equal(torch.load(tmp_path / "step-2" / "a.pt")["w"], torch.full((64,), 2.0))
+
+
 def test_a_file_too_big_for_free_memory_is_written_before_training_goes_on(tmp_path: Path,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(checkpoint_files, "_available_memory", lambda: 1000)
