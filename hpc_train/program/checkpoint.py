@@ -46,12 +46,14 @@ class UserCheckpoint:
     """``ctx.checkpoint.save(step, state)`` and ``ctx.checkpoint.load(state)``; both are collective."""
 
     def __init__(self, checkpointer: Checkpointer, device: torch.device, recorder: AttemptRecorder,
-                 progress: Callable[[str, int], None], log: Callable[[str], None]) -> None:
+                 progress: Callable[[str, int], None], log: Callable[[str], None],
+                 stopping: Callable[[], bool] = lambda: False) -> None:
         self._checkpointer = checkpointer
         self._device = device
         self._recorder = recorder
         self._progress = progress
         self._log = log
+        self._stopping = stopping  # True once should_stop() said so: that save is durable before it returns
         self.rank = dist.get_rank()
 
     def save(self, step: int, state: MutableMapping[str, Any]) -> None:
@@ -72,9 +74,14 @@ class UserCheckpoint:
             payload = {"step": step, "objects": objects, "random": random_state.capture(self._device)}
             self._checkpointer.files.save(payload, folder / RANKS_DIR / f"rank-{self.rank}.pt")
 
-        self._checkpointer.save_with(step, write)
+        self._checkpointer.save_with(step, write, wait=self._stopping())
         self._recorder.save_time(time.perf_counter() - started)
         self._progress("step", step)
+
+    def finish(self) -> None:
+        """Collective: the last background save is durable (committed, ``latest`` moved), or its error raised on
+        every rank. The program's session calls it when the program returns."""
+        self._checkpointer.finish()
 
     def load(self, state: MutableMapping[str, Any]) -> int | None:
         """Load the newest verified checkpoint into ``state``'s objects in place (plain values are replaced in

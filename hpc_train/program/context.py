@@ -107,7 +107,7 @@ class RunContext(RankContext):
         self._session = session
         self._stop = StopAgreement(plan, session.watch, session.recorder, session.log)
         self.checkpoint = UserCheckpoint(_checkpointer(session), self.device, session.recorder, session.progress,
-                                         session.log)
+                                         session.log, stopping=lambda: self._stop.decision is not None)
         self._monitor: Monitor | None = None
         self.step = 0
         session.progress("startup")

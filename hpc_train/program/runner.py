@@ -152,6 +152,8 @@ def _finish(session: Session, program: Program) -> dict[str, Any]:
     info = session.info
     result: dict[str, Any] = {"rank": info.rank, "program": program.text(), "world_size": info.world_size,
                               "launcher": info.launcher, "step": ctx.step if ctx else 0}
+    if ctx is not None:
+        ctx.checkpoint.finish()  # collective: a background save is committed before the attempt ends
     if ctx is not None and ctx.stop.decision is not None:
         ctx.stop.settle()
         done = session.recorder.record_stop(ctx.step, ctx.stop.signum, ctx.stop.decision)
