@@ -141,14 +141,19 @@ def read_file(path: Path, entry: FileEntry | None, check_sha256: bool,
             buffer = bytearray(info.st_size)
         view = memoryview(buffer)[:info.st_size]
         digest = hashlib.sha256() if check_sha256 and entry is not None else None
+        hashing: Future[None] | None = None
         done = 0
         while done < len(view):
             count = os.readv(descriptor, [view[done:done + _BLOCK]])
             if count == 0:
                 raise VerifyError(f"{path} shrank while it was read ({done} of {len(view)} bytes)")
-            if digest is not None:
-                digest.update(view[done:done + count])
+            if digest is not None:  # hash this block in the hasher thread while the next one is read
+                if hashing is not None:
+                    hashing.result()
+                hashing = _HASHER.submit(digest.update, view[done:done + count])
             done += count
+        if hashing is not None:
+            hashing.result()
     finally:
         os.close(descriptor)
     if digest is not None and entry is not None and digest.hexdigest() != entry.sha256:
