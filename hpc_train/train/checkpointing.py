@@ -1,10 +1,12 @@
 """Saving and resuming a training run through the transactional checkpoint manager.
 
-Every rank writes its DeepSpeed shards and its own random state into the temporary folder rank 0 opened;
-after a barrier rank 0 seals it (manifest, rename, ``latest``). On start, rank 0 picks the newest checkpoint
-that verifies and every rank loads it: the model, optimizer and scheduler through DeepSpeed (with fp16 the
-loss scaler, which DeepSpeed keeps in the optimizer's state), the sampler's position and the step from the
-client state, and each rank's random state (Python, NumPy, torch and, on a GPU, CUDA).
+Every rank writes its DeepSpeed shards and its own random state into the temporary folder rank 0 opened, each
+file hashed while written (:mod:`hpc_train.train.checkpoint_files`: DeepSpeed's files through our checkpoint
+engine; with ``checkpoint.async_save`` staged in memory and written by a thread); rank 0 then commits the
+ranks' entries (manifest, rename, ``latest``). On start, rank 0 picks the newest checkpoint whose files have
+their sizes and every rank loads it, each file read once: the model, optimizer and scheduler through DeepSpeed
+(with fp16 the loss scaler, which DeepSpeed keeps in the optimizer's state), the sampler's position and the step
+from the client state, and each rank's random state (Python, NumPy, torch and, on a GPU, CUDA).
 
 A checkpoint saved at another data-parallel size (same tensor and pipeline sizes) is resumed through DeepSpeed's
 universal checkpoint: rank 0 converts it once into ``checkpoints/.universal/`` while the other ranks wait
