@@ -308,17 +308,17 @@ def report(args: argparse.Namespace, figures: dict[str, Any]) -> None:
           f"load average {os.getloadavg()[0]:.1f}")
     print(f"{'':44} {'seconds':>8} {'MB/s':>7} {'ratio':>6}  target")
     print(f"{'save, synchronous, whole transaction':44} {f['save_s']:8.3f} {f['save_mb_s']:7.0f} "
-          f"{f['save_ratio']:6.2f}  >= 0.80 of raw speed: {'met' if f['save_ratio'] >= 0.8 else 'NOT met'}")
+          f"{f['save_ratio']:6.3f}  >= 0.80 of raw speed: {'met' if f['save_ratio'] >= 0.8 else 'NOT met'}")
     print(f"{'  raw writes of the same bytes, fsynced':44} {f['save_raw_s']:8.3f} {f['raw_write_mb_s']:7.0f}")
     cache = "cold cache" if f["load_cold_cache"] else "WARM cache (not root: caches not dropped)"
     print(f"{'load (resume), ' + cache:44} {f['load_s']:8.3f} {f['checkpoint_mb'] / f['load_s']:7.0f} "
-          f"{f['load_ratio']:6.2f}  <= 1.30x raw time: {'met' if f['load_ratio'] <= 1.3 else 'NOT met'}")
+          f"{f['load_ratio']:6.3f}  <= 1.30x raw time: {'met' if f['load_ratio'] <= 1.3 else 'NOT met'}")
     print(f"{'  raw reads of the same files':44} {f['load_raw_s']:8.3f} {f['raw_read_mb_s']:7.0f}")
     print(f"{'async save: stall (the save call: staging)':44} {f['async_stall_s']:8.3f} {'':7} "
-          f"{f['async_stall_ratio']:6.2f}  <= 0.10 of a sync save: "
+          f"{f['async_stall_ratio']:6.3f}  <= 0.10 of a sync save: "
           f"{'met' if f['async_stall_ratio'] <= 0.1 else 'NOT met'}")
     print(f"{'  steps slower while the files are written':44} {f['async_slowed_steps_s']:8.3f} {'':7} "
-          f"{f['async_slowed_ratio']:6.2f}  (CPU the writer threads share with training)")
+          f"{f['async_slowed_ratio']:6.3f}  (CPU the writer threads share with training)")
     print(f"{'  a plain training step':44} {f['plain_step_s']:8.3f}")
     print(f"{'  durable after the steps that followed':44} {f['async_durable_after_s']:8.3f}")
 
