@@ -142,15 +142,14 @@ def _my_sizes(checkpointer: Any, step: int) -> list[int]:
     import torch.distributed as dist
 
     from hpc_train.ckpt import Manifest
-    from hpc_train.distributed.collectives import all_gather_objects
+    from hpc_train.distributed.collectives import all_gather_objects, broadcast_object
 
     mine = {entry.path for entry in checkpointer.files.entries}
     everyone = set().union(*all_gather_objects(sorted(mine)))
-    folder = checkpointer.manager.root if checkpointer.manager else None
     manifest = None
-    if folder is not None:
-        manifest = Manifest.from_json((folder / f"step-{step:08d}" / "manifest.json").read_text())
-    manifest = all_gather_objects(manifest)[0]
+    if checkpointer.manager:
+        manifest = Manifest.from_json((checkpointer.manager.root / f"step-{step:08d}" / "manifest.json").read_text())
+    manifest = broadcast_object(manifest)
     return [entry.size for entry in manifest.files
             if entry.path in mine or (dist.get_rank() == 0 and entry.path not in everyone)]
 
@@ -234,9 +233,9 @@ def worker(args: dict[str, Any]) -> None:
         durable_s = _timed_together(asynchronous.finish)
         stalls.append({"call_s": call_s, "during": during, "finish_s": durable_s})
     if rank == 0:
+        newest = sync.manager.list()[-1].manifest.files
         print(json.dumps({"parameters": count_parameters(shape), "world": world, "sizes": sizes,
-                          "bytes": sum(e.size for e in sync.manager.list()[-1].manifest.files),
-                          "files": len(sync.manager.list()[-1].manifest.files), "saves": saves, "loads": loads,
+                          "bytes": sum(e.size for e in newest), "files": len(newest), "saves": saves, "loads": loads,
                           "cold": cold, "stalls": stalls, "plain": plain}), flush=True)
     dist.barrier()
     dist.destroy_process_group()

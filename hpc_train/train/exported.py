@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from hpc_train.errors import ConfigError
+from hpc_train.run.files import open_record
 
 __all__ = ["DTYPE_KEY", "EXPORT_KEY", "EXPORT_VERSION", "GPT_CONFIG_KEY", "MODEL_KEY", "STEP_KEY", "load_exported",
            "read_description", "sidecar_path"]
@@ -56,7 +57,7 @@ def _safetensors_description(path: Path) -> dict[str, str]:
 def _sidecar_description(path: Path) -> dict[str, str]:
     side = sidecar_path(path)
     try:
-        with open(side, "rb") as handle:
+        with open_record(side) as handle:  # never through a link, never blocking on a FIFO
             data = json.loads(handle.read(_MAX_SIDECAR).decode("utf-8"))
     except FileNotFoundError:
         raise ConfigError(str(path), f"has no {side.name} beside it (the model description ckpt export writes "

@@ -76,7 +76,7 @@ def test_a_read_checks_size_always_and_sha256_when_asked(tmp_path: Path) -> None
         read_file(tmp_path / "l", None, check_sha256=False)
 
 
-def test_the_writer_is_a_file_object_torch_and_safetensors_accept(tmp_path: Path) -> None:
+def test_the_writer_answers_as_a_writable_binary_file(tmp_path: Path) -> None:
     descriptor = os.open(tmp_path / "x", os.O_WRONLY | os.O_CREAT, 0o600)
     try:
         sink = HashingFile(descriptor)
