@@ -22,16 +22,19 @@ from hpc_train.run.exit_codes import EXIT_NOT_RETRIED, EXIT_STOPPED
 from hpc_train.run.files import atomic_write
 from hpc_train.run.folder import check_run_folder
 from hpc_train.run.loglines import format_launch_error, format_start, format_stopped, rank_log_format
+from hpc_train.run.node import node_name
 from hpc_train.run.paths import (
     PLAN_FILE,
     PROGRAM_FILE,
     SMOKE_FILE,
     TRAIN_FILE,
     fabric_report_path,
+    rank_consequence_path,
     rank_error_path,
     rank_log_path,
 )
 from hpc_train.run.quick_exit import exit_quickly_when_done
+from hpc_train.run.stops import StopConsequence
 from hpc_train.train.preemption import PreemptionWatch
 
 __all__ = ["RankEntry", "main", "run_rank"]
@@ -71,9 +74,10 @@ def _run_rank(run_dir: Path, plan: Plan, watch: PreemptionWatch | None) -> dict[
     info = detect_launch(expected_world=plan.layout.world)
     logger = _rank_logger(run_dir, info.rank)
     rank_error_path(run_dir, info.rank).unlink(missing_ok=True)  # from an earlier attempt
+    rank_consequence_path(run_dir, info.rank).unlink(missing_ok=True)
     logger.info("%s", format_start(info.launcher, info.rank, info.world_size, info.local_rank, info.local_world_size,
                                    info.node_rank, info.num_nodes, info.job_id, info.restart,
-                                   os.environ.get("SLURMD_NODENAME") or socket.gethostname()))
+                                   node_name()))
     _prepare_fabric(run_dir, plan, info.local_rank, logger)
     on_slurm = bool(os.environ.get("SLURM_JOB_ID")) and os.environ.get("SUBMITIT_EXECUTOR") != "local"
     program = plan.config.job.program
@@ -90,14 +94,20 @@ def _run_rank(run_dir: Path, plan: Plan, watch: PreemptionWatch | None) -> dict[
             from hpc_train.program.runner import run_program
 
             result = run_program(plan, info, run_dir, logger.info, watch)
+    except StopConsequence as stop:  # a peer had left on the stop: the stop's status, not a failure's
+        _record_consequence(run_dir, info.rank, stop, logger)
+        raise SystemExit(stop.notice.exit_code) from None
     except BaseException as error:
         text = _traceback_text(error)
         logger.error("failed:\n%s", text)
-        report = {"rank": info.rank, "host": socket.gethostname(), "time": time.time(), "error": repr(error),
-                  "traceback": text}
-        atomic_write(rank_error_path(run_dir, info.rank), json.dumps(report, indent=2) + "\n")
+        requeued = False
         if on_slurm and program != "smoke" and not isinstance(error, SystemExit):
-            _requeue_after_error(run_dir, plan, info, repr(error), text, logger)
+            requeued = _requeue_after_error(run_dir, plan, info, repr(error), text, logger)
+        # Written after the retry policy has acted, saying what it did: a follower on the login node never
+        # cancels a job that one of its ranks is requeuing.
+        report = {"rank": info.rank, "host": node_name(), "time": time.time(), "error": repr(error),
+                  "traceback": text, "requeued": requeued}
+        atomic_write(rank_error_path(run_dir, info.rank), json.dumps(report, indent=2) + "\n")
         raise
     if "stopped" in result:  # saved after a preemption signal: leave without a result, with the agreed status
         stopped = result["stopped"]
@@ -109,7 +119,8 @@ def _run_rank(run_dir: Path, plan: Plan, watch: PreemptionWatch | None) -> dict[
                     result["all_reduce"], result["expected"], result["backend"], result["rendezvous"],
                     "checked" if result["groups"] else "not checked")
     elif "program" in result:
-        logger.info("program %s completed after step %d", result["program"], result["step"])
+        logger.info("program %s completed%s", result["program"],
+                    f" after step {result['step']}" if result["step"] is not None else "")
     elif result["steps"] > result["start_step"]:
         logger.info("trained steps %d-%d: loss %.4f, eval loss %.4f", result["start_step"] + 1, result["steps"],
                     result["final_loss"], result["eval_loss"])
@@ -119,6 +130,18 @@ def _run_rank(run_dir: Path, plan: Plan, watch: PreemptionWatch | None) -> dict[
     if info.launcher != "single":  # a launcher's rank process, not someone's own Python calling run_rank
         exit_quickly_when_done()
     return result
+
+
+def _record_consequence(run_dir: Path, rank: int, stop: StopConsequence, logger: logging.Logger) -> None:
+    """One warning line in the rank's log and ``rank-N.consequence.json`` with the traceback: what the program
+    raised once its attempt had stopped, recorded as such."""
+    notice = stop.notice
+    logger.warning("after the stop on %s (%s: %s): %r; a consequence of the stop (the other ranks left), not "
+                   "a failure", notice.signal, notice.action, notice.reason, stop.error)
+    text = "".join(traceback.format_exception(stop.error))
+    report = {"rank": rank, "host": node_name(), "time": time.time(), "error": repr(stop.error), "traceback": text,
+              "consequence": f"the attempt had stopped on {notice.signal} ({notice.action}: {notice.reason})"}
+    atomic_write(rank_consequence_path(run_dir, rank), json.dumps(report, indent=2) + "\n")
 
 
 def _traceback_text(error: BaseException) -> str:
@@ -152,16 +175,17 @@ def _look_back(run_dir: Path, plan: Plan, info: Any, logger: logging.Logger) -> 
 
 
 def _requeue_after_error(run_dir: Path, plan: Plan, info: Any, error: str, text: str,
-                         logger: logging.Logger) -> None:
-    """An infrastructure fault on this rank (not the program's error): exclude this node and requeue."""
+                         logger: logging.Logger) -> bool:
+    """An infrastructure fault on this rank (not the program's error): exclude this node and requeue. True when
+    the job was requeued."""
     from hpc_train.ops.policy import RetryPolicy
     from hpc_train.ops.recovery import requeue_after_error
 
-    node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()  # Slurm's name, what --exclude takes
-    recovery = requeue_after_error(run_dir, info.job_id, info.restart, info.rank, node, error, text,
+    recovery = requeue_after_error(run_dir, info.job_id, info.restart, info.rank, node_name(), error, text,
                                    RetryPolicy.from_section(plan.config.retry), logger.info)
     if recovery.failure_class:
         logger.info("%s: %s", recovery.failure_class, recovery.message)
+    return recovery.action == "requeue"
 
 
 _FABRIC_VARIABLES = ("NCCL_", "GLOO_", "TORCH_NCCL_", "TORCH_FR_")

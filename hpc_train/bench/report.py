@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from hpc_train.bench.collectives import _VIA, _normalise_via, parse_nccl_log, transport_from_nccl_log
+from hpc_train.run.node import node_name
 
 __all__ = ["describe_hosts", "expects_ib", "gloo_transport", "nccl_transport", "node_name", "read_nccl_log",
            "request_nccl_log", "transport_lines"]
@@ -25,11 +26,6 @@ __all__ = ["describe_hosts", "expects_ib", "gloo_transport", "nccl_transport", "
 NCCL_LOG_NAME = "nccl.%p.log"  # NCCL replaces %p with the process id
 _VERBOSE = ("INFO", "TRACE")  # NCCL_DEBUG levels that print the transport lines
 _SHOWN_NODES = 4
-
-
-def node_name(environ: Mapping[str, str] = os.environ) -> str:
-    """Slurm's node name, which tells nodes apart even where several share one host (the local cluster)."""
-    return environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 
 def describe_hosts(hosts: list[str]) -> str:

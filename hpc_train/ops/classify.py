@@ -180,11 +180,15 @@ class _Attempt:
         silent = [self.node_of(f.report) for f in self.findings if f.kind == "none"]
         return list(dict.fromkeys(n for n in silent if n and n not in loud))
 
+    def _stop_words(self) -> str:
+        step, signal = self.stop or (None, "")
+        return f"saved step {step} after {signal}" if step is not None else f"stopped on {signal} at an unknown step"
+
     def saved(self) -> str:
-        return f" (saved step {self.stop[0]} after {self.stop[1]})" if self.stop else ""
+        return f" ({self._stop_words()})" if self.stop else ""
 
     def stop_fact(self) -> list[str]:
-        return [f"rank log: saved step {self.stop[0]} after {self.stop[1]}"] if self.stop else []
+        return [f"rank log: {self._stop_words()}"] if self.stop else []
 
     def result(self, kind: str, reason: str, nodes: Iterable[str] = (), ranks: Iterable[int] = (),
                extra: Iterable[str] = ()) -> Classification:
@@ -308,7 +312,7 @@ def _signalled_stop(a: _Attempt) -> Classification | None:
     """The run saved and stopped on a signal (status 75, "saved step N after SIG..."), or Slurm requeued it:
     preempted, or time limit when it ran to the end of its time; after scancel, cancelled."""
     if a.state == "CANCELLED" and a.stop is not None:
-        return a.result("cancelled", f"cancelled: {_cancelled_by(a.record)}{a.saved()}", extra=a.stop_fact())
+        return a.result("cancelled", f"cancelled: {_cancelled_by(a)}{a.saved()}", extra=a.stop_fact())
     if not (a.state == "REQUEUED" or EXIT_STOPPED in a.codes or a.stop is not None
             or a.evidence.outcome == "preempted"):
         return None
@@ -322,7 +326,7 @@ def _signalled_stop(a: _Attempt) -> Classification | None:
 def _cancelled(a: _Attempt) -> Classification | None:
     if a.state != "CANCELLED":
         return None
-    return a.result("cancelled", f"cancelled: {_cancelled_by(a.record)}; no rank reported an error")
+    return a.result("cancelled", f"cancelled: {_cancelled_by(a)}; no rank reported an error")
 
 
 def _killed(a: _Attempt) -> Classification | None:
@@ -397,8 +401,11 @@ def _error_records(lines: Iterable[str], lowest: str = "ERROR") -> list[str]:
     return kept
 
 
-def _cancelled_by(record: SlurmRecord | None) -> str:
-    by = record.state.partition(" by ")[2] if record else ""
+def _cancelled_by(a: _Attempt) -> str:
+    """Who cancelled: hpc_train's own follower (with its reason), or someone's scancel (the uid sacct names)."""
+    by = a.record.state.partition(" by ")[2] if a.record else ""
+    if a.evidence.cancelled_by:
+        return f"by hpc_train's follower on the login node: {a.evidence.cancelled_by}"
     return f"scancel by uid {by}" if by else "the job was cancelled"
 
 
@@ -418,7 +425,7 @@ def _nodes(record: SlurmRecord | None) -> list[str]:
         return []
 
 
-def _stop_line(evidence: Evidence) -> tuple[int, str] | None:
+def _stop_line(evidence: Evidence) -> tuple[int | None, str] | None:
     for report in evidence.ranks:
         for line in reversed(report.log_tail):
             if (stop := parse_stop(line)) is not None:

@@ -15,7 +15,7 @@ from pathlib import Path
 from hpc_train.run.attempts import AttemptLog
 from hpc_train.run.files import open_record, read_json_object
 from hpc_train.run.loglines import BATCH_START, parse_start, rank_line_time
-from hpc_train.run.paths import LOGS_DIR, rank_error_path, rank_log_path, stacks_path
+from hpc_train.run.paths import LOGS_DIR, follower_cancel_path, rank_error_path, rank_log_path, stacks_path
 
 __all__ = ["SRUN_ERROR", "Evidence", "RankReport", "collect_evidence", "srun_tasks"]
 
@@ -47,6 +47,7 @@ class Evidence:
     batch_log: str = ""
     outcome: str = ""  # what rank 0 wrote into attempts.jsonl for this attempt (hang, preempted, failed, ...)
     note: str = ""
+    cancelled_by: str = ""  # why hpc_train's follower cancelled this job, when it did (logs/follower-cancel.json)
 
 
 def collect_evidence(run_dir: Path, job_id: str | None = None, restart: int | None = None,
@@ -85,7 +86,16 @@ def collect_evidence(run_dir: Path, job_id: str | None = None, restart: int | No
     attempts = [a for a in AttemptLog(run_dir).read()
                 if job_id is None or (a.job_id == job_id and (restart is None or a.restart == restart))]
     last = attempts[-1] if attempts else None
-    return Evidence(tuple(reports), batch, last.outcome if last else "", last.note if last else "")
+    return Evidence(tuple(reports), batch, last.outcome if last else "", last.note if last else "",
+                    _follower_cancel(run_dir, job_id))
+
+
+def _follower_cancel(run_dir: Path, job_id: str | None) -> str:
+    """The follower's reason, when it cancelled ``job_id`` itself (``status`` names it, not a uid)."""
+    record = read_json_object(follower_cancel_path(run_dir))
+    if job_id is None or job_id not in (str(record.get("job_id", "")), str(record.get("attempt_job_id", ""))):
+        return ""
+    return str(record.get("reason", ""))[:500] or "no reason recorded"
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,8 @@ from hpc_train.ops.scheduler import SlurmRecord, parse_sacct, sacct_argv
 from hpc_train.run.attempts import AttemptLog
 from hpc_train.run.exclusions import add_exclusions, exclude_expression, read_exclusions
 from hpc_train.run.jobid import scontrol_job_id
-from hpc_train.run.paths import HEARTBEAT_DIR
+from hpc_train.run.paths import HEARTBEAT_DIR, recovery_claim_path
+from hpc_train.run.stops import attempt_key
 
 __all__ = ["RETRIED_CLASSES", "Recovery", "down_nodes", "look_back", "requeue_after_error"]
 
@@ -176,15 +177,18 @@ def look_back(run_dir: Path, job_id: str, restart: int, policy: RetryPolicy, all
     return recovery
 
 
-def _claim(run_dir: Path, job_id: str, restart: int) -> bool:
+def _claim(run_dir: Path, job_id: str, restart: int, rank: int) -> bool:
     """One decider per attempt: the first rank to fail. The others' errors are mostly what they saw of its
-    failure, and a dozen ranks requeueing and excluding at once would race on the list and on the job."""
-    folder = run_dir / HEARTBEAT_DIR
-    folder.mkdir(mode=0o700, exist_ok=True)
+    failure, and a dozen ranks requeueing and excluding at once would race on the list and on the job. The claim
+    names the rank, so that the follower waits for its decision before it cancels anything."""
+    (run_dir / HEARTBEAT_DIR).mkdir(mode=0o700, exist_ok=True)
     try:
-        os.close(os.open(folder / f"recovery-{job_id}.{restart}", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        descriptor = os.open(recovery_claim_path(run_dir, attempt_key(job_id, restart)),
+                             os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     except FileExistsError:
         return False
+    with os.fdopen(descriptor, "w", encoding="utf-8") as claim:
+        claim.write(f"{rank}\n")
     return True
 
 
@@ -201,7 +205,7 @@ def requeue_after_error(run_dir: Path, job_id: str, restart: int, rank: int, hos
         return Recovery("continue")
     report = RankReport(rank=rank, host=host, error=error, traceback=traceback)
     classification = classify(None, Evidence(ranks=(report,)))
-    if classification.failure_class != "infrastructure" or not _claim(run_dir, job_id, restart):
+    if classification.failure_class != "infrastructure" or not _claim(run_dir, job_id, restart, rank):
         return Recovery("continue", classification.reason, classification.failure_class)
     own = is_hardware_fault(f"{error}\n{traceback}")
     classification = replace(classification, nodes=(host,) if own else ())

@@ -110,6 +110,7 @@ class RunContext(RankContext):
                                          session.log, stopping=lambda: self._stop.decision is not None)
         self._monitor: Monitor | None = None
         self.step = 0
+        self.step_known = False  # the program has said its step (log, step_done): the stop line names it
         session.progress("startup")
 
     def should_stop(self) -> bool:
@@ -122,14 +123,19 @@ class RunContext(RankContext):
         """Rank 0 writes ``step`` and ``scalars`` to metrics.jsonl and TensorBoard, and a progress line every
         ``monitor.log_every`` steps (other ranks: nothing); records of this step and later from an earlier
         attempt are dropped first."""
-        self.step = step
-        self._session.progress("step", step)
+        self.step_done(step)
         if self._monitor is None:
             monitor = self._session.plan.config.monitor
             self._monitor = Monitor.create(self.rank, self.run_dir, total_steps=0, log_every=monitor.log_every,
                                            tensorboard=monitor.tensorboard, start_step=max(0, step - 1),
                                            console=Console(file=LogLines(self._session.log), width=200))
         self._monitor.scalars(step, scalars)
+
+    def step_done(self, step: int) -> None:
+        """The program has finished ``step`` (no metrics): the stop line, ``attempts.jsonl`` and the hang
+        watchdog name it. :meth:`log` does this too; the library integrations call it every step."""
+        self.step, self.step_known = step, True
+        self._session.progress("step", step)
 
     def close(self) -> None:
         """The program has returned: close the metrics, settle the stop flag's last all-reduce."""

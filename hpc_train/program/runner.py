@@ -24,6 +24,7 @@ from hpc_train.distributed.launchers import LaunchInfo
 from hpc_train.distributed.rendezvous import check_resolves, choose_rendezvous, export_rendezvous
 from hpc_train.program.context import RunContext, Session, context, open_session
 from hpc_train.program.stop import UnaskedStop
+from hpc_train.run.stops import attempt_key
 from hpc_train.train.entry_points import UserCodeError, load_callable
 from hpc_train.train.monitor import LogLines
 from hpc_train.train.preemption import PreemptionWatch
@@ -53,8 +54,7 @@ class _LazyWatchdog:
     def start(self) -> Watchdog | None:
         wcfg, info = self.plan.config.watchdog, self.info
         if wcfg.enabled and self.watchdog is None:
-            self.watchdog = Watchdog(self.run_dir, info.rank, info.world_size,
-                                     f"{info.job_id or 'local'}.{info.restart}",
+            self.watchdog = Watchdog(self.run_dir, info.rank, info.world_size, attempt_key(info.job_id, info.restart),
                                      Timeouts(wcfg.startup_timeout_s, wcfg.step_timeout_s, wcfg.checkpoint_timeout_s),
                                      self._decide if info.rank == 0 else None, self.log).__enter__()
         return self.watchdog
@@ -122,19 +122,25 @@ def run_program(plan: Plan, info: LaunchInfo, run_dir: Path, log: Callable[[str]
     def asked() -> Any:
         return session.context.stop.asked if session.context else None
 
-    def last_step() -> int:
-        return session.context.step if session.context else 0
+    def last_step() -> int | None:
+        """The program's step, None where it never said (a script without ``ctx.log`` or an integration)."""
+        ctx = session.context
+        return ctx.step if ctx is not None and ctx.step_known else None
 
+    unasked = UnaskedStop(plan, info.rank, watch, recorder, asked, last_step, log, run_dir,
+                          attempt_key(info.job_id, info.restart))
     try:
         # The program's prints go to its rank's log (rank 0's is what the login node follows), line by line.
-        with UnaskedStop(plan, info.rank, watch, recorder, asked, last_step, log), \
-                contextlib.redirect_stdout(LogLines(log)):
+        with unasked, contextlib.redirect_stdout(LogLines(log)):
             if function is None:
                 _run_script(plan, info, program)
             else:
                 _call(function, program)
         return _finish(session, program)
     except BaseException as error:
+        consequence = unasked.consequence(error)
+        if consequence is not None:
+            raise consequence from error
         recorder.failed(last_step(), error)
         raise
     finally:
@@ -150,15 +156,16 @@ def _finish(session: Session, program: Program) -> dict[str, Any]:
     """Completed, or stopped after ``should_stop()`` said True (rank 0 records and requeues)."""
     ctx: RunContext | None = session.context
     info = session.info
+    step = ctx.step if ctx is not None and ctx.step_known else None
     result: dict[str, Any] = {"rank": info.rank, "program": program.text(), "world_size": info.world_size,
-                              "launcher": info.launcher, "step": ctx.step if ctx else 0}
+                              "launcher": info.launcher, "step": step}
     if ctx is not None:
         ctx.checkpoint.finish()  # collective: a background save is committed before the attempt ends
     if ctx is not None and ctx.stop.decision is not None:
         ctx.stop.settle()
-        done = session.recorder.record_stop(ctx.step, ctx.stop.signum, ctx.stop.decision)
-        result["stopped"] = {"signal": signal_name(ctx.stop.signum), "step": ctx.step, "requeue": done.action,
+        done = session.recorder.record_stop(step, ctx.stop.signum, ctx.stop.decision)
+        result["stopped"] = {"signal": signal_name(ctx.stop.signum), "step": step, "requeue": done.action,
                              "exit_code": done.exit_code, "reason": done.reason}
         return result
-    session.recorder.completed(ctx.step if ctx else 0)
+    session.recorder.completed(step)
     return result

@@ -4,21 +4,34 @@ A program that asks learns of the signal at the same call on every rank (an all-
 its loop, started at one call and read at a later one, so the loop never waits for it), saves, and returns;
 hpc_train then records the attempt and requeues it. A program that never asks (a plain script) cannot save on
 a signal; once the signal has come and no ``should_stop()`` call followed within a grace period, rank 0
-records the attempt and requeues the job, and the next attempt resumes from whatever the program saved itself.
+records the attempt and requeues the job, every rank leaves with it (:class:`UnaskedStop`), and the next
+attempt resumes from whatever the program saved itself.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from hpc_train.config.plan import Plan
-from hpc_train.run.exit_codes import EXIT_STOPPED, LOCAL_REQUEUE_EXIT
+from hpc_train.run.exit_codes import EXIT_STOPPED
 from hpc_train.run.loglines import format_stopped
+from hpc_train.run.stops import (
+    StopConsequence,
+    StopNotice,
+    publish_notice,
+    read_notice,
+    read_request,
+    request_stop,
+    wait_for_done,
+)
 from hpc_train.train.preemption import PreemptionWatch, Requeue, arm_force_exit
 from hpc_train.train.stopping import AttemptRecorder, signal_name
 
@@ -113,14 +126,23 @@ class StopAgreement:
 
 
 class UnaskedStop:
-    """A thread that requeues a program that does not ask ``should_stop()`` after a signal (see the module)."""
+    """A thread on every rank that stops a program that does not ask ``should_stop()`` after a signal: all ranks
+    together, through rank 0's stop notice (:mod:`hpc_train.run.stops`), so no rank outlives its peers."""
 
     def __init__(self, plan: Plan, rank: int, watch: PreemptionWatch, recorder: AttemptRecorder,
-                 asked: Callable[[], threading.Event | None], last_step: Callable[[], int],
-                 log: Callable[[str], None], exit: Callable[[int], None] = os._exit) -> None:
+                 asked: Callable[[], threading.Event | None], last_step: Callable[[], int | None],
+                 log: Callable[[str], None], run_dir: Path, attempt: str,
+                 exit: Callable[[int], None] = os._exit, *, poll_s: float = 0.2, done_timeout_s: float = 90.0,
+                 linger_s: float = 1.0) -> None:
         self.plan, self.rank, self.watch, self.recorder = plan, rank, watch, recorder
         self.asked, self.last_step, self.log, self._exit = asked, last_step, log, exit
+        self.run_dir, self.attempt = run_dir, attempt
         self.grace_s = grace_seconds(plan.lead_seconds)
+        self.poll_s = poll_s
+        self.done_timeout_s = done_timeout_s  # rank 0 may spend 60 s in scontrol: the others wait longer
+        self.linger_s = linger_s  # rank 0 leaves this long after "done", so the others leave first or with it
+        self.started = time.time()
+        self.stopping = threading.Event()  # set before any rank may leave: from here on peers break
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, name="hpc_train-unasked-stop", daemon=True)
 
@@ -132,32 +154,79 @@ class UnaskedStop:
         self._done.set()
         self._thread.join(timeout=5)
 
-    def _run(self) -> None:
-        while not self._done.wait(0.2):
-            if not self.watch.received:
-                continue
-            deadline = time.monotonic() + self.grace_s
-            while time.monotonic() < deadline and not self._done.is_set():
-                event = self.asked()
-                if event is not None and event.is_set():
-                    return  # the program asks: it stops by itself
-                time.sleep(0.2)
-            if not self._done.is_set():
-                self._act(self.watch.received)
-            return
+    def consequence(self, error: BaseException) -> StopConsequence | None:
+        """``error``, raised by the program while this attempt stops, as a consequence of the stop (None when
+        no stop is under way: then it is the program's own failure). Waits for rank 0's ``done`` notice, whose
+        exit status the rank leaves with."""
+        notice = read_notice(self.run_dir, self.attempt, self.started)
+        if notice is None and not self.stopping.is_set():
+            return None
+        done = wait_for_done(self.run_dir, self.attempt, self.started, self.done_timeout_s)
+        return StopConsequence(error, done or notice or StopNotice(
+            self.attempt, "done", time.time(), "?", "none", EXIT_STOPPED, "rank 0 published no stop"))
 
-    def _act(self, signum: int) -> None:
-        name = signal_name(signum)
-        requeue_signal = name == f"SIG{self.plan.signal}"
-        local = os.environ.get("SUBMITIT_EXECUTOR") == "local"
+    def _program_asks(self) -> bool:
+        event = self.asked()
+        return event is not None and event.is_set()
+
+    def _run(self) -> None:
+        deadline: float | None = None
+        while not self._done.wait(self.poll_s if deadline is not None else 1.0):
+            if self._program_asks():
+                return  # the program asks: it stops by itself
+            notice = read_notice(self.run_dir, self.attempt, self.started) if self.rank != 0 else None
+            if notice is not None:  # rank 0 stops the attempt (whether or not this rank has the signal)
+                self.stopping.set()
+                self._follow(notice.signal)
+                return
+            signum = self.watch.received
+            if not signum and self.rank == 0 and (name := read_request(self.run_dir, self.attempt, self.started)):
+                signum = getattr(signal, name, 0)
+            if not signum:
+                continue
+            deadline = deadline or time.monotonic() + self.grace_s
+            if time.monotonic() < deadline:
+                continue
+            if self.rank == 0:
+                self._decide(signum)
+            else:
+                request_stop(self.run_dir, self.attempt, self.rank, signal_name(signum))
+                deadline = float("inf")  # asked once; now wait for rank 0's notice
+            if self.rank == 0:
+                return
+
+    def _say_stopping(self, name: str) -> None:
         self.log(f"{name} received and the program did not ask should_stop() within {self.grace_s:.0f} s: "
-                 "stopping it here; the next attempt starts the program again, which resumes from what it saved")
-        if self.rank != 0:
-            if local or not requeue_signal:
-                self._exit(LOCAL_REQUEUE_EXIT if local and requeue_signal else EXIT_STOPPED)
-            return  # under Slurm rank 0 requeues the job, which ends this rank
+                 "stopping it here on every rank; the next attempt starts the program again, which resumes from "
+                 "what it saved")
+
+    def _decide(self, signum: int) -> None:
+        """Rank 0: decide, publish ``stopping``, requeue and record, publish ``done``, leave with the others."""
+        name = signal_name(signum)
+        self._say_stopping(name)
         preempt = self.plan.config.preempt
-        decision = self.recorder.requeue_decision(requeue_signal, preempt.requeue, preempt.max_requeues)
-        done = self.recorder.record_stop(self.last_step(), signum, decision, "the program did not ask should_stop(); ")
-        self.log(format_stopped(self.last_step(), name, done.action, done.reason, done.exit_code))
+        decision = self.recorder.requeue_decision(name == f"SIG{self.plan.signal}", preempt.requeue,
+                                                  preempt.max_requeues)
+        step = self.last_step()
+        self.stopping.set()
+        notice = StopNotice(self.attempt, "stopping", time.time(), name, decision.action, decision.exit_code,
+                            decision.reason, step)
+        publish_notice(self.run_dir, notice)
+        done = self.recorder.record_stop(step, signum, decision, "the program did not ask should_stop(); ")
+        publish_notice(self.run_dir, replace(notice, phase="done", time=time.time(), action=done.action,
+                                             exit_code=done.exit_code, reason=done.reason))
+        self.log(format_stopped(step, name, done.action, done.reason, done.exit_code))
+        time.sleep(self.linger_s)
+        self._exit(done.exit_code)
+
+    def _follow(self, name: str) -> None:
+        """Another rank: leave with the exit status rank 0 published, once it has requeued and recorded."""
+        self._say_stopping(name)
+        done = wait_for_done(self.run_dir, self.attempt, self.started, self.done_timeout_s)
+        if done is None:
+            self.log(f"rank 0 published no stop within {self.done_timeout_s:.0f} s; exiting with status "
+                     f"{EXIT_STOPPED}")
+            self._exit(EXIT_STOPPED)
+            return
+        self.log(format_stopped(done.step, done.signal, done.action, done.reason, done.exit_code))
         self._exit(done.exit_code)

@@ -65,7 +65,8 @@ def parse_start(line: str) -> StartLine | None:
 
 # -- a stop after a signal -----------------------------------------------------------------------------------
 
-STOPPED = re.compile(r"saved step ([0-9]+) [0-9.]+ s after (SIG\w+)|stopped after step ([0-9]+) on (SIG\w+)")
+STOPPED = re.compile(r"saved step ([0-9]+) [0-9.]+ s after (SIG\w+)|"
+                     r"stopped (?:after step ([0-9]+)|at an unknown step) on (SIG\w+)")
 
 
 def format_saved_after_signal(step: int, seconds: float, signal_name: str, requeued: bool, reason: str) -> str:
@@ -74,15 +75,20 @@ def format_saved_after_signal(step: int, seconds: float, signal_name: str, reque
         ("requeued: " if requeued else "not requeued: ") + reason
 
 
-def format_stopped(step: int, signal_name: str, action: str, reason: str, exit_code: int) -> str:
-    """Every rank's last line after it stopped on a signal (launch)."""
-    return f"stopped after step {step} on {signal_name} ({action}: {reason}); exit status {exit_code}"
+def format_stopped(step: int | None, signal_name: str, action: str, reason: str, exit_code: int) -> str:
+    """Every rank's last line after it stopped on a signal (launch); ``step`` None: a script that never said
+    its step (no ``ctx.log``, no integration)."""
+    where = f"after step {step}" if step is not None else "at an unknown step"
+    return f"stopped {where} on {signal_name} ({action}: {reason}); exit status {exit_code}"
 
 
-def parse_stop(line: str) -> tuple[int, str] | None:
-    """``(step, signal)`` of either stop line, or None."""
+def parse_stop(line: str) -> tuple[int | None, str] | None:
+    """``(step, signal)`` of either stop line (step None where it was unknown), or None."""
     m = STOPPED.search(line)
-    return (int(m[1] or m[3]), m[2] or m[4]) if m else None
+    if not m:
+        return None
+    step = m[1] or m[3]
+    return (int(step) if step else None, m[2] or m[4])
 
 
 # -- the watchdog's suspects -----------------------------------------------------------------------------------

@@ -9,11 +9,36 @@ from __future__ import annotations
 from pathlib import Path
 
 __all__ = [
-    "ATTEMPTS_FILE", "CHECKPOINTS_DIR", "CONFIG_FILE", "EXCLUDED_FILE", "FLIGHT_RECORDER_DIR", "HEARTBEAT_DIR",
-    "LOGS_DIR", "METRICS_FILE", "MODEL_FILE", "PLAN_FILE", "PROGRAM_FILE", "RANK_ERROR_GLOB", "RANK_LOG_GLOB",
+    "ATTEMPTS_FILE",
+    "CHECKPOINTS_DIR",
+    "CONFIG_FILE",
+    "EXCLUDED_FILE",
+    "FLIGHT_RECORDER_DIR",
+    "HEARTBEAT_DIR",
+    "LOGS_DIR",
+    "METRICS_FILE",
+    "MODEL_FILE",
+    "PLAN_FILE",
+    "PROGRAM_FILE",
+    "RANK_ERROR_GLOB",
+    "RANK_LOG_GLOB",
     "RESULT_FILES",
-    "SMOKE_FILE", "STACKS_GLOB", "SUBMITIT_DIR", "TRAIN_FILE", "fabric_report_path", "hang_decision_path",
-    "hang_marker_path", "heartbeat_path", "rank_error_path", "rank_log_path", "stacks_path",
+    "SMOKE_FILE",
+    "STACKS_GLOB",
+    "SUBMITIT_DIR",
+    "TRAIN_FILE",
+    "fabric_report_path",
+    "follower_cancel_path",
+    "hang_decision_path",
+    "hang_marker_path",
+    "heartbeat_path",
+    "rank_consequence_path",
+    "rank_error_path",
+    "rank_log_path",
+    "recovery_claim_path",
+    "stacks_path",
+    "stop_notice_path",
+    "stop_request_path",
 ]
 
 PLAN_FILE = "plan.json"  # the resolved plan: what every rank reads first (plain JSON, no pickles)
@@ -46,6 +71,12 @@ def rank_error_path(run_dir: Path, rank: int) -> Path:
     return Path(run_dir) / LOGS_DIR / f"rank-{rank}.error.json"
 
 
+def rank_consequence_path(run_dir: Path, rank: int) -> Path:
+    """What a rank raised after its attempt had stopped (its peers had left): a consequence, not a failure, so
+    it is not a ``rank-N.error.json`` that the follower and the failure classes would read as one."""
+    return Path(run_dir) / LOGS_DIR / f"rank-{rank}.consequence.json"
+
+
 def stacks_path(run_dir: Path, rank: int) -> Path:
     """Where the watchdog dumps a hung rank's Python stacks (appended: one dump per hang)."""
     return Path(run_dir) / LOGS_DIR / f"stacks-rank-{rank}.txt"
@@ -69,3 +100,25 @@ def hang_marker_path(run_dir: Path, attempt: str) -> Path:
 def hang_decision_path(run_dir: Path, attempt: str) -> Path:
     """Rank 0's decision about a hang (exit status and why), which the other ranks wait for."""
     return Path(run_dir) / HEARTBEAT_DIR / f"hang-{attempt}.decided.json"
+
+
+def stop_notice_path(run_dir: Path, attempt: str) -> Path:
+    """Rank 0's word that it stops attempt ``attempt`` for a program that did not ask ``should_stop()``: every
+    rank leaves with the exit status it names (:mod:`hpc_train.run.stops`)."""
+    return Path(run_dir) / HEARTBEAT_DIR / f"stop-{attempt}.json"
+
+
+def stop_request_path(run_dir: Path, attempt: str) -> Path:
+    """Another rank's word that it has the signal and the grace period is over, for a rank 0 that did not get it."""
+    return Path(run_dir) / HEARTBEAT_DIR / f"stop-{attempt}.requested.json"
+
+
+def recovery_claim_path(run_dir: Path, attempt: str) -> Path:
+    """Made by the first rank of an attempt to fail, which alone decides whether the retry policy requeues it;
+    it holds that rank's number (the follower waits for its decision)."""
+    return Path(run_dir) / HEARTBEAT_DIR / f"recovery-{attempt}"
+
+
+def follower_cancel_path(run_dir: Path) -> Path:
+    """Why the login node's follower cancelled a job of this run (``status`` names it instead of a uid)."""
+    return Path(run_dir) / LOGS_DIR / "follower-cancel.json"

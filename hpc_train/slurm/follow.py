@@ -2,7 +2,9 @@
 
 Slurm state comes from one batched sacct call per poll for all followed jobs (:mod:`hpc_train.slurm.jobstate`);
 the poll interval backs off while nothing changes. A rank that fails leaves ``logs/rank-N.error.json``;
-the follower reports it at once and cancels the job if the other ranks do not end by themselves.
+the follower reports it at once and, if the other ranks do not end by themselves, cancels the job, unless
+anything is requeuing it (:mod:`hpc_train.slurm.cancel_policy`); either way it says why in one line, and a
+cancel is recorded in the run folder so that ``status`` names the follower, not a uid.
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ from rich.console import Console
 from rich.markup import escape
 
 from hpc_train.run.attempts import Attempt, AttemptLog
-from hpc_train.run.files import read_record_text
-from hpc_train.run.paths import LOGS_DIR, RANK_ERROR_GLOB, SUBMITIT_DIR, rank_log_path
+from hpc_train.run.files import atomic_write
+from hpc_train.run.paths import LOGS_DIR, SUBMITIT_DIR, follower_cancel_path, rank_log_path
+from hpc_train.slurm.cancel_policy import CancelDecision, decide_cancel, read_facts, read_failures
 from hpc_train.slurm.jobstate import SlurmQueryError, query_states
 
 __all__ = ["FollowedJob", "LogTail", "follow"]
@@ -57,6 +60,8 @@ class FollowedJob:
     done: bool = False
     failed_at: float | None = None
     preempted_at: float | None = None
+    submitted_at: float = field(default_factory=time.time)  # rank errors from before are an earlier job's
+    kept_for: str = ""  # why the follower did not cancel, as last said
     tail: LogTail = field(init=False)
 
     def __post_init__(self) -> None:
@@ -67,14 +72,11 @@ class FollowedJob:
         return str(self.job.job_id)
 
     def rank_errors(self) -> list[dict[str, Any]]:
-        errors = []
-        for path in sorted((self.run_dir / LOGS_DIR).glob(RANK_ERROR_GLOB)):
-            try:
-                errors.append(json.loads(read_record_text(path)))
-            except (ValueError, RecursionError):
-                continue  # being written right now: next poll
-        # The first rank to fail is the cause; the others usually fail because it went away.
-        return sorted(errors, key=lambda error: (error.get("time", 0.0), error.get("rank", 0)))
+        """This job's ranks' failures, earliest first (consequences of a stop are not among them)."""
+        return read_failures(self.run_dir, self.submitted_at)
+
+    def cancel_decision(self) -> CancelDecision:
+        return decide_cancel(read_facts(self.run_dir, self.job_id, self.state, self.submitted_at))
 
 
 def _poll(jobs: list[FollowedJob], executor: str) -> None:
@@ -163,6 +165,27 @@ def _report_failure(console: Console, job: FollowedJob) -> None:
     console.print(f"rank logs: {escape(str(job.run_dir / 'logs'))}")
 
 
+def _cancel_or_keep(console: Console, job: FollowedJob) -> None:
+    """A rank failed and the others did not stop: cancel, unless the job is being requeued (then look again at
+    the next poll). Says why in one line; a cancel is recorded for ``status``."""
+    decision = job.cancel_decision()
+    if not decision.cancel:
+        if decision.reason != job.kept_for:
+            console.print(f"[yellow]job {job.job_id}: not cancelled: {escape(decision.reason)}[/]")
+        job.kept_for = decision.reason
+        return
+    console.print(f"[red]job {job.job_id}: cancelling it: {escape(decision.reason)}[/]")
+    attempts = AttemptLog(job.run_dir).read()
+    record = {"job_id": job.job_id, "attempt_job_id": attempts[-1].job_id if attempts else "",
+              "time": time.time(), "by": "follower", "reason": decision.reason}
+    try:
+        atomic_write(follower_cancel_path(job.run_dir), json.dumps(record) + "\n")
+    except OSError as error:
+        console.print(f"[yellow]could not record the cancel in the run folder: {escape(str(error))}[/]")
+    job.job.cancel(check=False)
+    job.failed_at = float("inf")
+
+
 def follow(jobs: list[FollowedJob], executor: str, console: Console, poll_s: float = 0.5, max_poll_s: float = 5.0,
            cancel_after_s: float = 5.0, give_up_s: float = 120.0) -> int:
     """Follow until every job ends; 0 when all completed, else 1 (after reporting each failure).
@@ -201,8 +224,7 @@ def follow(jobs: list[FollowedJob], executor: str, console: Console, poll_s: flo
                     job.failed_at = time.monotonic()
                     console.print(f"[red]job {job.job_id}: a rank failed; waiting for the others to stop[/]")
                 if not job.done and job.failed_at and time.monotonic() - job.failed_at > cancel_after_s:
-                    job.job.cancel(check=False)
-                    job.failed_at = float("inf")
+                    _cancel_or_keep(console, job)
             if status:
                 status.update(", ".join(f"job {job.job_id}: {job.state}" for job in jobs))
             if all(job.done for job in jobs):

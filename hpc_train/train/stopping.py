@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -16,6 +15,7 @@ from hpc_train.distributed.collectives import broadcast_object
 from hpc_train.distributed.launchers import LaunchInfo
 from hpc_train.run.attempts import Attempt, AttemptLog, recommended_lead_seconds, requeues_so_far
 from hpc_train.run.exit_codes import EXIT_HUNG
+from hpc_train.run.node import node_name
 from hpc_train.train.preemption import Requeue, decide_requeue, perform_requeue
 from hpc_train.train.watchdog import Hang
 
@@ -42,7 +42,7 @@ class AttemptRecorder:
         self.current: Attempt | None = None
         if self.is_writer:
             self.current = self.attempts.begin(job_id=info.job_id or "", restart=info.restart,
-                                               host=socket.gethostname(), started=time.time(), start_step=start_step)
+                                               host=node_name(), started=time.time(), start_step=start_step)
 
     def step_time(self, seconds: float) -> None:
         self.step_s_max = max(self.step_s_max or 0.0, seconds)
@@ -84,7 +84,7 @@ class AttemptRecorder:
         decision = self.requeue_decision(requeue_signal, requeue_enabled, max_requeues) if self.is_writer else None
         return broadcast_object(decision, src=0)
 
-    def record_stop(self, step: int, signum: int, decision: Requeue, why: str = "") -> Requeue:
+    def record_stop(self, step: int | None, signum: int, decision: Requeue, why: str = "") -> Requeue:
         """Rank 0 carries out ``decision`` (``scontrol requeue``) and records the attempt as preempted; no
         collective, so it works after the program has left its process group. Returns what was done."""
         if not self.is_writer:
@@ -94,10 +94,15 @@ class AttemptRecorder:
                      note=f"{why}{done.reason}"[:500])
         return done
 
-    def completed(self, step: int) -> None:
+    def completed(self, step: int | None) -> None:
         self._finish(outcome="completed", end_step=step)
 
-    def failed(self, step: int, error: BaseException) -> None:
+    def failed(self, step: int | None, error: BaseException) -> None:
+        """The attempt failed, unless it had already ended: what a rank raises after its attempt was recorded
+        as stopped or requeued is a consequence of that (its peers left), never the attempt's cause."""
+        if self.current is not None and self.current.outcome != "running":
+            self.log(f"after the attempt ended ({self.current.outcome}): {error!r} (a consequence, not a failure)")
+            return
         self._finish(outcome="failed", end_step=step, note=repr(error)[:500])
 
     def stopped(self, step: int, signum: int, requeue_signal: bool, requeue_enabled: bool,
@@ -120,7 +125,7 @@ def decide_hang(run_dir: Path, info: LaunchInfo, recorder: AttemptRecorder | Non
     attempts = AttemptLog(run_dir)
     current = recorder.current if recorder is not None else None
     if current is None:  # hung before the trainer had opened the attempt (bootstrap, model, resume)
-        current = attempts.begin(job_id=info.job_id or "", restart=info.restart, host=socket.gethostname(),
+        current = attempts.begin(job_id=info.job_id or "", restart=info.restart, host=node_name(),
                                  started=time.time(), start_step=hang.step)
     hangs = sum(1 for a in attempts.read() if a.outcome == "hang" and a.job_id == current.job_id)
     env = dict(os.environ)

@@ -29,6 +29,7 @@ from hpc_train.distributed.launchers import LaunchInfo
 from hpc_train.distributed.mesh import ModelParallelUnit, ParallelGroups
 from hpc_train.distributed.topology import Topology
 from hpc_train.run.loglines import format_saved_after_signal
+from hpc_train.run.stops import attempt_key
 from hpc_train.train.checkpointing import Checkpointer
 from hpc_train.train.engine import build_engine
 from hpc_train.train.entry_points import UserCodeError
@@ -191,7 +192,7 @@ def _watchdog(rank: _Rank) -> Watchdog | None:
     def decide(hang: Any) -> tuple[int, str]:
         return decide_hang(run_dir, info, rank.recorder, hang, retries, log)
 
-    return Watchdog(run_dir, info.rank, info.world_size, f"{info.job_id or 'local'}.{info.restart}",
+    return Watchdog(run_dir, info.rank, info.world_size, attempt_key(info.job_id, info.restart),
                     Timeouts(wcfg.startup_timeout_s, wcfg.step_timeout_s, wcfg.checkpoint_timeout_s),
                     decide if info.rank == 0 else None, log)
 

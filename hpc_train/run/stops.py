@@ -1,0 +1,114 @@
+"""The stop of an attempt that hpc_train decides for a program that did not ask ``should_stop()``, as a file.
+
+Such a program is in the middle of its own loop when the grace period after a signal ends, so the ranks cannot
+agree through a collective: if rank 0 requeued and left alone, the others' next collective would break and
+their tracebacks would read as the run's failure. Rank 0 therefore publishes a notice in two phases:
+
+1. ``stopping``: the decision is made (requeue or not); every rank stops trusting its peers from here on, and
+   anything a rank raises now is a *consequence* of the stop, never a failure;
+2. ``done``: the requeue was carried out and the attempt recorded; every rank leaves with the notice's exit
+   status at the same moment.
+
+A rank other than 0 that has the signal when rank 0 has not asks for the stop with a request file. Plain JSON,
+no torch: the login side reads notices too (a follower never cancels a job whose attempt has stopped).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from hpc_train.run.files import atomic_write
+from hpc_train.run.paths import HEARTBEAT_DIR, stop_notice_path, stop_request_path
+
+__all__ = ["PHASES", "StopConsequence", "StopNotice", "attempt_key", "publish_notice", "read_notice",
+           "read_request", "request_stop", "wait_for_done"]
+
+PHASES = ("stopping", "done")
+
+
+def attempt_key(job_id: str | None, restart: int) -> str:
+    """How the ranks of one attempt name it in their coordination files (the watchdog's too)."""
+    return f"{job_id or 'local'}.{restart}"
+
+
+@dataclass(frozen=True)
+class StopNotice:
+    """Rank 0's stop of one attempt: what it does (``scontrol``, ``local``, ``none``), the status every rank
+    exits with, why, the signal and the program's last known step (None: the program never said)."""
+
+    attempt: str
+    phase: str
+    time: float
+    signal: str
+    action: str
+    exit_code: int
+    reason: str
+    step: int | None = None
+
+    @classmethod
+    def from_json(cls, text: str) -> StopNotice:
+        data = json.loads(text)
+        if not isinstance(data, dict) or data.get("phase") not in PHASES:
+            raise ValueError("not a stop notice")
+        step = data.get("step")
+        return cls(attempt=str(data["attempt"]), phase=str(data["phase"]), time=float(data["time"]),
+                   signal=str(data["signal"]), action=str(data["action"]), exit_code=int(data["exit_code"]),
+                   reason=str(data["reason"]), step=step if isinstance(step, int) else None)
+
+
+class StopConsequence(Exception):  # noqa: N818 - it is not an error of the program's: that is the point
+    """What a rank raised after its attempt was stopped (its peers left, a collective broke): recorded as a
+    consequence of the stop, never as the attempt's failure; the rank leaves with the stop's exit status."""
+
+    def __init__(self, error: BaseException, notice: StopNotice) -> None:
+        super().__init__(f"{error!r} after the attempt stopped on {notice.signal} ({notice.action})")
+        self.error, self.notice = error, notice
+
+
+def publish_notice(run_dir: Path, notice: StopNotice) -> None:
+    (Path(run_dir) / HEARTBEAT_DIR).mkdir(mode=0o700, exist_ok=True)
+    atomic_write(stop_notice_path(run_dir, notice.attempt), json.dumps(asdict(notice)) + "\n")
+
+
+def read_notice(run_dir: Path, attempt: str, since: float = 0.0) -> StopNotice | None:
+    """This attempt's notice, if rank 0 has published one at or after ``since`` (a restart of the local
+    executor reuses the attempt's name: an older notice belongs to an earlier run of it)."""
+    try:
+        notice = StopNotice.from_json(stop_notice_path(run_dir, attempt).read_text(encoding="utf-8"))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return notice if notice.attempt == attempt and notice.time >= since - 1 else None
+
+
+def wait_for_done(run_dir: Path, attempt: str, since: float, timeout_s: float,
+                  poll_s: float = 0.1) -> StopNotice | None:
+    """The ``done`` notice once rank 0 has published it, or None after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        notice = read_notice(run_dir, attempt, since)
+        if notice is not None and notice.phase == "done":
+            return notice
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(poll_s)
+
+
+def request_stop(run_dir: Path, attempt: str, rank: int, signal: str) -> None:
+    """A rank other than 0 with the signal: ask rank 0 to stop the attempt (rank 0 may not have the signal)."""
+    (Path(run_dir) / HEARTBEAT_DIR).mkdir(mode=0o700, exist_ok=True)
+    atomic_write(stop_request_path(run_dir, attempt),
+                 json.dumps({"attempt": attempt, "rank": rank, "signal": signal, "time": time.time()}) + "\n")
+
+
+def read_request(run_dir: Path, attempt: str, since: float = 0.0) -> str | None:
+    """The signal another rank asked rank 0 to stop for, if it asked at or after ``since``."""
+    try:
+        data = json.loads(stop_request_path(run_dir, attempt).read_text(encoding="utf-8"))
+        if data["attempt"] == attempt and float(data["time"]) >= since - 1:
+            return str(data["signal"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    return None

@@ -1,0 +1,123 @@
+"""Whether the follower on the login node may cancel a job one of whose ranks has failed: a pure decision.
+
+The follower cancels so that ranks left waiting on a dead peer do not burn the allocation until a collective
+times out. It must never cancel a job that is being requeued: a cancelled requeue ends ``CANCELLED`` and the run
+is lost. A requeue shows in several places, and any one of them is enough to keep the job:
+
+- Slurm's state: ``REQUEUED``, ``PENDING`` after a requeue, ``PREEMPTED``, a requeue hold;
+- the attempt record: rank 0 recorded the attempt as stopped or hung (requeued or stopping by itself);
+- the run folder: rank 0's stop notice for a program that did not ask ``should_stop()``, a rank that is still
+  deciding a retry (the recovery claim without its error record), an error the retry policy requeued.
+
+Only a failure the retry policy does not retry, with none of the above, is cancelled; the reason is one line.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hpc_train.run.attempts import Attempt, AttemptLog
+from hpc_train.run.files import read_record_text
+from hpc_train.run.paths import LOGS_DIR, RANK_ERROR_GLOB, recovery_claim_path
+from hpc_train.run.stops import attempt_key, read_notice
+
+__all__ = ["REQUEUING_STATES", "CancelDecision", "CancelFacts", "decide_cancel", "read_facts", "read_failures"]
+
+REQUEUING_STATES = frozenset({"REQUEUED", "REQUEUE_FED", "REQUEUE_HOLD", "PREEMPTED", "PENDING", "SUSPENDED"})
+STOPPING_OUTCOMES = ("preempted", "hang")  # rank 0 recorded a stop: the ranks leave by themselves
+
+
+@dataclass(frozen=True)
+class CancelFacts:
+    """What the follower knows of one job when a rank has failed."""
+
+    job_id: str
+    state: str  # Slurm's (sacct) or the local executor's
+    attempt: Attempt | None  # this job's newest attempt in attempts.jsonl
+    failures: tuple[dict[str, Any], ...]  # rank-N.error.json records of this job, earliest first
+    stop_phase: str | None = None  # rank 0's stop notice for this attempt: "stopping" or "done"
+    deciding_rank: int | None = None  # a rank that claimed the retry decision and has not written its record
+
+
+@dataclass(frozen=True)
+class CancelDecision:
+    cancel: bool
+    reason: str
+
+
+def decide_cancel(facts: CancelFacts) -> CancelDecision:
+    """Cancel only a job whose failure the retry policy does not retry and that nothing is requeuing."""
+    keep = _being_requeued(facts)
+    if keep:
+        return CancelDecision(False, keep)
+    if not facts.failures:
+        return CancelDecision(False, "no rank reported a failure of its own")
+    first = facts.failures[0]
+    return CancelDecision(True, f"rank {first.get('rank')} on {first.get('host') or '?'} failed with "
+                                f"{str(first.get('error', ''))[:200]}, which the retry policy does not retry, and "
+                                "the other ranks did not stop by themselves")
+
+
+def _being_requeued(facts: CancelFacts) -> str:
+    """Why the job must be kept, or "" when nothing is requeuing or stopping it."""
+    if facts.state in REQUEUING_STATES:
+        return f"job {facts.job_id} is {facts.state}: it is being requeued"
+    attempt = facts.attempt
+    if attempt is not None and attempt.outcome in STOPPING_OUTCOMES:
+        how = "and requeued" if attempt.requeued else "and its ranks are leaving"
+        return f"attempt {attempt.attempt} was recorded as {attempt.outcome} {how}"
+    if facts.stop_phase is not None:
+        return f"rank 0 is stopping the attempt for the signal ({facts.stop_phase})"
+    if facts.deciding_rank is not None:
+        return f"rank {facts.deciding_rank} is deciding whether the retry policy requeues its error"
+    retried = [f for f in facts.failures if f.get("requeued") is True]
+    if retried:
+        return f"rank {retried[0].get('rank')}'s error was retried: the job is being requeued"
+    return ""
+
+
+def read_failures(run_dir: Path, since: float = 0.0) -> list[dict[str, Any]]:
+    """Every ``rank-N.error.json`` written at or after ``since`` (an earlier submission's are history), earliest
+    first. A rank's consequences of a stop are in ``rank-N.consequence.json`` and never count here."""
+    errors = []
+    for path in sorted((Path(run_dir) / LOGS_DIR).glob(RANK_ERROR_GLOB)):
+        try:
+            error = json.loads(read_record_text(path))
+        except (ValueError, RecursionError):
+            continue  # being written right now: next poll
+        if not isinstance(error, dict):
+            continue
+        when = error.get("time", 0.0)
+        if isinstance(when, int | float) and when >= since:
+            errors.append(error)
+    # The first rank to fail is the cause; the others usually fail because it went away.
+    return sorted(errors, key=lambda error: (error.get("time", 0.0), error.get("rank", 0)))
+
+
+def read_facts(run_dir: Path, job_id: str, state: str, since: float = 0.0) -> CancelFacts:
+    """The facts :func:`decide_cancel` takes, from the run folder (attempts, stop notice, recovery claim) as
+    this submission (made at ``since``) left it: a run folder is followed by one job at a time, and an array
+    task's attempts carry Slurm's own job id, not the task's."""
+    attempts = [a for a in AttemptLog(run_dir).read() if a.started >= since - 1]
+    attempt = attempts[-1] if attempts else None
+    failures = tuple(read_failures(run_dir, since))
+    stop_phase = deciding = None
+    if attempt is not None:
+        key = attempt_key(attempt.job_id, attempt.restart)
+        notice = read_notice(run_dir, key, attempt.started)
+        stop_phase = notice.phase if notice is not None else None
+        deciding = _claimant(run_dir, key)
+        if deciding is not None and any(f.get("rank") == deciding for f in failures):
+            deciding = None  # it has decided: its record says whether it requeued
+    return CancelFacts(job_id, state, attempt, failures, stop_phase, deciding)
+
+
+def _claimant(run_dir: Path, key: str) -> int | None:
+    try:
+        text = recovery_claim_path(run_dir, key).read_text(encoding="utf-8").strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
