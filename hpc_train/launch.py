@@ -76,8 +76,7 @@ def _run_rank(run_dir: Path, plan: Plan, watch: PreemptionWatch | None) -> dict[
     rank_error_path(run_dir, info.rank).unlink(missing_ok=True)  # from an earlier attempt
     rank_consequence_path(run_dir, info.rank).unlink(missing_ok=True)
     logger.info("%s", format_start(info.launcher, info.rank, info.world_size, info.local_rank, info.local_world_size,
-                                   info.node_rank, info.num_nodes, info.job_id, info.restart,
-                                   node_name()))
+                                   info.node_rank, info.num_nodes, info.job_id, info.restart, node_name()))
     _prepare_fabric(run_dir, plan, info.local_rank, logger)
     on_slurm = bool(os.environ.get("SLURM_JOB_ID")) and os.environ.get("SUBMITIT_EXECUTOR") != "local"
     program = plan.config.job.program
@@ -98,16 +97,7 @@ def _run_rank(run_dir: Path, plan: Plan, watch: PreemptionWatch | None) -> dict[
         _record_consequence(run_dir, info.rank, stop, logger)
         raise SystemExit(stop.notice.exit_code) from None
     except BaseException as error:
-        text = _traceback_text(error)
-        logger.error("failed:\n%s", text)
-        requeued = False
-        if on_slurm and program != "smoke" and not isinstance(error, SystemExit):
-            requeued = _requeue_after_error(run_dir, plan, info, repr(error), text, logger)
-        # Written after the retry policy has acted, saying what it did: a follower on the login node never
-        # cancels a job that one of its ranks is requeuing.
-        report = {"rank": info.rank, "host": node_name(), "time": time.time(), "error": repr(error),
-                  "traceback": text, "requeued": requeued}
-        atomic_write(rank_error_path(run_dir, info.rank), json.dumps(report, indent=2) + "\n")
+        _record_failure(run_dir, plan, info, error, on_slurm and program != "smoke", logger)
         raise
     if "stopped" in result:  # saved after a preemption signal: leave without a result, with the agreed status
         stopped = result["stopped"]
@@ -130,6 +120,20 @@ def _run_rank(run_dir: Path, plan: Plan, watch: PreemptionWatch | None) -> dict[
     if info.launcher != "single":  # a launcher's rank process, not someone's own Python calling run_rank
         exit_quickly_when_done()
     return result
+
+
+def _record_failure(run_dir: Path, plan: Plan, info: Any, error: BaseException, may_retry: bool,
+                    logger: logging.Logger) -> None:
+    """The rank's traceback in its log and ``rank-N.error.json``, written after the retry policy has acted and
+    saying what it did: a follower on the login node never cancels a job that one of its ranks is requeuing."""
+    text = _traceback_text(error)
+    logger.error("failed:\n%s", text)
+    requeued = False
+    if may_retry and not isinstance(error, SystemExit):
+        requeued = _requeue_after_error(run_dir, plan, info, repr(error), text, logger)
+    report = {"rank": info.rank, "host": node_name(), "time": time.time(), "error": repr(error),
+              "traceback": text, "requeued": requeued}
+    atomic_write(rank_error_path(run_dir, info.rank), json.dumps(report, indent=2) + "\n")
 
 
 def _record_consequence(run_dir: Path, rank: int, stop: StopConsequence, logger: logging.Logger) -> None:

@@ -23,7 +23,7 @@ HEAVY = ("torch", "deepspeed", "numpy", "mpi4py")
 LOGIN_ROOMS = ("hpc_train", "hpc_train.__main__", "hpc_train.submit", "hpc_train.errors", "hpc_train.resources",
                "hpc_train.config", "hpc_train.run", "hpc_train.slurm", "hpc_train.cli", "hpc_train.ops",
                "hpc_train.doctor", "hpc_train.fabric", "hpc_train.ckpt.cli", "hpc_train.ckpt.manifest",
-               "hpc_train.bench.cli", "hpc_train.bench.report", "hpc_train.launch")
+               "hpc_train.bench.cli", "hpc_train.bench.report", "hpc_train.launch", "hpc_train.integrations")
 MAX_FILE_LINES = 500
 MAX_FUNCTION_LINES = 60
 
@@ -192,6 +192,7 @@ ROOMS = {  # room: module prefixes, longest match wins
     "ckpt": ("hpc_train.ckpt",),
     "export": ("hpc_train.ckpt.export",),
     "bench": ("hpc_train.bench",),
+    "integrations": ("hpc_train.integrations",),
 }
 _LOW = {"base", "run", "pure", "fabric"}
 ALLOWED = {
@@ -208,6 +209,7 @@ ALLOWED = {
     "train": _LOW | {"config", "distributed", "ckpt"},
     "export": _LOW | {"config", "ckpt", "train"},
     "bench": _LOW | {"distributed"},
+    "integrations": {"base", "program"},  # program only inside functions: importable on a login node
     "commands": _LOW | {"config", "ops", "slurm", "doctor", "ckpt", "export", "bench", "train", "distributed"},
 }
 
