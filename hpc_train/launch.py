@@ -14,7 +14,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from hpc_train.config.plan import Plan
 from hpc_train.errors import ConfigError
@@ -33,7 +33,7 @@ from hpc_train.run.paths import (
     rank_error_path,
     rank_log_path,
 )
-from hpc_train.run.quick_exit import exit_quickly_when_done
+from hpc_train.run.quick_exit import exit_quickly_when_done, leave_now
 from hpc_train.run.stops import StopConsequence
 from hpc_train.train.preemption import PreemptionWatch
 
@@ -95,7 +95,7 @@ def _run_rank(run_dir: Path, plan: Plan, watch: PreemptionWatch | None) -> dict[
             result = run_program(plan, info, run_dir, logger.info, watch)
     except StopConsequence as stop:  # a peer had left on the stop: the stop's status, not a failure's
         _record_consequence(run_dir, info.rank, stop, logger)
-        raise SystemExit(stop.notice.exit_code) from None
+        _leave(info, stop.notice.exit_code)
     except BaseException as error:
         _record_failure(run_dir, plan, info, error, on_slurm and program != "smoke", logger)
         raise
@@ -103,7 +103,7 @@ def _run_rank(run_dir: Path, plan: Plan, watch: PreemptionWatch | None) -> dict[
         stopped = result["stopped"]
         logger.info("%s", format_stopped(stopped["step"], stopped["signal"], stopped["requeue"], stopped["reason"],
                                          stopped["exit_code"]))
-        raise SystemExit(stopped["exit_code"])
+        _leave(info, stopped["exit_code"])
     if "all_reduce" in result:
         logger.info("smoke: all_reduce of ranks = %s (expected %s) over %s, rendezvous %s; groups %s",
                     result["all_reduce"], result["expected"], result["backend"], result["rendezvous"],
@@ -120,6 +120,14 @@ def _run_rank(run_dir: Path, plan: Plan, watch: PreemptionWatch | None) -> dict[
     if info.launcher != "single":  # a launcher's rank process, not someone's own Python calling run_rank
         exit_quickly_when_done()
     return result
+
+
+def _leave(info: Any, code: int) -> NoReturn:
+    """A stopped rank's exit with the agreed status: at once from a launcher's rank process (inside the signal
+    handlers, see :func:`leave_now`), as ``SystemExit`` where someone's own Python called :func:`run_rank`."""
+    if info.launcher != "single":
+        leave_now(code)
+    raise SystemExit(code)
 
 
 def _record_failure(run_dir: Path, plan: Plan, info: Any, error: BaseException, may_retry: bool,

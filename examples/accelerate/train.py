@@ -57,6 +57,7 @@ def main() -> None:
     parser.add_argument("--step-sleep", type=float, default=0.0)
     parser.add_argument("--checkpoints", default="accelerate-checkpoints")
     parser.add_argument("--out", default="")
+    parser.add_argument("--step-log", default="", help="append 'STEP TIME' for each step trained (rank 0)")
     parser.add_argument("--plain", action="store_true", help="accelerate alone: leave hpc_train's checkpoints out")
     args = parser.parse_args()
 
@@ -86,6 +87,9 @@ def main() -> None:
             optimizer.zero_grad()
             time.sleep(args.step_sleep)  # a slower step, for trying preemption by hand
             step += 1
+            if args.step_log and accelerator.is_main_process:  # each step trained, when (for measuring a restart)
+                with open(args.step_log, "a", encoding="utf-8") as out:
+                    out.write(f"{step} {time.time()}\n")
             if checkpoints.step_end(step, loss=loss.detach()) or step == args.steps:
                 stopped = step < args.steps
                 break

@@ -19,7 +19,7 @@ import time
 import torch
 from torch import nn
 from torch.utils.data import Dataset
-from transformers import Trainer, TrainingArguments
+from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_utils import get_last_checkpoint
 
 
@@ -49,6 +49,18 @@ class Classifier(nn.Module):
         return {"loss": nn.functional.cross_entropy(logits, labels), "logits": logits}
 
 
+class StepLog(TrainerCallback):
+    """Each step trained and when (rank 0), for measuring a restart."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_step_end(self, args: TrainingArguments, state: object, control: object, **kwargs: object) -> None:
+        if getattr(state, "is_world_process_zero", False):
+            with open(self.path, "a", encoding="utf-8") as out:
+                out.write(f"{getattr(state, 'global_step', 0)} {time.time()}\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=60)
@@ -56,15 +68,16 @@ def main() -> None:
     parser.add_argument("--step-sleep", type=float, default=0.0)
     parser.add_argument("--output-dir", default="hf-output")
     parser.add_argument("--out", default="")
+    parser.add_argument("--step-log", default="", help="append 'STEP TIME' for each step trained (rank 0)")
     parser.add_argument("--plain", action="store_true", help="transformers alone: leave hpc_train's callback out")
     args = parser.parse_args()
 
     training = TrainingArguments(output_dir=args.output_dir, max_steps=args.steps, per_device_train_batch_size=16,
-                                 learning_rate=0.05, optim="sgd", lr_scheduler_type="constant", save_steps=args.save_every,
-                                 save_total_limit=2, logging_steps=1, report_to=[], use_cpu=True, seed=0, data_seed=0,
-                                 ddp_backend="gloo" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None,
-                                 disable_tqdm=True)
-    callbacks = []
+                                 learning_rate=0.05, optim="sgd", lr_scheduler_type="constant",
+                                 save_steps=args.save_every, save_total_limit=2, logging_steps=1, report_to=[],
+                                 use_cpu=True, seed=0, data_seed=0, disable_tqdm=True,
+                                 ddp_backend="gloo" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None)
+    callbacks: list[TrainerCallback] = [StepLog(args.step_log)] if args.step_log else []
     if not args.plain:
         from hpc_train.integrations.transformers import HpcTrainCallback
 

@@ -5,8 +5,10 @@
 
 A small MLP classifier on synthetic data, ``ModelCheckpoint`` every ``--save-every`` steps with ``save_last``,
 and ``fit(..., ckpt_path="last")``, so a requeued run resumes from its own last checkpoint. The train loader is
-torchdata's ``StatefulDataLoader``, which Lightning saves in every checkpoint: a checkpoint in the middle of an
-epoch resumes at the next batch, not at the epoch's start. With the callback, a preemption saves ``last.ckpt`` at
+torchdata's ``StatefulDataLoader`` over its ``StatefulDistributedSampler`` (``use_distributed_sampler=False``),
+which Lightning saves in every checkpoint: a checkpoint in the middle of an epoch resumes at the next batch, not
+at the epoch's start (with Lightning 2.6's own sampler in its place, a mid-epoch resume on 2 ranks drew another
+order). With the callback, a preemption saves ``last.ckpt`` at
 the step the signal arrived and ``fit`` returns on every rank: no step is lost or trained twice.
 """
 
@@ -22,6 +24,7 @@ from pytorch_lightning.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import TensorDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
+from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
 
 def dataset(samples: int = 512) -> TensorDataset:
@@ -32,16 +35,19 @@ def dataset(samples: int = 512) -> TensorDataset:
 
 
 class Classifier(pl.LightningModule):
-    def __init__(self, lr: float, step_sleep: float) -> None:
+    def __init__(self, lr: float, step_sleep: float, step_log: str) -> None:
         super().__init__()
         self.net = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4))
-        self.lr, self.step_sleep = lr, step_sleep
+        self.lr, self.step_sleep, self.step_log = lr, step_sleep, step_log
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         features, labels = batch
         loss = nn.functional.cross_entropy(self.net(features), labels)
         self.log("train_loss", loss)
         time.sleep(self.step_sleep)  # a slower step, for trying preemption by hand
+        if self.step_log and self.trainer.is_global_zero:  # each step trained, when (for measuring a restart)
+            with open(self.step_log, "a", encoding="utf-8") as out:
+                out.write(f"{self.trainer.global_step + 1} {time.time()}\n")
         return loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
@@ -56,6 +62,7 @@ def main() -> None:
     parser.add_argument("--step-sleep", type=float, default=0.0)
     parser.add_argument("--checkpoints", default="checkpoints")
     parser.add_argument("--out", default="")
+    parser.add_argument("--step-log", default="", help="append 'STEP TIME' for each step trained (rank 0)")
     parser.add_argument("--plain", action="store_true", help="Lightning alone: leave hpc_train's callback out")
     args = parser.parse_args()
 
@@ -69,9 +76,12 @@ def main() -> None:
         callbacks.append(HpcTrainCallback())
     trainer = pl.Trainer(max_steps=args.steps, accelerator="cpu", devices=local, num_nodes=world // local,
                          strategy="ddp" if world > 1 else "auto", callbacks=callbacks, logger=False,
-                         enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1)
-    model = Classifier(args.lr, args.step_sleep)
-    loader = StatefulDataLoader(dataset(), batch_size=16, shuffle=True)
+                         enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1,
+                         use_distributed_sampler=False)
+    model = Classifier(args.lr, args.step_sleep, args.step_log)
+    data = dataset()
+    sampler = StatefulDistributedSampler(data, num_replicas=world, rank=int(os.environ.get("RANK", "0")), seed=0)
+    loader = StatefulDataLoader(data, batch_size=16, sampler=sampler)
     trainer.fit(model, loader, ckpt_path="last")
     if trainer.global_rank == 0 and args.out and trainer.global_step == args.steps:
         torch.save(model.state_dict(), args.out)

@@ -36,6 +36,9 @@ _ERROR_TEXT = re.compile(r"Traceback \(most recent call last\)|\berror\b|\bKille
 _RANK_PREFIX = re.compile(r"\[rank[0-9]+\]:")  # torch's prefix on a rank's stderr lines
 # Logged at INFO but what an operator looks for: the watchdog, the straggler check, a preemption signal and its save
 _NOTICE = re.compile(r"(hang|straggler)\b|SIG[A-Z0-9]+ received|saved step [0-9]+ .* after SIG")
+# Slurm's own word that it ended a step to requeue or preempt the job (slurmstepd writes it as "error:"): the
+# requeue that hpc_train or the scheduler asked for, worth seeing, never a failure
+_SCHEDULER_NOTICE = re.compile(r"CANCELLED AT \S+ DUE TO (JOB REQUEUE|PREEMPTION)")
 _MAX_BYTES = 64 << 20  # per file: a longer log is read from its last 64 MiB (and the view says so)
 
 
@@ -61,6 +64,8 @@ class LogRecord:
         if any("Traceback (most recent call last)" in line for line in (self.text, *self.more)):
             return "error"
         if self.rank is None:
+            if _SCHEDULER_NOTICE.search(self.text):
+                return "warning"
             return "error" if _ERROR_TEXT.search(self.text) else ""
         if self.level == "WARNING" or _NOTICE.match(self.text):
             return "warning"

@@ -444,7 +444,8 @@ def _details(s: RunStatus, now: float) -> list[Any]:
         for column in ("#", "job", "restart", "start", "end", "outcome", "steps", "why"):
             table.add_column(column)
         for a in s.attempts:
-            steps = f"{a.start_step}->{a.end_step if a.end_step is not None else '...'}"
+            end = a.end_step if a.end_step is not None else "..." if a.outcome == "running" else "?"
+            steps = f"{a.start_step}->{end}"
             why = a.failure["reason"] if a.failure else a.note
             table.add_row(str(a.attempt), shown(a.job_id), str(a.restart), _clock(a.started), _clock(a.ended),
                           Text(a.outcome, style=_STYLE.get(a.outcome.upper(), "")), steps, shown(why))

@@ -8,6 +8,7 @@ default process group when the script has not (and joins the one it started when
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +49,7 @@ class Session:
     start_watchdog: Callable[[], Watchdog | None]
     context: RunContext | None = None
     owns_group: bool = False
+    started: float = dataclasses.field(default_factory=time.time)  # notices older than this are an earlier run's
 
     def progress(self, phase: str, step: int | None = None) -> None:
         watchdog = self.start_watchdog()

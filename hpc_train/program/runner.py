@@ -13,6 +13,7 @@ import contextlib
 import os
 import runpy
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -24,10 +25,10 @@ from hpc_train.distributed.launchers import LaunchInfo
 from hpc_train.distributed.rendezvous import check_resolves, choose_rendezvous, export_rendezvous
 from hpc_train.program.context import RunContext, Session, context, open_session
 from hpc_train.program.stop import UnaskedStop
-from hpc_train.run.stops import attempt_key
+from hpc_train.run.stops import StopNotice, attempt_key, publish_notice, wait_for_done
 from hpc_train.train.entry_points import UserCodeError, load_callable
 from hpc_train.train.monitor import LogLines
-from hpc_train.train.preemption import PreemptionWatch
+from hpc_train.train.preemption import PreemptionWatch, Requeue
 from hpc_train.train.stopping import AttemptRecorder, decide_hang, signal_name
 from hpc_train.train.watchdog import Timeouts, Watchdog
 
@@ -136,6 +137,9 @@ def run_program(plan: Plan, info: LaunchInfo, run_dir: Path, log: Callable[[str]
                 _run_script(plan, info, program)
             else:
                 _call(function, program)
+            notice = unasked.returned_meanwhile()
+        if notice is not None:  # rank 0 stopped the attempt: leave with it, never as completed
+            return _stopped_meanwhile(session, program, notice)
         return _finish(session, program)
     except BaseException as error:
         consequence = unasked.consequence(error)
@@ -152,6 +156,29 @@ def run_program(plan: Plan, info: LaunchInfo, run_dir: Path, log: Callable[[str]
         open_session(None)
 
 
+def _record_asked_stop(session: Session, step: int | None, signum: int, decision: Requeue) -> Requeue:
+    """Rank 0 requeues and records, then publishes the stop's ``done`` notice; the other ranks leave only once
+    it is there (no collective: the program may have destroyed its process group), so none ends the job under
+    rank 0 (srun's --kill-on-bad-exit) before the attempt is recorded."""
+    info, run_dir = session.info, session.run_dir
+    key = attempt_key(info.job_id, info.restart)
+    if info.rank == 0:
+        done = session.recorder.record_stop(step, signum, decision)
+        publish_notice(run_dir, StopNotice(key, "done", time.time(), signal_name(signum), done.action,
+                                           done.exit_code, done.reason, step))
+        return done
+    notice = wait_for_done(run_dir, key, session.started, timeout_s=90)
+    return Requeue(notice.action, notice.exit_code, notice.reason) if notice is not None else decision
+
+
+def _stopped_meanwhile(session: Session, program: Program, notice: StopNotice) -> dict[str, Any]:
+    """This rank's result when the program returned while rank 0 stopped the attempt (rank 0 recorded it)."""
+    info = session.info
+    return {"rank": info.rank, "program": program.text(), "world_size": info.world_size, "launcher": info.launcher,
+            "step": notice.step, "stopped": {"signal": notice.signal, "step": notice.step, "requeue": notice.action,
+                                             "exit_code": notice.exit_code, "reason": notice.reason}}
+
+
 def _finish(session: Session, program: Program) -> dict[str, Any]:
     """Completed, or stopped after ``should_stop()`` said True (rank 0 records and requeues)."""
     ctx: RunContext | None = session.context
@@ -163,7 +190,7 @@ def _finish(session: Session, program: Program) -> dict[str, Any]:
         ctx.checkpoint.finish()  # collective: a background save is committed before the attempt ends
     if ctx is not None and ctx.stop.decision is not None:
         ctx.stop.settle()
-        done = session.recorder.record_stop(step, ctx.stop.signum, ctx.stop.decision)
+        done = _record_asked_stop(session, step, ctx.stop.signum, ctx.stop.decision)
         result["stopped"] = {"signal": signal_name(ctx.stop.signum), "step": step, "requeue": done.action,
                              "exit_code": done.exit_code, "reason": done.reason}
         return result

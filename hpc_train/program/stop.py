@@ -133,14 +133,15 @@ class UnaskedStop:
                  asked: Callable[[], threading.Event | None], last_step: Callable[[], int | None],
                  log: Callable[[str], None], run_dir: Path, attempt: str,
                  exit: Callable[[int], None] = os._exit, *, poll_s: float = 0.2, done_timeout_s: float = 90.0,
-                 linger_s: float = 1.0) -> None:
+                 linger_s: float = 1.5) -> None:
         self.plan, self.rank, self.watch, self.recorder = plan, rank, watch, recorder
         self.asked, self.last_step, self.log, self._exit = asked, last_step, log, exit
         self.run_dir, self.attempt = run_dir, attempt
         self.grace_s = grace_seconds(plan.lead_seconds)
         self.poll_s = poll_s
         self.done_timeout_s = done_timeout_s  # rank 0 may spend 60 s in scontrol: the others wait longer
-        self.linger_s = linger_s  # rank 0 leaves this long after "done", so the others leave first or with it
+        self.linger_s = linger_s  # rank 0 leaves this long after "done": the others (polling each second until
+        # they see "stopping", then every 0.1 s) leave first
         self.started = time.time()
         self.stopping = threading.Event()  # set before any rank may leave: from here on peers break
         self._done = threading.Event()
@@ -164,6 +165,15 @@ class UnaskedStop:
         done = wait_for_done(self.run_dir, self.attempt, self.started, self.done_timeout_s)
         return StopConsequence(error, done or notice or StopNotice(
             self.attempt, "done", time.time(), "?", "none", EXIT_STOPPED, "rank 0 published no stop"))
+
+    def returned_meanwhile(self) -> StopNotice | None:
+        """The program returned by itself while this attempt stops (a library that ends its loop on the SIGTERM
+        of the requeue): the stop's ``done`` notice, which the rank leaves with; None when no stop is under way
+        (or the program asked ``should_stop()``: then it stopped by itself, and ``_finish`` records it)."""
+        if self._program_asks() or (read_notice(self.run_dir, self.attempt, self.started) is None
+                                    and not self.stopping.is_set()):
+            return None
+        return wait_for_done(self.run_dir, self.attempt, self.started, self.done_timeout_s)
 
     def _program_asks(self) -> bool:
         event = self.asked()

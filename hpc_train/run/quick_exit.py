@@ -19,7 +19,7 @@ import os
 import sys
 from typing import Any
 
-__all__ = ["exit_quickly_when_done"]
+__all__ = ["exit_quickly_when_done", "leave_now"]
 
 
 def _finalize_mpi() -> None:
@@ -27,6 +27,18 @@ def _finalize_mpi() -> None:
     mpi = sys.modules.get("mpi4py.MPI")
     if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
         mpi.Finalize()
+
+
+def leave_now(code: int) -> None:
+    """Leave at once with ``code``, logs and streams flushed: a rank that stopped on a signal, while its signal
+    handlers still hold SIGTERM (the requeue rank 0 asked for sends it to every rank; a rank that took it in the
+    interpreter's teardown would end "Terminated", which srun reports as an error)."""
+    _finalize_mpi()
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
 
 
 def exit_quickly_when_done() -> None:
