@@ -65,8 +65,10 @@ def _build(pl: Any) -> type:
                 self._ctx = started_context()  # collective once: the process group is Lightning's
 
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            if self._ctx is None:
+                return  # not a run hpc_train started
             step = int(trainer.global_step)
-            if self._ctx is None or step == self._seen_step:
+            if step == self._seen_step:
                 return  # accumulating gradients: no optimizer step, nothing to stop at
             self._seen_step = step
             self._ctx.log(step, **scalars(trainer.callback_metrics))

@@ -59,6 +59,7 @@ from hpc_train.run.exit_codes import (
     LOCAL_REQUEUE_EXIT,
 )
 from hpc_train.run.loglines import LAUNCH_ERROR_PREFIX, NOT_IN_COLLECTIVE, RANK_LINE, parse_stop, rank_line_time
+from hpc_train.run.peer_errors import PEER_LOST
 from hpc_train.run.stacks import in_collective
 
 __all__ = ["CLASSES", "Classification", "classify", "is_hardware_fault"]
@@ -88,9 +89,7 @@ _NETWORK = re.compile(r"unhandled system error|NET/IB|ibv_\w+ failed|IBV_WC_\w+|
 _TIMEOUT = re.compile(r"Watchdog caught collective operation timeout|collective operation timeout|NCCL timeout|"
                       r"Timeout\(ms\)=|Timed out waiting [0-9]+ ?ms|[Gg]loo.*[Tt]imed out|Socket Timeout|"
                       r"Application timeout caused pair closure")
-_SECONDARY = re.compile(r"Connection closed by peer|Connection reset by peer|Broken pipe|ncclRemoteError|"
-                        r"remote process exited|NCCL communicator was aborted|Some NCCL operations have failed|"
-                        r"DistNetworkError|failed to recv, got 0 bytes|ProcessGroup\w* .*abort", re.IGNORECASE)
+_SECONDARY = PEER_LOST
 _NOT_PRIMARY = re.compile(r"^(SystemExit|KeyboardInterrupt|GeneratorExit)\b")
 _FRAME = re.compile(r'File "([^"]+)", line ([0-9]+)(?:, in (\S+))?')
 _SLURM_DUE = re.compile(r"\*\*\* (?:JOB|STEP) \S+ ON (\S+) CANCELLED AT \S+(?: DUE TO ([A-Z ]+?))? \*\*\*")

@@ -9,6 +9,9 @@ is lost. A requeue shows in several places, and any one of them is enough to kee
 - the run folder: rank 0's stop notice for a program that did not ask ``should_stop()``, a rank that is still
   deciding a retry (the recovery claim without its error record), an error the retry policy requeued.
 
+Ranks whose errors only say that a peer went away ("Connection closed by peer", an aborted communicator) are
+waiting on the cause: a rank that has not written its error yet, or a node that died, which Slurm takes a while
+to declare (``NODE_FAIL``) before it requeues the job. The follower gives such a job :data:`PEER_PATIENCE_S`.
 Only a failure the retry policy does not retry, with none of the above, is cancelled; the reason is one line.
 """
 
@@ -22,12 +25,15 @@ from typing import Any
 from hpc_train.run.attempts import Attempt, AttemptLog
 from hpc_train.run.files import read_record_text
 from hpc_train.run.paths import LOGS_DIR, RANK_ERROR_GLOB, recovery_claim_path
+from hpc_train.run.peer_errors import lost_its_peer
 from hpc_train.run.stops import attempt_key, read_notice
 
-__all__ = ["REQUEUING_STATES", "CancelDecision", "CancelFacts", "decide_cancel", "read_facts", "read_failures"]
+__all__ = ["PEER_PATIENCE_S", "REQUEUING_STATES", "CancelDecision", "CancelFacts", "decide_cancel", "read_facts",
+           "read_failures"]
 
 REQUEUING_STATES = frozenset({"REQUEUED", "REQUEUE_FED", "REQUEUE_HOLD", "PREEMPTED", "PENDING", "SUSPENDED"})
 STOPPING_OUTCOMES = ("preempted", "hang")  # rank 0 recorded a stop: the ranks leave by themselves
+PEER_PATIENCE_S = 120.0  # Slurm's SlurmdTimeout is often 100-300 s; a rank that only lost its peers can wait
 
 
 @dataclass(frozen=True)
@@ -40,6 +46,7 @@ class CancelFacts:
     failures: tuple[dict[str, Any], ...]  # rank-N.error.json records of this job, earliest first
     stop_phase: str | None = None  # rank 0's stop notice for this attempt: "stopping" or "done"
     deciding_rank: int | None = None  # a rank that claimed the retry decision and has not written its record
+    waited_s: float = 0.0  # since the first failure was seen
 
 
 @dataclass(frozen=True)
@@ -55,7 +62,7 @@ def decide_cancel(facts: CancelFacts) -> CancelDecision:
         return CancelDecision(False, keep)
     if not facts.failures:
         return CancelDecision(False, "no rank reported a failure of its own")
-    first = facts.failures[0]
+    first = next((f for f in facts.failures if not lost_its_peer(str(f.get("error", "")))), facts.failures[0])
     return CancelDecision(True, f"rank {first.get('rank')} on {first.get('host') or '?'} failed with "
                                 f"{str(first.get('error', ''))[:200]}, which the retry policy does not retry, and "
                                 "the other ranks did not stop by themselves")
@@ -76,6 +83,11 @@ def _being_requeued(facts: CancelFacts) -> str:
     retried = [f for f in facts.failures if f.get("requeued") is True]
     if retried:
         return f"rank {retried[0].get('rank')}'s error was retried: the job is being requeued"
+    if facts.failures and facts.waited_s < PEER_PATIENCE_S and all(
+            lost_its_peer(str(f.get("error", ""))) for f in facts.failures):
+        ranks = ", ".join(str(f.get("rank")) for f in facts.failures)
+        return (f"rank {ranks} only lost a peer: waiting up to {PEER_PATIENCE_S:.0f} s for the failing rank's own "
+                "error or Slurm's node-failure requeue")
     return ""
 
 
@@ -97,7 +109,7 @@ def read_failures(run_dir: Path, since: float = 0.0) -> list[dict[str, Any]]:
     return sorted(errors, key=lambda error: (error.get("time", 0.0), error.get("rank", 0)))
 
 
-def read_facts(run_dir: Path, job_id: str, state: str, since: float = 0.0) -> CancelFacts:
+def read_facts(run_dir: Path, job_id: str, state: str, since: float = 0.0, waited_s: float = 0.0) -> CancelFacts:
     """The facts :func:`decide_cancel` takes, from the run folder (attempts, stop notice, recovery claim) as
     this submission (made at ``since``) left it: a run folder is followed by one job at a time, and an array
     task's attempts carry Slurm's own job id, not the task's."""
@@ -112,7 +124,7 @@ def read_facts(run_dir: Path, job_id: str, state: str, since: float = 0.0) -> Ca
         deciding = _claimant(run_dir, key)
         if deciding is not None and any(f.get("rank") == deciding for f in failures):
             deciding = None  # it has decided: its record says whether it requeued
-    return CancelFacts(job_id, state, attempt, failures, stop_phase, deciding)
+    return CancelFacts(job_id, state, attempt, failures, stop_phase, deciding, waited_s)
 
 
 def _claimant(run_dir: Path, key: str) -> int | None:

@@ -62,6 +62,7 @@ class FollowedJob:
     preempted_at: float | None = None
     submitted_at: float = field(default_factory=time.time)  # rank errors from before are an earlier job's
     kept_for: str = ""  # why the follower did not cancel, as last said
+    first_failure_at: float | None = None  # monotonic: when a rank's failure was first seen
     tail: LogTail = field(init=False)
 
     def __post_init__(self) -> None:
@@ -76,7 +77,8 @@ class FollowedJob:
         return read_failures(self.run_dir, self.submitted_at)
 
     def cancel_decision(self) -> CancelDecision:
-        return decide_cancel(read_facts(self.run_dir, self.job_id, self.state, self.submitted_at))
+        waited = time.monotonic() - self.first_failure_at if self.first_failure_at is not None else 0.0
+        return decide_cancel(read_facts(self.run_dir, self.job_id, self.state, self.submitted_at, waited))
 
 
 def _poll(jobs: list[FollowedJob], executor: str) -> None:
@@ -95,8 +97,9 @@ def _poll(jobs: list[FollowedJob], executor: str) -> None:
 
 
 def _waiting_for_requeue(job: FollowedJob, patience_s: float = 300.0) -> bool:
-    """A preempted job that requeues itself comes back PENDING: keep following it for a while."""
-    if job.state != "PREEMPTED" or not job.requeue:
+    """A preempted job, or one whose node failed, that Slurm requeues comes back PENDING: keep following it for
+    a while."""
+    if job.state not in ("PREEMPTED", "NODE_FAIL") or not job.requeue:
         job.preempted_at = None
         return False
     job.preempted_at = job.preempted_at or time.monotonic()
@@ -221,7 +224,7 @@ def follow(jobs: list[FollowedJob], executor: str, console: Console, poll_s: flo
                     changed = True
                     console.out(f"{job.label + ' ' if many else ''}rank0 | {line}", highlight=False)
                 if not job.done and job.failed_at is None and job.rank_errors():
-                    job.failed_at = time.monotonic()
+                    job.failed_at = job.first_failure_at = time.monotonic()
                     console.print(f"[red]job {job.job_id}: a rank failed; waiting for the others to stop[/]")
                 if not job.done and job.failed_at and time.monotonic() - job.failed_at > cancel_after_s:
                     _cancel_or_keep(console, job)

@@ -17,8 +17,9 @@ from hpc_train.run.stops import StopNotice, attempt_key, publish_notice
 from hpc_train.slurm.cancel_policy import REQUEUING_STATES, CancelFacts, decide_cancel, read_facts
 from hpc_train.slurm.jobstate import FINAL_STATES
 
-FAILURE = {"rank": 1, "host": "n2", "time": 100.0, "error": "RuntimeError('Connection closed by peer')",
-           "requeued": False}
+FAILURE = {"rank": 1, "host": "n2", "time": 100.0, "error": "ValueError('loss is nan')", "requeued": False}
+PEER_LOST = {"rank": 0, "host": "n1", "time": 99.0, "error": "RuntimeError('[gloo/transport/tcp/pair.cc:553] "
+             "Connection closed by peer [127.0.0.1]:54679')", "requeued": False}
 RUNNING = Attempt(attempt=1, job_id="42", restart=0, host="n1", started=50.0, start_step=0)
 
 
@@ -64,8 +65,22 @@ def test_a_rank_deciding_its_retry_or_an_error_the_policy_requeued_keeps_the_job
 def test_a_failure_nobody_retries_is_cancelled_with_the_first_rank_named(outcome: str, state: str) -> None:
     decision = decide_cancel(facts(state, replace(RUNNING, outcome=outcome)))
     assert decision.cancel
-    assert decision.reason == ("rank 1 on n2 failed with RuntimeError('Connection closed by peer'), which the retry "
-                               "policy does not retry, and the other ranks did not stop by themselves")
+    assert decision.reason == ("rank 1 on n2 failed with ValueError('loss is nan'), which the retry policy does not "
+                               "retry, and the other ranks did not stop by themselves")
+
+
+def test_ranks_that_only_lost_a_peer_wait_for_the_cause_then_the_first_own_error_is_named() -> None:
+    """A node that died leaves only "connection closed" on the survivors until Slurm declares NODE_FAIL and
+    requeues; the follower waits for that (or for the failing rank's own error) before it cancels."""
+    decision = decide_cancel(facts(failures=(PEER_LOST,), waited_s=30))
+    assert not decision.cancel
+    assert decision.reason == ("rank 0 only lost a peer: waiting up to 120 s for the failing rank's own error or "
+                               "Slurm's node-failure requeue")
+    assert decide_cancel(facts("NODE_FAIL", failures=(PEER_LOST,), waited_s=500)).cancel  # not requeued by Slurm
+    late = decide_cancel(facts(failures=(PEER_LOST,), waited_s=121))
+    assert late.cancel and late.reason.startswith("rank 0 on n1 failed with RuntimeError('[gloo")
+    both = decide_cancel(facts(failures=(PEER_LOST, FAILURE), waited_s=1))
+    assert both.cancel and both.reason.startswith("rank 1 on n2 failed with ValueError")  # the cause, not rank 0
 
 
 def test_no_failure_of_its_own_is_no_reason_to_cancel() -> None:
