@@ -192,6 +192,7 @@ class UnaskedStop:
             signum = self.watch.received
             if not signum and self.rank == 0 and (name := read_request(self.run_dir, self.attempt, self.started)):
                 signum = getattr(signal, name, 0)
+                deadline = time.monotonic()  # the rank that asked has waited the grace period already
             if not signum:
                 continue
             deadline = deadline or time.monotonic() + self.grace_s

@@ -21,7 +21,6 @@ import dataclasses
 import faulthandler
 import json
 import os
-import socket
 import sys
 import threading
 import time
@@ -32,6 +31,7 @@ from pathlib import Path
 from hpc_train.run.exit_codes import EXIT_HUNG
 from hpc_train.run.files import atomic_write
 from hpc_train.run.loglines import format_not_in_collective
+from hpc_train.run.node import node_name
 from hpc_train.run.paths import (
     FLIGHT_RECORDER_DIR,
     HEARTBEAT_DIR,
@@ -115,7 +115,7 @@ class Watchdog:
         self.poll_s, self.heartbeat_s = poll_s, heartbeat_s
         self.grace_s = grace_s  # rank 0 may wait 10 s for the dumps and 60 s for scontrol: others wait longer
         self._exit = exit
-        self.host = socket.gethostname()
+        self.host = node_name()  # Slurm's name: what the hang's record and --exclude name
         self.marker = hang_marker_path(run_dir, attempt)
         self.decision = hang_decision_path(run_dir, attempt)
         self.heartbeat = heartbeat_path(run_dir, rank)
