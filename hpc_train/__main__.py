@@ -18,7 +18,7 @@ from hpc_train.cli.common import (
     run_command,
 )
 from hpc_train.doctor.cli import add_parser as add_doctor_parser
-from hpc_train.ops.cli import add_logs_parser, add_status_parser
+from hpc_train.ops.cli import add_logs_parser, add_plot_parser, add_status_parser
 
 __all__ = ["main"]
 
@@ -160,6 +160,7 @@ def _build_parser() -> ArgumentParser:
     add_bench_parser(commands)
     add_logs_parser(commands)
     add_status_parser(commands)
+    add_plot_parser(commands)
     add_doctor_parser(commands)
     return parser
 

@@ -1,6 +1,8 @@
-"""The ``logs`` and ``status`` commands of ``python -m hpc_train``; options are checked before anything is read.
+"""The ``logs``, ``status`` and ``plot`` commands of ``python -m hpc_train``; options are checked before anything
+is read.
 
-Exit status: 0 shown; 2 bad input (a folder that is not a run folder, a negative --tail, a --watch of 0).
+Exit status: 0 shown; 2 bad input (a folder that is not a run folder or has no metrics, a negative --tail, a
+--watch of 0, a --metric no run logged, a missing matplotlib).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Any
 
 from hpc_train.errors import ConfigError
 
-__all__ = ["add_logs_parser", "add_status_parser"]
+__all__ = ["add_logs_parser", "add_plot_parser", "add_status_parser"]
 
 _LOGS_ABOUT = ("Every rank log of a run (logs/rank-N.log, and Slurm's logs/slurm-*.out/err) as one timeline with rank "
                "prefixes, ordered by time; each rank's error (logs/rank-N.error.json) and every error record first. "
@@ -69,6 +71,41 @@ def _status(args: argparse.Namespace) -> int:
         except KeyboardInterrupt:
             pass
     return 0
+
+
+_PLOT_ABOUT = ("A picture of runs (no port to forward): loss and eval loss, lr, tokens/s and the step breakdown "
+               "against step from metrics.jsonl, one colour per run, every attempt's start and every preemption, "
+               "requeue or failure marked from attempts.jsonl. Needs matplotlib (the plot extra). See "
+               "docs/operations.md.")
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from hpc_train.ops.plot import choose_panels, draw
+    from hpc_train.ops.plot_data import read_run
+
+    runs = [read_run(run_dir) for run_dir in args.run_dirs]
+    panels = choose_panels(runs, args.metric)
+    out = args.out or Path("plot.png")
+    draw(runs, panels, out)
+    if args.json:
+        print(json.dumps({"out": str(out), "panels": [list(panel) for panel in panels],
+                          "runs": [run.summary() for run in runs]}, indent=2))
+    else:
+        marks = sum(len(run.marks) for run in runs)
+        print(f"wrote {out}: {len(panels)} panel(s), {len(runs)} run(s), {marks} attempt mark(s)")
+    return 0
+
+
+def add_plot_parser(commands: Any) -> None:
+    """Register ``plot`` on the main CLI's subcommands."""
+    parser = commands.add_parser("plot", help="draw runs' metrics against step, with every attempt marked",
+                                 description=_PLOT_ABOUT)
+    parser.add_argument("run_dirs", type=Path, nargs="+", metavar="RUN_DIR", help="run folders, like runs/tiny-gpt")
+    parser.add_argument("--out", type=Path, metavar="FILE", help="the picture: .png, .svg or .pdf (default plot.png)")
+    parser.add_argument("--metric", action="append", metavar="NAME",
+                        help="draw this metric of metrics.jsonl in a panel of its own (repeatable)")
+    parser.add_argument("--json", action="store_true", help="also print what was drawn: panels, points, marks")
+    parser.set_defaults(run=_plot)
 
 
 def add_logs_parser(commands: Any) -> None:

@@ -20,7 +20,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from hpc_train.run.files import atomic_write
+from hpc_train.run.files import atomic_write, read_record_text
 from hpc_train.run.paths import HEARTBEAT_DIR, stop_notice_path, stop_request_path
 
 __all__ = ["PHASES", "StopConsequence", "StopNotice", "attempt_key", "publish_notice", "read_notice",
@@ -75,9 +75,10 @@ def publish_notice(run_dir: Path, notice: StopNotice) -> None:
 
 def read_notice(run_dir: Path, attempt: str, since: float = 0.0) -> StopNotice | None:
     """This attempt's notice, if rank 0 has published one at or after ``since`` (a restart of the local
-    executor reuses the attempt's name: an older notice belongs to an earlier run of it)."""
+    executor reuses the attempt's name: an older notice belongs to an earlier run of it). Read as every record
+    is: never through a link, never from a FIFO."""
     try:
-        notice = StopNotice.from_json(stop_notice_path(run_dir, attempt).read_text(encoding="utf-8"))
+        notice = StopNotice.from_json(read_record_text(stop_notice_path(run_dir, attempt)))
     except (OSError, ValueError, KeyError, TypeError):
         return None
     return notice if notice.attempt == attempt and notice.time >= since - 1 else None
@@ -106,7 +107,7 @@ def request_stop(run_dir: Path, attempt: str, rank: int, signal: str) -> None:
 def read_request(run_dir: Path, attempt: str, since: float = 0.0) -> str | None:
     """The signal another rank asked rank 0 to stop for, if it asked at or after ``since``."""
     try:
-        data = json.loads(stop_request_path(run_dir, attempt).read_text(encoding="utf-8"))
+        data = json.loads(read_record_text(stop_request_path(run_dir, attempt)))
         if data["attempt"] == attempt and float(data["time"]) >= since - 1:
             return str(data["signal"])
     except (OSError, ValueError, KeyError, TypeError):

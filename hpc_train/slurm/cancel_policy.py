@@ -128,8 +128,5 @@ def read_facts(run_dir: Path, job_id: str, state: str, since: float = 0.0, waite
 
 
 def _claimant(run_dir: Path, key: str) -> int | None:
-    try:
-        text = recovery_claim_path(run_dir, key).read_text(encoding="utf-8").strip()
-    except OSError:
-        return None
+    text = read_record_text(recovery_claim_path(run_dir, key)).strip()
     return int(text) if text.isdigit() else None

@@ -138,6 +138,14 @@ def test_a_function_stopped_at_random_steps_ends_with_the_uninterrupted_weights(
     resumed = final_model(run_dir)
     assert resumed.keys() == uninterrupted.keys()
     assert all(torch.equal(resumed[k], uninterrupted[k]) for k in resumed), seed
+    # and its picture marks both preemptions and both restarts where attempts.jsonl puts them
+    plotted = subprocess.run([sys.executable, "-m", "hpc_train", "plot", str(run_dir), "--json", "--out",
+                              str(tmp_path / "run.png")], capture_output=True, text=True, timeout=120, check=True)
+    drawn = json.loads(plotted.stdout)["runs"][0]
+    assert [(m["kind"], m["step"], m["attempt"]) for m in drawn["marks"]] == [
+        ("preempted", runs[0]["end_step"], 1), ("start", runs[1]["start_step"], 2),
+        ("preempted", runs[1]["end_step"], 2), ("start", runs[2]["start_step"], 3)]
+    assert drawn["points"]["loss"] == STEPS and (tmp_path / "run.png").read_bytes()[:4] == b"\x89PNG"
 
 
 UNASKED = """

@@ -56,3 +56,12 @@ def test_a_request_names_the_signal_of_the_rank_that_asked(tmp_path: Path) -> No
     assert read_request(tmp_path, "42.1") is None
     stop_request_path(tmp_path, "42.0").write_text("{")
     assert read_request(tmp_path, "42.0") is None
+
+
+def test_a_link_planted_in_place_of_a_notice_is_never_followed(tmp_path: Path) -> None:
+    elsewhere = tmp_path / "elsewhere.json"
+    publish_notice(tmp_path, StopNotice("42.1", "done", time.time(), "SIGUSR2", "none", 75, "why"))
+    elsewhere.write_bytes(stop_notice_path(tmp_path, "42.1").read_bytes())
+    stop_notice_path(tmp_path, "42.1").unlink()
+    stop_notice_path(tmp_path, "42.1").symlink_to(elsewhere)
+    assert read_notice(tmp_path, "42.1") is None

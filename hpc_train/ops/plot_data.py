@@ -1,0 +1,120 @@
+"""What ``python -m hpc_train plot`` draws, read from run folders: each metric against step from ``metrics.jsonl``,
+and every attempt's start and end (preempted, requeued, failed, hung, killed) from ``attempts.jsonl``.
+
+Plain Python, no matplotlib: the figure is drawn from exactly this (``plot --json`` prints it), so a test or a
+person can check what a picture shows. A requeued run's metrics were already cut back to the resumed step by the
+next attempt (``hpc_train.train.monitor``), so each step appears once, from the attempt that trained it last.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hpc_train.errors import ConfigError
+from hpc_train.run.attempts import Attempt, AttemptLog
+from hpc_train.run.files import read_record_text, warn_bad_record
+from hpc_train.run.paths import METRICS_FILE
+
+__all__ = ["DEFAULT_PANELS", "Mark", "RunSeries", "read_run"]
+
+# The panels drawn by default, each a list of metrics sharing an axis; only those a run logged are drawn.
+DEFAULT_PANELS = (("loss", "eval_loss"), ("lr",), ("tokens_per_s",),
+                  ("data_ms", "forward_ms", "backward_ms", "optimizer_ms", "comm_ms"))
+_NOT_METRICS = ("step", "time")
+_ENDS = {"preempted": "preempted", "failed": "failed", "hang": "hung", "killed": "killed",
+         "node_failure": "node failure", "infrastructure": "infrastructure fault"}
+
+
+@dataclass(frozen=True)
+class Mark:
+    """An attempt's start or end at ``step``: ``kind`` is ``start`` or how it ended."""
+
+    step: float
+    attempt: int
+    kind: str
+    label: str
+
+
+@dataclass
+class RunSeries:
+    """One run folder's metrics (name -> (steps, values)) and its attempt marks."""
+
+    name: str
+    series: dict[str, tuple[list[float], list[float]]] = field(default_factory=dict)
+    marks: list[Mark] = field(default_factory=list)
+    times: list[tuple[float, float]] = field(default_factory=list)  # (time, step) of each record
+
+    def summary(self) -> dict[str, object]:
+        return {"run": self.name, "points": {name: len(steps) for name, (steps, _) in sorted(self.series.items())},
+                "marks": [mark.__dict__ for mark in self.marks]}
+
+
+def _records(path: Path) -> list[dict[str, object]]:
+    records = []
+    for number, line in enumerate(read_record_text(path).splitlines(), start=1):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            record = None
+        if not isinstance(record, dict) or not isinstance(record.get("step"), int | float):
+            if line.strip():
+                warn_bad_record(path, number, "is not a metrics record")
+            continue
+        records.append(record)
+    return records
+
+
+def read_run(run_dir: Path) -> RunSeries:
+    """The metrics and marks of ``run_dir``; ConfigError (exit 2) when it is no run folder or holds no metrics."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise ConfigError("RUN_DIR", f"{run_dir} is not a folder", "give a run folder, like runs/tiny-gpt")
+    metrics = run_dir / METRICS_FILE
+    if not metrics.is_file():
+        raise ConfigError("RUN_DIR", f"{run_dir} has no {METRICS_FILE}",
+                          "give a run folder that has logged a step (it holds plan.json and metrics.jsonl)")
+    run = RunSeries(run_dir.name)
+    for record in _records(metrics):
+        step = float(record["step"])  # type: ignore[arg-type]
+        if isinstance(record.get("time"), int | float):
+            run.times.append((float(record["time"]), step))  # type: ignore[arg-type]
+        for name, value in record.items():
+            if name in _NOT_METRICS or isinstance(value, bool) or not isinstance(value, int | float):
+                continue
+            if math.isfinite(value):
+                steps, values = run.series.setdefault(name, ([], []))
+                steps.append(step)
+                values.append(float(value))
+    if not run.series:
+        raise ConfigError("RUN_DIR", f"{metrics} holds no metrics record",
+                          "wait for the run's first logged step, or give another run folder")
+    run.marks = _marks(AttemptLog(run_dir).read(warn=True), run.times)
+    return run
+
+
+def _step_at(times: list[tuple[float, float]], moment: float | None) -> float | None:
+    """The step of the latest record logged at or before ``moment``."""
+    if moment is None:
+        return None
+    before = [(when, step) for when, step in times if when <= moment]
+    return max(before)[1] if before else None
+
+
+def _marks(attempts: list[Attempt], times: list[tuple[float, float]]) -> list[Mark]:
+    marks = []
+    for index, attempt in enumerate(attempts):
+        if index:
+            marks.append(Mark(float(attempt.start_step), attempt.attempt, "start",
+                              f"attempt {attempt.attempt} from step {attempt.start_step}"))
+        if attempt.outcome not in _ENDS:
+            continue
+        step = float(attempt.end_step) if attempt.end_step is not None else _step_at(times, attempt.ended)
+        if step is None:
+            continue
+        how = _ENDS[attempt.outcome] + (", requeued" if attempt.requeued else "")
+        marks.append(Mark(step, attempt.attempt, attempt.outcome, f"attempt {attempt.attempt} {how}"
+                          + (f" ({attempt.signal})" if attempt.signal else "")))
+    return marks
