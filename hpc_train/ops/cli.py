@@ -63,11 +63,11 @@ def _status(args: argparse.Namespace) -> int:
         return 0
     from rich.live import Live
 
-    with Live(render(*collect(run_dirs)), console=console, auto_refresh=False) as live:
+    with Live(render(*collect(run_dirs), trend=True), console=console, auto_refresh=False) as live:
         try:
             while True:
                 time.sleep(args.watch)
-                live.update(render(*collect(run_dirs)), refresh=True)
+                live.update(render(*collect(run_dirs), trend=True), refresh=True)
         except KeyboardInterrupt:
             pass
     return 0

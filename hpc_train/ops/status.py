@@ -55,6 +55,17 @@ _ENDED_BADLY = {"FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", 
 _FAILED_OUTCOMES = ("failed", "killed", "hang")
 _METRICS_BYTES = 256 << 10
 _RATE_RECORDS = 20  # the ETA uses the step rate over this many recent metrics records
+_SPARK_POINTS = 24  # status --watch draws the loss of this many recent records
+_SPARKS = "▁▂▃▄▅▆▇█"
+
+
+def sparkline(values: list[float]) -> str:
+    """``values`` as one line of block characters, lowest to highest ("" for fewer than 2)."""
+    if len(values) < 2:
+        return ""
+    low, high = min(values), max(values)
+    span = (high - low) or 1.0
+    return "".join(_SPARKS[min(len(_SPARKS) - 1, int((v - low) / span * len(_SPARKS)))] for v in values)
 _CLASSIFIED_ATTEMPTS = 5  # failed attempts explained per run, newest first
 
 
@@ -70,6 +81,7 @@ class Telemetry:
     seconds_per_step: float | None = None
     eta_s: float | None = None
     updated: float | None = None
+    losses: list[float] = field(default_factory=list)  # the recent records' loss, oldest first (the sparkline)
 
 
 @dataclass
@@ -240,6 +252,7 @@ def telemetry(folder: RunFolder, since: float | None = None) -> Telemetry:
     last = folder.metrics[-1]
     info.step, info.updated = last["step"], _number(last.get("time"))
     info.loss, info.tokens_per_s, info.mfu = (_number(last.get(k)) for k in ("loss", "tokens_per_s", "mfu"))
+    info.losses = [loss for r in folder.metrics[-_SPARK_POINTS:] if (loss := _number(r.get("loss"))) is not None]
     recent = [r for r in folder.metrics[-_RATE_RECORDS:] if _number(r.get("time")) is not None
               and (since is None or r["time"] >= since)]
     seconds = steps = 0.0
@@ -392,8 +405,10 @@ _STYLE = {"RUNNING": "bold green", "COMPLETED": "green", "PENDING": "yellow", "R
           "HUNG": "bold red", "HANG": "bold red"}
 
 
-def render(statuses: list[RunStatus], answer: scheduler.SchedulerAnswer, now: float | None = None) -> Any:
-    """The rich renderable of one poll: a row per run; for a single run also its attempts and failure."""
+def render(statuses: list[RunStatus], answer: scheduler.SchedulerAnswer, now: float | None = None,
+           trend: bool = False) -> Any:
+    """The rich renderable of one poll: a row per run (with ``trend``, as ``--watch`` draws it, the recent loss
+    as a sparkline); for a single run also its attempts and failure."""
     from rich import box
     from rich.console import Group
     from rich.table import Table
@@ -402,8 +417,8 @@ def render(statuses: list[RunStatus], answer: scheduler.SchedulerAnswer, now: fl
 
     now = time.time() if now is None else now
     table = Table(title=f"hpc_train status at {_clock(now)}", title_justify="left", box=box.SIMPLE_HEAD)
-    for column in ("run", "state", "job", "nodes", "step", "loss", "tok/s", "MFU", "ETA", "checkpoint",
-                   "attempts"):
+    for column in ("run", "state", "job", "nodes", "step", "loss", *(("trend",) if trend else ()), "tok/s", "MFU",
+                   "ETA", "checkpoint", "attempts"):
         table.add_column(column, justify="right" if column in ("step", "loss", "tok/s", "MFU") else "left")
     for s in statuses:
         t = s.telemetry
@@ -417,7 +432,7 @@ def render(statuses: list[RunStatus], answer: scheduler.SchedulerAnswer, now: fl
         state = Text(s.state + (f" ({s.reason})" if s.reason and s.state == "PENDING" else ""),
                      style=_STYLE.get(s.state, ""))
         table.add_row(shown(s.name), state, shown(s.job_id or "-"), shown(s.nodes or "-"), step,
-                      "-" if t.loss is None else f"{t.loss:.4f}",
+                      "-" if t.loss is None else f"{t.loss:.4f}", *((sparkline(t.losses),) if trend else ()),
                       "-" if t.tokens_per_s is None else f"{t.tokens_per_s:,.0f}",
                       f"{100 * t.mfu:.1f}%" if t.mfu else "n/a", _duration(t.eta_s), ckpt, attempts)
     parts: list[Any] = [table]

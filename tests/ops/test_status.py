@@ -16,7 +16,7 @@ from rich.console import Console
 
 from hpc_train.__main__ import main
 from hpc_train.ops import scheduler
-from hpc_train.ops.status import collect, find_run_dirs, render, to_json
+from hpc_train.ops.status import collect, find_run_dirs, render, sparkline, to_json
 from tests.conftest import REPO, call_cli
 from tests.ops.fixtures import (
     T0,
@@ -243,3 +243,14 @@ def test_the_commands_never_import_torch(runs: dict[str, Path], command: str) ->
     data = json.loads(done.stdout)
     assert (data["runs"][0]["failure"]["class"] if command == "status" else data["errors"][0]["rank"]) in (
         "user_error", 1)
+
+
+def test_watching_draws_the_recent_loss_as_a_sparkline(runs: dict[str, Path]) -> None:
+    statuses, answer = collect(list(runs.values()), poll=_slurm(runs).poll)
+    train = next(s for s in statuses if s.name == "train")
+    assert len(train.telemetry.losses) >= 2
+    console = Console(file=io.StringIO(), width=220, color_system=None)
+    console.print(render(statuses, answer, now=T0 + 100, trend=True))
+    line = next(line for line in console.file.getvalue().splitlines() if line.strip().startswith("train"))
+    assert sparkline(train.telemetry.losses) in line and "trend" in console.file.getvalue()
+    assert sparkline([3.0, 2.0, 1.0]) == "█▅▁" and sparkline([1.0]) == "" and sparkline([2.0, 2.0]) == "▁▁"
