@@ -215,12 +215,15 @@ class Monitor:
     # -- recording ----------------------------------------------------------------------------------------
 
     def step(self, step: int, loss: SupportsFloat, lr: SupportsFloat, grad_norm: SupportsFloat | None,
-             tokens: float, step_time_s: float, memory_bytes: int | None = None) -> None:
+             tokens: float, step_time_s: float, memory_bytes: int | None = None,
+             breakdown: Mapping[str, float] | None = None) -> None:
         """Account one optimizer step; on log steps print a line, append to metrics.jsonl, write scalars.
 
         ``tokens``: tokens this step processed (see the class note on which devices); ``step_time_s``: its
         wall time. ``loss``, ``lr``, ``grad_norm`` may be tensors: they are only read on log steps.
-        ``memory_bytes``: e.g. ``torch.cuda.max_memory_allocated()``; None leaves it out.
+        ``memory_bytes``: e.g. ``torch.cuda.max_memory_allocated()``; None leaves it out. ``breakdown``: the
+        step-time breakdown of a log step (:mod:`hpc_train.train.breakdown`), into the record, TensorBoard
+        (``breakdown/...``) and the line's shares.
         """
         self._window_steps += 1
         self._window_tokens += tokens
@@ -244,6 +247,7 @@ class Monitor:
             "mfu": utilisation,
             "step_time_s": mean_step,
             "memory_bytes": memory_bytes,
+            **(breakdown or {}),
             "time": time.time(),
         })
         if self._writer is not None:
@@ -252,11 +256,12 @@ class Monitor:
                 "perf/tokens_per_s": tokens_per_s, "perf/mfu": utilisation, "perf/step_time_s": mean_step,
                 "perf/memory_bytes": None if memory_bytes is None else float(memory_bytes),
             }
+            scalars.update({f"breakdown/{name}": value for name, value in (breakdown or {}).items()})
             for tag, value in scalars.items():
                 if value is not None:
                     self._writer.add_scalar(tag, value, step)
             self._writer.flush()
-        self._print_step(step, loss_f, lr_f, grad_f, tokens_per_s, utilisation, memory_bytes, eta)
+        self._print_step(step, loss_f, lr_f, grad_f, tokens_per_s, utilisation, memory_bytes, eta, breakdown)
 
     def scalars(self, step: int, values: Mapping[str, SupportsFloat]) -> None:
         """A user program's ``ctx.log(step, **values)``: a metrics.jsonl record (with the mean step time since the
@@ -348,7 +353,8 @@ class Monitor:
         out.flush()
 
     def _print_step(self, step: int, loss: float, lr: float, grad_norm: float | None, tokens_per_s: float,
-                    utilisation: float, memory_bytes: int | None, eta: float) -> None:
+                    utilisation: float, memory_bytes: int | None, eta: float,
+                    breakdown: Mapping[str, float] | None = None) -> None:
         total = self.total_steps
         done = 100.0 * step / total if total else 100.0
         grad = "-" if grad_norm is None else f"{grad_norm:.3f}"
@@ -365,6 +371,8 @@ class Monitor:
             ]
             if memory is not None:
                 parts.append(f"mem {memory:.1f} GiB")
+            if breakdown:
+                parts.append("[dim]" + " ".join(f"{word} {share}" for word, share in _shares(breakdown)) + "[/]")
             parts.append(f"ETA [bold]{format_duration(eta)}[/]")
             self.console.print("  ".join(parts), highlight=False)
         else:
@@ -372,8 +380,17 @@ class Monitor:
                       f"tokens_per_s={tokens_per_s:.0f}", f"mfu={mfu_text}"]
             if memory is not None:
                 fields.append(f"mem_gib={memory:.2f}")
+            if breakdown:
+                fields += [f"{word}={share}" for word, share in _shares(breakdown)]
             fields.append(f"eta={format_duration(eta)}")
             self._plain(" ".join(fields))
+
+
+def _shares(breakdown: Mapping[str, float]) -> list[tuple[str, str]]:
+    """``[("data", "12%"), ("fwd", "30%"), ...]``: the breakdown's shares of the step, for the progress line."""
+    short = {"data": "data", "forward": "fwd", "backward": "bwd", "optimizer": "opt"}
+    return [(word, f"{100 * breakdown[f'{name}_share']:.0f}%") for name, word in short.items()
+            if f"{name}_share" in breakdown]
 
 
 class NullMonitor(Monitor):
@@ -392,7 +409,8 @@ class NullMonitor(Monitor):
         self._closed = True
 
     def step(self, step: int, loss: SupportsFloat, lr: SupportsFloat, grad_norm: SupportsFloat | None,
-             tokens: float, step_time_s: float, memory_bytes: int | None = None) -> None:
+             tokens: float, step_time_s: float, memory_bytes: int | None = None,
+             breakdown: Mapping[str, float] | None = None) -> None:
         """Nothing (not rank 0)."""
 
     def scalars(self, step: int, values: Mapping[str, SupportsFloat]) -> None:

@@ -30,6 +30,7 @@ from hpc_train.distributed.mesh import ModelParallelUnit, ParallelGroups
 from hpc_train.distributed.topology import Topology
 from hpc_train.run.loglines import format_saved_after_signal
 from hpc_train.run.stops import attempt_key
+from hpc_train.train.breakdown import StepBreakdown
 from hpc_train.train.checkpointing import Checkpointer
 from hpc_train.train.engine import build_engine
 from hpc_train.train.entry_points import UserCodeError
@@ -110,6 +111,7 @@ class _Parts:
     stragglers: StragglerCheck
     flops_per_token: float
     said: str  # the model, as messages name it
+    breakdown: StepBreakdown  # where each step's time goes (data, forward, backward, optimizer)
 
     @property
     def stream(self) -> BatchStream:
@@ -253,7 +255,7 @@ def _build(rank: _Rank, spec: ModelSpec, topology: Topology, groups: ParallelGro
     checkpointer = Checkpointer(rank.run_dir, config, rank.plan.layout, rank.plan.config_hash, log=rank.log)
     return _Parts(groups, pipelined, model, engine, data, checkpointer,
                   StragglerCheck(config.watchdog.straggler_factor, info.rank, rank.log), flops,
-                  f"train.model {config.train.model}")
+                  f"train.model {config.train.model}", StepBreakdown(device))
 
 
 def _resume(rank: _Rank, parts: _Parts) -> int:
@@ -311,15 +313,19 @@ def _micro_batches(rank: _Rank, parts: _Parts, logged: bool) -> float:
     """One optimizer step of ``grad_accum`` micro-batches outside a pipeline; the loss averaged over the data
     ranks on logged steps only (a collective), NaN otherwise."""
     engine, accum, delay = parts.engine, rank.plan.config.train.grad_accum, injected_delay_s(rank.info.rank)
+    timing = parts.breakdown
     total = 0.0
     for _ in range(accum):
-        batch = next(parts.stream)
-        with parts.stragglers.timed(engine.device):
+        with timing.phase("data"):
+            batch = next(parts.stream)
+        with parts.stragglers.timed(engine.device), timing.phase("forward"):
             if delay:
                 time.sleep(delay)  # an injected straggler (HPC_TRAIN_INJECT_FAULT=slow:R:MS)
             micro_loss = forward_loss(engine, batch, parts.said)
-        engine.backward(micro_loss)
-        engine.step()
+        with timing.phase("backward"):
+            engine.backward(micro_loss)
+        with timing.phase("optimizer"):
+            engine.step()
         total += float(micro_loss)
     return _mean_over(total / accum, parts.groups.group("dp")) if logged else float("nan")
 
@@ -339,9 +345,11 @@ def _step(rank: _Rank, parts: _Parts, monitor: Monitor, recorder: AttemptRecorde
         parts.stragglers.check(step)
     norm = engine.get_global_grad_norm() if logged else None
     elapsed = time.perf_counter() - start
+    parts.breakdown.step_done(elapsed)
+    breakdown = parts.breakdown.collect() if logged and not parts.pipelined else None  # collective
     tokens_per_step = rank.plan.layout.global_batch * rank.plan.config.train.seq_len
     monitor.step(step, progress.loss, lr, None if norm is None else float(norm), tokens_per_step, elapsed,
-                 _memory_bytes() if logged else None)
+                 _memory_bytes() if logged else None, breakdown)
     if step > progress.start_step + 1:  # the first step of an attempt also warms up
         recorder.step_time(elapsed)
 

@@ -1,0 +1,94 @@
+"""The step-time breakdown: each phase's time on a rank, its share of the step and the min and max across two
+real gloo ranks; through the trainer, a dataset that sleeps per sample shows as data wait, and DataLoader
+workers take it off the step."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from hpc_train.train.breakdown import PHASES, StepBreakdown
+
+CODE = Path(__file__).parent / "user_code"
+
+
+def test_each_phase_is_timed_per_step_and_shared_of_the_step() -> None:
+    timing = StepBreakdown(torch.device("cpu"))
+    for _ in range(2):
+        began = time.perf_counter()
+        with timing.phase("data"):
+            time.sleep(0.02)
+        with timing.phase("forward"):
+            time.sleep(0.01)
+        with timing.phase("backward"), timing.phase("optimizer"):  # nested: each counts its own time
+            time.sleep(0.005)
+        timing.step_done(time.perf_counter() - began)
+    record = timing.collect()
+    assert set(record) == {f"{p}_{k}" for p in PHASES for k in ("ms", "share", "ms_min", "ms_max")}
+    assert 19 <= record["data_ms"] < 40 and 9 <= record["forward_ms"] < 25 and record["backward_ms"] >= 4.5
+    assert record["data_ms_min"] == record["data_ms"] == record["data_ms_max"]  # one process: no spread
+    assert 0.45 < record["data_share"] < 0.75
+    again = timing.collect()  # a new window
+    assert again["data_ms"] == 0.0 and again["data_share"] == 0.0
+
+
+def _rank(rank: int, store: str, out: str) -> None:
+    dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2,
+                            timeout=timedelta(seconds=60))
+    timing = StepBreakdown(torch.device("cpu"))
+    with timing.phase("data"):
+        time.sleep(0.01 + 0.04 * rank)  # rank 1 waits longer for its data
+    timing.step_done(0.1)
+    Path(out).write_text(json.dumps(timing.collect()))
+    dist.destroy_process_group()
+
+
+def test_the_min_and_max_across_ranks_name_the_spread(tmp_path: Path) -> None:
+    context = mp.get_context("spawn")
+    outs = [tmp_path / f"rank-{rank}.json" for rank in range(2)]
+    processes = [context.Process(target=_rank, args=(rank, str(tmp_path / "store"), str(outs[rank])))
+                 for rank in range(2)]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join(timeout=120)
+        assert process.exitcode == 0
+    first, second = (json.loads(out.read_text()) for out in outs)
+    assert first["data_ms_min"] == second["data_ms_min"] == pytest.approx(first["data_ms"], abs=1e-3)
+    assert first["data_ms_max"] == second["data_ms_max"] == pytest.approx(second["data_ms"], abs=1e-3)
+    assert second["data_ms"] - first["data_ms"] > 30
+
+
+def _data_shares(tmp_path: Path, *overrides: str) -> list[float]:
+    job = tmp_path / "job.toml"
+    job.write_text('[job]\nname = "slow"\ntasks_per_node = 1\n[train]\nsteps = 12\nseq_len = 32\nmicro_batch = 8\n'
+                   'precision = "fp32"\n'
+                   f'[data]\nsource = "{CODE}/slow_tokens.py:dataset"\nvocab_size = 64\n'
+                   "[monitor]\nlog_every = 4\neval_every = 0\ntensorboard = false\n[checkpoint]\nevery_steps = 0\n")
+    sets = [arg for item in overrides for arg in ("--set", item)]
+    result = subprocess.run([sys.executable, "-m", "hpc_train.submit", str(job), "--site", "local", *sets],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=600, check=False)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert "data=" in result.stdout and "fwd=" in result.stdout  # the progress line shows the shares
+    records = [json.loads(line) for line in (tmp_path / "runs" / "slow" / "metrics.jsonl").read_text().splitlines()]
+    return [r["data_share"] for r in records if "data_share" in r]
+
+
+@pytest.mark.slow
+def test_a_slow_dataset_shows_as_data_wait_and_workers_take_it_off_the_step(tmp_path: Path) -> None:
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    inline = _data_shares(tmp_path / "a")  # 8 samples x 4 ms a step, in the training process
+    workers = _data_shares(tmp_path / "b", "data.num_workers=2", "data.prefetch_factor=4")
+    assert len(inline) == len(workers) == 3
+    assert min(inline[1:]) > 0.2, inline
+    assert max(workers[1:]) < min(inline[1:]) / 2, (inline, workers)
