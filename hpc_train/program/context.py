@@ -7,9 +7,11 @@ default process group when the script has not (and joins the one it started when
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import SupportsFloat
@@ -34,6 +36,8 @@ from hpc_train.train.stopping import AttemptRecorder
 from hpc_train.train.watchdog import Watchdog
 
 __all__ = ["RunContext", "Session", "context", "current_session", "open_session"]
+
+_TIMER_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,63}")  # a metric name in metrics.jsonl and TensorBoard
 
 
 @dataclass
@@ -113,6 +117,7 @@ class RunContext(RankContext):
         self._monitor: Monitor | None = None
         self.step = 0
         self.step_known = False  # the program has said its step (log, step_done): the stop line names it
+        self._timers: dict[str, float] = {}  # seconds in each ctx.timer section since the last log
         session.progress("startup")
 
     def should_stop(self) -> bool:
@@ -126,12 +131,29 @@ class RunContext(RankContext):
         ``monitor.log_every`` steps (other ranks: nothing); records of this step and later from an earlier
         attempt are dropped first."""
         self.step_done(step)
+        if self._timers:
+            scalars = {**{f"{name}_ms": 1000 * seconds for name, seconds in self._timers.items()}, **scalars}
+            self._timers = {}
         if self._monitor is None:
             monitor = self._session.plan.config.monitor
             self._monitor = Monitor.create(self.rank, self.run_dir, total_steps=0, log_every=monitor.log_every,
                                            tensorboard=monitor.tensorboard, start_step=max(0, step - 1),
                                            console=Console(file=LogLines(self._session.log), width=200))
         self._monitor.scalars(step, scalars)
+
+    @contextlib.contextmanager
+    def timer(self, name: str) -> Iterator[None]:
+        """Time a section of your loop (host wall clock): the seconds spent in it since the previous
+        :meth:`log` go into that record as ``NAME_ms``. On a GPU it measures what the host waits for; put a
+        ``torch.cuda.synchronize()`` at the section's end for the device's time."""
+        if not _TIMER_NAME.fullmatch(name):
+            raise ValueError(f"ctx.timer({name!r}): a timer's name is a metric name: letters, digits and _, "
+                             "starting with a letter (like 'data' or 'all_reduce')")
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._timers[name] = self._timers.get(name, 0.0) + time.perf_counter() - began
 
     def step_done(self, step: int) -> None:
         """The program has finished ``step`` (no metrics): the stop line, ``attempts.jsonl`` and the hang
