@@ -193,6 +193,12 @@ class MonitorSection:
     eval_every: int = option(50, "Evaluation loss every N steps; 0 disables.")
     histogram_every: int = option(0, "TensorBoard weight histograms every N steps; 0 disables.")
     tensorboard: bool = option(True, "Write TensorBoard scalars to run_folder/tensorboard.")
+    health_data_share: float = option(0.3, "Flag steps that wait on data for more than this share of their time "
+                                            "(a starved loader); 0 disables.")
+    health_loss_spike: float = option(3.0, "Flag a logged loss above this many times the mean of the previous 5; "
+                                           "0 disables (a NaN or infinite loss is always flagged).")
+    health_memory_growth: float = option(0.1, "Flag memory that grew at each of the last 5 logged steps, by more "
+                                              "than this fraction in all (a leak); 0 disables.")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -42,6 +42,9 @@ def _check_counts(cfg: JobConfig) -> None:
         ("data.vocab_size", cfg.data.vocab_size, 2), ("checkpoint.every_steps", cfg.checkpoint.every_steps, 0),
         ("checkpoint.keep", cfg.checkpoint.keep, 1), ("monitor.log_every", cfg.monitor.log_every, 1),
         ("monitor.eval_every", cfg.monitor.eval_every, 0), ("monitor.histogram_every", cfg.monitor.histogram_every, 0),
+        ("monitor.health_data_share", cfg.monitor.health_data_share, 0),
+        ("monitor.health_loss_spike", cfg.monitor.health_loss_spike, 0),
+        ("monitor.health_memory_growth", cfg.monitor.health_memory_growth, 0),
         ("preempt.lead_seconds", cfg.preempt.lead_seconds, 0), ("preempt.max_requeues", cfg.preempt.max_requeues, 0),
         ("watchdog.startup_timeout_s", cfg.watchdog.startup_timeout_s, 10),
         ("watchdog.step_timeout_s", cfg.watchdog.step_timeout_s, 10),
@@ -55,6 +58,9 @@ def _check_counts(cfg: JobConfig) -> None:
                               ("job.cpus_per_task", cfg.job.cpus_per_task or 1, 4096)):
         if value > high:
             raise ConfigError(where, f"{str(value)[:24]} is above the maximum {high:,}", "ask for a real machine size")
+    if cfg.monitor.health_data_share > 1:
+        raise ConfigError("monitor.health_data_share", f"{cfg.monitor.health_data_share} is above 1 (a share)",
+                          "give a share of the step between 0 and 1, like 0.3 (0 disables the check)")
     if cfg.job.gpus_per_node is not None:
         _at_least("job.gpus_per_node", cfg.job.gpus_per_node, 0)
     if cfg.job.cpus_per_task is not None:

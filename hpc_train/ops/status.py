@@ -29,6 +29,7 @@ from hpc_train.errors import ConfigError
 from hpc_train.ops import scheduler
 from hpc_train.ops.classify import Classification, classify
 from hpc_train.ops.evidence import collect_evidence
+from hpc_train.ops.health_view import health_cell, health_lines, read_findings
 from hpc_train.run.attempts import Attempt, AttemptLog
 from hpc_train.run.exclusions import read_exclusions
 from hpc_train.run.files import open_record, read_json_object
@@ -143,6 +144,7 @@ class RunStatus:
     excluded: list[str]
     job_ids: list[str]
     notes: list[str]
+    health: list[dict[str, Any]] | None = None  # health.json's findings (None: no record)
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -315,7 +317,7 @@ def build_status(folder: RunFolder, answer: scheduler.SchedulerAnswer) -> RunSta
     failed = [a.attempt for a in folder.attempts if a.outcome in _FAILED_OUTCOMES][-_CLASSIFIED_ATTEMPTS:]
     views = [_attempt_view(folder, a, answer, a.attempt in failed) for a in folder.attempts]
     return RunStatus(str(folder.path), folder.name, folder.executor or "?", state, job_id, nodes, reason, info,
-                     folder.checkpoint, views, failure, folder.excluded, ids, notes)
+                     folder.checkpoint, views, failure, folder.excluded, ids, notes, read_findings(folder.path))
 
 
 def _state(folder: RunFolder, answer: scheduler.SchedulerAnswer, job_id: str,
@@ -418,7 +420,7 @@ def render(statuses: list[RunStatus], answer: scheduler.SchedulerAnswer, now: fl
     now = time.time() if now is None else now
     table = Table(title=f"hpc_train status at {_clock(now)}", title_justify="left", box=box.SIMPLE_HEAD)
     for column in ("run", "state", "job", "nodes", "step", "loss", *(("trend",) if trend else ()), "tok/s", "MFU",
-                   "ETA", "checkpoint", "attempts"):
+                   "ETA", "checkpoint", "attempts", "health"):
         table.add_column(column, justify="right" if column in ("step", "loss", "tok/s", "MFU") else "left")
     for s in statuses:
         t = s.telemetry
@@ -434,7 +436,8 @@ def render(statuses: list[RunStatus], answer: scheduler.SchedulerAnswer, now: fl
         table.add_row(shown(s.name), state, shown(s.job_id or "-"), shown(s.nodes or "-"), step,
                       "-" if t.loss is None else f"{t.loss:.4f}", *((sparkline(t.losses),) if trend else ()),
                       "-" if t.tokens_per_s is None else f"{t.tokens_per_s:,.0f}",
-                      f"{100 * t.mfu:.1f}%" if t.mfu else "n/a", _duration(t.eta_s), ckpt, attempts)
+                      f"{100 * t.mfu:.1f}%" if t.mfu else "n/a", _duration(t.eta_s), ckpt, attempts,
+                      health_cell(s.health))
     parts: list[Any] = [table]
     for s in statuses:
         if s.failure is not None:
@@ -467,6 +470,7 @@ def _details(s: RunStatus, now: float) -> list[Any]:
         parts.append(table)
     if s.excluded:
         parts.append(Text(plain(f"excluded nodes: {', '.join(s.excluded)}")))
+    parts += [Text(line, style="yellow") for line in health_lines(s.health)]
     t = s.telemetry
     if t.updated is not None:
         rate = f"; {t.seconds_per_step:.2f} s per step recently" if t.seconds_per_step else ""

@@ -50,6 +50,7 @@ SMOKE_FILE = "smoke.json"  # rank 0's result of a smoke job
 TRAIN_FILE = "train.json"  # rank 0's result of a training job
 PROGRAM_FILE = "program.json"  # rank 0's result of a user program (a function or a script)
 RESULT_FILES = (SMOKE_FILE, TRAIN_FILE, PROGRAM_FILE)
+HEALTH_FILE = "health.json"  # rank 0's health checks: the findings now and when each tripped or cleared
 MODEL_FILE = "model.json"  # what export needs to know of a trained model (a Hugging Face config), by rank 0
 LOGS_DIR = "logs"  # rank logs, error files, stacks, fabric reports, Slurm's batch output
 CHECKPOINTS_DIR = "checkpoints"

@@ -8,7 +8,6 @@ rank 0 names an outlier (a throttled GPU, a busy node, a bad NUMA binding).
 
 from __future__ import annotations
 
-import socket
 import statistics
 import time
 from collections.abc import Callable
@@ -18,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from hpc_train.distributed.collectives import all_gather_objects, all_gather_values
+from hpc_train.run.node import node_name
 
 __all__ = ["StragglerCheck", "find_straggler", "others_median"]
 
@@ -91,7 +91,7 @@ class StragglerCheck:
         mean = sum(self.samples) / len(self.samples) if self.samples else 0.0
         self.samples.clear()
         if self.hosts is None:
-            self.hosts = [str(h) for h in all_gather_objects(socket.gethostname())]
+            self.hosts = [str(h) for h in all_gather_objects(node_name())]
         times = [values[0] for values in all_gather_values([mean])]
         found = find_straggler(times, self.factor)
         previous, self.previous = self.previous, (found[0] if found else None)

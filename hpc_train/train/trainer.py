@@ -36,6 +36,7 @@ from hpc_train.train.engine import build_engine
 from hpc_train.train.entry_points import UserCodeError
 from hpc_train.train.flops import peak_flops
 from hpc_train.train.forward import forward_loss
+from hpc_train.train.health import HealthCheck, Thresholds
 from hpc_train.train.loader import BatchStream
 from hpc_train.train.model_card import write_model_card
 from hpc_train.train.models import ModelSpec, model_spec
@@ -112,6 +113,7 @@ class _Parts:
     flops_per_token: float
     said: str  # the model, as messages name it
     breakdown: StepBreakdown  # where each step's time goes (data, forward, backward, optimizer)
+    health: HealthCheck  # rank 0's verdicts on the logged steps (health.json)
 
     @property
     def stream(self) -> BatchStream:
@@ -255,7 +257,14 @@ def _build(rank: _Rank, spec: ModelSpec, topology: Topology, groups: ParallelGro
     checkpointer = Checkpointer(rank.run_dir, config, rank.plan.layout, rank.plan.config_hash, log=rank.log)
     return _Parts(groups, pipelined, model, engine, data, checkpointer,
                   StragglerCheck(config.watchdog.straggler_factor, info.rank, rank.log), flops,
-                  f"train.model {config.train.model}", StepBreakdown(device))
+                  f"train.model {config.train.model}", StepBreakdown(device), _health(rank))
+
+
+def _health(rank: _Rank) -> HealthCheck:
+    monitor, data = rank.plan.config.monitor, rank.plan.config.data
+    limits = Thresholds(monitor.health_data_share, monitor.health_loss_spike, monitor.health_memory_growth,
+                        data.num_workers)
+    return HealthCheck(rank.run_dir, limits, rank.log, writer=rank.info.rank == 0)
 
 
 def _resume(rank: _Rank, parts: _Parts) -> int:
@@ -341,15 +350,18 @@ def _step(rank: _Rank, parts: _Parts, monitor: Monitor, recorder: AttemptRecorde
     else:
         progress.loss = _micro_batches(rank, parts, logged)
     maybe_inject_fault(rank.info.rank, step)
-    if logged:
-        parts.stragglers.check(step)
+    straggler = parts.stragglers.check(step) if logged else None
     norm = engine.get_global_grad_norm() if logged else None
     elapsed = time.perf_counter() - start
     parts.breakdown.step_done(elapsed)
     breakdown = parts.breakdown.collect() if logged and not parts.pipelined else None  # collective
     tokens_per_step = rank.plan.layout.global_batch * rank.plan.config.train.seq_len
-    monitor.step(step, progress.loss, lr, None if norm is None else float(norm), tokens_per_step, elapsed,
-                 _memory_bytes() if logged else None, breakdown)
+    memory = _memory_bytes() if logged else None
+    monitor.step(step, progress.loss, lr, None if norm is None else float(norm), tokens_per_step, elapsed, memory,
+                 breakdown)
+    if logged:
+        parts.health.observe(step, {"loss": progress.loss, "memory_bytes": memory, **(breakdown or {})})
+        parts.health.straggler(step, straggler, rank.plan.config.watchdog.straggler_factor)
     if step > progress.start_step + 1:  # the first step of an attempt also warms up
         recorder.step_time(elapsed)
 

@@ -254,3 +254,24 @@ def test_watching_draws_the_recent_loss_as_a_sparkline(runs: dict[str, Path]) ->
     line = next(line for line in console.file.getvalue().splitlines() if line.strip().startswith("train"))
     assert sparkline(train.telemetry.losses) in line and "trend" in console.file.getvalue()
     assert sparkline([3.0, 2.0, 1.0]) == "█▅▁" and sparkline([1.0]) == "" and sparkline([2.0, 2.0]) == "▁▁"
+
+
+def test_a_run_s_health_is_a_column_its_findings_are_listed_and_in_json(runs: dict[str, Path]) -> None:
+    finding = {"check": "data_wait", "step": 40, "figure": "55% of the step waits for data", "threshold": "30%",
+               "cause": "a loader that does not keep up", "fix": "raise data.num_workers (now 0)"}
+    (runs["running"] / "health.json").write_text(json.dumps({"findings": [finding], "history": []}))
+    (runs["failed"] / "health.json").write_text(json.dumps({"findings": [], "history": []}))
+    (runs["rendered"] / "health.json").write_text('{"findings": [')  # torn: as if there were none
+    statuses, answer = collect(list(runs.values()), poll=_slurm(runs).poll)
+    console = Console(file=io.StringIO(), width=240, color_system=None)
+    console.print(render(statuses, answer, now=T0 + 100))
+    rows = {line.split()[0]: line for line in console.file.getvalue().splitlines() if line.strip()[:1].isalpha()}
+    assert rows["train"].rstrip().endswith("data_wait") and rows["raise"].rstrip().endswith("ok")
+    assert rows["rendered"].rstrip().endswith("-")
+    one = Console(file=io.StringIO(), width=300, color_system=None)
+    one.print(render(statuses[:1], answer, now=T0 + 100))
+    assert ("health: data_wait since step 40: 55% of the step waits for data (threshold 30%); likely a loader that "
+            "does not keep up; fix: raise data.num_workers (now 0)") in one.file.getvalue()
+    by_name = {run["name"]: run for run in json.loads(to_json(statuses, answer))["runs"]}
+    assert by_name["train"]["health"] == [finding] and by_name["raise"]["health"] == []
+    assert by_name["rendered"]["health"] is None

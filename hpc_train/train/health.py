@@ -1,0 +1,172 @@
+"""Health checks on rank 0's logged steps: a verdict on why a run is slow or going wrong, with the fix.
+
+Each check reads what the trainer logs anyway (the step-time breakdown, the loss, the memory, the straggler
+check), so it costs nothing on the step. A finding is said once in rank 0's log when it first trips and once when
+it clears, and the run folder keeps the current state in ``health.json`` (written whole, atomically), which
+``status`` shows. Thresholds are ``[monitor] health_*``; 0 turns a check off.
+
+- ``data_wait``: the step waits on the loader for more than ``health_data_share`` of its time;
+- ``loss``: a NaN or infinite loss (always), or one above ``health_loss_spike`` times the mean of the last 5;
+- ``memory_growth``: memory grew at each of the last 5 logged steps, by more than ``health_memory_growth``;
+- ``straggler``: a rank whose forward pass is ``watchdog.straggler_factor`` times the median (named by the
+  straggler check, which is folded in here).
+
+Plain Python, no torch; ``status`` on the login node reads the same file (``hpc_train.ops.status``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from hpc_train.run.files import atomic_write
+from hpc_train.run.paths import HEALTH_FILE
+
+__all__ = ["Finding", "HealthCheck", "Thresholds"]
+
+_WINDOW = 5
+_REFRESH_S = 60.0  # a tripped finding's figures are rewritten at most this often (each write is fsynced)
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """``[monitor]``'s health thresholds (0 disables a check)."""
+
+    data_share: float = 0.3
+    loss_spike: float = 3.0
+    memory_growth: float = 0.1
+    num_workers: int = 0  # what the fix says about the loader now
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One tripped check: what was measured, against what, why that happens and what to do."""
+
+    check: str
+    step: int
+    figure: str
+    threshold: str
+    cause: str
+    fix: str
+
+    def line(self) -> str:
+        return (f"health: {self.check} at step {self.step}: {self.figure} (threshold {self.threshold}); likely "
+                f"{self.cause}; fix: {self.fix}")
+
+
+class HealthCheck:
+    """Rank 0's checks; on other ranks (``writer`` False) it keeps no state and writes nothing."""
+
+    def __init__(self, run_dir: Path, thresholds: Thresholds, log: Callable[[str], None], writer: bool = True) -> None:
+        self.path = Path(run_dir) / HEALTH_FILE
+        self.limits, self.log, self.writer = thresholds, log, writer
+        self.active: dict[str, Finding] = {}
+        self.history: list[dict[str, Any]] = []
+        self._losses: deque[float] = deque(maxlen=_WINDOW)
+        self._memory: deque[float] = deque(maxlen=_WINDOW + 1)
+        self._written = 0.0
+        if writer and self.path.exists():  # an earlier attempt's findings are history: this one starts clear
+            self._write()
+
+    def observe(self, step: int, record: Mapping[str, Any]) -> None:
+        """A logged step's metrics record (``loss``, ``memory_bytes``, ``data_share``, ...)."""
+        if not self.writer:
+            return
+        changed = self._set("data_wait", step, self._data_wait(step, record))
+        changed |= self._set("loss", step, self._loss(step, record.get("loss")))
+        changed |= self._set("memory_growth", step, self._memory_growth(step, record.get("memory_bytes")))
+        if changed or (self.active and time.monotonic() - self._written > _REFRESH_S):
+            self._write()
+
+    def straggler(self, step: int, found: tuple[int, str, float] | None, factor: float) -> None:
+        """The straggler check's verdict on a logged step (None: no rank stands out)."""
+        if not self.writer:
+            return
+        finding = None
+        if found is not None:
+            rank, host, ratio = found
+            finding = Finding("straggler", step, f"rank {rank} on {host} takes {ratio:.1f}x the median forward time",
+                              f"{factor:g}x", "a slow or throttled node (thermals, a noisy neighbour, a failing GPU)",
+                              f"python -m hpc_train doctor on {host}; if it stays slow, exclude it "
+                              "(docs/operations.md: the retry policy and the exclusion list)")
+        if self._set("straggler", step, finding):
+            self._write()
+
+    # -- the checks -------------------------------------------------------------------------------------------
+
+    def _data_wait(self, step: int, record: Mapping[str, Any]) -> Finding | None:
+        share, limit = record.get("data_share"), self.limits.data_share
+        if not limit or not isinstance(share, int | float) or share <= limit:
+            return None
+        workers = self.limits.num_workers
+        return Finding("data_wait", step, f"{share:.0%} of the step waits for data", f"{limit:.0%}",
+                       "a loader that does not keep up (samples loaded or decoded in the training process, too few "
+                       "workers)", f"raise data.num_workers (now {workers}) and data.prefetch_factor; on GPUs set "
+                       "data.pin_memory = true")
+
+    def _loss(self, step: int, loss: Any) -> Finding | None:
+        if not isinstance(loss, int | float) and loss is not None:
+            return None
+        fix = ("lower train.lr or raise train.warmup_steps; a larger train.global_batch through train.grad_accum; "
+               "keep train.grad_clip on; bf16 rather than fp16")
+        if loss is None or not math.isfinite(loss):  # metrics.jsonl writes NaN and infinity as null
+            return Finding("loss", step, "the loss is NaN or infinite", "finite",
+                           "an unstable step (a learning rate or batch size the model cannot take, an fp16 overflow)",
+                           fix)
+        previous = list(self._losses)
+        self._losses.append(float(loss))
+        limit = self.limits.loss_spike
+        if not limit or len(previous) < _WINDOW:
+            return None
+        mean = sum(previous) / len(previous)
+        if mean <= 0 or loss <= limit * mean:
+            return None
+        return Finding("loss", step, f"loss {loss:.4g} is {loss / mean:.1f}x the mean of the last {_WINDOW} logged",
+                       f"{limit:g}x", "a batch size that destabilises the loss, or a bad batch", fix)
+
+    def _memory_growth(self, step: int, memory: Any) -> Finding | None:
+        if not isinstance(memory, int | float) or memory <= 0:
+            return None
+        self._memory.append(float(memory))
+        limit, seen = self.limits.memory_growth, list(self._memory)
+        if not limit or len(seen) <= _WINDOW or any(b <= a for a, b in itertools.pairwise(seen)):
+            return None
+        growth = seen[-1] / seen[0] - 1
+        if growth <= limit:
+            return None
+        return Finding("memory_growth", step, f"memory grew {growth:.0%} over the last {_WINDOW} logged steps "
+                       f"(to {seen[-1] / 2**30:.2f} GiB)", f"{limit:.0%}",
+                       "a leak: tensors kept across steps (a loss appended without .item(), a growing cache)",
+                       "find what holds tensors between steps; torch.cuda.memory_summary() on rank 0 shows where")
+
+    # -- state ------------------------------------------------------------------------------------------------
+
+    def _set(self, check: str, step: int, finding: Finding | None) -> bool:
+        """Record ``check``'s verdict; True when it tripped or cleared (each said once in the log)."""
+        before = self.active.get(check)
+        if finding is not None:
+            self.active[check] = finding
+            if before is None:
+                self.log(finding.line())
+                self.history.append({"check": check, "step": step, "event": "tripped", "time": time.time()})
+            return before is None
+        if before is None:
+            return False
+        del self.active[check]
+        self.log(f"health: {check} cleared at step {step}")
+        self.history.append({"check": check, "step": step, "event": "cleared", "time": time.time()})
+        return True
+
+    def _write(self) -> None:
+        data = {"updated": time.time(), "findings": [asdict(f) for f in self.active.values()],
+                "history": self.history[-100:]}
+        atomic_write(self.path, json.dumps(data, indent=2) + "\n")
+        self._written = time.monotonic()
+

@@ -1,0 +1,83 @@
+"""The health checks on rank 0's logged steps: each trips with its figure, threshold, cause and fix, is said once in
+the log when it trips and once when it clears, and health.json holds the state now; other ranks keep nothing."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from hpc_train.train.health import HealthCheck, Thresholds
+
+
+def _check(tmp_path: Path, **limits: float) -> tuple[HealthCheck, list[str]]:
+    lines: list[str] = []
+    return HealthCheck(tmp_path, Thresholds(**limits, num_workers=0), lines.append), lines  # type: ignore[arg-type]
+
+
+def _findings(tmp_path: Path) -> list[dict[str, object]]:
+    return json.loads((tmp_path / "health.json").read_text())["findings"]
+
+
+def test_a_starved_loader_trips_once_names_the_fix_and_clears(tmp_path: Path) -> None:
+    health, lines = _check(tmp_path)
+    health.observe(10, {"loss": 3.0, "data_share": 0.1})
+    assert lines == [] and not (tmp_path / "health.json").exists()
+    health.observe(20, {"loss": 3.0, "data_share": 0.55})
+    health.observe(30, {"loss": 3.0, "data_share": 0.6})  # still tripped: not said again
+    assert lines == ["health: data_wait at step 20: 55% of the step waits for data (threshold 30%); likely a loader "
+                     "that does not keep up (samples loaded or decoded in the training process, too few workers); "
+                     "fix: raise data.num_workers (now 0) and data.prefetch_factor; on GPUs set data.pin_memory = "
+                     "true"]
+    assert [f["check"] for f in _findings(tmp_path)] == ["data_wait"]
+    health.observe(40, {"loss": 3.0, "data_share": 0.05})
+    assert lines[-1] == "health: data_wait cleared at step 40" and _findings(tmp_path) == []
+    history = json.loads((tmp_path / "health.json").read_text())["history"]
+    assert [(h["step"], h["event"]) for h in history] == [(20, "tripped"), (40, "cleared")]
+
+
+def test_a_nan_loss_and_a_spike_are_flagged(tmp_path: Path) -> None:
+    health, lines = _check(tmp_path)
+    for step, loss in enumerate([3.0, 2.9, 2.8, 2.7, 2.6], start=1):
+        health.observe(step, {"loss": loss})
+    health.observe(6, {"loss": 9.5})
+    assert lines[-1].startswith("health: loss at step 6: loss 9.5 is 3.4x the mean of the last 5 logged")
+    health.observe(7, {"loss": 2.5})
+    health.observe(8, {"loss": math.nan})
+    assert lines[-2:] == ["health: loss cleared at step 7", lines[-1]]
+    assert "the loss is NaN or infinite" in lines[-1] and "lower train.lr" in lines[-1]
+    health.observe(9, {"loss": None})  # metrics.jsonl's null: still not finite, not said twice
+    assert sum("health: loss at" in line for line in lines) == 2
+
+
+def test_memory_that_grows_at_every_logged_step_is_a_leak(tmp_path: Path) -> None:
+    health, lines = _check(tmp_path)
+    for step in range(1, 7):
+        health.observe(step, {"loss": 3.0, "memory_bytes": 2**30 * (1 + 0.05 * step)})
+    assert lines and "health: memory_growth at step 6: memory grew 24% over the last 5 logged steps" in lines[-1]
+    (tmp_path / "flat").mkdir()
+    flat, quiet = _check(tmp_path / "flat")
+    for step in range(1, 12):
+        flat.observe(step, {"loss": 3.0, "memory_bytes": 2**30 + (step % 2) * 2**20})  # up and down: no leak
+    assert quiet == []
+
+
+def test_a_straggler_is_folded_in_and_off_switches_and_other_ranks_keep_nothing(tmp_path: Path) -> None:
+    health, lines = _check(tmp_path, data_share=0.0, loss_spike=0.0, memory_growth=0.0)
+    health.straggler(50, (3, "n7", 2.4), 1.5)
+    assert "health: straggler at step 50: rank 3 on n7 takes 2.4x the median forward time (threshold 1.5x)" in \
+        lines[-1] and "hpc_train doctor on n7" in lines[-1]
+    health.observe(60, {"loss": 3.0, "data_share": 0.9, "memory_bytes": 1})  # those checks are off
+    health.straggler(60, None, 1.5)
+    assert lines[-1] == "health: straggler cleared at step 60"
+    other = HealthCheck(tmp_path / "other", Thresholds(), lines.append, writer=False)
+    other.observe(1, {"loss": math.nan, "data_share": 0.9})
+    assert not (tmp_path / "other").exists() and other.active == {}
+
+
+def test_a_new_attempt_starts_clear(tmp_path: Path) -> None:
+    health, _ = _check(tmp_path)
+    health.observe(20, {"loss": 3.0, "data_share": 0.9})
+    assert _findings(tmp_path)
+    _check(tmp_path)  # the requeued attempt's rank 0
+    assert _findings(tmp_path) == []
