@@ -7,10 +7,11 @@ For each library the example script (``examples/LIB/train.py``) runs three ways:
 machine, uninterrupted (the baseline: 2 processes); and through ``python -m hpc_train.submit`` on 2 Slurm nodes x 1
 rank, followed (no ``--no-follow``), once alone (``--plain``: the script knows nothing of hpc_train; it checkpoints
 every 20 steps and resumes from its own last checkpoint) and once with the integration. Each Slurm run gets
-``scancel --signal=USR2`` once: the plain one at a random moment after its first checkpoint, the integrated one
-at a random step. Reported per run: the submit command's exit status, the signal to the next attempt's first step
-(seconds), the steps trained twice (the last step trained before the stop minus the step resumed from), whether
-the final weights are bitwise equal to torchrun's, and whether ``logs --errors-only`` shows a failure. Targets:
+``scancel --signal=USR2`` once: the plain one at a random step after its first checkpoint, the integrated one at
+a random step before it (5-18, across the first epoch's end at step 16). Reported per run: the submit command's
+exit status, the signal to the next attempt's first step (seconds), the steps trained twice (the last step
+trained before the stop minus the step resumed from), whether the final weights are bitwise equal to torchrun's,
+and whether ``logs --errors-only`` shows a failure. Targets:
 exit 0, bitwise equal, no failure; with the integration 0 steps trained twice. All Slurm runs go at once (each
 asks for 1 CPU on each of the 2 nodes), so the figures include their contention on this 2-core machine.
 """
@@ -209,7 +210,9 @@ def main() -> int:
     pick = random.Random(seed)  # noqa: S311 - not a secret
     with tempfile.TemporaryDirectory(prefix="hpc_train-libpreempt-") as tmp:
         work = Path(tmp)
-        runs = [Run(lib, integration, pick.randint(5, steps // 2) if integration else pick.randint(22, 34),
+        # integrated runs are signalled before the scripts' first own checkpoint (step 20), across the first
+        # epoch's end (step 16): what they resume from is then their stop's save alone
+        runs = [Run(lib, integration, pick.randint(5, 18) if integration else pick.randint(22, 34),
                     work / f"{lib}-{'with' if integration else 'plain'}")
                 for lib in libs for integration in (False, True)]
         with ThreadPoolExecutor(max_workers=len(runs) + len(libs)) as pool:

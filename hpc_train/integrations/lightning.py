@@ -4,8 +4,11 @@ After every optimizer step the callback tells hpc_train the Trainer's ``global_s
 (``self.log``), and asks ``should_stop()`` (collective: every rank, at the same step). When a preemption or
 time-limit signal has come, it saves through the Trainer's own checkpointing into the ``ModelCheckpoint``'s
 folder as ``last.ckpt`` (so ``ckpt_path="last"`` resumes exactly there) and sets ``trainer.should_stop``: ``fit``
-returns on every rank after that step, the script ends, and hpc_train requeues the job. No step is lost or
-trained twice when the train loader is resumable (``torchdata``'s ``StatefulDataLoader``, or any loader with
+returns on every rank after that step (at an epoch's last batch, after the next one: :func:`ends_epoch`), the
+script ends, and hpc_train requeues the job. After that save the ``ModelCheckpoint`` is told it saved this step:
+otherwise it writes ``last-v1.ckpt`` at the end of ``fit`` (``save_last`` when it had saved nothing yet) with the
+epoch marked done, and ``ckpt_path="last"``, which takes the newest, would skip the rest of the epoch. No step is
+lost or trained twice when the train loader is resumable (``torchdata``'s ``StatefulDataLoader``, or any loader with
 ``state_dict``/``load_state_dict``): Lightning restarts a plain ``DataLoader``'s epoch from its start.
 
 Outside hpc_train (``torchrun train.py``) the callback does nothing. Importing this module imports neither torch
@@ -19,7 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-__all__ = ["HpcTrainCallback"]  # noqa: F822 - built on first use, by the module's __getattr__
+__all__ = ["HpcTrainCallback", "ends_epoch"]  # noqa: F822 - built on first use, by the module's __getattr__
 
 _BUILT: dict[str, type] = {}
 
@@ -47,6 +50,18 @@ def _last_path(trainer: Any, checkpoint_path: str | None) -> Path:
     return Path(trainer.default_root_dir) / "checkpoints" / "last.ckpt"
 
 
+def ends_epoch(trainer: Any, batch_idx: int) -> bool:
+    """Whether this batch is its epoch's last. A checkpoint taken there does not resume exactly with Lightning 2.6
+    and a ``StatefulDataLoader``: the loader's state (exhausted) is applied to the next epoch, which is skipped.
+    So the stop waits for the next step, the first of the next epoch (every rank alike: the same batch counts);
+    should_stop() goes on saying True there, and a run that ends at this batch needs no stop at all."""
+    progress = getattr(getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None), "batch_progress", None)
+    if getattr(progress, "is_last_batch", False):
+        return True
+    batches = getattr(trainer, "num_training_batches", float("inf"))
+    return isinstance(batches, int) and batch_idx + 1 >= batches
+
+
 def _build(pl: Any) -> type:
     from hpc_train.integrations.metrics import scalars, started_context
 
@@ -72,12 +87,15 @@ def _build(pl: Any) -> type:
                 return  # accumulating gradients: no optimizer step, nothing to stop at
             self._seen_step = step
             self._ctx.log(step, **scalars(trainer.callback_metrics))
-            if not self._ctx.should_stop():
-                return
-            trainer.save_checkpoint(str(_last_path(trainer, self.checkpoint_path)))
-            for callback in trainer.checkpoint_callbacks:
+            if not self._ctx.should_stop() or ends_epoch(trainer, batch_idx):
+                return  # at an epoch's last batch the stop waits one step (see ends_epoch)
+            path = str(_last_path(trainer, self.checkpoint_path))
+            trainer.save_checkpoint(path)
+            for callback in trainer.checkpoint_callbacks:  # no ModelCheckpoint saves after this one (see below)
                 if hasattr(callback, "_last_global_step_saved"):
-                    callback._last_global_step_saved = step  # no second save of this step at the epoch's end
+                    callback._last_global_step_saved = step
+                if hasattr(callback, "_last_checkpoint_saved") and not callback._last_checkpoint_saved:
+                    callback._last_checkpoint_saved = path
             self.stopped_at = step
             trainer.should_stop = True
 

@@ -41,3 +41,21 @@ def test_each_callback_is_the_library_s_own_kind_and_idle_outside_hpc_train() ->
     assert not control.should_save and not control.should_training_stop
     with pytest.raises(AttributeError, match="has no attribute 'Callback'"):
         _ = lightning.Callback
+
+
+def test_the_lightning_stop_waits_past_an_epoch_s_last_batch() -> None:
+    """A Lightning checkpoint at an epoch's last batch resumes a StatefulDataLoader into the wrong epoch, so the
+    callback stops one step later there (tests/integrations/test_preemption_slurm.py's runs stop at random)."""
+    from types import SimpleNamespace
+
+    from hpc_train.integrations.lightning import ends_epoch
+
+    def trainer(last: bool, batches: object = float("inf")) -> object:
+        progress = SimpleNamespace(is_last_batch=last)
+        return SimpleNamespace(fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(batch_progress=progress)),
+                               num_training_batches=batches)
+
+    assert ends_epoch(trainer(True), 3)
+    assert not ends_epoch(trainer(False), 3)
+    assert ends_epoch(trainer(False, 16), 15) and not ends_epoch(trainer(False, 16), 14)
+    assert not ends_epoch(SimpleNamespace(), 0)  # a trainer without these: never defer

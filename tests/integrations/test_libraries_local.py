@@ -55,3 +55,45 @@ def test_unmodified_library_scripts_on_the_local_executor_end_with_torchrun_s_we
 
 def _job_name(lib: str) -> str:
     return {"lightning": "lightning-mlp", "hf_trainer": "hf-trainer-mlp", "accelerate": "accelerate-mlp"}[lib]
+
+
+def test_lightning_with_the_integration_preempted_early_loses_no_step_and_ends_bitwise(tmp_path: Path) -> None:
+    """The signal comes before the script's first own checkpoint and near the first epoch's end (16 steps): the
+    callback's save at the stop is all there is to resume from (Lightning's ModelCheckpoint, which had saved nothing
+    yet, must not write a newer last-v1.ckpt over it), and a stop at the epoch's last batch waits one step."""
+    import json
+    import signal
+    import time
+
+    from hpc_train.run.watch import local_rank_pid
+
+    script = str(REPO / "examples" / "lightning" / "train.py")
+    ref = tmp_path / "ref"
+    torchrun = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                               f"--master_port={free_port()}", script, "--steps", "40", "--checkpoints",
+                               str(ref / "checkpoints"), "--out", str(ref / "weights.pt"), "--plain"], cwd=tmp_path,
+                              env=ENV, capture_output=True, text=True, timeout=600, check=False)
+    assert torchrun.returncode == 0, torchrun.stdout[-3000:] + torchrun.stderr[-3000:]
+    work, steps = tmp_path / "ours", tmp_path / "ours" / "steps.txt"
+    work.mkdir()
+    args = ["--steps", "40", "--checkpoints", str(work / "checkpoints"), "--out", str(work / "weights.pt"),
+            "--step-sleep", "0.15", "--step-log", str(steps)]
+    process = subprocess.Popen([sys.executable, "-m", "hpc_train.submit", str(REPO / "examples" / "lightning" /
+                                "job.toml"), "--site", "local", "--set", f"job.args={json.dumps(args)}"], cwd=work,
+                               env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    run_dir = work / "runs" / "lightning-mlp"
+    deadline = time.monotonic() + 240
+    while not (steps.exists() and len(steps.read_text().splitlines()) >= 14 and local_rank_pid(run_dir, 1)):
+        assert process.poll() is None and time.monotonic() < deadline, process.communicate()[0][-3000:]
+        time.sleep(0.02)
+    os.kill(local_rank_pid(run_dir, 1), signal.SIGUSR2)  # one rank: the others learn of it from should_stop
+    output, _ = process.communicate(timeout=300)
+    assert process.returncode == 0, output[-3000:]
+    attempts = [json.loads(line) for line in (run_dir / "attempts.jsonl").read_text().splitlines()]
+    assert [a["outcome"] for a in attempts] == ["preempted", "completed"], attempts
+    assert 15 <= attempts[0]["end_step"] <= 18 and attempts[0]["end_step"] != 16, attempts  # never at 16
+    logged = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert logged == list(range(1, 41))
+    reference = torch.load(ref / "weights.pt", weights_only=True)
+    ours = torch.load(work / "weights.pt", weights_only=True)
+    assert all(torch.equal(ours[k], reference[k]) for k in reference)
