@@ -27,6 +27,7 @@ from hpc_train.slurm.jobstate import SlurmQueryError, query_states
 __all__ = ["FollowedJob", "LogTail", "follow"]
 
 _SUCCESS = {"COMPLETED", "FINISHED"}
+_CLOCK_SLACK_S = 30.0
 
 
 class LogTail:
@@ -72,13 +73,18 @@ class FollowedJob:
     def job_id(self) -> str:
         return str(self.job.job_id)
 
+    @property
+    def since(self) -> float:
+        """Records written after this is this submission's (the compute nodes' clocks may lag the login node's)."""
+        return self.submitted_at - _CLOCK_SLACK_S
+
     def rank_errors(self) -> list[dict[str, Any]]:
         """This job's ranks' failures, earliest first (consequences of a stop are not among them)."""
-        return read_failures(self.run_dir, self.submitted_at)
+        return read_failures(self.run_dir, self.since)
 
     def cancel_decision(self) -> CancelDecision:
         waited = time.monotonic() - self.first_failure_at if self.first_failure_at is not None else 0.0
-        return decide_cancel(read_facts(self.run_dir, self.job_id, self.state, self.submitted_at, waited))
+        return decide_cancel(read_facts(self.run_dir, self.job_id, self.state, self.since, waited))
 
 
 def _poll(jobs: list[FollowedJob], executor: str) -> None:
