@@ -26,6 +26,6 @@ want=$(cat setup.cfg pyproject.toml constraints/cpu.txt | sha256sum | cut -d' ' 
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     echo "bootstrap: installing hpc_train with torch (CPU), deepspeed, mpi4py, transformers, Lightning, accelerate and test tools into .venv"
     .venv/bin/python -m pip install -q --upgrade pip setuptools wheel
-    .venv/bin/python -m pip install -q -c constraints/cpu.txt -e '.[train,mpi,hf,libs,plot,dev]'
+    .venv/bin/python -m pip install -q -c constraints/cpu.txt -e '.[train,mpi,hf,libs,plot,wandb,prometheus,nvml,dev]'
     echo "$want" > "$stamp"
 fi

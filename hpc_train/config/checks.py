@@ -157,6 +157,11 @@ def check_path(value: str) -> tuple[str, str] | None:
     return _check_path_chars(value)
 
 
+def check_optional_path(value: str) -> tuple[str, str] | None:
+    """A folder path that may be left empty (its default then applies)."""
+    return _check_path_chars(value) if value else None
+
+
 def check_env_value(value: str) -> tuple[str, str] | None:
     """Environment values are shell-quoted when written, but must still be one line."""
     return _control(value)

@@ -6,6 +6,7 @@ Cross-field rules live in :mod:`hpc_train.config.validate`.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -58,6 +59,16 @@ def check_model(value: str) -> tuple[str, str] | None:
 def check_source(value: str) -> tuple[str, str] | None:
     """``data.source``: a built-in source, or a dataset's entry point."""
     return check_entry_point(value, DATA_SOURCES, "a source")
+
+
+_WANDB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
+
+
+def check_wandb_name(value: str) -> tuple[str, str] | None:
+    """W&B project and entity names: letters, digits and . _ - (empty allowed)."""
+    if not value or _WANDB_NAME.fullmatch(value):
+        return None
+    return (f"{value[:80]!r} is not a W&B name", "use letters, digits and . _ - only, starting with a letter or digit")
 
 
 def check_collate(value: str) -> tuple[str, str] | None:
@@ -199,6 +210,16 @@ class MonitorSection:
                                            "0 disables (a NaN or infinite loss is always flagged).")
     health_memory_growth: float = option(0.1, "Flag memory that grew at each of the last 5 logged steps, by more "
                                               "than this fraction in all (a leak); 0 disables.")
+    health_comm_share: float = option(0.2, "Flag steps that wait in communication compute did not hide for more "
+                                           "than this share of their time (a weak fabric); 0 disables.")
+    comm_sample_every: int = option(10, "On GPUs, profile one step in this many logged steps for the exposed "
+                                        "communication (CPU ranks measure every step); 0 disables.")
+    wandb: Literal["", "offline", "online"] = option("", "Weights & Biases from rank 0: offline (under the run "
+                                                         "folder, for wandb sync) or online; empty: off.")
+    wandb_project: str = option("hpc_train", "The W&B project.", check_wandb_name)
+    wandb_entity: str = option("", "The W&B entity (team or user); empty: your default.", check_wandb_name)
+    prometheus: bool = option(False, "Write the scalars and health flags for node_exporter's textfile collector "
+                                     "(the run folder, or the site's prometheus_dir).")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -20,6 +20,7 @@ from hpc_train.config.checks import (
     check_mem,
     check_module,
     check_nccl_name,
+    check_optional_path,
     check_path,
     check_signal,
     check_slurm_name,
@@ -136,6 +137,8 @@ class SiteConfig:
     name: str = option("", "Short name of the site.", check_slurm_name)
     description: str = option("", "One line on what this site is.")
     run_root: str = option("", "Default folder for run folders (a shared, fast file system).", check_path)
+    prometheus_dir: str = option("", "node_exporter's textfile-collector folder for jobs with [monitor] prometheus "
+                                     "(one .prom file per run); empty: the run folder.", check_optional_path)
     slurm: SlurmSite = option(SlurmSite, "", factory=True)
     node: NodeShape = option(NodeShape, "", factory=True)
     network: NetworkSite = option(NetworkSite, "", factory=True)

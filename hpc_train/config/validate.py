@@ -45,6 +45,8 @@ def _check_counts(cfg: JobConfig) -> None:
         ("monitor.health_data_share", cfg.monitor.health_data_share, 0),
         ("monitor.health_loss_spike", cfg.monitor.health_loss_spike, 0),
         ("monitor.health_memory_growth", cfg.monitor.health_memory_growth, 0),
+        ("monitor.health_comm_share", cfg.monitor.health_comm_share, 0),
+        ("monitor.comm_sample_every", cfg.monitor.comm_sample_every, 0),
         ("preempt.lead_seconds", cfg.preempt.lead_seconds, 0), ("preempt.max_requeues", cfg.preempt.max_requeues, 0),
         ("watchdog.startup_timeout_s", cfg.watchdog.startup_timeout_s, 10),
         ("watchdog.step_timeout_s", cfg.watchdog.step_timeout_s, 10),
@@ -58,9 +60,11 @@ def _check_counts(cfg: JobConfig) -> None:
                               ("job.cpus_per_task", cfg.job.cpus_per_task or 1, 4096)):
         if value > high:
             raise ConfigError(where, f"{str(value)[:24]} is above the maximum {high:,}", "ask for a real machine size")
-    if cfg.monitor.health_data_share > 1:
-        raise ConfigError("monitor.health_data_share", f"{cfg.monitor.health_data_share} is above 1 (a share)",
-                          "give a share of the step between 0 and 1, like 0.3 (0 disables the check)")
+    for where, share, example in (("monitor.health_data_share", cfg.monitor.health_data_share, 0.3),
+                                  ("monitor.health_comm_share", cfg.monitor.health_comm_share, 0.2)):
+        if share > 1:
+            raise ConfigError(where, f"{share} is above 1 (a share)",
+                              f"give a share of the step between 0 and 1, like {example} (0 disables the check)")
     if cfg.job.gpus_per_node is not None:
         _at_least("job.gpus_per_node", cfg.job.gpus_per_node, 0)
     if cfg.job.cpus_per_task is not None:

@@ -1,7 +1,9 @@
 """Deliberate faults for testing failure handling on a real cluster: ``HPC_TRAIN_INJECT_FAULT``.
 
 Values: ``raise:R`` (rank R raises), ``hang:R`` (rank R sleeps forever), ``exit:R:CODE`` (rank R exits),
-``slow:R:MS`` (rank R spends MS more milliseconds in every forward pass: a straggler).
+``slow:R:MS`` (rank R spends MS more milliseconds in every forward pass: a straggler), ``slow_comm:R:MS`` (rank R
+spends MS more milliseconds in every collective of a training step: a slow fabric, which its peers wait on),
+``leak:R:MB`` (rank R keeps MB more megabytes after every training step: a memory leak).
 ``HPC_TRAIN_INJECT_FAULT_STEP=N`` fires the fault at training step N instead of at start-up, and
 ``HPC_TRAIN_INJECT_FAULT_RESTART=K`` only in the attempt with that Slurm restart count (so a requeued job can
 show that it recovers). Set them in a job's ``[env]``; unset, nothing happens.
@@ -14,7 +16,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-__all__ = ["FAULT_VARIABLE", "injected_delay_s", "maybe_inject_fault"]
+__all__ = ["FAULT_VARIABLE", "injected_comm_delay_s", "injected_delay_s", "injected_leak_bytes", "maybe_inject_fault"]
 
 FAULT_VARIABLE = "HPC_TRAIN_INJECT_FAULT"
 STEP_VARIABLE = "HPC_TRAIN_INJECT_FAULT_STEP"
@@ -57,9 +59,24 @@ def maybe_inject_fault(rank: int, step: int | None = None) -> None:
         sys.exit(int(fault.argument or 1))
 
 
+def _amount(rank: int, kind: str) -> int:
+    """The number a ``kind:R:N`` fault aimed at ``rank`` carries; 0 without one."""
+    fault = _fault(rank)
+    if fault is None or fault.kind != kind or not (fault.argument.isascii() and fault.argument.isdigit()):
+        return 0
+    return int(fault.argument)
+
+
 def injected_delay_s(rank: int) -> float:
     """Seconds a ``slow`` fault adds to each forward pass of ``rank``; 0 otherwise."""
-    fault = _fault(rank)
-    if fault is None or fault.kind != "slow" or not (fault.argument.isascii() and fault.argument.isdigit()):
-        return 0.0
-    return int(fault.argument) / 1000
+    return _amount(rank, "slow") / 1000
+
+
+def injected_comm_delay_s(rank: int) -> float:
+    """Seconds a ``slow_comm`` fault adds to each collective of a training step on ``rank``; 0 otherwise."""
+    return _amount(rank, "slow_comm") / 1000
+
+
+def injected_leak_bytes(rank: int) -> int:
+    """Bytes a ``leak`` fault keeps after each training step of ``rank``; 0 otherwise."""
+    return _amount(rank, "leak") * 2**20

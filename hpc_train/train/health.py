@@ -6,6 +6,7 @@ it clears, and the run folder keeps the current state in ``health.json`` (writte
 ``status`` shows. Thresholds are ``[monitor] health_*``; 0 turns a check off.
 
 - ``data_wait``: the step waits on the loader for more than ``health_data_share`` of its time;
+- ``comm``: the step waits in communication that compute did not hide for more than ``health_comm_share``;
 - ``loss``: a NaN or infinite loss (always), or one above ``health_loss_spike`` times the mean of the last 5;
 - ``memory_growth``: memory grew at each of the last 5 logged steps, by more than ``health_memory_growth``;
 - ``straggler``: a rank whose forward pass is ``watchdog.straggler_factor`` times the median (named by the
@@ -43,6 +44,8 @@ class Thresholds:
     loss_spike: float = 3.0
     memory_growth: float = 0.1
     num_workers: int = 0  # what the fix says about the loader now
+    comm_share: float = 0.2
+    gpus: bool = True  # GPU ranks (NCCL) or CPU ranks (gloo): what a high communication share most likely means
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,7 @@ class HealthCheck:
         if not self.writer:
             return
         changed = self._set("data_wait", step, self._data_wait(step, record))
+        changed |= self._set("comm", step, self._comm(step, record))
         changed |= self._set("loss", step, self._loss(step, record.get("loss")))
         changed |= self._set("memory_growth", step, self._memory_growth(step, record.get("memory_bytes")))
         if changed or (self.active and time.monotonic() - self._written > _REFRESH_S):
@@ -110,6 +114,25 @@ class HealthCheck:
                        "a loader that does not keep up (samples loaded or decoded in the training process, too few "
                        "workers)", f"raise data.num_workers (now {workers}) and data.prefetch_factor; on GPUs set "
                        "data.pin_memory = true")
+
+    def _comm(self, step: int, record: Mapping[str, Any]) -> Finding | None:
+        share, limit = record.get("comm_share"), self.limits.comm_share
+        if not limit or not isinstance(share, int | float) or share <= limit:
+            return None
+        slowest = record.get("comm_ms_max")
+        spread = f" (up to {slowest:.0f} ms a step on the slowest rank)" if isinstance(slowest, int | float) else ""
+        if "straggler" in self.active:
+            cause = "ranks waiting in collectives for the straggler named by the straggler check"
+        elif self.limits.gpus:
+            cause = ("a fabric slower than the model's communication needs (a fall-back to TCP sockets, a missing "
+                     "InfiniBand setting), or too little compute per step to hide it")
+        else:
+            cause = ("gloo over TCP between CPU ranks, and ranks that share a node's cores waiting for each other; "
+                     "too little compute per step to hide it")
+        return Finding("comm", step, f"{share:.0%} of the step waits in communication{spread}", f"{limit:.0%}", cause,
+                       "python -m hpc_train doctor and python -m hpc_train bench allreduce on the job's nodes, then "
+                       "the site's [network] NCCL settings (docs/troubleshooting.md); a larger train.global_batch "
+                       "through train.grad_accum makes communication a smaller share of each step")
 
     def _loss(self, step: int, loss: Any) -> Finding | None:
         if not isinstance(loss, int | float) and loss is not None:

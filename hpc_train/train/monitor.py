@@ -388,7 +388,7 @@ class Monitor:
 
 def _shares(breakdown: Mapping[str, float]) -> list[tuple[str, str]]:
     """``[("data", "12%"), ("fwd", "30%"), ...]``: the breakdown's shares of the step, for the progress line."""
-    short = {"data": "data", "forward": "fwd", "backward": "bwd", "optimizer": "opt"}
+    short = {"data": "data", "forward": "fwd", "backward": "bwd", "optimizer": "opt", "comm": "comm"}
     return [(word, f"{100 * breakdown[f'{name}_share']:.0f}%") for name, word in short.items()
             if f"{name}_share" in breakdown]
 

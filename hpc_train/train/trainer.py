@@ -24,7 +24,12 @@ from hpc_train.config.plan import Plan
 from hpc_train.distributed.bootstrap import bootstrap, shutdown
 from hpc_train.distributed.collectives import all_reduce_values
 from hpc_train.distributed.context import RankContext
-from hpc_train.distributed.faults import injected_delay_s, maybe_inject_fault
+from hpc_train.distributed.faults import (
+    injected_comm_delay_s,
+    injected_delay_s,
+    injected_leak_bytes,
+    maybe_inject_fault,
+)
 from hpc_train.distributed.launchers import LaunchInfo
 from hpc_train.distributed.mesh import ModelParallelUnit, ParallelGroups
 from hpc_train.distributed.topology import Topology
@@ -32,6 +37,7 @@ from hpc_train.run.loglines import format_saved_after_signal
 from hpc_train.run.stops import attempt_key
 from hpc_train.train.breakdown import StepBreakdown
 from hpc_train.train.checkpointing import Checkpointer
+from hpc_train.train.comm_clock import CollectiveClock
 from hpc_train.train.engine import build_engine
 from hpc_train.train.entry_points import UserCodeError
 from hpc_train.train.flops import peak_flops
@@ -114,6 +120,7 @@ class _Parts:
     said: str  # the model, as messages name it
     breakdown: StepBreakdown  # where each step's time goes (data, forward, backward, optimizer)
     health: HealthCheck  # rank 0's verdicts on the logged steps (health.json)
+    leaked: list[Any] = dataclasses.field(default_factory=list)  # HPC_TRAIN_INJECT_FAULT=leak:R:MB keeps these
 
     @property
     def stream(self) -> BatchStream:
@@ -231,6 +238,8 @@ def _set_up(rank: _Rank) -> tuple[Topology, ParallelGroups]:
     context = bootstrap(info, port_range=(plan.port_range[0], plan.port_range[1]), fabric_suffix=plan.fabric_suffix,
                         init_timeout_s=plan.config.dist.init_timeout_s, timeout_s=plan.config.dist.timeout_s)
     maybe_inject_fault(info.rank)
+    if context.backend != "nccl":  # before DeepSpeed starts: it keeps the collectives it picks (comm_clock)
+        CollectiveClock.install(injected_comm_delay_s(info.rank))
     torch.set_num_threads(max(1, int(plan.env.get("OMP_NUM_THREADS", "1"))))
     layout = plan.layout
     topology = Topology.build(info.world_size, tp=layout.tensor, pp=layout.pipeline, cp=layout.context,
@@ -257,13 +266,18 @@ def _build(rank: _Rank, spec: ModelSpec, topology: Topology, groups: ParallelGro
     checkpointer = Checkpointer(rank.run_dir, config, rank.plan.layout, rank.plan.config_hash, log=rank.log)
     return _Parts(groups, pipelined, model, engine, data, checkpointer,
                   StragglerCheck(config.watchdog.straggler_factor, info.rank, rank.log), flops,
-                  f"train.model {config.train.model}", StepBreakdown(device), _health(rank))
+                  f"train.model {config.train.model}", _breakdown(rank, device), _health(rank))
+
+
+def _breakdown(rank: _Rank, device: torch.device) -> StepBreakdown:
+    clock = CollectiveClock.install(injected_comm_delay_s(rank.info.rank)) if device.type == "cpu" else None
+    return StepBreakdown(device, clock=clock, sample_every=rank.plan.config.monitor.comm_sample_every)
 
 
 def _health(rank: _Rank) -> HealthCheck:
     monitor, data = rank.plan.config.monitor, rank.plan.config.data
     limits = Thresholds(monitor.health_data_share, monitor.health_loss_spike, monitor.health_memory_growth,
-                        data.num_workers)
+                        data.num_workers, monitor.health_comm_share, dist.get_backend() == "nccl")
     return HealthCheck(rank.run_dir, limits, rank.log, writer=rank.info.rank == 0)
 
 
@@ -324,18 +338,19 @@ def _micro_batches(rank: _Rank, parts: _Parts, logged: bool) -> float:
     engine, accum, delay = parts.engine, rank.plan.config.train.grad_accum, injected_delay_s(rank.info.rank)
     timing = parts.breakdown
     total = 0.0
-    for _ in range(accum):
-        with timing.phase("data"):
-            batch = next(parts.stream)
-        with parts.stragglers.timed(engine.device), timing.phase("forward"):
-            if delay:
-                time.sleep(delay)  # an injected straggler (HPC_TRAIN_INJECT_FAULT=slow:R:MS)
-            micro_loss = forward_loss(engine, batch, parts.said)
-        with timing.phase("backward"):
-            engine.backward(micro_loss)
-        with timing.phase("optimizer"):
-            engine.step()
-        total += float(micro_loss)
+    with timing.sampled(logged):
+        for _ in range(accum):
+            with timing.phase("data"):
+                batch = next(parts.stream)
+            with parts.stragglers.timed(engine.device), timing.phase("forward"):
+                if delay:
+                    time.sleep(delay)  # an injected straggler (HPC_TRAIN_INJECT_FAULT=slow:R:MS)
+                micro_loss = forward_loss(engine, batch, parts.said)
+            with timing.phase("backward"):
+                engine.backward(micro_loss)
+            with timing.phase("optimizer"):
+                engine.step()
+            total += float(micro_loss)
     return _mean_over(total / accum, parts.groups.group("dp")) if logged else float("nan")
 
 
@@ -350,6 +365,9 @@ def _step(rank: _Rank, parts: _Parts, monitor: Monitor, recorder: AttemptRecorde
     else:
         progress.loss = _micro_batches(rank, parts, logged)
     maybe_inject_fault(rank.info.rank, step)
+    leak = injected_leak_bytes(rank.info.rank)
+    if leak:  # a test-only leak: memory held across steps, as a loss kept without .item() would be
+        parts.leaked.append(torch.ones(leak, dtype=torch.uint8, device=engine.device))
     straggler = parts.stragglers.check(step) if logged else None
     norm = engine.get_global_grad_norm() if logged else None
     elapsed = time.perf_counter() - start

@@ -1,14 +1,17 @@
 """The step-time breakdown: each phase's time on a rank, its share of the step and the min and max across two
 real gloo ranks; through the trainer, a dataset that sleeps per sample shows as data wait, and DataLoader
 workers take it off the step; the health check flags the first run for its data wait, with the fix, and not
-the second."""
+the second; an injected slow collective on one of two ranks is flagged for communication, the same run without
+it is not; memory a rank keeps after every step is flagged as a leak."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -99,3 +102,60 @@ def test_a_slow_dataset_shows_as_data_wait_and_workers_take_it_off_the_step(tmp_
     assert [f["check"] for f in flagged] == ["data_wait"]
     assert "raise data.num_workers (now 0)" in str(flagged[0]["fix"]) and flagged[0]["threshold"] == "30%"
     assert clear == []  # (the first window may trip while the workers start; by the end it has cleared)
+
+
+@dataclass
+class _Run:
+    comm_shares: list[float]
+    memory: list[int]
+    findings: list[dict[str, object]]
+    out: str
+
+
+def _two_rank_run(root: Path, name: str, *overrides: str) -> _Run:
+    """Two CPU ranks, 14 steps logged every 2 (7 logged steps: enough for the memory check's window of 5)."""
+    root.mkdir(parents=True, exist_ok=True)
+    job = root / "job.toml"
+    job.write_text(f'[job]\nname = "{name}"\ntasks_per_node = 2\n[train]\nsteps = 14\nseq_len = 32\nmicro_batch = 4\n'
+                   'precision = "fp32"\n[monitor]\nlog_every = 2\neval_every = 0\ntensorboard = false\n'
+                   "health_comm_share = 0.6\n[checkpoint]\nevery_steps = 0\n")
+    sets = [arg for item in overrides for arg in ("--set", item)]
+    result = subprocess.run([sys.executable, "-m", "hpc_train.submit", str(job), "--site", "local", *sets],
+                            cwd=root, capture_output=True, text=True, timeout=600, check=False)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    run_dir = root / "runs" / name
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    health = run_dir / "health.json"
+    findings = json.loads(health.read_text())["findings"] if health.exists() else []
+    return _Run([r["comm_share"] for r in records if "comm_share" in r],
+                [r["memory_bytes"] for r in records if "memory_bytes" in r], findings, result.stdout)
+
+
+@pytest.fixture(scope="module")
+def clean_run(tmp_path_factory: pytest.TempPathFactory) -> _Run:
+    """The control of the fault runs below: nothing injected, nothing flagged."""
+    return _two_rank_run(tmp_path_factory.mktemp("clean"), "clean")
+
+
+@pytest.mark.slow
+def test_an_injected_slow_collective_is_flagged_for_communication(clean_run: _Run, tmp_path: Path) -> None:
+    slow = _two_rank_run(tmp_path, "slow", "env.HPC_TRAIN_INJECT_FAULT=slow_comm:1:80")
+    assert len(clean_run.comm_shares) == len(slow.comm_shares) == 7
+    # the first window also warms up (on two shared cores a rank may wait long for the other's first step)
+    assert max(clean_run.comm_shares[1:]) < 0.6 < min(slow.comm_shares), (clean_run.comm_shares, slow.comm_shares)
+    assert clean_run.findings == [], clean_run.findings
+    assert [f["check"] for f in slow.findings] == ["comm"]
+    assert "gloo over TCP between CPU ranks" in str(slow.findings[0]["cause"])
+    assert "bench allreduce" in str(slow.findings[0]["fix"])
+    assert "health: comm at step 2:" in slow.out and "comm=" in slow.out
+
+
+@pytest.mark.slow
+def test_memory_kept_across_steps_is_flagged_as_a_leak(clean_run: _Run, tmp_path: Path) -> None:
+    leak = _two_rank_run(tmp_path, "leak", "env.HPC_TRAIN_INJECT_FAULT=leak:0:20")  # rank 0 keeps 20 MB a step
+    assert all(b > a for a, b in itertools.pairwise(leak.memory)), leak.memory
+    assert [f["check"] for f in leak.findings] == ["memory_growth"]
+    finding = leak.findings[0]
+    assert "over the last 5 logged steps" in str(finding["figure"]) and "a leak" in str(finding["cause"])
+    assert "health: memory_growth at step 12:" in leak.out
+    assert not any(f["check"] == "memory_growth" for f in clean_run.findings)
