@@ -93,6 +93,7 @@ class Plan:
     interconnect: str = "tcp"
     nccl_detect: list[str] = dataclasses.field(default_factory=list)  # filled in by each node (fabric.nccl)
     code_dir: str = ""  # the config file's folder: user code's relative paths, and sys.path on every rank
+    prometheus_dir: str = ""  # the site's textfile-collector folder ([monitor] prometheus); empty: the run folder
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True) + "\n"
@@ -242,6 +243,7 @@ def make_plan(cfg: JobConfig, site: SiteConfig, executor: str, *, python: str | 
         config=config,
         config_hash=_config_hash(config),
         interconnect=site.network.interconnect,
+        prometheus_dir=site.prometheus_dir,
         nccl_detect=detected_on_node(site.network),
         code_dir=str(code_dir),
     )

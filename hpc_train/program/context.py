@@ -30,6 +30,7 @@ from hpc_train.distributed.topology import Topology
 from hpc_train.program.checkpoint import UserCheckpoint
 from hpc_train.program.stop import StopAgreement
 from hpc_train.train.checkpointing import Checkpointer
+from hpc_train.train.exporters import build_exporters
 from hpc_train.train.monitor import LogLines, Monitor
 from hpc_train.train.preemption import PreemptionWatch
 from hpc_train.train.stopping import AttemptRecorder
@@ -138,7 +139,9 @@ class RunContext(RankContext):
             monitor = self._session.plan.config.monitor
             self._monitor = Monitor.create(self.rank, self.run_dir, total_steps=0, log_every=monitor.log_every,
                                            tensorboard=monitor.tensorboard, start_step=max(0, step - 1),
-                                           console=Console(file=LogLines(self._session.log), width=200))
+                                           console=Console(file=LogLines(self._session.log), width=200),
+                                           exporters=lambda: build_exporters(self._session.plan, self.run_dir,
+                                                                             self._session.log))
         self._monitor.scalars(step, scalars)
 
     @contextlib.contextmanager

@@ -25,6 +25,8 @@ from hpc_train.run.paths import (
     RANK_ERROR_GLOB,
     RESULT_FILES,
     SUBMITIT_DIR,
+    WANDB_DIR,
+    WANDB_STATE_FILE,
 )
 
 __all__ = ["check_run_folder", "check_run_root", "prepare_run_folder", "private_folder"]
@@ -41,7 +43,8 @@ def _previous_hash(plan_path: Path) -> str | None:
 
 _OPEN_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
 # What a run folder holds that hpc_train writes or that ranks read back; none of it may be a link.
-_OWN_ENTRIES = (LOGS_DIR, FLIGHT_RECORDER_DIR, CHECKPOINTS_DIR, SUBMITIT_DIR, HEARTBEAT_DIR, PLAN_FILE, CONFIG_FILE)
+_OWN_ENTRIES = (LOGS_DIR, FLIGHT_RECORDER_DIR, CHECKPOINTS_DIR, SUBMITIT_DIR, HEARTBEAT_DIR, PLAN_FILE, CONFIG_FILE,
+                WANDB_DIR, WANDB_STATE_FILE)
 
 
 def _refuse(path: Path, problem: str, fix: str) -> ConfigError:

@@ -29,7 +29,7 @@ import math
 import os
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Any, Self, SupportsFloat
@@ -153,6 +153,7 @@ class Monitor:
         peak_flops: float = math.inf,
         start_step: int = 0,
         console: Console | None = None,
+        exporters: Sequence[Any] = (),
     ) -> None:
         if log_every < 1:
             raise ValueError(f"log_every must be >= 1, got {log_every}")
@@ -174,6 +175,7 @@ class Monitor:
         self._window_seconds = 0.0
         self._last_scalars: tuple[int, float] | None = None
         self._closed = False
+        self.exporters = list(exporters)  # hpc_train.train.exporters: each gets every record
 
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.run_dir / METRICS_FILE
@@ -192,14 +194,16 @@ class Monitor:
     @classmethod
     def create(cls, rank: int, run_dir: Path, total_steps: int, log_every: int = 10, tensorboard: bool = True,
                histogram_every: int = 0, flops_per_token: float = 0.0, peak_flops: float = math.inf,
-               start_step: int = 0, console: Console | None = None) -> Monitor:
-        """The monitor for global ``rank``: a real one on rank 0, a :class:`NullMonitor` everywhere else."""
+               start_step: int = 0, console: Console | None = None,
+               exporters: Callable[[], Sequence[Any]] | None = None) -> Monitor:
+        """The monitor for global ``rank``: a real one on rank 0, a :class:`NullMonitor` everywhere else.
+        ``exporters`` builds rank 0's exporters (W&B, Prometheus); other ranks never call it."""
         if rank != 0:
             return NullMonitor(total_steps=total_steps, log_every=log_every, tensorboard=tensorboard,
                                histogram_every=histogram_every)
         return cls(run_dir, total_steps, log_every=log_every, tensorboard=tensorboard,
                    histogram_every=histogram_every, flops_per_token=flops_per_token, peak_flops=peak_flops,
-                   start_step=start_step, console=console)
+                   start_step=start_step, console=console, exporters=exporters() if exporters else ())
 
     # -- when things happen (the same answer on every rank, NullMonitor included) ---------------------------
 
@@ -330,6 +334,8 @@ class Monitor:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+        for exporter in self.exporters:
+            exporter.close()
 
     def __enter__(self) -> Self:
         return self
@@ -345,6 +351,8 @@ class Monitor:
             raise RuntimeError("Monitor is closed")
         self._metrics.write(json.dumps(record, allow_nan=False) + "\n")
         self._metrics.flush()
+        for exporter in self.exporters:
+            exporter.record(record)
 
     def _plain(self, line: str) -> None:
         """One unwrapped line for logs (rich would wrap at 80 columns when stdout is not a terminal)."""

@@ -40,6 +40,7 @@ from hpc_train.train.checkpointing import Checkpointer
 from hpc_train.train.comm_clock import CollectiveClock
 from hpc_train.train.engine import build_engine
 from hpc_train.train.entry_points import UserCodeError
+from hpc_train.train.exporters import build_exporters
 from hpc_train.train.flops import peak_flops
 from hpc_train.train.forward import forward_loss
 from hpc_train.train.health import HealthCheck, Thresholds
@@ -302,7 +303,8 @@ def _monitor(rank: _Rank, parts: _Parts, start_step: int) -> Monitor:
                           histogram_every=config.monitor.histogram_every,
                           flops_per_token=parts.flops_per_token,
                           peak_flops=peak_flops(device, config.train.precision) * info.world_size,
-                          console=Console(file=LogLines(rank.log), width=200), start_step=start_step)
+                          console=Console(file=LogLines(rank.log), width=200), start_step=start_step,
+                          exporters=lambda: build_exporters(rank.plan, rank.run_dir, rank.log))
 
 
 def _steps(rank: _Rank, parts: _Parts, monitor: Monitor, recorder: AttemptRecorder,
@@ -315,6 +317,7 @@ def _steps(rank: _Rank, parts: _Parts, monitor: Monitor, recorder: AttemptRecord
                 _step(rank, parts, monitor, recorder, progress)
                 stopped_by = _after_step(rank, parts, monitor, progress)
                 if stopped_by:
+                    monitor.close()  # every record out (W&B finished) before the save and the requeue's SIGTERM
                     return _stop(rank, parts, recorder, step, stopped_by)
                 if parts.checkpointer.due(step, rank.plan.config.train.steps):
                     _progress(rank.watchdog, "checkpoint", step)
