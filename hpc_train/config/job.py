@@ -212,6 +212,10 @@ class MonitorSection:
                                               "than this fraction in all (a leak); 0 disables.")
     health_comm_share: float = option(0.2, "Flag steps that wait in communication compute did not hide for more "
                                            "than this share of their time (a weak fabric); 0 disables.")
+    health_gpu_utilisation: float = option(0.7, "Flag rank 0's GPU when NVML finds it busy less than this share of "
+                                                "the time (GPU nodes, the nvml extra); 0 disables.")
+    health_gpu_memory: float = option(0.95, "Flag rank 0's GPU when its memory is fuller than this share "
+                                           "(GPU nodes, the nvml extra); 0 disables.")
     comm_sample_every: int = option(10, "On GPUs, profile one step in this many logged steps for the exposed "
                                         "communication (CPU ranks measure every step); 0 disables.")
     wandb: Literal["", "offline", "online"] = option("", "Weights & Biases from rank 0: offline (under the run "

@@ -47,6 +47,8 @@ def _check_counts(cfg: JobConfig) -> None:
         ("monitor.health_memory_growth", cfg.monitor.health_memory_growth, 0),
         ("monitor.health_comm_share", cfg.monitor.health_comm_share, 0),
         ("monitor.comm_sample_every", cfg.monitor.comm_sample_every, 0),
+        ("monitor.health_gpu_utilisation", cfg.monitor.health_gpu_utilisation, 0),
+        ("monitor.health_gpu_memory", cfg.monitor.health_gpu_memory, 0),
         ("preempt.lead_seconds", cfg.preempt.lead_seconds, 0), ("preempt.max_requeues", cfg.preempt.max_requeues, 0),
         ("watchdog.startup_timeout_s", cfg.watchdog.startup_timeout_s, 10),
         ("watchdog.step_timeout_s", cfg.watchdog.step_timeout_s, 10),
@@ -61,7 +63,9 @@ def _check_counts(cfg: JobConfig) -> None:
         if value > high:
             raise ConfigError(where, f"{str(value)[:24]} is above the maximum {high:,}", "ask for a real machine size")
     for where, share, example in (("monitor.health_data_share", cfg.monitor.health_data_share, 0.3),
-                                  ("monitor.health_comm_share", cfg.monitor.health_comm_share, 0.2)):
+                                  ("monitor.health_comm_share", cfg.monitor.health_comm_share, 0.2),
+                                  ("monitor.health_gpu_utilisation", cfg.monitor.health_gpu_utilisation, 0.7),
+                                  ("monitor.health_gpu_memory", cfg.monitor.health_gpu_memory, 0.95)):
         if share > 1:
             raise ConfigError(where, f"{share} is above 1 (a share)",
                               f"give a share of the step between 0 and 1, like {example} (0 disables the check)")

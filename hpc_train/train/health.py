@@ -9,6 +9,8 @@ it clears, and the run folder keeps the current state in ``health.json`` (writte
 - ``comm``: the step waits in communication that compute did not hide for more than ``health_comm_share``;
 - ``loss``: a NaN or infinite loss (always), or one above ``health_loss_spike`` times the mean of the last 5;
 - ``memory_growth``: memory grew at each of the last 5 logged steps, by more than ``health_memory_growth``;
+- ``gpu_utilisation``: rank 0's GPU busy less than ``health_gpu_utilisation`` of the time (NVML, GPU nodes only);
+- ``gpu_memory``: rank 0's GPU memory above ``health_gpu_memory`` of its total (an out-of-memory error is near);
 - ``straggler``: a rank whose forward pass is ``watchdog.straggler_factor`` times the median (named by the
   straggler check, which is folded in here).
 
@@ -45,6 +47,8 @@ class Thresholds:
     memory_growth: float = 0.1
     num_workers: int = 0  # what the fix says about the loader now
     comm_share: float = 0.2
+    gpu_utilisation: float = 0.7
+    gpu_memory: float = 0.95
     gpus: bool = True  # GPU ranks (NCCL) or CPU ranks (gloo): what a high communication share most likely means
 
 
@@ -85,6 +89,8 @@ class HealthCheck:
         changed = self._set("data_wait", step, self._data_wait(step, record))
         changed |= self._set("comm", step, self._comm(step, record))
         changed |= self._set("loss", step, self._loss(step, record.get("loss")))
+        changed |= self._set("gpu_utilisation", step, self._gpu_utilisation(step, record))
+        changed |= self._set("gpu_memory", step, self._gpu_memory(step, record))
         changed |= self._set("memory_growth", step, self._memory_growth(step, record.get("memory_bytes")))
         if changed or (self.active and time.monotonic() - self._written > _REFRESH_S):
             self._write()
@@ -133,6 +139,31 @@ class HealthCheck:
                        "python -m hpc_train doctor and python -m hpc_train bench allreduce on the job's nodes, then "
                        "the site's [network] NCCL settings (docs/troubleshooting.md); a larger train.global_batch "
                        "through train.grad_accum makes communication a smaller share of each step")
+
+    def _gpu_utilisation(self, step: int, record: Mapping[str, Any]) -> Finding | None:
+        busy, limit = record.get("gpu_utilisation"), self.limits.gpu_utilisation
+        if not limit or not isinstance(busy, int | float) or busy >= limit:
+            return None
+        if "data_wait" in self.active:
+            cause, fix = "the loader starving the GPU (the data_wait check says so too)", "see data_wait's fix"
+        elif "comm" in self.active:
+            cause, fix = "the GPU waiting on communication (the comm check says so too)", "see comm's fix"
+        else:
+            cause = "too little work per kernel (a small micro batch or model) or host-side overhead between steps"
+            fix = ("raise train.micro_batch (train.grad_accum down to keep train.global_batch); python -m "
+                   "hpc_train validate --memory shows what fits")
+        return Finding("gpu_utilisation", step, f"rank 0's GPU is busy {busy:.0%} of the time", f"{limit:.0%}",
+                       cause, fix)
+
+    def _gpu_memory(self, step: int, record: Mapping[str, Any]) -> Finding | None:
+        share, limit = record.get("gpu_memory_share"), self.limits.gpu_memory
+        if not limit or not isinstance(share, int | float) or share <= limit:
+            return None
+        return Finding("gpu_memory", step, f"rank 0's GPU memory is {share:.0%} full", f"{limit:.0%}",
+                       "activations and optimizer state close to the GPU's size: the next larger batch or a "
+                       "fragmented allocator ends in an out-of-memory error",
+                       "lower train.micro_batch (raise train.grad_accum), a higher zero.stage, or zero offload; "
+                       "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True against fragmentation")
 
     def _loss(self, step: int, loss: Any) -> Finding | None:
         if not isinstance(loss, int | float) and loss is not None:

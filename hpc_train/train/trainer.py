@@ -48,6 +48,7 @@ from hpc_train.train.loader import BatchStream
 from hpc_train.train.model_card import write_model_card
 from hpc_train.train.models import ModelSpec, model_spec
 from hpc_train.train.monitor import LogLines, Monitor
+from hpc_train.train.nvml import GpuReadings
 from hpc_train.train.pipeline import eval_step, train_step
 from hpc_train.train.precision import agreed_precision
 from hpc_train.train.preemption import PreemptionWatch, arm_force_exit
@@ -121,6 +122,7 @@ class _Parts:
     said: str  # the model, as messages name it
     breakdown: StepBreakdown  # where each step's time goes (data, forward, backward, optimizer)
     health: HealthCheck  # rank 0's verdicts on the logged steps (health.json)
+    gpu: GpuReadings | None = None  # rank 0's GPU through NVML, for the health checks (GPU ranks only)
     leaked: list[Any] = dataclasses.field(default_factory=list)  # HPC_TRAIN_INJECT_FAULT=leak:R:MB keeps these
 
     @property
@@ -267,7 +269,15 @@ def _build(rank: _Rank, spec: ModelSpec, topology: Topology, groups: ParallelGro
     checkpointer = Checkpointer(rank.run_dir, config, rank.plan.layout, rank.plan.config_hash, log=rank.log)
     return _Parts(groups, pipelined, model, engine, data, checkpointer,
                   StragglerCheck(config.watchdog.straggler_factor, info.rank, rank.log), flops,
-                  f"train.model {config.train.model}", _breakdown(rank, device), _health(rank))
+                  f"train.model {config.train.model}", _breakdown(rank, device), _health(rank),
+                  _gpu_readings(rank, device))
+
+
+def _gpu_readings(rank: _Rank, device: torch.device) -> GpuReadings | None:
+    if device.type != "cuda" or rank.info.rank != 0:
+        return None
+    uuid = str(getattr(torch.cuda.get_device_properties(device), "uuid", "") or "") or None
+    return GpuReadings(device.index or 0, rank.log, uuid)
 
 
 def _breakdown(rank: _Rank, device: torch.device) -> StepBreakdown:
@@ -278,7 +288,8 @@ def _breakdown(rank: _Rank, device: torch.device) -> StepBreakdown:
 def _health(rank: _Rank) -> HealthCheck:
     monitor, data = rank.plan.config.monitor, rank.plan.config.data
     limits = Thresholds(monitor.health_data_share, monitor.health_loss_spike, monitor.health_memory_growth,
-                        data.num_workers, monitor.health_comm_share, dist.get_backend() == "nccl")
+                        data.num_workers, monitor.health_comm_share, monitor.health_gpu_utilisation,
+                        monitor.health_gpu_memory, dist.get_backend() == "nccl")
     return HealthCheck(rank.run_dir, limits, rank.log, writer=rank.info.rank == 0)
 
 
@@ -378,6 +389,8 @@ def _step(rank: _Rank, parts: _Parts, monitor: Monitor, recorder: AttemptRecorde
     breakdown = parts.breakdown.collect() if logged and not parts.pipelined else None  # collective
     tokens_per_step = rank.plan.layout.global_batch * rank.plan.config.train.seq_len
     memory = _memory_bytes() if logged else None
+    if logged and parts.gpu is not None:
+        breakdown = {**(breakdown or {}), **parts.gpu.read()}  # NVML's view of rank 0's GPU, in the same record
     monitor.step(step, progress.loss, lr, None if norm is None else float(norm), tokens_per_step, elapsed, memory,
                  breakdown)
     if logged:

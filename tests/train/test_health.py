@@ -81,3 +81,30 @@ def test_a_new_attempt_starts_clear(tmp_path: Path) -> None:
     assert _findings(tmp_path)
     _check(tmp_path)  # the requeued attempt's rank 0
     assert _findings(tmp_path) == []
+
+
+def test_a_gpu_that_idles_or_fills_is_flagged_with_the_cause_the_other_checks_name(tmp_path: Path) -> None:
+    health, lines = _check(tmp_path)
+    health.observe(10, {"loss": 3.0, "gpu_utilisation": 0.9, "gpu_memory_share": 0.5})
+    assert lines == []
+    health.observe(20, {"loss": 3.0, "gpu_utilisation": 0.25, "gpu_memory_share": 0.97})
+    assert lines[0].startswith("health: gpu_utilisation at step 20: rank 0's GPU is busy 25% of the time "
+                               "(threshold 70%); likely too little work per kernel")
+    assert lines[1].startswith("health: gpu_memory at step 20: rank 0's GPU memory is 97% full (threshold 95%)")
+    (tmp_path / "starved").mkdir()
+    starved, said = _check(tmp_path / "starved")
+    starved.observe(10, {"loss": 3.0, "data_share": 0.6, "gpu_utilisation": 0.2})
+    assert "likely the loader starving the GPU" in said[-1] and said[0].startswith("health: data_wait")
+
+
+def test_nvml_reads_the_gpu_or_is_skipped_with_one_note() -> None:
+    from hpc_train.train.nvml import GpuReadings
+
+    lines: list[str] = []
+    readings = GpuReadings(0, lines.append)  # the real nvidia-ml-py
+    if Path("/proc/driver/nvidia").exists():  # a GPU node (scripts/gpu_check.sh): a real reading
+        assert lines == [] and 0 <= readings.read()["gpu_utilisation"] <= 1
+        return
+    assert readings.read() == {}
+    assert len(lines) == 1 and lines[0].startswith("health: the GPU utilisation and memory checks are skipped: "
+                                                    "NVML could not start")
