@@ -17,9 +17,25 @@ import contextlib
 import logging
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
-__all__ = ["exit_quickly_when_done", "leave_now"]
+__all__ = ["exit_quickly_when_done", "leave_now", "on_leave"]
+
+_ON_LEAVE: list[Callable[[], None]] = []  # what must be written before a quick exit (the process's, like atexit)
+
+
+def on_leave(flush: Callable[[], None]) -> Callable[[], None]:
+    """Run ``flush`` before the process leaves through here (a monitor's queued records); returns the function
+    that takes it off again."""
+    _ON_LEAVE.append(flush)
+    return lambda: _ON_LEAVE.remove(flush) if flush in _ON_LEAVE else None
+
+
+def _flush_on_leave() -> None:
+    for flush in list(_ON_LEAVE):
+        with contextlib.suppress(Exception):
+            flush()
 
 
 def _finalize_mpi() -> None:
@@ -33,6 +49,7 @@ def leave_now(code: int) -> None:
     """Leave at once with ``code``, logs and streams flushed: a rank that stopped on a signal, while its signal
     handlers still hold SIGTERM (the requeue rank 0 asked for sends it to every rank; a rank that took it in the
     interpreter's teardown would end "Terminated", which srun reports as an error)."""
+    _flush_on_leave()
     _finalize_mpi()
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
@@ -53,6 +70,7 @@ def exit_quickly_when_done() -> None:
     def leave() -> None:
         if failed:
             return
+        _flush_on_leave()
         _finalize_mpi()
         logging.shutdown()
         for stream in (sys.stdout, sys.stderr):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,8 +15,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from hpc_train.run.files import atomic_write
-from hpc_train.train.export_prometheus import HEALTH_CHECKS, PrometheusExporter
+from hpc_train.train.export_prometheus import HEALTH_CHECKS, PrometheusExporter, exposition
 from hpc_train.train.export_wandb import STATE_FILE, WandbExporter
+from tests.conftest import REPO
 from tests.train.signals import attempts, signal_at_steps
 from tests.train.wandb_records import read_offline_run
 
@@ -138,3 +140,21 @@ def test_a_preempted_trainer_run_exports_one_wandb_run_and_a_prometheus_file(tmp
     assert {dict(key)["check"] for name, key in samples if name == "hpc_train_health_flag"} >= set(HEALTH_CHECKS)
     assert not any(path.is_symlink() for path in run_dir.rglob("*"))
     assert f"wandb: run {offline[0].run_id} (offline, continuing from step {runs[0]['end_step']})" in output
+
+
+def test_the_grafana_dashboard_reads_only_metrics_the_exporter_writes_one_row_per_run() -> None:
+    dashboard = json.loads((REPO / "docs" / "grafana" / "hpc_train_dashboard.json").read_text())
+    full = {"step": 1, "loss": 1.0, "eval_loss": 1.0, "lr": 1.0, "grad_norm": 1.0, "tokens_per_s": 1.0, "mfu": 0.1,
+            "step_time_s": 0.1, "memory_bytes": 1.0, **{f"{p}_{k}": 1.0 for p in ("data", "forward", "backward",
+                                                                                 "optimizer", "comm")
+                                                       for k in ("ms", "share")}}
+    written = {family.name for family in text_string_to_metric_families(
+        exposition(LABELS, full, dict.fromkeys(HEALTH_CHECKS, False), 0.0))}
+    exprs = [target["expr"] for panel in dashboard["panels"] for target in panel.get("targets", [])]
+    used = {name for expr in exprs for name in re.findall(r"hpc_train_[a-z_]+", expr)}
+    assert used and used <= written, used - written
+    assert all('run="$run"' in expr for expr in exprs)
+    rows = [panel for panel in dashboard["panels"] if panel["type"] == "row"]
+    assert [row["repeat"] for row in rows] == ["run"]
+    variable = {v["name"]: v for v in dashboard["templating"]["list"]}["run"]
+    assert variable["multi"] and "label_values(hpc_train_step, run)" in variable["definition"]

@@ -205,3 +205,38 @@ def test_tensorboard_scalars_histograms_and_resume_purge(tmp_path: Path) -> None
     assert [h.step for h in histogram] == [3, 6]
     assert (histogram[0].histogram_value.min, histogram[0].histogram_value.max) == (0.0, 11.0)
     assert histogram[0].histogram_value.num == 12
+
+
+def test_ctx_log_records_are_kept_until_the_log_interval_and_hold_the_values_of_their_call(tmp_path: Path) -> None:
+    import torch
+
+    monitor = Monitor(tmp_path, total_steps=0, log_every=4, tensorboard=False, console=Console(file=io.StringIO()))
+    loss = torch.tensor(2.0)
+    for step in range(1, 4):
+        monitor.scalars(step, {"loss": loss})
+        loss += 1  # an in-place update after the call: the record keeps the value it was given
+    path = tmp_path / METRICS_FILE
+    assert path.read_text() == ""  # kept: nothing written on the step yet
+    monitor.scalars(4, {"loss": loss, "accuracy": 0.5})
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(r["step"], r["loss"]) for r in records] == [(1, 2.0), (2, 3.0), (3, 4.0), (4, 5.0)]
+    assert "step_time_s" in records[1] and records[3]["accuracy"] == 0.5
+    monitor.scalars(5, {"loss": float("nan")})
+    monitor.close()  # the rest is written at close
+    assert json.loads(path.read_text().splitlines()[-1])["loss"] is None
+    with pytest.raises(TypeError, match=r"ctx.log\(loss='low'\): a logged value is a number"):
+        Monitor(tmp_path / "b", 0, tensorboard=False).scalars(1, {"loss": "low"})  # type: ignore[dict-item]
+
+
+def test_records_kept_by_ctx_log_are_written_when_a_stop_leaves_the_process_at_once(tmp_path: Path) -> None:
+    import subprocess
+
+    code = ("import io, sys\nfrom pathlib import Path\nfrom rich.console import Console\n"
+            "from hpc_train.run.quick_exit import leave_now\nfrom hpc_train.train.monitor import Monitor\n"
+            "m = Monitor(Path(sys.argv[1]), 0, log_every=100, tensorboard=False, console=Console(file=io.StringIO()))\n"
+            "for step in range(1, 8):\n    m.scalars(step, {'loss': 1.0 / step})\nleave_now(144)\n")
+    result = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=60,
+                            check=False)
+    assert result.returncode == 144, result.stderr
+    steps = [json.loads(line)["step"] for line in (tmp_path / METRICS_FILE).read_text().splitlines()]
+    assert steps == list(range(1, 8))
