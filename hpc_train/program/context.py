@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import SupportsFloat
+from typing import Any, SupportsFloat
 
 import torch
 import torch.distributed as dist
@@ -31,6 +31,7 @@ from hpc_train.program.checkpoint import UserCheckpoint
 from hpc_train.program.stop import StopAgreement
 from hpc_train.train.checkpointing import Checkpointer
 from hpc_train.train.exporters import build_exporters
+from hpc_train.train.health import HealthCheck, RecordHealth, Thresholds
 from hpc_train.train.monitor import LogLines, Monitor
 from hpc_train.train.preemption import PreemptionWatch
 from hpc_train.train.stopping import AttemptRecorder
@@ -140,9 +141,18 @@ class RunContext(RankContext):
             self._monitor = Monitor.create(self.rank, self.run_dir, total_steps=0, log_every=monitor.log_every,
                                            tensorboard=monitor.tensorboard, start_step=max(0, step - 1),
                                            console=Console(file=LogLines(self._session.log), width=200),
-                                           exporters=lambda: build_exporters(self._session.plan, self.run_dir,
-                                                                             self._session.log))
+                                           exporters=self._exporters)
         self._monitor.scalars(step, scalars)
+
+    def _exporters(self) -> list[Any]:
+        """Rank 0's record consumers: the health checks over the program's records, and ``[monitor]``'s
+        exporters."""
+        plan = self._session.plan
+        monitor = plan.config.monitor
+        limits = Thresholds(monitor.health_data_share, monitor.health_loss_spike, monitor.health_memory_growth,
+                            -1, monitor.health_comm_share)  # -1: the program's own loader
+        health = RecordHealth(HealthCheck(self.run_dir, limits, self._session.log))
+        return [health, *build_exporters(plan, self.run_dir, self._session.log)]
 
     @contextlib.contextmanager
     def timer(self, name: str) -> Iterator[None]:

@@ -32,7 +32,7 @@ from typing import Any
 from hpc_train.run.files import atomic_write
 from hpc_train.run.paths import HEALTH_FILE
 
-__all__ = ["Finding", "HealthCheck", "Thresholds"]
+__all__ = ["Finding", "HealthCheck", "RecordHealth", "Thresholds"]
 
 _WINDOW = 5
 _REFRESH_S = 60.0  # a tripped finding's figures are rewritten at most this often (each write is fsynced)
@@ -45,7 +45,7 @@ class Thresholds:
     data_share: float = 0.3
     loss_spike: float = 3.0
     memory_growth: float = 0.1
-    num_workers: int = 0  # what the fix says about the loader now
+    num_workers: int = 0  # what the fix says about the loader now (-1: a program's own loader)
     comm_share: float = 0.2
     gpu_utilisation: float = 0.7
     gpu_memory: float = 0.95
@@ -116,10 +116,12 @@ class HealthCheck:
         if not limit or not isinstance(share, int | float) or share <= limit:
             return None
         workers = self.limits.num_workers
+        fix = (f"raise data.num_workers (now {workers}) and data.prefetch_factor; on GPUs set data.pin_memory = true"
+               if workers >= 0 else "give your DataLoader more num_workers and a prefetch_factor; on GPUs "
+               "pin_memory=True")
         return Finding("data_wait", step, f"{share:.0%} of the step waits for data", f"{limit:.0%}",
                        "a loader that does not keep up (samples loaded or decoded in the training process, too few "
-                       "workers)", f"raise data.num_workers (now {workers}) and data.prefetch_factor; on GPUs set "
-                       "data.pin_memory = true")
+                       "workers)", fix)
 
     def _comm(self, step: int, record: Mapping[str, Any]) -> Finding | None:
         share, limit = record.get("comm_share"), self.limits.comm_share
@@ -224,3 +226,26 @@ class HealthCheck:
         atomic_write(self.path, json.dumps(data, indent=2) + "\n")
         self._written = time.monotonic()
 
+
+
+class RecordHealth:
+    """The checks over a program's ``ctx.log`` records, as one of the monitor's record consumers (rank 0):
+    ``loss`` when the program logs one, the data wait when it times a ``ctx.timer("data")`` section (its share of
+    the record's ``step_time_s``), and memory when it logs ``memory_bytes``."""
+
+    def __init__(self, health: HealthCheck) -> None:
+        self.health = health
+
+    def record(self, record: Mapping[str, Any]) -> None:
+        step = record.get("step")
+        if not isinstance(step, int) or "eval_loss" in record:
+            return
+        seen = dict(record)
+        data_ms, step_s = record.get("data_ms"), record.get("step_time_s")
+        if isinstance(data_ms, int | float) and isinstance(step_s, int | float) and step_s > 0:
+            seen["data_share"] = min(1.0, data_ms / 1000 / step_s)
+        if "loss" in record or "data_share" in seen or "memory_bytes" in record:
+            self.health.observe(step, seen)
+
+    def close(self) -> None:
+        """Nothing to close (health.json is written as findings change)."""

@@ -108,3 +108,19 @@ def test_nvml_reads_the_gpu_or_is_skipped_with_one_note() -> None:
     assert readings.read() == {}
     assert len(lines) == 1 and lines[0].startswith("health: the GPU utilisation and memory checks are skipped: "
                                                     "NVML could not start")
+
+
+def test_a_program_s_records_are_checked_for_their_loss_and_their_timed_data_wait(tmp_path: Path) -> None:
+    from hpc_train.train.health import RecordHealth
+
+    lines: list[str] = []
+    checks = RecordHealth(HealthCheck(tmp_path, Thresholds(num_workers=-1), lines.append))
+    checks.record({"step": 1, "loss": 2.0, "data_ms": 5.0, "step_time_s": 0.05})  # 10 % on data
+    checks.record({"step": 2, "accuracy": 0.5})  # nothing a check reads
+    assert lines == []
+    checks.record({"step": 3, "loss": 2.0, "data_ms": 40.0, "step_time_s": 0.05})
+    assert lines[-1].startswith("health: data_wait at step 3: 80% of the step waits for data")
+    assert "give your DataLoader more num_workers" in lines[-1]
+    checks.record({"step": 4, "loss": None})  # a NaN the program logged (metrics.jsonl's null)
+    assert lines[-1].startswith("health: loss at step 4: the loss is NaN or infinite")
+    assert {f["check"] for f in _findings(tmp_path)} == {"loss"}  # the data wait cleared: step 4 timed none
