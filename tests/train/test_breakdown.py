@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from hpc_train.train.breakdown import PHASES, StepBreakdown
+from tests.train.gloo_ranks import two_gloo_ranks
 
 CODE = Path(__file__).parent / "user_code"
 
@@ -57,16 +57,7 @@ def _rank(rank: int, store: str, out: str) -> None:
 
 
 def test_the_min_and_max_across_ranks_name_the_spread(tmp_path: Path) -> None:
-    context = mp.get_context("spawn")
-    outs = [tmp_path / f"rank-{rank}.json" for rank in range(2)]
-    processes = [context.Process(target=_rank, args=(rank, str(tmp_path / "store"), str(outs[rank])))
-                 for rank in range(2)]
-    for process in processes:
-        process.start()
-    for process in processes:
-        process.join(timeout=120)
-        assert process.exitcode == 0
-    first, second = (json.loads(out.read_text()) for out in outs)
+    first, second = two_gloo_ranks(_rank, tmp_path)
     assert first["data_ms_min"] == second["data_ms_min"] == pytest.approx(first["data_ms"], abs=1e-3)
     assert first["data_ms_max"] == second["data_ms_max"] == pytest.approx(second["data_ms"], abs=1e-3)
     assert second["data_ms"] - first["data_ms"] > 30

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from hpc_train.train.breakdown import StepBreakdown
 from hpc_train.train.comm_clock import CollectiveClock, exposed_seconds
+from tests.train.gloo_ranks import two_gloo_ranks
 
 
 def _rank(rank: int, store: str, out: str) -> None:
@@ -62,16 +62,7 @@ def _rank(rank: int, store: str, out: str) -> None:
 
 
 def test_two_ranks_count_their_waits_inside_collectives(tmp_path: Path) -> None:
-    context = mp.get_context("spawn")
-    outs = [tmp_path / f"rank-{rank}.json" for rank in range(2)]
-    processes = [context.Process(target=_rank, args=(rank, str(tmp_path / "store"), str(outs[rank])))
-                 for rank in range(2)]
-    for process in processes:
-        process.start()
-    for process in processes:
-        process.join(timeout=120)
-        assert process.exitcode == 0
-    first, second = (json.loads(out.read_text()) for out in outs)
+    first, second = two_gloo_ranks(_rank, tmp_path)
     assert first["inactive"] == second["inactive"] == 0.0
     assert 0.18 < first["sync"] < 1.0 and second["sync"] < 0.1  # the waiting rank, not the late one
     assert 0.18 < first["async"] < 1.0
