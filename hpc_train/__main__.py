@@ -1,4 +1,5 @@
-"""``python -m hpc_train COMMAND``: validate and render on a login node (submit has its own module)."""
+"""``hpc_train COMMAND`` (or ``python -m hpc_train COMMAND``): submit, validate, render, follow and inspect runs
+from a login node. ``python -m hpc_train.submit`` is the same as ``hpc_train submit``."""
 
 from __future__ import annotations
 
@@ -19,8 +20,13 @@ from hpc_train.cli.common import (
 )
 from hpc_train.doctor.cli import add_parser as add_doctor_parser
 from hpc_train.ops.cli import add_logs_parser, add_plot_parser, add_status_parser
+from hpc_train.submit import SUMMARY as SUBMIT_SUMMARY
+from hpc_train.submit import add_submit_arguments
 
 __all__ = ["main"]
+
+_ABOUT = ("Submit, validate, render, follow and inspect hpc_train runs from a login node. "
+          "'hpc_train submit' is 'python -m hpc_train.submit'; 'hpc_train COMMAND --help' says more.")
 
 
 def _layout_for_world(args: argparse.Namespace) -> int:
@@ -136,10 +142,30 @@ def _render(args: argparse.Namespace) -> int:
     return 0
 
 
+def _submit(args: argparse.Namespace) -> int:
+    from hpc_train.submit import run_submit
+
+    return run_submit(args)
+
+
+def _program_name() -> str:
+    """``hpc_train`` when the console script runs, ``python -m hpc_train`` otherwise: usage lines say what was typed."""
+    return "hpc_train" if Path(sys.argv[0]).name == "hpc_train" else "python -m hpc_train"
+
+
+def _subcommand_parser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    actions = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return actions[0].choices[command] if actions else parser
+
+
 def _build_parser() -> ArgumentParser:
-    parser = ArgumentParser(prog="python -m hpc_train", description=__doc__)
+    parser = ArgumentParser(prog=_program_name(), description=_ABOUT)
     parser.add_argument("--version", action="version", version=f"hpc_train {__version__}")
-    commands = parser.add_subparsers(dest="command", required=True, parser_class=ArgumentParser)
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=ArgumentParser,
+                                     metavar="COMMAND")
+    submit = commands.add_parser("submit", help=SUBMIT_SUMMARY, description=SUBMIT_SUMMARY)
+    add_submit_arguments(submit)
+    submit.set_defaults(run=_submit)
     validate = commands.add_parser("validate", help="check a job config against a site and show the plan")
     add_plan_arguments(validate)
     validate.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -166,7 +192,10 @@ def _build_parser() -> ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _build_parser().parse_args(argv)
+    parser = _build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # refused by the subcommand's parser, so the usage shown is the command's own
+        _subcommand_parser(parser, args.command).error(f"unrecognized arguments: {' '.join(unknown)}")
     return run_command(lambda: args.run(args), debug=getattr(args, "debug", False))
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import socket
 import sys
@@ -112,8 +113,10 @@ def _run_rank(run_dir: Path, plan: Plan, watch: PreemptionWatch | None) -> dict[
         logger.info("program %s completed%s", result["program"],
                     f" after step {result['step']}" if result["step"] is not None else "")
     elif result["steps"] > result["start_step"]:
-        logger.info("trained steps %d-%d: loss %.4f, eval loss %.4f", result["start_step"] + 1, result["steps"],
-                    result["final_loss"], result["eval_loss"])
+        evaluated = math.isfinite(result["eval_loss"])  # nan: no evaluation ran (eval off, or none was due)
+        logger.info("trained steps %d-%d: loss %.4f" + (", eval loss %.4f" if evaluated else ""),
+                    result["start_step"] + 1, result["steps"], result["final_loss"],
+                    *((result["eval_loss"],) if evaluated else ()))
     if info.rank == 0:
         name = SMOKE_FILE if "all_reduce" in result else PROGRAM_FILE if "program" in result else TRAIN_FILE
         atomic_write(run_dir / name, json.dumps(result, indent=2) + "\n")

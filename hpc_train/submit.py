@@ -20,18 +20,25 @@ from hpc_train.errors import ConfigError
 from hpc_train.run.paths import rank_log_path
 from hpc_train.terminal import plain
 
-__all__ = ["build_parser", "main"]
+__all__ = ["add_submit_arguments", "build_parser", "main", "run_submit"]
+
+SUMMARY = "show the plan, submit it (Slurm or the local executor) and follow it to the end"
 
 
 def build_parser() -> ArgumentParser:
-    parser = ArgumentParser(prog="python -m hpc_train.submit", description=__doc__)
+    parser = ArgumentParser(prog="python -m hpc_train.submit", description=SUMMARY)
+    add_submit_arguments(parser)
+    return parser
+
+
+def add_submit_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of ``python -m hpc_train.submit``, shared with ``hpc_train submit`` so the two cannot drift."""
     add_plan_arguments(parser)
     parser.add_argument("--sweep", action="append", default=[], metavar="SECTION.KEY=V1,V2",
                         help="submit one run per value as a job array (repeatable: every combination)")
     parser.add_argument("--dry-run", action="store_true", help="show everything, submit and write nothing")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON for machines")
     parser.add_argument("--no-follow", action="store_true", help="return once submitted instead of following")
-    return parser
 
 
 def _plans(args: argparse.Namespace) -> list[Plan]:
@@ -67,7 +74,8 @@ def _show(args: argparse.Namespace, plans: list[Plan]) -> None:
         print_sweep(console, plans, args.sweep)
 
 
-def _submit(args: argparse.Namespace) -> int:
+def run_submit(args: argparse.Namespace) -> int:
+    """Validate, show, submit and follow: the whole command, for both entry points."""
     plans = _plans(args)
     _show(args, plans)
     if args.dry_run:
@@ -163,7 +171,7 @@ def _size(path: Path) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return run_command(lambda: _submit(args), debug=getattr(args, "debug", False))
+    return run_command(lambda: run_submit(args), debug=getattr(args, "debug", False))
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.machinery
 import os
+import stat
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -161,6 +162,18 @@ def resolve_entry_point(key: str, value: str, config_dir: Path, builtins: tuple[
     return _resolved(key, parse_entry_point(key, value, builtins), value, config_dir)
 
 
+def _file_kind(path: Path) -> str:
+    """What stands at ``path`` when it is not a regular file ("" when nothing does): a FIFO or a device would
+    block or stream forever where Python reads a program."""
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return ""
+    kinds = [(stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISCHR, "a character device"),
+             (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")]
+    return next((name for test, name in kinds if test(mode)), "not a regular file")
+
+
 def _resolved(key: str, program: Program, value: str, config_dir: Path) -> str:
     if not program.is_user_code:
         return value
@@ -173,8 +186,10 @@ def _resolved(key: str, program: Program, value: str, config_dir: Path) -> str:
     path = Path(os.path.normpath(config_dir / program.path))
     if not path.is_file():
         what = "script" if program.kind == "script" else "file"
-        raise ConfigError(key, f"{what} {path} of \"{value}\" does not exist"
-                          + (" (it is a folder)" if path.is_dir() else ""),
-                          f"check the path; a relative path is taken from the config file's folder {config_dir}")
+        kind = _file_kind(path)
+        raise ConfigError(key, f"{what} {path} of \"{value}\" " + (f"is {kind}, not a file" if kind else
+                                                                   "does not exist"),
+                          f"check the path; a relative path is taken from the config file's folder {config_dir}"
+                          if not kind else "give a Python file (path/to/train.py)")
     absolute = Program(program.kind, path=str(path), function=program.function)
     return absolute.text()

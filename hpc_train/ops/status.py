@@ -328,9 +328,9 @@ def _state(folder: RunFolder, answer: scheduler.SchedulerAnswer, job_id: str,
         queued = answer.queued(job_id)
         record = answer.last_record(job_id)
         if queued is not None:
-            return queued.state, queued.nodes if queued.state != "PENDING" else "", queued.reason, record
+            return queued.state, _node_list(queued.state, queued.nodes), queued.reason, record
         if record is not None:
-            return record.base_state, record.nodes, record.reason, record
+            return record.base_state, _node_list(record.base_state, record.nodes), record.reason, record
         notes.append(f"job {job_id} is neither queued nor in sacct (purged, or another cluster's)")
     last = folder.attempts[-1] if folder.attempts else None
     if last is None:
@@ -340,6 +340,14 @@ def _state(folder: RunFolder, answer: scheduler.SchedulerAnswer, job_id: str,
     state = {"running": "RUNNING", "completed": "COMPLETED", "preempted": "STOPPED", "failed": "FAILED",
              "killed": "KILLED", "hang": "HUNG"}.get(last.outcome, last.outcome.upper())
     return state, last.host, last.note, None
+
+
+def _node_list(state: str, nodes: str) -> str:
+    """The nodes a job runs on: "pending" for a pending job, where Slurm says "None assigned" (sacct) or gives
+    the reason in place of nodes (squeue); nothing for a job that ended before it had any."""
+    if state.upper().startswith("PENDING"):
+        return "pending"
+    return "" if nodes.strip() in ("None assigned", "(null)") else nodes
 
 
 def _alive(attempt: Attempt) -> bool:

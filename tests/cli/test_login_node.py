@@ -30,6 +30,7 @@ COMMANDS = {
     "submit-dry-run-json": ["hpc_train.submit", EXAMPLE, "--site", "local-slurm", "--dry-run", "--json",
                             "--executor", "local"],
     "main-help": ["hpc_train", "--help"],
+    "main-submit-dry-run": ["hpc_train", "submit", EXAMPLE, "--site", "local", "--dry-run"],
     "validate": ["hpc_train", "validate", EXAMPLE, "--site", "local"],
     "render-stdout": ["hpc_train", "render", EXAMPLE, "--site", "local-slurm", "--stdout"],
     "bad-config": ["hpc_train", "validate", EXAMPLE, "--site", "local", "--set", "job.nodes=0"],

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -82,8 +83,20 @@ def test_missing_files_are_refused_naming_the_path(tmp_path: Path) -> None:
     assert f"script {tmp_path}/train_typo.py" in str(error.value)
     assert f"from the config file's folder {tmp_path}" in str(error.value)
     (tmp_path / "code.py").mkdir()
-    with pytest.raises(ConfigError, match="it is a folder"):
+    with pytest.raises(ConfigError, match="is a folder, not a file"):
         resolve_program("code.py:main", tmp_path)
+
+
+def test_a_fifo_or_a_device_is_named_for_what_it_is(tmp_path: Path) -> None:
+    os.mkfifo(tmp_path / "train.py")
+    with pytest.raises(ConfigError) as error:
+        resolve_program("train.py", tmp_path)
+    assert str(error.value).startswith(f'job.program: script {tmp_path}/train.py of "train.py" is a named pipe (FIFO), '
+                                       "not a file. Fix: give a Python file")
+    (tmp_path / "dev").mkdir()
+    os.symlink("/dev/null", tmp_path / "dev" / "null.py")
+    with pytest.raises(ConfigError, match=r"null\.py of \"dev/null\.py\" is a character device, not a file"):
+        resolve_program("dev/null.py", tmp_path)
 
 
 def test_params_take_toml_values_and_refuse_dates() -> None:

@@ -113,9 +113,19 @@ def test_a_running_run_joins_the_queue_with_its_telemetry(runs: dict[str, Path])
 def test_a_just_submitted_job_is_pending_before_anything_ran(runs: dict[str, Path]) -> None:
     statuses, _ = collect([runs["submitted"], runs["rendered"]], poll=_slurm(runs).poll)
     fresh, rendered = statuses
-    assert (fresh.state, fresh.job_id, fresh.reason, fresh.nodes) == ("PENDING", "600", "Priority", "")
+    assert (fresh.state, fresh.job_id, fresh.reason, fresh.nodes) == ("PENDING", "600", "Priority", "pending")
     assert (rendered.state, rendered.job_id, rendered.reason) == ("PENDING", "601", "Resources")
     assert fresh.telemetry.step is None and fresh.attempts == []
+
+
+def test_a_pending_job_known_only_to_accounting_is_pending_not_none_assigned(runs: dict[str, Path]) -> None:
+    slurm = _slurm(runs)
+    slurm.squeue = [line for line in slurm.squeue if not line.startswith("600")]
+    (fresh,) = collect([runs["submitted"]], poll=slurm.poll)[0]
+    assert (fresh.state, fresh.nodes) == ("PENDING", "pending")
+    slurm.sacct = [sacct_line("600", "CANCELLED", nodes="None assigned")]
+    (fresh,) = collect([runs["submitted"]], poll=slurm.poll)[0]
+    assert (fresh.state, fresh.nodes) == ("CANCELLED", "")  # ended before it had nodes: the table shows -
 
 
 def test_a_failed_run_shows_its_failure_class(runs: dict[str, Path]) -> None:

@@ -156,7 +156,8 @@ progress = pathlib.Path(sys.argv[1]) / f"done-{dist.get_rank()}"
 start = int(progress.read_text()) if progress.exists() else 0
 for step in range(start + 1, 151):
     time.sleep(0.1)
-    progress.write_text(str(step))
+    progress.with_suffix(".tmp").write_text(str(step))  # a kill mid-write leaves the old count, as a real
+    os.replace(progress.with_suffix(".tmp"), progress)  # program that saves its own state must
 dist.barrier()
 print(f"finished at {step}", flush=True)
 dist.destroy_process_group()
