@@ -74,3 +74,13 @@ def exported(run_dir: Path, out: Path, *extra: str) -> Path:
     result = call_cli(main, ["ckpt", "export", str(run_dir), "--out", str(out), *extra], run_dir)
     assert result.code == 0, result.out + result.err
     return out
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Lanes for ``pytest -n 2 --dist loadgroup`` (scripts/test.sh): every test that uses the local Slurm cluster
+    runs in one lane, one at a time (a test preempts with a higher-priority job and takes both nodes, so two of
+    them at once would meet each other's jobs); every other file is a lane of its own, so a module's shared run
+    is trained once. Without xdist the marks change nothing."""
+    for item in items:
+        uses_slurm = "slurm_cluster" in getattr(item, "fixturenames", ())
+        item.add_marker(pytest.mark.xdist_group("slurm" if uses_slurm else item.nodeid.split("::")[0]))
