@@ -110,8 +110,11 @@ def _validate(args: argparse.Namespace) -> int:
     if args.memory:
         return _memory(args)
     plan = plan_from_args(args, executor=_planned_executor(args))
-    if args.json:
-        print(plan.to_json(), end="")
+    if args.json:  # the plan, and what it trains under "training" (Plan.from_json reads the rest)
+        from hpc_train.cli.training import training_summary
+
+        print(json.dumps({**json.loads(plan.to_json()), "training": training_summary(plan).to_dict()}, indent=2,
+                         sort_keys=True))
         return 0
     from rich.console import Console
 

@@ -61,8 +61,12 @@ def _show(args: argparse.Namespace, plans: list[Plan]) -> None:
 
     params = submitit_parameters(plans[0])
     if args.json:
+        from hpc_train.cli.training import training_summary
+
         body = [json.loads(plan.to_json()) for plan in plans]
-        print(json.dumps({"plan": body[0] if len(body) == 1 else body, "submitit": params}, indent=2, sort_keys=True))
+        training = [training_summary(plan).to_dict() for plan in plans]
+        print(json.dumps({"plan": body[0] if len(body) == 1 else body, "submitit": params,
+                          "training": training[0] if len(training) == 1 else training}, indent=2, sort_keys=True))
         return
     from rich.console import Console
 

@@ -1,4 +1,5 @@
-"""The rich summary a user reads before anything runs: resources, rank layout, environment, run folder."""
+"""The rich summary a user reads before anything runs: what trains, resources, rank layout, environment, run
+folder."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from rich.panel import Panel
 from rich.syntax import Syntax
 from rich.table import Table
 
+from hpc_train.cli.training import training_rows, training_summary
 from hpc_train.config.plan import Plan
 from hpc_train.fabric.nccl import detected_rows
 from hpc_train.terminal import shown
@@ -72,7 +74,8 @@ def print_summary(console: Console, plan: Plan, extra_title: str = "", extra: st
     env_rows += [(name, f"({text})") for name, text in detected_rows(plan.nccl_detect, plan.interconnect)]
     env_rows += [(name, "(passed from your shell, not written anywhere)") for name in plan.forward_env]
     environment = _table("Rank environment", env_rows)
-    parts: list[Any] = [head, resources, layout, environment]
+    training = _table("Training", training_rows(training_summary(plan)))
+    parts: list[Any] = [head, training, resources, layout, environment]
     if plan.modules:
         parts.append(_table("Modules", [(str(i + 1), m) for i, m in enumerate(plan.modules)]))
     console.print(Panel(Group(*[item for part in parts for item in (part, "")][:-1]), title="hpc_train plan"))

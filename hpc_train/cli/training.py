@@ -1,0 +1,175 @@
+"""What a plan will train, said before a cluster's hours are spent: the model and its size, the data, the engine,
+the number format (for ``auto``, what the nodes will pick), steps and tokens, the checkpoint cadence and where it
+resumes from. Login-node code: no torch; the checkpoint folder is read, never written."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from hpc_train.ckpt.manager import CheckpointManager
+from hpc_train.config.job import MODEL_PRESETS
+from hpc_train.config.plan import Plan
+from hpc_train.config.program import parse_program
+from hpc_train.run.paths import CHECKPOINTS_DIR
+
+__all__ = ["TrainingSummary", "training_rows", "training_summary"]
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingSummary:
+    """The plan's training section; ``--json`` carries it as it is (None: not known on the login node)."""
+
+    kind: str  # "trainer", "program" or "smoke"
+    model: dict[str, Any]
+    data: dict[str, Any]
+    engine: dict[str, Any]
+    precision: dict[str, Any]
+    steps: int | None
+    tokens: int | None
+    checkpoint: dict[str, Any]
+    resume: dict[str, Any]
+    program: dict[str, Any]
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def training_summary(plan: Plan) -> TrainingSummary:
+    """The training section of ``plan``."""
+    cfg = plan.config
+    kind = {"train": "trainer", "smoke": "smoke"}.get(cfg.job.program, "program")
+    resume = _resume_point(plan)
+    checkpoint = {"every_steps": cfg.checkpoint.every_steps, "keep": cfg.checkpoint.keep,
+                  "async": cfg.checkpoint.async_save, "verify": cfg.checkpoint.verify}
+    if kind == "smoke":
+        return TrainingSummary(kind, {}, {}, {}, {}, None, None, {}, {}, {"entry_point": "smoke", "args": [],
+                                                                          "params": {}})
+    if kind == "program":
+        script = parse_program(cfg.job.program).kind == "script"  # saves and resumes on its own, without ctx
+        program = {"entry_point": cfg.job.program, "kind": "script" if script else "function",
+                   "args": list(cfg.job.args), "params": dict(cfg.params)}
+        return TrainingSummary(kind, {}, {}, {}, {}, None, None, {} if script else checkpoint,
+                               {} if script else resume, program)
+    steps = cfg.train.steps
+    return TrainingSummary(kind, _model(plan), _data(plan), _engine(plan), _precision(plan), steps,
+                           steps * plan.layout.global_batch * cfg.train.seq_len, checkpoint, resume, {})
+
+
+def _model(plan: Plan) -> dict[str, Any]:
+    cfg = plan.config
+    if cfg.train.model in MODEL_PRESETS:
+        from hpc_train.train.memory import stage_parameters  # the GPT's shapes, without torch
+
+        count = sum(p.numel for stage in stage_parameters(cfg.train.model, cfg.data.vocab_size, cfg.train.seq_len)
+                    for p in stage)
+        return {"name": cfg.train.model, "kind": "preset", "parameters": count, **MODEL_PRESETS[cfg.train.model],
+                "seq_len": cfg.train.seq_len}
+    return {"name": cfg.train.model, "kind": "entry point", "parameters": cfg.train.parameters or None,
+            "seq_len": cfg.train.seq_len}
+
+
+def _data(plan: Plan) -> dict[str, Any]:
+    data = plan.config.data
+    source = {"synthetic": "synthetic random tokens", "tokens": f"token file {data.path}"}.get(
+        data.source, f"your dataset {data.source}")
+    return {"source": data.source, "described": source, "path": data.path or None, "vocab_size": data.vocab_size,
+            "num_workers": data.num_workers, "pin_memory": data.pin_memory, "collate": data.collate or None}
+
+
+def _engine(plan: Plan) -> dict[str, Any]:
+    cfg = plan.config
+    return {"name": "deepspeed", "zero_stage": cfg.zero.stage, "offload_optimizer": cfg.zero.offload_optimizer,
+            "offload_params": cfg.zero.offload_params, "optimizer": cfg.train.optimizer, "lr": cfg.train.lr,
+            "schedule": f"{cfg.train.warmup_steps} warm-up steps, then {cfg.train.decay} to {cfg.train.min_lr:g}",
+            "pipeline": plan.layout.pipeline, "tensor": plan.layout.tensor}
+
+
+def _precision(plan: Plan) -> dict[str, Any]:
+    """``auto`` as the nodes will decide it: on the local executor the nodes are this machine, so its CPU's flags
+    decide; on Slurm, GPU nodes train in bf16 where the GPU supports it, CPU nodes as their flags say."""
+    requested = plan.config.train.precision
+    if requested != "auto":
+        return {"requested": requested, "planned": requested, "why": "train.precision"}
+    from hpc_train.train.precision_rule import decide_precision, read_cpuinfo
+
+    preset = MODEL_PRESETS.get(plan.config.train.model)
+    hidden = preset["hidden"] if preset else None
+    gpus = plan.resources.gpus_per_node > 0
+    if plan.executor == "local" and not gpus:
+        planned, why = decide_precision("auto", cuda=False, cuda_bf16=False, cpuinfo=read_cpuinfo(), hidden=hidden)
+        return {"requested": "auto", "planned": planned, "why": f"this machine: {why}"}
+    if gpus:
+        return {"requested": "auto", "planned": "bf16", "why": "the nodes have GPUs: bf16 where they support it "
+                                                               "(A100, H100 and newer), else fp32"}
+    return {"requested": "auto", "planned": None, "why": "CPU nodes: bf16 where their CPUs compute it natively "
+                                                         "(avx512_bf16, amx_bf16) and the model is wide enough, "
+                                                         "else fp32; each rank decides and all take the weakest"}
+
+
+def _resume_point(plan: Plan) -> dict[str, Any]:
+    """The run folder's latest verified checkpoint (sizes checked, as resume does first), or none."""
+    if not plan.config.checkpoint.resume:
+        return {"enabled": False, "step": None, "path": None}
+    root = Path(plan.run_dir) / CHECKPOINTS_DIR
+    if not root.is_dir() or root.is_symlink():
+        return {"enabled": True, "step": None, "path": None}
+    verified = [info for info in CheckpointManager(root, keep=1).list() if info.verified]
+    best = next((info for info in verified if info.is_latest), None) or (verified[-1] if verified else None)
+    return {"enabled": True, "step": best.step if best else None, "path": str(best.path) if best else None}
+
+
+def _count(value: int | None) -> str:
+    if value is None:
+        return "not known on the login node"
+    for size, unit in ((1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if value >= size:
+            return f"{value / size:.3g}{unit} ({value:,})"
+    return f"{value:,}"
+
+
+def training_rows(summary: TrainingSummary) -> list[tuple[str, str]]:
+    """The summary as the plan's ``Training`` table rows."""
+    rows: list[tuple[str, str]] = []
+    if summary.kind == "smoke":
+        rows.append(("program", "smoke: join every rank, check every group, no model"))
+    elif summary.kind == "program":
+        program = summary.program
+        rows.append(("entry point", program["entry_point"]))
+        rows.append(("args", " ".join(program["args"]) or "-"))
+        rows.append(("params", ", ".join(f"{k} = {v!r}" for k, v in program["params"].items()) or "-"))
+    else:
+        model, engine, precision = summary.model, summary.engine, summary.precision
+        shape = f", {model['layers']} layers x {model['hidden']} wide" if model["kind"] == "preset" else ""
+        size = _count(model["parameters"]) if model["parameters"] else (
+            "parameters not known on the login node (set train.parameters for validate --memory)")
+        rows.append(("model", f"{model['name']} ({model['kind']}{shape}): {size} parameters"
+                     if model["parameters"] else f"{model['name']} ({model['kind']}): {size}"))
+        data = summary.data
+        workers = f"{data['num_workers']} loader worker" + ("s" if data["num_workers"] != 1 else "")
+        rows.append(("data", f"{data['described']}, vocabulary {data['vocab_size']:,}, {workers}"
+                             + (", pinned" if data["pin_memory"] else "")))
+        offload = [name for name, on in (("optimizer", engine["offload_optimizer"]),
+                                         ("parameters", engine["offload_params"])) if on]
+        rows.append(("engine", f"DeepSpeed ZeRO-{engine['zero_stage']}"
+                               + (f", {' and '.join(offload)} offloaded to CPU" if offload else "")
+                               + f"; {engine['optimizer']} lr {engine['lr']:g}, {engine['schedule']}"))
+        planned = precision["planned"] or "decided on the nodes"
+        rows.append(("precision", planned if precision["requested"] != "auto"
+                     else f"auto: {planned} ({precision['why']})"))
+        rows.append(("steps", f"{summary.steps:,} steps, {_count(summary.tokens)} tokens"))
+    if summary.checkpoint:
+        ckpt = summary.checkpoint
+        every = f"every {ckpt['every_steps']} steps" if ckpt["every_steps"] else "only on preemption and at the end"
+        rows.append(("checkpoints", f"{every}, keep {ckpt['keep']}, "
+                                    + ("written in the background" if ckpt["async"] else "written on the step")
+                                    + f", resume checks {ckpt['verify']}"))
+    resume = summary.resume
+    if not resume:
+        rows.append(("checkpoints", "the script's own (ctx.checkpoint is for functions)"))
+        return rows
+    rows.append(("resume", "off (checkpoint.resume = false): starts from the beginning" if not resume["enabled"]
+                 else f"from step {resume['step']} ({resume['path']})" if resume["step"] is not None
+                 else "nothing to resume: starts from the beginning"))
+    return rows
