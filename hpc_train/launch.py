@@ -36,7 +36,7 @@ from hpc_train.run.paths import (
 )
 from hpc_train.run.quick_exit import exit_quickly_when_done, leave_now
 from hpc_train.run.stops import StopConsequence
-from hpc_train.train.preemption import PreemptionWatch
+from hpc_train.runtime.preemption import PreemptionWatch
 
 __all__ = ["RankEntry", "main", "run_rank"]
 

@@ -187,6 +187,7 @@ ROOMS = {  # room: module prefixes, longest match wins
     "commands": ("hpc_train.cli", "hpc_train.submit", "hpc_train.__main__", "hpc_train.ckpt.cli"),
     "launch": ("hpc_train.launch",),
     "distributed": ("hpc_train.distributed",),
+    "runtime": ("hpc_train.runtime",),
     "train": ("hpc_train.train",),
     "program": ("hpc_train.program",),
     "ckpt": ("hpc_train.ckpt",),
@@ -202,12 +203,14 @@ ALLOWED = {
     "ops": _LOW | {"config"},
     "slurm": _LOW | {"config", "launch"},  # launch: the callable submitit pickles (RankEntry)
     "doctor": _LOW | {"config"},
-    "launch": _LOW | {"config", "ops", "distributed", "train", "program"},
-    "program": _LOW | {"config", "distributed", "ckpt", "train"},
+    "launch": _LOW | {"config", "ops", "distributed", "runtime", "train", "program"},
+    # train only inside a function: the DeepSpeed file engine, for an engine a program hands to ctx.checkpoint
+    "program": _LOW | {"config", "distributed", "ckpt", "runtime", "train"},
+    "runtime": _LOW | {"config", "distributed", "ckpt"},
     "distributed": _LOW | {"config"},
     "ckpt": _LOW | {"config"},
-    "train": _LOW | {"config", "distributed", "ckpt"},
-    "export": _LOW | {"config", "ckpt", "train"},
+    "train": _LOW | {"config", "distributed", "ckpt", "runtime"},
+    "export": _LOW | {"config", "ckpt", "runtime", "train"},
     "bench": _LOW | {"distributed"},
     "integrations": {"base", "program"},  # program only inside functions: importable on a login node
     "commands": _LOW | {"config", "ops", "slurm", "doctor", "ckpt", "export", "bench", "train", "distributed"},
@@ -255,3 +258,20 @@ def test_ruff_lints_every_python_file() -> None:
                              timeout=60).stdout.split()
     missing = sorted(p for p in tracked if (REPO / p).resolve() not in linted)
     assert not missing, f"ruff check . does not lint: {missing[:10]}"
+
+
+def test_programs_stand_on_the_runtime_not_on_the_trainer() -> None:
+    """A rank program (your function or script) takes its preemption watch, watchdog, stops, attempts, checkpoint
+    transaction, random state, monitor and entry-point loader from hpc_train.runtime; the DeepSpeed trainer's room
+    is imported only inside the function that installs DeepSpeed's file engine on an engine a program hands over.
+    The runtime itself knows no engine."""
+    graph = import_graph()
+    at_top = sorted(f"{name} imports {target}" for name, module in graph.items() if room_of(name) == "program"
+                    for target in module.top if room_of(target) == "train")
+    assert not at_top, at_top
+    engine_bound = sorted(f"{name} imports {target}" for name, module in graph.items() if room_of(name) == "runtime"
+                          for target in module.anywhere if room_of(target) in ("train", "program"))
+    assert not engine_bound, engine_bound
+    deepspeed_at_top = sorted(name for name, module in graph.items() if room_of(name) == "runtime"
+                              and "deepspeed" in module.heavy_top)
+    assert not deepspeed_at_top, deepspeed_at_top

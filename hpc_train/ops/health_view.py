@@ -1,4 +1,4 @@
-"""A run's health checks as ``status`` shows them: rank 0's ``health.json`` (``hpc_train.train.health``), read
+"""A run's health checks as ``status`` shows them: rank 0's ``health.json`` (``hpc_train.runtime.health``), read
 without failing on a torn or missing file."""
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ and every attempt's start and end (preempted, requeued, failed, hung, killed) fr
 
 Plain Python, no matplotlib: the figure is drawn from exactly this (``plot --json`` prints it), so a test or a
 person can check what a picture shows. A requeued run's metrics were already cut back to the resumed step by the
-next attempt (``hpc_train.train.monitor``), so each step appears once, from the attempt that trained it last.
+next attempt (``hpc_train.runtime.monitor``), so each step appears once, from the attempt that trained it last.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Why per class: a retry pays off only when the next attempt can go differently. A
 goes away when the job lands elsewhere (so those retry, with the node excluded); a hang may be a stuck GPU or a
 race (retried a little); a bug or a batch that does not fit fails the same way on any node (never retried, the
 user has to change something). Preemption and time limits are not failures: the preemption path in
-:mod:`hpc_train.train.preemption` requeues those, so :func:`decide` leaves them to it.
+:mod:`hpc_train.runtime.preemption` requeues those, so :func:`decide` leaves them to it.
 
 The exclusion list itself (``excluded_nodes.json``) is part of the run folder's protocol:
 :mod:`hpc_train.run.exclusions`. Nothing here calls Slurm: the requeue path does, with what :func:`decide` returns.

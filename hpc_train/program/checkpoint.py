@@ -1,4 +1,4 @@
-"""``ctx.checkpoint``: a user program's state saved and loaded through the trainer's transactional checkpoints.
+"""``ctx.checkpoint``: a user program's state saved and loaded through the rank runtime's checkpoint transaction.
 
 Each rank writes ``ranks/rank-N.pt`` (the ``state_dict()`` of each object it was given, tensors and plain values
 as they are, and every random generator of the rank) and each DeepSpeed engine saves itself under
@@ -19,20 +19,29 @@ import torch.distributed as dist
 
 from hpc_train.ckpt import MANIFEST_NAME, CheckpointError, Manifest
 from hpc_train.distributed.collectives import all_gather_objects
-from hpc_train.train import random_state
-from hpc_train.train.checkpointing import TAG, Checkpointer
-from hpc_train.train.stopping import AttemptRecorder
+from hpc_train.runtime import random_state
+from hpc_train.runtime.checkpoints import CheckpointTransaction
+from hpc_train.runtime.stopping import AttemptRecorder
 
 __all__ = ["UserCheckpoint"]
 
 RANKS_DIR = "ranks"
 ENGINES_DIR = "deepspeed"
+ENGINE_TAG = "state"  # DeepSpeed's tag inside each engine's folder, as the trainer's
 
 
 def _is_engine(value: Any) -> bool:
     """A DeepSpeed engine saves and loads its own (sharded) state, collectively."""
     return type(value).__module__.startswith("deepspeed") and hasattr(value, "save_checkpoint") \
         and hasattr(value, "load_checkpoint")
+
+
+def _install(engine: Any, checkpointer: CheckpointTransaction) -> None:
+    """A DeepSpeed engine's files go through this rank's RankFiles (the DeepSpeed adapter is the trainer's, and is
+    imported only when a program hands over an engine, so deepspeed is already there)."""
+    from hpc_train.train.checkpoint_files import install_file_engine
+
+    install_file_engine(engine, checkpointer.files)
 
 
 def _agree(problem: str | None) -> None:
@@ -45,7 +54,7 @@ def _agree(problem: str | None) -> None:
 class UserCheckpoint:
     """``ctx.checkpoint.save(step, state)`` and ``ctx.checkpoint.load(state)``; both are collective."""
 
-    def __init__(self, checkpointer: Checkpointer, device: torch.device, recorder: AttemptRecorder,
+    def __init__(self, checkpointer: CheckpointTransaction, device: torch.device, recorder: AttemptRecorder,
                  progress: Callable[[str, int], None], log: Callable[[str], None],
                  stopping: Callable[[], bool] = lambda: False) -> None:
         self._checkpointer = checkpointer
@@ -67,8 +76,8 @@ class UserCheckpoint:
         def write(folder: Path) -> None:
             for name in sorted(state):
                 if _is_engine(state[name]):
-                    self._checkpointer.install(state[name])
-                    state[name].save_checkpoint(str(folder / ENGINES_DIR / name), tag=TAG)
+                    _install(state[name], self._checkpointer)
+                    state[name].save_checkpoint(str(folder / ENGINES_DIR / name), tag=ENGINE_TAG)
             objects = {name: value.state_dict() if hasattr(value, "state_dict") else value
                        for name, value in state.items() if not _is_engine(value)}
             payload = {"step": step, "objects": objects, "random": random_state.capture(self._device)}
@@ -95,8 +104,8 @@ class UserCheckpoint:
         _agree(problem)
         for name in sorted(state):
             if _is_engine(state[name]):
-                self._checkpointer.install(state[name])
-                state[name].load_checkpoint(str(found / ENGINES_DIR / name), tag=TAG)
+                _install(state[name], self._checkpointer)
+                state[name].load_checkpoint(str(found / ENGINES_DIR / name), tag=ENGINE_TAG)
         for name, value in list(state.items()):
             if _is_engine(value):
                 continue

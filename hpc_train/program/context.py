@@ -29,13 +29,13 @@ from hpc_train.distributed.mesh import ParallelGroups
 from hpc_train.distributed.topology import Topology
 from hpc_train.program.checkpoint import UserCheckpoint
 from hpc_train.program.stop import StopAgreement
-from hpc_train.train.checkpointing import Checkpointer
-from hpc_train.train.exporters import build_exporters
-from hpc_train.train.health import HealthCheck, RecordHealth, Thresholds
-from hpc_train.train.monitor import LogLines, Monitor
-from hpc_train.train.preemption import PreemptionWatch
-from hpc_train.train.stopping import AttemptRecorder
-from hpc_train.train.watchdog import Watchdog
+from hpc_train.runtime.checkpoints import CheckpointTransaction
+from hpc_train.runtime.exporters import build_exporters
+from hpc_train.runtime.health import HealthCheck, RecordHealth, Thresholds
+from hpc_train.runtime.monitor import LogLines, Monitor
+from hpc_train.runtime.preemption import PreemptionWatch
+from hpc_train.runtime.stopping import AttemptRecorder
+from hpc_train.runtime.watchdog import Watchdog
 
 __all__ = ["RunContext", "Session", "context", "current_session", "open_session"]
 
@@ -185,9 +185,11 @@ class RunContext(RankContext):
         return self._stop
 
 
-def _checkpointer(session: Session) -> Checkpointer:
-    """The trainer's checkpointer; the manifest's dtype is the config's precision, fp32 where it is ``auto``."""
+def _checkpointer(session: Session) -> CheckpointTransaction:
+    """The runtime's checkpoint transaction; the manifest's dtype is the config's precision, fp32 where it is
+    ``auto``."""
     config = session.plan.config
     precision = "fp32" if config.train.precision == "auto" else config.train.precision
     config = dataclasses.replace(config, train=dataclasses.replace(config.train, precision=precision))
-    return Checkpointer(session.run_dir, config, session.plan.layout, session.plan.config_hash, log=session.log)
+    return CheckpointTransaction(session.run_dir, config, session.plan.layout, session.plan.config_hash,
+                                 log=session.log)

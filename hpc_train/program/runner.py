@@ -26,11 +26,11 @@ from hpc_train.distributed.rendezvous import check_resolves, choose_rendezvous, 
 from hpc_train.program.context import RunContext, Session, context, open_session
 from hpc_train.program.stop import UnaskedStop
 from hpc_train.run.stops import StopNotice, attempt_key, publish_notice, wait_for_done
-from hpc_train.train.entry_points import UserCodeError, load_callable
-from hpc_train.train.monitor import LogLines
-from hpc_train.train.preemption import PreemptionWatch, Requeue
-from hpc_train.train.stopping import AttemptRecorder, decide_hang, signal_name
-from hpc_train.train.watchdog import Timeouts, Watchdog
+from hpc_train.runtime.entry_points import UserCodeError, load_callable
+from hpc_train.runtime.monitor import LogLines
+from hpc_train.runtime.preemption import PreemptionWatch, Requeue
+from hpc_train.runtime.stopping import AttemptRecorder, decide_hang, signal_name
+from hpc_train.runtime.watchdog import Timeouts, Watchdog
 
 __all__ = ["UserCodeError", "run_program"]
 

@@ -32,8 +32,8 @@ from hpc_train.run.stops import (
     request_stop,
     wait_for_done,
 )
-from hpc_train.train.preemption import PreemptionWatch, Requeue, arm_force_exit
-from hpc_train.train.stopping import AttemptRecorder, signal_name
+from hpc_train.runtime.preemption import PreemptionWatch, Requeue, arm_force_exit
+from hpc_train.runtime.stopping import AttemptRecorder, signal_name
 
 __all__ = ["StopAgreement", "UnaskedStop", "grace_seconds"]
 

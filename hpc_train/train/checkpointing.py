@@ -1,12 +1,13 @@
 """Saving and resuming a training run through the transactional checkpoint manager.
 
-Every rank writes its DeepSpeed shards and its own random state into the temporary folder rank 0 opened, each
-file hashed while written (:mod:`hpc_train.train.checkpoint_files`: DeepSpeed's files through our checkpoint
-engine; with ``checkpoint.async_save`` staged in memory and written by a thread); rank 0 then commits the
-ranks' entries (manifest, rename, ``latest``). On start, rank 0 picks the newest checkpoint whose files have
-their sizes and every rank loads it, each file read once: the model, optimizer and scheduler through DeepSpeed
-(with fp16 the loss scaler, which DeepSpeed keeps in the optimizer's state), the sampler's position and the step
-from the client state, and each rank's random state (Python, NumPy, torch and, on a GPU, CUDA).
+The DeepSpeed trainer's part over the rank runtime's transaction (:mod:`hpc_train.runtime.checkpoints`): every
+rank writes its DeepSpeed shards and its own random state into the temporary folder rank 0 opened, each file
+hashed while written (:mod:`hpc_train.train.checkpoint_files`: DeepSpeed's files through our checkpoint engine);
+rank 0 then commits the ranks' entries (manifest, rename, ``latest``). On start, rank 0 picks the newest
+checkpoint whose files have their sizes and every rank loads it, each file read once: the model, optimizer and
+scheduler through DeepSpeed (with fp16 the loss scaler, which DeepSpeed keeps in the optimizer's state), the
+sampler's position and the step from the client state, and each rank's random state (Python, NumPy, torch and,
+on a GPU, CUDA).
 
 A checkpoint saved at another data-parallel size (same tensor and pipeline sizes) is resumed through DeepSpeed's
 universal checkpoint: rank 0 converts it once into ``checkpoints/.universal/`` while the other ranks wait
@@ -20,12 +21,7 @@ rank, before anything is loaded.
 
 from __future__ import annotations
 
-import json
-import logging
 import os
-import shutil
-import threading
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -33,11 +29,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from hpc_train.ckpt import MANIFEST_NAME, CheckpointError, CheckpointManager, Manifest
 from hpc_train.ckpt.manager import inspect_checkpoint
-from hpc_train.ckpt.manifest import FileEntry
 from hpc_train.ckpt.universal import (
     cached_copy,
     clear_cache,
@@ -47,11 +41,11 @@ from hpc_train.ckpt.universal import (
     optimizer_is_partitioned,
 )
 from hpc_train.config.job import JobConfig
-from hpc_train.distributed.collectives import all_gather_objects, broadcast_object, gather_objects
+from hpc_train.distributed.collectives import all_gather_objects
 from hpc_train.errors import ConfigError
-from hpc_train.run.files import open_record
-from hpc_train.train import random_state
-from hpc_train.train.checkpoint_files import WRITTEN_DIR, FileCheckpointEngine, RankFiles, written_marker
+from hpc_train.runtime import random_state
+from hpc_train.runtime.checkpoints import CheckpointTransaction, Refusal, broadcast
+from hpc_train.train.checkpoint_files import install_file_engine
 
 __all__ = ["TAG", "Checkpointer"]
 
@@ -59,11 +53,6 @@ TAG = "state"  # DeepSpeed's tag inside a checkpoint folder: the folder name alr
 # Rank 0 converts while the others wait in a collective: it gives up a little before they would time out.
 _CONVERT_SHARE_OF_TIMEOUT = 0.9
 _CONVERT_WORKERS = 4
-_MARKER_POLL_S = 0.02  # rank 0's commit thread looks for the ranks' written markers this often
-
-
-def _broadcast(value: Any) -> Any:
-    return broadcast_object(value, src=0)
 
 
 @dataclass(frozen=True)
@@ -74,19 +63,6 @@ class _Load:
     sealed: str
     load_dir: str
     universal: bool
-
-
-@dataclass(frozen=True)
-class _Refusal:
-    """Rank 0's reason not to resume, sent to the other ranks so that all stop with the same message."""
-
-    message: str
-    config_error: bool
-
-    def error(self) -> Exception:
-        if self.config_error:
-            return ConfigError("", self.message)
-        return CheckpointError(f"rank 0 could not prepare the checkpoint: {self.message}")
 
 
 @contextmanager
@@ -126,67 +102,23 @@ def _repair_zero3_universal_load(engine: Any, copy: Path) -> None:
             param_state["step"] = param_state["step"].clone()
 
 
-class _ToLog(logging.Handler):
-    """The checkpoint manager's warnings (a checkpoint skipped on resume, and why) in the rank-0 log that
-    ``hpc_train.submit`` follows, not only on the rank's stderr."""
-
-    def __init__(self, log: Callable[[str], None]) -> None:
-        super().__init__(logging.WARNING)
-        self.log = log
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.log(f"warning: {record.getMessage()}")
-
-
-def _forward_manager_warnings(log: Callable[[str], None]) -> None:
-    logger = logging.getLogger("hpc_train.ckpt")
-    for handler in [h for h in logger.handlers if isinstance(h, _ToLog)]:
-        logger.removeHandler(handler)
-    logger.addHandler(_ToLog(log))
-
-
-class Checkpointer:
-    """Rank 0 owns the checkpoint folder (one writer); every rank takes part in each save and load."""
+class Checkpointer(CheckpointTransaction):
+    """The transaction with DeepSpeed's engine in it: the trainer's save and its resume (at the same layout, or
+    through a universal checkpoint at another data-parallel size)."""
 
     def __init__(self, run_dir: Path, config: JobConfig, layout: Any, config_hash: str,
                  log: Callable[[str], None] | None = None) -> None:
-        checkpoint = config.checkpoint
-        self.every = checkpoint.every_steps
-        self.resume_enabled = checkpoint.resume
-        self.rank = dist.get_rank()
-        # The trainer's progress log; by default the rank's own logger, which hpc_train.launch sets up.
-        self.log = log or logging.getLogger(f"hpc_train.rank{self.rank}").info
+        super().__init__(run_dir, config, layout, config_hash, log)
         self.convert_timeout_s = config.dist.timeout_s * _CONVERT_SHARE_OF_TIMEOUT
-        self.manager = CheckpointManager(run_dir / "checkpoints", keep=checkpoint.keep, verify=checkpoint.verify,
-                                         background_prune=True) if self.rank == 0 else None
-        self.world = dist.get_world_size()
-        self.check_sha256 = checkpoint.verify == "sha256"
-        self.write_timeout_s = float(config.watchdog.checkpoint_timeout_s)
-        if self.manager:
-            _forward_manager_warnings(self.log)
-        self.fields = {"world_size": layout.world, "zero_stage": config.zero.stage,
-                       "dtype": config.train.precision, "config_hash": config_hash,
-                       "layout": {"tensor": layout.tensor, "pipeline": layout.pipeline, "data": layout.data,
-                                  "context": layout.context}}
-        self._error: Exception | None = None
-        self.async_save = checkpoint.async_save
-        self.files = RankFiles(self.rank, self.async_save)
-        self._committer: threading.Thread | None = None
-        self._commit_error: BaseException | None = None
-
-    def due(self, step: int, last: int) -> bool:
-        return step == last or bool(self.every and step % self.every == 0)
 
     def install(self, engine: Any) -> None:
         """DeepSpeed writes and reads this engine's files through this rank's :class:`RankFiles`: hashed while
         written, staged for the background with ``async_save``, read once and checked when loaded."""
-        current = getattr(engine, "checkpoint_engine", None)
-        if not isinstance(current, FileCheckpointEngine) or current.files is not self.files:
-            engine.checkpoint_engine = FileCheckpointEngine(self.files)
+        install_file_engine(engine, self.files)
 
     def save(self, engine: Any, step: int, sampler_state: dict[str, int], wait: bool = False) -> None:
         """The trainer's save: DeepSpeed's shards with the step and sampler in the client state, and each rank's
-        random state (:mod:`hpc_train.train.random_state`, :meth:`save_with`)."""
+        random state (:mod:`hpc_train.runtime.random_state`, :meth:`save_with`)."""
         self.install(engine)
 
         def write(tmp: Path) -> None:
@@ -194,132 +126,6 @@ class Checkpointer:
             self.files.save(random_state.capture(engine.device), tmp / "rng" / f"rank-{self.rank}.pt")
 
         self.save_with(step, write, wait)
-
-    def save_with(self, step: int, write: Callable[[Path], None], wait: bool = False) -> None:
-        """Every rank calls ``write(folder)`` to put its files into the folder rank 0 opened (through
-        ``self.files``, or any other way); rank 0 then seals it (manifest with every file's size and sha256,
-        rename, ``latest``). With ``checkpoint.async_save`` and not ``wait``, ``self.files`` stages each file in
-        memory and writes it in this rank's writer thread, and rank 0 commits in its own thread once every rank
-        has said it is done; ``latest`` still moves only once everything is durable. A previous background save
-        always finishes first, and its failure stops every rank here."""
-        opened = _broadcast(self._open(self.manager, step) if self.manager else None)
-        if isinstance(opened, _Refusal):
-            raise self._commit_error or opened.error()
-        tmp = Path(opened)
-        staged = self.async_save and not wait
-        self.files.begin(tmp, staged)
-        fields = {"step": step, **self.fields}
-        if not staged:
-            self._seal_together(tmp, fields, write)
-            return
-        write(tmp)
-        self.files.announce()
-        if self.manager:  # rank 0 alone, off the training path
-            self._committer = threading.Thread(target=self._commit, args=(self.manager, tmp, fields),
-                                               name=f"commit-step-{step}", daemon=False)
-            self._committer.start()
-
-    def latest(self) -> Path | None:
-        """Every rank: the newest checkpoint that verifies (rank 0 looks, falling back past damaged ones with a
-        warning, and tells the others), or None; rank 0's error reaches every rank."""
-        if not self.resume_enabled:
-            return None
-        found: Any = None
-        if self.manager:
-            try:
-                newest = self.manager.latest_verified()
-                found = None if newest is None else str(newest)
-            except Exception as error:
-                found = _Refusal(str(error), isinstance(error, ConfigError))
-        found = _broadcast(found)
-        if isinstance(found, _Refusal):
-            raise found.error()
-        return None if found is None else Path(found)
-
-    def _seal_together(self, tmp: Path, fields: dict[str, Any], write: Callable[[Path], None]) -> None:
-        """Every rank writes its files (each hashed and fsynced as it is written), rank 0 gathers their entries
-        and commits: nothing is read back. A failure on any rank reaches every rank as the same error, instead
-        of leaving the others in a collective until the timeout."""
-        try:
-            write(tmp)
-            self.files.drain()
-            mine: Any = list(self.files.entries)
-        except Exception as error:
-            mine = f"rank {self.rank}: {type(error).__name__}: {error}"
-        shares = gather_objects(mine, dst=0)
-        status = None
-        if self.manager and shares is not None:
-            problems = [share for share in shares if isinstance(share, str)]
-            try:
-                if problems:
-                    raise CheckpointError(f"saving {tmp.name} failed on {'; '.join(problems)}")
-                self.manager.commit(tmp, fields, sealed=[entry for share in shares for entry in share])
-            except Exception as error:
-                status = _Refusal(str(error), False)
-        status = _broadcast(status)
-        if isinstance(status, _Refusal):
-            raise status.error()
-
-    def _open(self, manager: CheckpointManager, step: int) -> str | _Refusal:
-        """Rank 0: wait for the previous background seal, then open the next temporary folder."""
-        try:
-            self._join()
-            return str(manager.begin(step))
-        except Exception as error:
-            self._commit_error = error
-            return _Refusal(str(error), False)
-
-    def _commit(self, manager: CheckpointManager, tmp: Path, fields: dict[str, Any]) -> None:
-        """Rank 0's commit thread: wait for every rank's written marker, then commit their entries."""
-        try:
-            manager.commit(tmp, fields, sealed=self._written_entries(tmp))
-        except BaseException as error:  # reported to every rank by the next save or finish()
-            self._commit_error = error
-
-    def _written_entries(self, tmp: Path) -> list[FileEntry]:
-        """The entries of every rank's marker (polled: each rank's writer thread writes its own, on whatever node
-        it runs), or the first rank's error; ``.written/`` is removed before the commit lists the folder."""
-        deadline = time.monotonic() + self.write_timeout_s
-        records: dict[int, Any] = {}
-        while len(records) < self.world:
-            for rank in range(self.world):
-                marker = written_marker(tmp, rank)
-                if rank not in records and os.path.lexists(marker):
-                    with open_record(marker) as handle:
-                        records[rank] = json.loads(handle.read())
-            if len(records) < self.world:
-                if time.monotonic() > deadline:
-                    missing = sorted(set(range(self.world)) - set(records))
-                    raise CheckpointError(f"ranks {missing[:8]} did not finish writing {tmp.name} within "
-                                          f"{self.write_timeout_s:.0f} s (watchdog.checkpoint_timeout_s)")
-                time.sleep(_MARKER_POLL_S)
-        errors = [record["error"] for _rank, record in sorted(records.items()) if "error" in record]
-        if errors:
-            raise CheckpointError(f"writing {tmp.name} failed on {'; '.join(errors)}")
-        shutil.rmtree(tmp / WRITTEN_DIR)
-        return [FileEntry.from_dict(item, f"rank {rank} marker") for rank, record in sorted(records.items())
-                for item in record["files"]]
-
-    def _join(self) -> None:
-        if self._committer is not None:
-            self._committer.join()
-            self._committer = None
-        if self._commit_error is not None:
-            raise CheckpointError(f"sealing a checkpoint in the background failed: {self._commit_error}")
-
-    def finish(self) -> None:
-        """Every rank: return once rank 0's background seal (if any) is durable; raise its error on every rank."""
-        self.files.drain()
-        status = None
-        if self.manager:
-            try:
-                self._join()
-                self.manager.wait()
-            except CheckpointError as error:
-                status = _Refusal(str(error), False)
-        status = _broadcast(status)
-        if isinstance(status, _Refusal):
-            raise status.error()
 
     def resume(self, engine: Any) -> tuple[int, dict[str, int] | None]:
         """(the last completed step, the sampler state) of the newest good checkpoint, or (0, None).
@@ -336,8 +142,8 @@ class Checkpointer:
         damaged: list[str] = []
         while True:
             # The other ranks wait here while rank 0 checks sizes (and converts, for another layout).
-            chosen = _broadcast(self._choose(self.manager, damaged) if self.manager else None)
-            if isinstance(chosen, _Refusal):
+            chosen = broadcast(self._choose(self.manager, damaged) if self.manager else None)
+            if isinstance(chosen, Refusal):
                 raise self._error or chosen.error()
             if chosen is None:
                 if damaged:
@@ -379,7 +185,7 @@ class Checkpointer:
         if rng_file.exists():
             random_state.restore(self.files.load(rng_file), device)
 
-    def _choose(self, manager: CheckpointManager, damaged: list[str]) -> _Load | _Refusal | None:
+    def _choose(self, manager: CheckpointManager, damaged: list[str]) -> _Load | Refusal | None:
         """Rank 0: the checkpoint to load and how, or why not; any error goes to every rank, not only to this one.
         Sizes are checked here; sha256, when configured, while every rank reads its files."""
         try:
@@ -394,7 +200,7 @@ class Checkpointer:
                 damaged.append(str(found))
         except Exception as error:
             self._error = error
-            return _Refusal(str(error), isinstance(error, ConfigError))
+            return Refusal(str(error), isinstance(error, ConfigError))
 
     def _source_problem(self, found: Path) -> str | None:
         """With sha256 on, a checkpoint that must be converted (another layout) is hashed whole first: the

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from hpc_train.train.entry_points import UserCodeError
+from hpc_train.runtime.entry_points import UserCodeError
 
 __all__ = ["forward_loss", "loss_of"]
 

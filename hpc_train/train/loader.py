@@ -22,8 +22,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from hpc_train.config.job import DataSection
+from hpc_train.runtime.entry_points import UserCodeError
 from hpc_train.train.data import ResumableSampler, TokenSource
-from hpc_train.train.entry_points import UserCodeError
 
 __all__ = ["BatchStream", "LoaderSettings", "TokenDataset", "checked_dataset", "to_device"]
 

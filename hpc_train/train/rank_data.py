@@ -16,8 +16,8 @@ from hpc_train.config.job import DATA_SOURCES
 from hpc_train.config.program import parse_entry_point
 from hpc_train.distributed.context import RankContext
 from hpc_train.distributed.mesh import ParallelGroups
+from hpc_train.runtime.entry_points import UserCodeError, load_callable
 from hpc_train.train.data import ResumableSampler, make_source
-from hpc_train.train.entry_points import UserCodeError, load_callable
 from hpc_train.train.loader import BatchStream, LoaderSettings, TokenDataset, checked_dataset
 
 __all__ = ["EVAL_SEED_OFFSET", "RankData", "build_data"]

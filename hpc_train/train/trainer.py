@@ -35,27 +35,27 @@ from hpc_train.distributed.mesh import ModelParallelUnit, ParallelGroups
 from hpc_train.distributed.topology import Topology
 from hpc_train.run.loglines import format_saved_after_signal
 from hpc_train.run.stops import attempt_key
+from hpc_train.runtime.entry_points import UserCodeError
+from hpc_train.runtime.exporters import build_exporters
+from hpc_train.runtime.flops import peak_flops
+from hpc_train.runtime.health import HealthCheck, Thresholds
+from hpc_train.runtime.monitor import LogLines, Monitor
+from hpc_train.runtime.nvml import GpuReadings
+from hpc_train.runtime.preemption import PreemptionWatch, arm_force_exit
+from hpc_train.runtime.stopping import AttemptRecorder, decide_hang, signal_name
+from hpc_train.runtime.watchdog import Timeouts, Watchdog
 from hpc_train.train.breakdown import StepBreakdown
 from hpc_train.train.checkpointing import Checkpointer
 from hpc_train.train.comm_clock import CollectiveClock
 from hpc_train.train.engine import build_engine
-from hpc_train.train.entry_points import UserCodeError
-from hpc_train.train.exporters import build_exporters
-from hpc_train.train.flops import peak_flops
 from hpc_train.train.forward import forward_loss
-from hpc_train.train.health import HealthCheck, Thresholds
 from hpc_train.train.loader import BatchStream
 from hpc_train.train.model_card import write_model_card
 from hpc_train.train.models import ModelSpec, model_spec
-from hpc_train.train.monitor import LogLines, Monitor
-from hpc_train.train.nvml import GpuReadings
 from hpc_train.train.pipeline import eval_step, train_step
 from hpc_train.train.precision import agreed_precision
-from hpc_train.train.preemption import PreemptionWatch, arm_force_exit
 from hpc_train.train.rank_data import RankData, build_data
-from hpc_train.train.stopping import AttemptRecorder, decide_hang, signal_name
 from hpc_train.train.stragglers import StragglerCheck
-from hpc_train.train.watchdog import Timeouts, Watchdog
 
 __all__ = ["train"]
 

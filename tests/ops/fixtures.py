@@ -86,7 +86,7 @@ def stacks_dump(rank: int, main_frames: list[str]) -> str:
             "# hang: no progress for 11 s in step after step 29, noticed by rank 0 (vm)\n"
             f"# main thread {main}\n"
             "Current thread 0x00007f47fdfff6c0 (most recent call first):\n"
-            '  File "/work/main/hpc_train/train/watchdog.py", line 198 in _dump_stacks\n\n'
+            '  File "/work/main/hpc_train/runtime/watchdog.py", line 198 in _dump_stacks\n\n'
             f"Thread {main} (most recent call first):\n{frames}\n\n")
 
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from hpc_train.program.stop import UnaskedStop
 from hpc_train.run.stops import StopConsequence, read_notice
-from hpc_train.train.preemption import Requeue
+from hpc_train.runtime.preemption import Requeue
 
 SIGUSR2 = 12
 

@@ -5,7 +5,7 @@ scripts/gpu_check.sh's resume step (CI runs its dry run, tests/benchmarks/test_g
 tests/train/test_hf_gpt2.py for a Hugging Face GPT-2 at random steps; tests/slurm/test_preemption_e2e.py does
 it on the cluster. A stop without a requeue (exit 75): tests/train/test_hf_gpt2.py; SIGTERM, which Slurm sends
 when it ends or requeues a job itself, is never followed by a requeue of the run's own
-(tests/train/test_preemption.py decides it).
+(tests/runtime/test_preemption.py decides it).
 """
 
 from __future__ import annotations

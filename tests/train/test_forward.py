@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hpc_train.train.entry_points import UserCodeError
+from hpc_train.runtime.entry_points import UserCodeError
 from hpc_train.train.forward import forward_loss, loss_of
 
 

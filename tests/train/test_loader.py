@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
+from hpc_train.runtime.entry_points import UserCodeError
 from hpc_train.train.data import ResumableSampler, TokenFile
-from hpc_train.train.entry_points import UserCodeError
 from hpc_train.train.loader import BatchStream, LoaderSettings, TokenDataset, checked_dataset, to_device
 
 

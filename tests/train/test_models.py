@@ -59,7 +59,7 @@ def _build(entry: str, pipeline: int = 1) -> object:
     ("not_a_module", "the factory returned list, not a torch.nn.Module; return the model itself"),
 ])
 def test_a_factory_that_raises_or_returns_no_module_is_named_in_one_line(function: str, says: str) -> None:
-    from hpc_train.train.entry_points import UserCodeError
+    from hpc_train.runtime.entry_points import UserCodeError
 
     entry = f"{CODE}/broken.py:{function}"
     with pytest.raises(UserCodeError) as error:
@@ -68,7 +68,7 @@ def test_a_factory_that_raises_or_returns_no_module_is_named_in_one_line(functio
 
 
 def test_a_user_model_with_a_pipeline_is_refused_at_start_saying_what_works() -> None:
-    from hpc_train.train.entry_points import UserCodeError
+    from hpc_train.runtime.entry_points import UserCodeError
 
     with pytest.raises(UserCodeError, match=r"parallel.pipeline > 1 needs the model as layers: return hpc_train.train"
                        r".pipeline_layers.pipeline_layers\(layers, loss_fn\) from the factory, or set"):
@@ -76,7 +76,7 @@ def test_a_user_model_with_a_pipeline_is_refused_at_start_saying_what_works() ->
 
 
 def test_a_factory_name_that_is_not_in_the_file_fails_before_anything_is_built() -> None:
-    from hpc_train.train.entry_points import UserCodeError
+    from hpc_train.runtime.entry_points import UserCodeError
 
     with pytest.raises(UserCodeError, match=r"broken.py has no function rasies \(it has: .*raises"):
         model_spec(f"{CODE}/broken.py:rasies")

@@ -41,7 +41,7 @@ def _build(ctx: RankContext, topology: Topology, groups: ParallelGroups) -> Any:
 def _flops_per_token(config: JobConfig, model: Any = None) -> float:
     """6N + 12LHT, with N the parameters of matrix multiplies: neither the position nor the (untied) input
     embedding (counted from the shape: ``model`` is not needed)."""
-    from hpc_train.train.flops import flops_per_token
+    from hpc_train.runtime.flops import flops_per_token
     from hpc_train.train.model import count_parameters
 
     shape = _shape(config)

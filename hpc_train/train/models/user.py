@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from hpc_train.config.program import parse_entry_point
-from hpc_train.train.entry_points import UserCodeError, load_callable
+from hpc_train.runtime.entry_points import UserCodeError, load_callable
 from hpc_train.train.models.spec import ModelSpec, Param
 
 if TYPE_CHECKING:

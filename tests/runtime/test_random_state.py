@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from hpc_train.train import random_state
+from hpc_train.runtime import random_state
 
 
 def _draws() -> tuple[float, float, list[float]]:

@@ -14,9 +14,9 @@ from hpc_train.distributed.launchers import LaunchInfo
 from hpc_train.run.attempts import AttemptLog
 from hpc_train.run.exit_codes import EXIT_HUNG, LOCAL_REQUEUE_EXIT
 from hpc_train.run.paths import stacks_path
-from hpc_train.train.stopping import decide_hang
+from hpc_train.runtime.stopping import decide_hang
+from hpc_train.runtime.watchdog import Hang, Timeouts, Watchdog, suspects
 from hpc_train.train.stragglers import find_straggler
-from hpc_train.train.watchdog import Hang, Timeouts, Watchdog, suspects
 
 SHORT = Timeouts(startup=0.6, step=0.6, checkpoint=0.6)
 LONG = Timeouts(startup=60, step=60, checkpoint=60)

@@ -14,7 +14,7 @@ import pytest
 from rich.console import Console
 
 from hpc_train.run.paths import METRICS_FILE
-from hpc_train.train.monitor import Monitor, NullMonitor, format_duration, truncate_metrics
+from hpc_train.runtime.monitor import Monitor, NullMonitor, format_duration, truncate_metrics
 
 STEP_KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "step_time_s", "memory_bytes", "time"}
 
@@ -232,7 +232,7 @@ def test_records_kept_by_ctx_log_are_written_when_a_stop_leaves_the_process_at_o
     import subprocess
 
     code = ("import io, sys\nfrom pathlib import Path\nfrom rich.console import Console\n"
-            "from hpc_train.run.quick_exit import leave_now\nfrom hpc_train.train.monitor import Monitor\n"
+            "from hpc_train.run.quick_exit import leave_now\nfrom hpc_train.runtime.monitor import Monitor\n"
             "m = Monitor(Path(sys.argv[1]), 0, log_every=100, tensorboard=False, console=Console(file=io.StringIO()))\n"
             "for step in range(1, 8):\n    m.scalars(step, {'loss': 1.0 / step})\nleave_now(144)\n")
     result = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=60,

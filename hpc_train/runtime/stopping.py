@@ -16,8 +16,8 @@ from hpc_train.distributed.launchers import LaunchInfo
 from hpc_train.run.attempts import Attempt, AttemptLog, recommended_lead_seconds, requeues_so_far
 from hpc_train.run.exit_codes import EXIT_HUNG
 from hpc_train.run.node import node_name
-from hpc_train.train.preemption import Requeue, decide_requeue, perform_requeue
-from hpc_train.train.watchdog import Hang
+from hpc_train.runtime.preemption import Requeue, decide_requeue, perform_requeue
+from hpc_train.runtime.watchdog import Hang
 
 __all__ = ["AttemptRecorder", "decide_hang", "signal_name"]
 

@@ -28,13 +28,13 @@ def build_exporters(plan: Plan, run_dir: Path, log: Callable[[str], None]) -> li
     monitor = plan.config.monitor
     exporters: list[Exporter] = []
     if monitor.prometheus:
-        from hpc_train.train.export_prometheus import PrometheusExporter
+        from hpc_train.runtime.export_prometheus import PrometheusExporter
 
         labels = {"run": Path(run_dir).name, "job_id": os.environ.get("SLURM_JOB_ID", "local"), "node": node_name()}
         folder = Path(plan.prometheus_dir) if plan.prometheus_dir else Path(run_dir)
         exporters.append(PrometheusExporter(folder, run_dir, labels, log))
     if monitor.wandb:
-        from hpc_train.train.export_wandb import WandbExporter
+        from hpc_train.runtime.export_wandb import WandbExporter
 
         config = dataclasses.asdict(plan.config)
         config.pop("env", None)  # values of the job's [env] stay out of a third-party service

@@ -15,11 +15,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from hpc_train.run.files import atomic_write
-from hpc_train.train.export_prometheus import HEALTH_CHECKS, PrometheusExporter, exposition
-from hpc_train.train.export_wandb import STATE_FILE, WandbExporter
+from hpc_train.runtime.export_prometheus import HEALTH_CHECKS, PrometheusExporter, exposition
+from hpc_train.runtime.export_wandb import STATE_FILE, WandbExporter
 from tests.conftest import REPO
+from tests.runtime.wandb_records import read_offline_run
 from tests.train.signals import attempts, signal_at_steps
-from tests.train.wandb_records import read_offline_run
 
 LABELS = {"run": 'tiny "gpt"\nx', "job_id": "42", "node": "n1"}
 

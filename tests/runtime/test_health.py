@@ -7,7 +7,7 @@ import json
 import math
 from pathlib import Path
 
-from hpc_train.train.health import HealthCheck, Thresholds
+from hpc_train.runtime.health import HealthCheck, Thresholds
 
 
 def _check(tmp_path: Path, **limits: float) -> tuple[HealthCheck, list[str]]:
@@ -98,7 +98,7 @@ def test_a_gpu_that_idles_or_fills_is_flagged_with_the_cause_the_other_checks_na
 
 
 def test_nvml_reads_the_gpu_or_is_skipped_with_one_note() -> None:
-    from hpc_train.train.nvml import GpuReadings
+    from hpc_train.runtime.nvml import GpuReadings
 
     lines: list[str] = []
     readings = GpuReadings(0, lines.append)  # the real nvidia-ml-py
@@ -111,7 +111,7 @@ def test_nvml_reads_the_gpu_or_is_skipped_with_one_note() -> None:
 
 
 def test_a_program_s_records_are_checked_for_their_loss_and_their_timed_data_wait(tmp_path: Path) -> None:
-    from hpc_train.train.health import RecordHealth
+    from hpc_train.runtime.health import RecordHealth
 
     lines: list[str] = []
     checks = RecordHealth(HealthCheck(tmp_path, Thresholds(num_workers=-1), lines.append))

@@ -15,7 +15,7 @@ import pytest
 import torch.distributed as dist
 
 from hpc_train.run.exit_codes import EXIT_SAVE_HUNG, EXIT_STOPPED, LOCAL_REQUEUE_EXIT
-from hpc_train.train.preemption import (
+from hpc_train.runtime.preemption import (
     PreemptionWatch,
     Requeue,
     decide_requeue,
@@ -117,7 +117,7 @@ def test_without_scontrol_the_stop_says_so(monkeypatch: pytest.MonkeyPatch, tmp_
 
 
 def test_the_force_exit_timer_ends_a_hung_save() -> None:
-    code = ("import time; from hpc_train.train.preemption import arm_force_exit\n"
+    code = ("import time; from hpc_train.runtime.preemption import arm_force_exit\n"
             "arm_force_exit(0.5, print); time.sleep(30)")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60,
                             check=False)

@@ -39,7 +39,7 @@ from rich.markup import escape
 
 from hpc_train.run.paths import METRICS_FILE
 from hpc_train.run.quick_exit import on_leave
-from hpc_train.train.flops import mfu as _mfu
+from hpc_train.runtime.flops import mfu as _mfu
 
 __all__ = ["TENSORBOARD_DIR", "LogLines", "Monitor", "NullMonitor", "format_duration", "truncate_metrics"]
 
@@ -182,7 +182,7 @@ class Monitor:
         self._window_seconds = 0.0
         self._last_scalars: tuple[int, float] | None = None
         self._closed = False
-        self.exporters = list(exporters)  # hpc_train.train.exporters: each gets every record
+        self.exporters = list(exporters)  # hpc_train.runtime.exporters: each gets every record
         self._pending: list[tuple[int, float, dict[str, Any]]] = []  # ctx.log's records, until the next flush
         self._off_leave: Callable[[], None] | None = None
 

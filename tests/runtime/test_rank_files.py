@@ -1,7 +1,7 @@
-"""One rank's checkpoint files (hpc_train.train.checkpoint_files): a staged save writes the state as it was at
-the save, not what training made of it afterwards; a file too big for free memory is written at once; a failed
-background write reaches rank 0 through the marker; a load reads once, checks, and reports a corrupt file
-without stopping half way."""
+"""One rank's checkpoint files (hpc_train.runtime.rank_files; DeepSpeed's through
+hpc_train.train.checkpoint_files): a staged save writes the state as it was at the save, not what training made
+of it afterwards; a file too big for free memory is written at once; a failed background write reaches rank 0
+through the marker; a load reads once, checks, and reports a corrupt file without stopping half way."""
 
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from hpc_train.ckpt.manifest import FileEntry
-from hpc_train.train import checkpoint_files
-from hpc_train.train.checkpoint_files import FileCheckpointEngine, RankFiles, written_marker
+from hpc_train.runtime import rank_files as checkpoint_files
+from hpc_train.runtime.rank_files import RankFiles, written_marker
+from hpc_train.train.checkpoint_files import FileCheckpointEngine
 
 
 def _state() -> dict[str, object]:

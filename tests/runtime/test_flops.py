@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from hpc_train.train.flops import PEAK_FLOPS, flops_per_token, mfu, normalize_dtype, peak_flops
+from hpc_train.runtime.flops import PEAK_FLOPS, flops_per_token, mfu, normalize_dtype, peak_flops
 
 # GPT-2 124M as nanoGPT counts it: all parameters but the position embedding (124,439,808 - 1024 * 768).
 GPT2_N = 123_653_376

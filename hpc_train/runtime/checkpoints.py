@@ -1,0 +1,229 @@
+"""The checkpoint transaction every rank program shares, whatever its engine: rank 0 opens a temporary folder,
+every rank writes its files into it (each hashed while written, through :class:`~hpc_train.runtime.rank_files.
+RankFiles`; with ``checkpoint.async_save`` staged in memory and written by a thread), and rank 0 seals it
+(manifest with every file's size and sha256, rename, ``latest`` last), in the background when the save is
+asynchronous; a failure on any rank reaches every rank. :meth:`CheckpointTransaction.latest` finds the newest
+checkpoint that verifies. What goes into the folder is the engine's business (the DeepSpeed trainer's
+:class:`hpc_train.train.checkpointing.Checkpointer`, a program's ``ctx.checkpoint``)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from hpc_train.ckpt import CheckpointError, CheckpointManager
+from hpc_train.ckpt.manifest import FileEntry
+from hpc_train.config.job import JobConfig
+from hpc_train.distributed.collectives import broadcast_object, gather_objects
+from hpc_train.errors import ConfigError
+from hpc_train.run.files import open_record
+from hpc_train.runtime.rank_files import WRITTEN_DIR, RankFiles, written_marker
+
+__all__ = ["CheckpointTransaction", "Refusal", "broadcast"]
+
+_MARKER_POLL_S = 0.02  # rank 0's commit thread looks for the ranks' written markers this often
+
+
+def broadcast(value: Any) -> Any:
+    return broadcast_object(value, src=0)
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Rank 0's reason not to resume, sent to the other ranks so that all stop with the same message."""
+
+    message: str
+    config_error: bool
+
+    def error(self) -> Exception:
+        if self.config_error:
+            return ConfigError("", self.message)
+        return CheckpointError(f"rank 0 could not prepare the checkpoint: {self.message}")
+
+
+class _ToLog(logging.Handler):
+    """The checkpoint manager's warnings (a checkpoint skipped on resume, and why) in the rank-0 log that
+    ``hpc_train.submit`` follows, not only on the rank's stderr."""
+
+    def __init__(self, log: Callable[[str], None]) -> None:
+        super().__init__(logging.WARNING)
+        self.log = log
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.log(f"warning: {record.getMessage()}")
+
+
+def _forward_manager_warnings(log: Callable[[str], None]) -> None:
+    logger = logging.getLogger("hpc_train.ckpt")
+    for handler in [h for h in logger.handlers if isinstance(h, _ToLog)]:
+        logger.removeHandler(handler)
+    logger.addHandler(_ToLog(log))
+
+
+
+class CheckpointTransaction:
+    """Rank 0 owns the checkpoint folder (one writer); every rank takes part in each save."""
+
+    def __init__(self, run_dir: Path, config: JobConfig, layout: Any, config_hash: str,
+                 log: Callable[[str], None] | None = None) -> None:
+        checkpoint = config.checkpoint
+        self.every = checkpoint.every_steps
+        self.resume_enabled = checkpoint.resume
+        self.rank = dist.get_rank()
+        # The trainer's progress log; by default the rank's own logger, which hpc_train.launch sets up.
+        self.log = log or logging.getLogger(f"hpc_train.rank{self.rank}").info
+        self.manager = CheckpointManager(run_dir / "checkpoints", keep=checkpoint.keep, verify=checkpoint.verify,
+                                         background_prune=True) if self.rank == 0 else None
+        self.world = dist.get_world_size()
+        self.check_sha256 = checkpoint.verify == "sha256"
+        self.write_timeout_s = float(config.watchdog.checkpoint_timeout_s)
+        if self.manager:
+            _forward_manager_warnings(self.log)
+        self.fields = {"world_size": layout.world, "zero_stage": config.zero.stage,
+                       "dtype": config.train.precision, "config_hash": config_hash,
+                       "layout": {"tensor": layout.tensor, "pipeline": layout.pipeline, "data": layout.data,
+                                  "context": layout.context}}
+        self._error: Exception | None = None
+        self.async_save = checkpoint.async_save
+        self.files = RankFiles(self.rank, self.async_save)
+        self._committer: threading.Thread | None = None
+        self._commit_error: BaseException | None = None
+
+    def due(self, step: int, last: int) -> bool:
+        return step == last or bool(self.every and step % self.every == 0)
+
+    def save_with(self, step: int, write: Callable[[Path], None], wait: bool = False) -> None:
+        """Every rank calls ``write(folder)`` to put its files into the folder rank 0 opened (through
+        ``self.files``, or any other way); rank 0 then seals it (manifest with every file's size and sha256,
+        rename, ``latest``). With ``checkpoint.async_save`` and not ``wait``, ``self.files`` stages each file in
+        memory and writes it in this rank's writer thread, and rank 0 commits in its own thread once every rank
+        has said it is done; ``latest`` still moves only once everything is durable. A previous background save
+        always finishes first, and its failure stops every rank here."""
+        opened = broadcast(self._open(self.manager, step) if self.manager else None)
+        if isinstance(opened, Refusal):
+            raise self._commit_error or opened.error()
+        tmp = Path(opened)
+        staged = self.async_save and not wait
+        self.files.begin(tmp, staged)
+        fields = {"step": step, **self.fields}
+        if not staged:
+            self._seal_together(tmp, fields, write)
+            return
+        write(tmp)
+        self.files.announce()
+        if self.manager:  # rank 0 alone, off the training path
+            self._committer = threading.Thread(target=self._commit, args=(self.manager, tmp, fields),
+                                               name=f"commit-step-{step}", daemon=False)
+            self._committer.start()
+
+    def latest(self) -> Path | None:
+        """Every rank: the newest checkpoint that verifies (rank 0 looks, falling back past damaged ones with a
+        warning, and tells the others), or None; rank 0's error reaches every rank."""
+        if not self.resume_enabled:
+            return None
+        found: Any = None
+        if self.manager:
+            try:
+                newest = self.manager.latest_verified()
+                found = None if newest is None else str(newest)
+            except Exception as error:
+                found = Refusal(str(error), isinstance(error, ConfigError))
+        found = broadcast(found)
+        if isinstance(found, Refusal):
+            raise found.error()
+        return None if found is None else Path(found)
+
+    def _seal_together(self, tmp: Path, fields: dict[str, Any], write: Callable[[Path], None]) -> None:
+        """Every rank writes its files (each hashed and fsynced as it is written), rank 0 gathers their entries
+        and commits: nothing is read back. A failure on any rank reaches every rank as the same error, instead
+        of leaving the others in a collective until the timeout."""
+        try:
+            write(tmp)
+            self.files.drain()
+            mine: Any = list(self.files.entries)
+        except Exception as error:
+            mine = f"rank {self.rank}: {type(error).__name__}: {error}"
+        shares = gather_objects(mine, dst=0)
+        status = None
+        if self.manager and shares is not None:
+            problems = [share for share in shares if isinstance(share, str)]
+            try:
+                if problems:
+                    raise CheckpointError(f"saving {tmp.name} failed on {'; '.join(problems)}")
+                self.manager.commit(tmp, fields, sealed=[entry for share in shares for entry in share])
+            except Exception as error:
+                status = Refusal(str(error), False)
+        status = broadcast(status)
+        if isinstance(status, Refusal):
+            raise status.error()
+
+    def _open(self, manager: CheckpointManager, step: int) -> str | Refusal:
+        """Rank 0: wait for the previous background seal, then open the next temporary folder."""
+        try:
+            self._join()
+            return str(manager.begin(step))
+        except Exception as error:
+            self._commit_error = error
+            return Refusal(str(error), False)
+
+    def _commit(self, manager: CheckpointManager, tmp: Path, fields: dict[str, Any]) -> None:
+        """Rank 0's commit thread: wait for every rank's written marker, then commit their entries."""
+        try:
+            manager.commit(tmp, fields, sealed=self._written_entries(tmp))
+        except BaseException as error:  # reported to every rank by the next save or finish()
+            self._commit_error = error
+
+    def _written_entries(self, tmp: Path) -> list[FileEntry]:
+        """The entries of every rank's marker (polled: each rank's writer thread writes its own, on whatever node
+        it runs), or the first rank's error; ``.written/`` is removed before the commit lists the folder."""
+        deadline = time.monotonic() + self.write_timeout_s
+        records: dict[int, Any] = {}
+        while len(records) < self.world:
+            for rank in range(self.world):
+                marker = written_marker(tmp, rank)
+                if rank not in records and os.path.lexists(marker):
+                    with open_record(marker) as handle:
+                        records[rank] = json.loads(handle.read())
+            if len(records) < self.world:
+                if time.monotonic() > deadline:
+                    missing = sorted(set(range(self.world)) - set(records))
+                    raise CheckpointError(f"ranks {missing[:8]} did not finish writing {tmp.name} within "
+                                          f"{self.write_timeout_s:.0f} s (watchdog.checkpoint_timeout_s)")
+                time.sleep(_MARKER_POLL_S)
+        errors = [record["error"] for _rank, record in sorted(records.items()) if "error" in record]
+        if errors:
+            raise CheckpointError(f"writing {tmp.name} failed on {'; '.join(errors)}")
+        shutil.rmtree(tmp / WRITTEN_DIR)
+        return [FileEntry.from_dict(item, f"rank {rank} marker") for rank, record in sorted(records.items())
+                for item in record["files"]]
+
+    def _join(self) -> None:
+        if self._committer is not None:
+            self._committer.join()
+            self._committer = None
+        if self._commit_error is not None:
+            raise CheckpointError(f"sealing a checkpoint in the background failed: {self._commit_error}")
+
+    def finish(self) -> None:
+        """Every rank: return once rank 0's background seal (if any) is durable; raise its error on every rank."""
+        self.files.drain()
+        status = None
+        if self.manager:
+            try:
+                self._join()
+                self.manager.wait()
+            except CheckpointError as error:
+                status = Refusal(str(error), False)
+        status = broadcast(status)
+        if isinstance(status, Refusal):
+            raise status.error()
