@@ -31,7 +31,7 @@ from hpc_train.distributed.faults import (
     maybe_inject_fault,
 )
 from hpc_train.distributed.launchers import LaunchInfo
-from hpc_train.distributed.mesh import ModelParallelUnit, ParallelGroups
+from hpc_train.distributed.mesh import ParallelGroups
 from hpc_train.distributed.topology import Topology
 from hpc_train.run.loglines import format_saved_after_signal
 from hpc_train.run.stops import attempt_key
@@ -45,9 +45,8 @@ from hpc_train.runtime.preemption import PreemptionWatch, arm_force_exit
 from hpc_train.runtime.stopping import AttemptRecorder, decide_hang, signal_name
 from hpc_train.runtime.watchdog import Timeouts, Watchdog
 from hpc_train.train.breakdown import StepBreakdown
-from hpc_train.train.checkpointing import Checkpointer
 from hpc_train.train.comm_clock import CollectiveClock
-from hpc_train.train.engine import build_engine
+from hpc_train.train.engines import EngineCheckpoints, Stepping, engine_kind
 from hpc_train.train.forward import forward_loss
 from hpc_train.train.loader import BatchStream
 from hpc_train.train.model_card import write_model_card
@@ -58,6 +57,8 @@ from hpc_train.train.rank_data import RankData, build_data
 from hpc_train.train.stragglers import StragglerCheck
 
 __all__ = ["train"]
+
+ENGINE = "deepspeed"  # the one engine so far (hpc_train.train.engines); a [train] engine key chooses once there are two
 
 
 def _memory_bytes() -> int:
@@ -114,9 +115,9 @@ class _Parts:
     groups: ParallelGroups
     pipelined: bool
     model: Any
-    engine: Any
+    engine: Stepping
     data: RankData
-    checkpointer: Checkpointer
+    checkpointer: EngineCheckpoints
     stragglers: StragglerCheck
     flops_per_token: float
     said: str  # the model, as messages name it
@@ -253,8 +254,8 @@ def _set_up(rank: _Rank) -> tuple[Topology, ParallelGroups]:
 
 
 def _build(rank: _Rank, spec: ModelSpec, topology: Topology, groups: ParallelGroups) -> _Parts:
-    """The model (its FLOPs counted before DeepSpeed wraps it), the data, the DeepSpeed engine, the checkpointer
-    and the straggler check."""
+    """The model (its FLOPs counted before the engine wraps it), the data, the engine and its checkpoints
+    (:mod:`hpc_train.train.engines`), and the straggler check."""
     config, info = rank.plan.config, rank.info
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     ctx = RankContext(rank.plan, info, rank.run_dir, groups, device)
@@ -263,11 +264,10 @@ def _build(rank: _Rank, spec: ModelSpec, topology: Topology, groups: ParallelGro
     if info.rank == 0:
         write_model_card(rank.run_dir, model, config.train.model)
     data = build_data(ctx, groups, device, tuple(rank.watch.signals))
-    pipelined = topology.sizes["pp"] > 1  # DeepSpeed's pipeline engine brings its own grid: no mpu
-    engine = build_engine(model, config, topology.sizes["dp"], None if pipelined else ModelParallelUnit(groups),
-                          rank.run_dir, info.local_rank)
-    checkpointer = Checkpointer(rank.run_dir, config, rank.plan.layout, rank.plan.config_hash, log=rank.log)
-    return _Parts(groups, pipelined, model, engine, data, checkpointer,
+    kind = engine_kind(ENGINE)
+    engine = kind.build(model, rank.plan, topology, groups, rank.run_dir, info.local_rank)
+    checkpointer = kind.checkpoints(rank.plan, rank.run_dir, rank.log)
+    return _Parts(groups, topology.sizes["pp"] > 1, model, engine, data, checkpointer,
                   StragglerCheck(config.watchdog.straggler_factor, info.rank, rank.log), flops,
                   f"train.model {config.train.model}", _breakdown(rank, device), _health(rank),
                   _gpu_readings(rank, device))
