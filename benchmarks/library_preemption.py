@@ -83,12 +83,13 @@ def script_args(lib: str, folder: Path, steps: int, out: Path, step_log: Path | 
     return args + (["--step-log", str(step_log)] if step_log else [])
 
 
-def torchrun_weights(lib: str, work: Path, steps: int, port: int) -> Path:
-    """The uninterrupted baseline: the plain script under torchrun, 2 processes on this machine."""
+def torchrun_weights(lib: str, work: Path, steps: int) -> Path:
+    """The uninterrupted baseline: the plain script under torchrun, 2 processes on this machine (``--standalone``:
+    a port nothing else holds, so several runs, or test lanes, can start at once)."""
     out = work / f"{lib}-torchrun.pt"
     args = script_args(lib, work / f"{lib}-torchrun-checkpoints", steps, out)
     args[args.index("--step-sleep") + 1] = "0"
-    result = subprocess.run([PYTHON, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}",
+    result = subprocess.run([PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                              str(REPO / "examples" / lib / "train.py"), *args, "--plain"], cwd=work, env=ENV,
                             capture_output=True, text=True, timeout=600, check=False)
     if result.returncode != 0:
@@ -216,8 +217,7 @@ def main() -> int:
                     work / f"{lib}-{'with' if integration else 'plain'}")
                 for lib in libs for integration in (False, True)]
         with ThreadPoolExecutor(max_workers=len(runs) + len(libs)) as pool:
-            references = {lib: pool.submit(torchrun_weights, lib, work, steps, 29700 + index)
-                          for index, lib in enumerate(libs)}
+            references = {lib: pool.submit(torchrun_weights, lib, work, steps) for lib in libs}
             finished = list(pool.map(lambda run: slurm_run(run, steps, references[run.lib].result()), runs))
         print(f"seed {seed}; {steps} steps of {STEP_SLEEP_S} s; 2 Slurm nodes x 1 rank, all runs at once")
         print(report(finished))

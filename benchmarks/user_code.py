@@ -46,7 +46,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -139,12 +138,6 @@ def _start(command: list[str], folder: Path, env: dict[str, str] | None = None) 
         return subprocess.Popen(command, cwd=folder, env=env or _env(), stdout=log, stderr=subprocess.STDOUT)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _toml(value: Any) -> str:
     if isinstance(value, list):
         return "[" + ", ".join(_toml(v) for v in value) + "]"
@@ -211,7 +204,7 @@ def _events_first(folder: Path, start: float) -> dict[str, float]:
 def _first_torchrun(folder: Path, steps: int, hidden: int) -> dict[str, float]:
     torchrun = Path(sys.executable).parent / "torchrun"
     launcher = [str(torchrun)] if torchrun.exists() else [sys.executable, "-m", "torch.distributed.run"]
-    command = [*launcher, "--nproc_per_node=2", f"--master_port={_free_port()}", str(LOOP),
+    command = [*launcher, "--nproc_per_node=2", "--standalone", str(LOOP),
                str(folder / "events.jsonl"), str(steps), str(hidden)]
     start = time.time()
     process = _start(command, folder)

@@ -25,4 +25,8 @@ fi
 find /dev/shm -maxdepth 1 -name 'deepspeed_allreduce_buffer_*' -mmin +60 -delete 2>/dev/null || true
 
 .venv/bin/ruff check .  # every Python file of the repository (hpc_train, tests, benchmarks) but .venv
-.venv/bin/python -m pytest -q -p no:cacheprovider --durations=15 "$@"
+# Two lanes (pytest-xdist): every test that uses the local Slurm cluster in one, one at a time; every other test
+# file in the other lanes, a file at a time (tests/conftest.py). Most of a lane's time is waiting on Slurm, on
+# process start-up and on sleeps, so two lanes on two cores finish in about two thirds of one lane's time.
+# HPC_TRAIN_TEST_LANES=1 runs everything in one lane.
+.venv/bin/python -m pytest -q -p no:cacheprovider -n "${HPC_TRAIN_TEST_LANES:-2}" --dist loadgroup --durations=15 "$@"

@@ -58,7 +58,8 @@ def test_site_without_slurm_checks_fabric_and_nccl(tmp_path: Path, job: Path) ->
     assert all(f["fix"] for f in data["findings"] if f["severity"] in ("warning", "error"))
 
 
-def test_tables_when_not_json(tmp_path: Path) -> None:
+def test_tables_when_not_json(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COLUMNS", "200")  # one line a finding, with or without a terminal (xdist lanes have none)
     ndr_node(tmp_path / "sys", down=("mlx5_3",))
     result = call_cli(main, ["doctor", "--site", "local", "--sysfs", "sys"], tmp_path)
     assert result.code == 0, result.err

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import REPO, free_port
+from tests.conftest import REPO
 
 pytestmark = pytest.mark.slow
 LIBS = ("lightning", "hf_trainer", "accelerate")
@@ -32,7 +32,7 @@ def test_unmodified_library_scripts_on_the_local_executor_end_with_torchrun_s_we
         script = str(REPO / "examples" / lib / "train.py")
         ref = tmp_path / f"{lib}-torchrun"
         processes[lib, "torchrun"] = subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+            [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
              script, *_args(lib, ref / "checkpoints", ref / "weights.pt")], cwd=tmp_path, env=ENV,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         ours = tmp_path / f"{lib}-hpc_train"
@@ -70,7 +70,7 @@ def test_lightning_with_the_integration_preempted_early_loses_no_step_and_ends_b
     script = str(REPO / "examples" / "lightning" / "train.py")
     ref = tmp_path / "ref"
     torchrun = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                               f"--master_port={free_port()}", script, "--steps", "40", "--checkpoints",
+                               "--standalone", script, "--steps", "40", "--checkpoints",
                                str(ref / "checkpoints"), "--out", str(ref / "weights.pt"), "--plain"], cwd=tmp_path,
                               env=ENV, capture_output=True, text=True, timeout=600, check=False)
     assert torchrun.returncode == 0, torchrun.stdout[-3000:] + torchrun.stderr[-3000:]

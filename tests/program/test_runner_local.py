@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from hpc_train.run.watch import last_logged_step, local_rank_pid
-from tests.conftest import REPO, free_port
+from tests.conftest import REPO
 
 pytestmark = pytest.mark.slow
 OWN_LOOP = str(REPO / "examples" / "own_loop" / "job.toml")
@@ -84,7 +84,7 @@ def test_an_unmodified_ddp_script_ends_with_torchrun_s_weights(tmp_path: Path) -
     code, output = submit(tmp_path, DDP_SCRIPT, f'job.args=["--epochs", "2", "--out", "{ours}"]')
     assert code == 0, output[-3000:]
     torchrun = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                               f"--master_port={free_port()}", str(REPO / "examples" / "ddp_script" / "train_cnn.py"),
+                               "--standalone", str(REPO / "examples" / "ddp_script" / "train_cnn.py"),
                                "--epochs", "2", "--out",
                                str(theirs)], cwd=tmp_path, capture_output=True, text=True, timeout=300,
                               env={**os.environ, "OMP_NUM_THREADS": "1"}, check=False)

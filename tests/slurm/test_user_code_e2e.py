@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import REPO, free_port
+from tests.conftest import REPO
 from tests.program.test_runner_local import OWN_LOOP, attempts, final_model
 from tests.slurm.test_preemption_e2e import _state, _wait_for_step, _wait_until_completed
 
@@ -40,7 +40,7 @@ def _sbatch(script: str) -> str:
 def torchrun_weights(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
     out = tmp_path_factory.mktemp("torchrun") / "weights.pt"
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                             f"--master_port={free_port()}", str(REPO / "examples" / "ddp_script" / "train_cnn.py"),
+                             "--standalone", str(REPO / "examples" / "ddp_script" / "train_cnn.py"),
                              "--epochs", "2", "--out",
                              str(out)], capture_output=True, text=True, timeout=300,
                             env={**os.environ, "OMP_NUM_THREADS": "1"}, check=False)
