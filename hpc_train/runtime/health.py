@@ -78,6 +78,13 @@ class HealthCheck:
         self.history: list[dict[str, Any]] = []
         self._losses: deque[float] = deque(maxlen=_WINDOW)
         self._memory: deque[float] = deque(maxlen=_WINDOW + 1)
+        # (check, the record key it reads, its verdict on a record that has the key)
+        self._checks: tuple[tuple[str, str, Callable[[int, Mapping[str, Any]], Finding | None]], ...] = (
+            ("data_wait", "data_share", self._data_wait), ("comm", "comm_share", self._comm),
+            ("loss", "loss", lambda step, record: self._loss(step, record["loss"])),
+            ("gpu_utilisation", "gpu_utilisation", self._gpu_utilisation),
+            ("gpu_memory", "gpu_memory_share", self._gpu_memory),
+            ("memory_growth", "memory_bytes", lambda step, record: self._memory_growth(step, record["memory_bytes"])))
         self._written = 0.0
         if writer and self.path.exists():  # an earlier attempt's findings are history: this one starts clear
             self._write()
@@ -86,12 +93,12 @@ class HealthCheck:
         """A logged step's metrics record (``loss``, ``memory_bytes``, ``data_share``, ...)."""
         if not self.writer:
             return
-        changed = self._set("data_wait", step, self._data_wait(step, record))
-        changed |= self._set("comm", step, self._comm(step, record))
-        changed |= self._set("loss", step, self._loss(step, record.get("loss")))
-        changed |= self._set("gpu_utilisation", step, self._gpu_utilisation(step, record))
-        changed |= self._set("gpu_memory", step, self._gpu_memory(step, record))
-        changed |= self._set("memory_growth", step, self._memory_growth(step, record.get("memory_bytes")))
+        changed = False
+        for check, key, verdict in self._checks:  # a check whose figure the record lacks has nothing to say
+            if key in record:
+                changed |= self._set(check, step, verdict(step, record))
+            elif check in self.active and key != "loss":
+                changed |= self._set(check, step, None)
         if changed or (self.active and time.monotonic() - self._written > _REFRESH_S):
             self._write()
 

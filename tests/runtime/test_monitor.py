@@ -240,3 +240,16 @@ def test_records_kept_by_ctx_log_are_written_when_a_stop_leaves_the_process_at_o
     assert result.returncode == 144, result.stderr
     steps = [json.loads(line)["step"] for line in (tmp_path / METRICS_FILE).read_text().splitlines()]
     assert steps == list(range(1, 8))
+
+
+@pytest.mark.parametrize("record", [
+    {"step": 3, "loss": 2.5, "step_time_s": 0.0123456789, "time": 1764700000.123456},
+    {"step": 1, "loss": None, "lr": 3e-05, "big": 1.5e300, "small": -2.2250738585072014e-308, "time": 1.0},
+    {"step": 7, "acc_ms": 0.1, "n": 3, "time": 2.0},
+    {"step": 2, "lösung": 1.0, "time": 3.0},  # a non-ASCII name: json.dumps escapes it, and is used
+    {"step": 2, "flag": True, "time": 3.0},  # not a ctx.log value: json.dumps says what it is
+])
+def test_a_record_line_is_exactly_what_json_dumps_writes(record: dict[str, object]) -> None:
+    from hpc_train.runtime.monitor import _record_line
+
+    assert _record_line(record) == json.dumps(record, allow_nan=False) + "\n"
