@@ -81,9 +81,11 @@ def _memory(args: argparse.Namespace) -> int:
     plan = plan_from_args(args, executor=_planned_executor(args))
     cfg, lay = plan.config, plan.layout
     try:
+        fsdp2 = cfg.train.engine == "fsdp2"  # FSDP2 keeps per rank what ZeRO-3 keeps; its offload moves all of it
         memory = memory_plan(cfg.train.model, cfg.data.vocab_size, cfg.train.seq_len,
-                             lay.micro_batch, lay.tensor, lay.pipeline, lay.data, cfg.zero.stage,
-                             cfg.train.precision, cfg.zero.offload_optimizer, cfg.zero.offload_params,
+                             lay.micro_batch, lay.tensor, lay.pipeline, lay.data, 3 if fsdp2 else cfg.zero.stage,
+                             cfg.train.precision, cfg.fsdp.offload if fsdp2 else cfg.zero.offload_optimizer,
+                             cfg.fsdp.offload if fsdp2 else cfg.zero.offload_params,
                              load_site(args.site).node.gpu_mem_gb, grad_accum=lay.grad_accum,
                              bucket_size=cfg.zero.bucket_size, overlap_comm=cfg.zero.overlap_comm,
                              gpus_per_node=plan.resources.gpus_per_node, parameters=cfg.train.parameters)

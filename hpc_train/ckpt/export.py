@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hpc_train.ckpt.dcp_state import DCP_DIR, dcp_model_state
 from hpc_train.ckpt.manager import fsync_path
 from hpc_train.ckpt.manifest import Manifest
 from hpc_train.config.job import MODEL_PRESETS
@@ -297,7 +298,9 @@ def _load_fp32(folder: Path, manifest: Manifest) -> dict[str, Any]:
     state_dir, tensor, loader = folder / STATE_TAG, manifest.layout["tensor"], _loader(manifest)
     try:
         with _quiet():
-            if tensor == 1:
+            if (folder / DCP_DIR).is_dir():  # an FSDP2 run: DCP's shards, whole again without a process group
+                state = dcp_model_state(folder / DCP_DIR)
+            elif tensor == 1:
                 state = loader(state_dir, None)
             else:
                 record = _tp_record(folder, manifest)

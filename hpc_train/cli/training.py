@@ -80,8 +80,12 @@ def _data(plan: Plan) -> dict[str, Any]:
 
 def _engine(plan: Plan) -> dict[str, Any]:
     cfg = plan.config
-    return {"name": "deepspeed", "zero_stage": cfg.zero.stage, "offload_optimizer": cfg.zero.offload_optimizer,
-            "offload_params": cfg.zero.offload_params, "optimizer": cfg.train.optimizer, "lr": cfg.train.lr,
+    fsdp2 = cfg.train.engine == "fsdp2"  # shards what ZeRO-3 shards; fsdp.offload moves all of it to the CPU
+    return {"name": cfg.train.engine, "zero_stage": 3 if fsdp2 else cfg.zero.stage,
+            "offload_optimizer": cfg.fsdp.offload if fsdp2 else cfg.zero.offload_optimizer,
+            "offload_params": cfg.fsdp.offload if fsdp2 else cfg.zero.offload_params,
+            "reshard_after_forward": cfg.fsdp.reshard_after_forward if fsdp2 else None,
+            "optimizer": cfg.train.optimizer, "lr": cfg.train.lr,
             "schedule": f"{cfg.train.warmup_steps} warm-up steps, then {cfg.train.decay} to {cfg.train.min_lr:g}",
             "pipeline": plan.layout.pipeline, "tensor": plan.layout.tensor}
 
@@ -152,7 +156,9 @@ def training_rows(summary: TrainingSummary) -> list[tuple[str, str]]:
                              + (", pinned" if data["pin_memory"] else "")))
         offload = [name for name, on in (("optimizer", engine["offload_optimizer"]),
                                          ("parameters", engine["offload_params"])) if on]
-        rows.append(("engine", f"DeepSpeed ZeRO-{engine['zero_stage']}"
+        name = ("FSDP2 (fully_shard over the data axis, DCP checkpoints)" if engine["name"] == "fsdp2"
+                else f"DeepSpeed ZeRO-{engine['zero_stage']}")
+        rows.append(("engine", name
                                + (f", {' and '.join(offload)} offloaded to CPU" if offload else "")
                                + f"; {engine['optimizer']} lr {engine['lr']:g}, {engine['schedule']}"))
         planned = precision["planned"] or "decided on the nodes"

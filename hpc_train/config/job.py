@@ -30,6 +30,7 @@ __all__ = [
     "CheckpointSection",
     "DataSection",
     "DistSection",
+    "FsdpSection",
     "JobConfig",
     "JobSection",
     "MonitorSection",
@@ -135,9 +136,22 @@ class ZeroSection:
 
 
 @dataclass(frozen=True, kw_only=True)
+class FsdpSection:
+    """``[fsdp]``: PyTorch FSDP2 (``fully_shard``), for ``train.engine = "fsdp2"``."""
+
+    reshard_after_forward: bool = option(True, "Free each block's gathered parameters after its forward and gather "
+                                         "them again for the backward (less memory, one more all-gather a block).")
+    offload: bool = option(False, "Keep parameters, gradients and optimizer state in CPU memory (CPUOffloadPolicy); "
+                           "the optimizer step runs on the CPU.")
+
+
+@dataclass(frozen=True, kw_only=True)
 class TrainSection:
     """``[train]``: model, batch and optimizer."""
 
+    engine: Literal["deepspeed", "fsdp2"] = option(
+        "deepspeed", "What trains the model: deepspeed (ZeRO 0-3 from [zero], the pipeline engine) or fsdp2 "
+        "(PyTorch's fully_shard from [fsdp], with distributed checkpoints that reshard on load).")
     model: str = option("tiny", f"A preset of the built-in GPT ({', '.join(MODEL_PRESETS)}), or your model: "
                         '"package.module:factory" or "path/to/file.py:factory", factory(ctx) returning a '
                         "torch.nn.Module whose forward returns the loss.", check_model)
@@ -268,6 +282,7 @@ class JobConfig:
     parallel: ParallelSection = option(ParallelSection, "", factory=True)
     dist: DistSection = option(DistSection, "", factory=True)
     zero: ZeroSection = option(ZeroSection, "", factory=True)
+    fsdp: FsdpSection = option(FsdpSection, "", factory=True)
     train: TrainSection = option(TrainSection, "", factory=True)
     data: DataSection = option(DataSection, "", factory=True)
     checkpoint: CheckpointSection = option(CheckpointSection, "", factory=True)

@@ -6,9 +6,12 @@ fix things: resources, then layout, then training, then checkpoints and preempti
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 from hpc_train.config.checks import parse_time_seconds
 from hpc_train.config.env_policy import refused_env_name, secret_reason
-from hpc_train.config.job import MODEL_PRESETS, JobConfig
+from hpc_train.config.job import MODEL_PRESETS, FsdpSection, JobConfig, ZeroSection
 from hpc_train.config.site import SiteConfig
 from hpc_train.distributed.topology import Topology
 from hpc_train.errors import ConfigError, did_you_mean
@@ -261,9 +264,44 @@ def _check_network(site: SiteConfig) -> None:
                               f"use a value from {low} to {high}")
 
 
+def _changed(section: Any, defaults: Any) -> list[str]:
+    """The fields of ``section`` set to something other than their defaults."""
+    return [f.name for f in dataclasses.fields(section) if getattr(section, f.name) != getattr(defaults, f.name)]
+
+
+def _check_engine(cfg: JobConfig) -> None:
+    """Each engine's keys only with that engine: a key the chosen engine would ignore is refused, so nothing a
+    user set is silently dropped."""
+    if cfg.train.engine == "deepspeed":
+        for name in _changed(cfg.fsdp, FsdpSection()):
+            raise ConfigError(f"fsdp.{name}", 'is for train.engine = "fsdp2"; this job trains with DeepSpeed',
+                              f'set train.engine = "fsdp2", or remove fsdp.{name}')
+        return
+    for name in _changed(cfg.zero, ZeroSection()):
+        raise ConfigError(f"zero.{name}", 'is DeepSpeed\'s; train.engine = "fsdp2" shards parameters, gradients and '
+                          "optimizer state by itself (ZeRO-3's layout)",
+                          f'remove zero.{name} (offload is fsdp.offload), or set train.engine = "deepspeed"')
+    for key in cfg.deepspeed:
+        raise ConfigError(f"deepspeed.{key}", 'is a DeepSpeed config key; train.engine = "fsdp2" does not read it',
+                          'remove the [deepspeed] table, or set train.engine = "deepspeed"')
+    for axis in ("pipeline", "tensor", "context"):
+        size = getattr(cfg.parallel, axis)
+        if size > 1:
+            raise ConfigError(f"parallel.{axis}", f'{size} with train.engine = "fsdp2": FSDP2 here shards over the '
+                              "data axis only (tensor, pipeline and context parallelism train with DeepSpeed)",
+                              f'set parallel.{axis} = 1, or train.engine = "deepspeed"')
+    if cfg.train.optimizer != "torch_adamw":
+        raise ConfigError("train.optimizer", f'"{cfg.train.optimizer}" is a DeepSpeed op; FSDP2 trains with '
+                          "torch's AdamW on the sharded parameters", 'use train.optimizer = "torch_adamw"')
+    if cfg.train.precision == "fp16":
+        raise ConfigError("train.precision", 'fp16 needs a loss scaler, which train.engine = "fsdp2" does not have '
+                          "here", 'use "bf16" (or "fp32", or "auto")')
+
+
 def validate(cfg: JobConfig, site: SiteConfig, gpus_per_node: int, cpus_per_task: int, lead_seconds: int) -> int:
     """Run every cross-field rule; return the derived data-parallel size."""
     _check_counts(cfg)
+    _check_engine(cfg)
     _check_resources(cfg, site, gpus_per_node, cpus_per_task)
     data_parallel = _check_layout(cfg, gpus_per_node)
     _check_training(cfg, data_parallel)

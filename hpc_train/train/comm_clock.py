@@ -33,7 +33,8 @@ __all__ = ["COLLECTIVES", "CollectiveClock", "exposed_seconds"]
 COLLECTIVES = ("all_reduce", "all_reduce_coalesced", "reduce", "reduce_scatter", "reduce_scatter_tensor",
                "_reduce_scatter_base", "all_gather", "all_gather_into_tensor", "_all_gather_base",
                "all_gather_object", "broadcast", "broadcast_object_list", "all_to_all", "all_to_all_single",
-               "gather", "scatter", "barrier", "send", "recv")
+               "gather", "scatter", "barrier", "send", "recv",
+               "all_gather_single", "reduce_scatter_single")  # FSDP2's own (torch >= 2.10)
 
 _NAMESPACES = (dist, distributed_c10d)
 

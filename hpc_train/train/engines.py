@@ -1,7 +1,7 @@
 """The seam between the trainer and what trains the model: one small interface an engine implements, and the
-engines there are (DeepSpeed first). The trainer's loop, data path, monitor, health checks and the runtime's
-stop, watchdog and checkpoint transaction are the same for every engine; an engine brings only what it alone
-knows (``docs/architecture.md``: what a second engine gets for free)."""
+engines there are (DeepSpeed, and PyTorch's FSDP2). The trainer's loop, data path, monitor, health checks and the
+runtime's stop, watchdog and checkpoint transaction are the same for every engine; an engine brings only what it
+alone knows (``docs/architecture.md``: what a second engine gets for free)."""
 
 from __future__ import annotations
 
@@ -87,7 +87,29 @@ class _DeepSpeed:
         return Checkpointer(run_dir, plan.config, plan.layout, plan.config_hash, log=log)
 
 
-ENGINES: dict[str, EngineKind] = {"deepspeed": _DeepSpeed()}
+@dataclass(frozen=True)
+class _Fsdp2:
+    """PyTorch FSDP2 over the data axis, with DCP checkpoints that reshard on load (:mod:`engine_fsdp2`)."""
+
+    name: str = "fsdp2"
+
+    def build(self, model: torch.nn.Module, plan: Plan, topology: Topology, groups: ParallelGroups,
+              run_dir: Path, local_rank: int | None) -> Stepping:
+        import torch.distributed as dist
+
+        from hpc_train.train.engine_fsdp2 import Fsdp2Engine
+
+        on_gpu = dist.get_backend() == "nccl"
+        device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+        return Fsdp2Engine(model, plan, groups, device)
+
+    def checkpoints(self, plan: Plan, run_dir: Path, log: Any) -> EngineCheckpoints:
+        from hpc_train.train.checkpointing_fsdp2 import Fsdp2Checkpoints
+
+        return Fsdp2Checkpoints(run_dir, plan.config, plan.layout, plan.config_hash, log=log)
+
+
+ENGINES: dict[str, EngineKind] = {"deepspeed": _DeepSpeed(), "fsdp2": _Fsdp2()}
 
 
 def engine_kind(name: str) -> EngineKind:

@@ -120,6 +120,11 @@ class GPT(nn.Module):
         self.head = ColumnParallelLinear(config.hidden, config.vocab_size, group, bias=False, seed=seed + 2)
         _mark_sharded(self.head, "weight")
 
+    def fsdp_blocks(self) -> list[nn.Module]:
+        """What FSDP2 shards one by one before the root (which keeps the embeddings, the final norm and the head):
+        the transformer blocks."""
+        return list(self.blocks)
+
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(tokens.shape[1], device=tokens.device)
         x = self.wte(tokens) + self.wpe(positions)

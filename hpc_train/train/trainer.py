@@ -58,7 +58,6 @@ from hpc_train.train.stragglers import StragglerCheck
 
 __all__ = ["train"]
 
-ENGINE = "deepspeed"  # the one engine so far (hpc_train.train.engines); a [train] engine key chooses once there are two
 
 
 def _memory_bytes() -> int:
@@ -264,7 +263,7 @@ def _build(rank: _Rank, spec: ModelSpec, topology: Topology, groups: ParallelGro
     if info.rank == 0:
         write_model_card(rank.run_dir, model, config.train.model)
     data = build_data(ctx, groups, device, tuple(rank.watch.signals))
-    kind = engine_kind(ENGINE)
+    kind = engine_kind(config.train.engine)
     engine = kind.build(model, rank.plan, topology, groups, rank.run_dir, info.local_rank)
     checkpointer = kind.checkpoints(rank.plan, rank.run_dir, rank.log)
     return _Parts(groups, topology.sizes["pp"] > 1, model, engine, data, checkpointer,

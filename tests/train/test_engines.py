@@ -5,18 +5,20 @@ from __future__ import annotations
 
 import pytest
 
+from hpc_train.config.job import JobConfig
 from hpc_train.errors import ConfigError
 from hpc_train.train.engines import ENGINES, engine_kind
-from hpc_train.train.trainer import ENGINE
 
 
-def test_the_trainer_builds_a_known_engine() -> None:
-    assert ENGINE in ENGINES and engine_kind(ENGINE).name == ENGINE == "deepspeed"
-    kind = engine_kind("deepspeed")
-    assert callable(kind.build) and callable(kind.checkpoints)
+def test_every_engine_the_config_takes_is_built_by_the_seam() -> None:
+    choices = JobConfig.__dataclass_fields__["train"].default_factory().__dataclass_fields__["engine"].type
+    assert sorted(ENGINES) == ["deepspeed", "fsdp2"] and all(name in str(choices) for name in ENGINES)
+    for name in ENGINES:
+        kind = engine_kind(name)
+        assert kind.name == name and callable(kind.build) and callable(kind.checkpoints)
 
 
 def test_an_unknown_engine_names_the_valid_ones() -> None:
     with pytest.raises(ConfigError) as error:
         engine_kind("megatron")
-    assert str(error.value).startswith('train.engine: "megatron" is not an engine. Fix: use one of: deepspeed')
+    assert str(error.value).startswith('train.engine: "megatron" is not an engine. Fix: use one of: deepspeed, fsdp2')

@@ -1,0 +1,76 @@
+"""FSDP2's side of a checkpoint, inside the runtime's transaction (:mod:`hpc_train.runtime.checkpoints`: the folder
+rank 0 opens, the manifest with every file's size and sha256, the rename, ``latest`` last, ``ckpt ls/verify``).
+
+The model and optimizer go through ``torch.distributed.checkpoint`` (``get_state_dict`` / ``set_state_dict`` with
+``StateDictOptions``) into ``dcp/`` of the step folder: every rank writes its own shards, and a later attempt loads
+them at any data-parallel size, DCP resharding on load with no conversion step. The step, the sampler's global
+position and the schedule are the same on every rank; each rank's random state is its own
+(``ranks/rank-N.pt``, written through the rank's hashed files). A rank that did not exist when the checkpoint
+was saved reads rank 0's step, sampler and schedule and keeps its freshly seeded random state, as the DeepSpeed
+path does.
+
+Saves are synchronous: DCP writes its files itself, so rank 0 hashes them at the commit. (DCP's asynchronous
+save needs a CPU process group of its own, never the one a barrier uses; not built yet.)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from hpc_train.ckpt import CheckpointError
+from hpc_train.distributed.collectives import all_gather_objects
+from hpc_train.runtime import random_state
+from hpc_train.runtime.checkpoints import CheckpointTransaction
+
+__all__ = ["DCP_DIR", "Fsdp2Checkpoints"]
+
+from hpc_train.ckpt.dcp_state import DCP_DIR
+
+RANKS_DIR = "ranks"
+
+
+def _rank_file(folder: Path, rank: int) -> Path:
+    return folder / RANKS_DIR / f"rank-{rank}.pt"
+
+
+class Fsdp2Checkpoints(CheckpointTransaction):
+    """The trainer's save and resume for an :class:`~hpc_train.train.engine_fsdp2.Fsdp2Engine`."""
+
+    def save(self, engine: Any, step: int, sampler_state: dict[str, int], wait: bool = False) -> None:
+        """Every rank's shards through DCP, and its own small file; sealed before this returns."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        def write(tmp: Path) -> None:
+            model, optimizer = get_state_dict(engine.module, engine.optimizer)
+            dcp.save({"model": model, "optimizer": optimizer}, checkpoint_id=str(tmp / DCP_DIR))
+            own = {"step": step, "sampler": sampler_state, "scheduler": engine.scheduler.state_dict(),
+                   "random": random_state.capture(engine.device)}
+            self.files.save(own, _rank_file(tmp, self.rank))
+
+        self.save_with(step, write, wait=True)
+
+    def resume(self, engine: Any) -> tuple[int, dict[str, int] | None]:
+        """(the last completed step, the sampler state) of the newest verified checkpoint, or (0, None)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        found = self.latest()
+        if found is None:
+            return 0, None
+        model, optimizer = get_state_dict(engine.module, engine.optimizer)
+        state = {"model": model, "optimizer": optimizer}
+        dcp.load(state, checkpoint_id=str(found / DCP_DIR))
+        set_state_dict(engine.module, engine.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optimizer"])
+        mine = _rank_file(found, self.rank)
+        shared = self.files.load(mine if mine.exists() else _rank_file(found, 0))
+        steps = {int(step) for step in all_gather_objects(int(shared["step"]))}
+        if len(steps) != 1:
+            raise CheckpointError(f"{found}: the ranks' files hold different steps {sorted(steps)}")
+        engine.scheduler.load_state_dict(shared["scheduler"])
+        if mine.exists():
+            random_state.restore(shared["random"], engine.device)
+        self.log(f"resumed from step {shared['step']} ({found.name}, FSDP2 shards resharded by DCP as needed)")
+        return int(shared["step"]), shared["sampler"]
