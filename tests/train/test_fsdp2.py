@@ -62,11 +62,14 @@ def _trained(root: Path, name: str, *overrides: str) -> SimpleNamespace:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
-    """The uninterrupted runs every test reads: FSDP2 on 2 ranks and on 1, DeepSpeed ZeRO-3 on 2 (global batch 8)."""
+    """The uninterrupted runs every test reads: FSDP2 on 2 ranks, on 1 and on 4, DeepSpeed ZeRO-3 on 2 (global
+    batch 8 in each)."""
     root = tmp_path_factory.mktemp("fsdp2")
     return SimpleNamespace(fsdp2=_trained(root, "fsdp2", "train.engine=fsdp2", "job.tasks_per_node=2"),
                            one=_trained(root, "one", "train.engine=fsdp2", "job.tasks_per_node=1",
                                         "train.grad_accum=2"),
+                           four=_trained(root, "four", "train.engine=fsdp2", "job.tasks_per_node=4",
+                                         "train.micro_batch=2"),
                            zero3=_trained(root, "zero3", "zero.stage=3", "job.tasks_per_node=2"))
 
 
@@ -79,6 +82,7 @@ def test_fsdp2_follows_deepspeed_zero3_and_one_rank(runs: SimpleNamespace) -> No
     assert sorted(runs.fsdp2.losses) == list(range(1, STEPS + 1))
     assert not _close(runs.fsdp2.losses, runs.zero3.losses, range(1, STEPS + 1))
     assert not _close(runs.one.losses, runs.fsdp2.losses, range(1, STEPS + 1))
+    assert not _close(runs.four.losses, runs.zero3.losses, range(1, STEPS + 1))
     assert runs.fsdp2.losses[STEPS] < runs.fsdp2.losses[1] - 0.2  # it learns
     manifest = json.loads((runs.fsdp2.run_dir / "checkpoints" / "step-00000020" / "manifest.json").read_text())
     paths = {entry["path"] for entry in manifest["files"]}
@@ -128,3 +132,30 @@ def test_preempted_at_random_steps_it_ends_bitwise_where_the_uninterrupted_run_e
     weights = torch.load(exported(run_dir, tmp_path / "weights.pt"), weights_only=True)
     different = [name for name, tensor in runs.fsdp2.weights.items() if not torch.equal(weights[name], tensor)]
     assert not different, f"{different[:3]} differ after preemptions at {plan} (seed {seed})"
+
+
+def test_a_hugging_face_gpt2_with_tied_weights_follows_zero3_and_exports_for_from_pretrained(
+        tmp_path: Path) -> None:
+    """The example's GPT-2 ties its embedding and head: both stay in the root's FSDP2 group (GPT2Block, from
+    ``_no_split_modules``, is each block)."""
+    transformers = pytest.importorskip("transformers", reason="the hf extra (pip install 'hpc_train[hf]') is missing")
+    tokens = tmp_path / "corpus.u16"
+    subprocess.run([sys.executable, "-m", "hpc_train.train.prepare", str(REPO / "examples" / "corpus" /
+                    "hpc_train_docs.txt"), str(tokens)], check=True, capture_output=True, timeout=60)
+    losses = {}
+    for engine, extra in (("fsdp2", "train.engine=fsdp2"), ("zero3", "zero.stage=3")):
+        work = tmp_path / engine
+        work.mkdir()
+        sets = ["--site", "local", "--set", "train.steps=12", "--set", "train.precision=fp32", "--set",
+                "monitor.log_every=1", "--set", "monitor.eval_every=0", "--set", "checkpoint.every_steps=6",
+                "--set", f"data.path={tokens}", "--set", extra, "--set", "job.cpus_per_task=1"]
+        result = subprocess.run([sys.executable, "-m", "hpc_train.submit", str(REPO / "examples" / "hf_gpt2" /
+                                 "job.toml"), *sets], cwd=work, capture_output=True, text=True, timeout=400,
+                                check=False)
+        assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+        losses[engine] = _losses(work / "runs" / "hf-gpt2")
+    assert sorted(losses["fsdp2"]) == list(range(1, 13))
+    assert not _close(losses["fsdp2"], losses["zero3"], range(1, 13))
+    folder = exported(tmp_path / "fsdp2" / "runs" / "hf-gpt2", tmp_path / "gpt2-hf", "--format", "hf")
+    loaded = transformers.GPT2LMHeadModel.from_pretrained(folder)
+    assert loaded.lm_head.weight.data_ptr() == loaded.transformer.wte.weight.data_ptr()  # still tied
