@@ -1,9 +1,11 @@
 """``ctx.checkpoint``: a user program's state saved and loaded through the rank runtime's checkpoint transaction.
 
 Each rank writes ``ranks/rank-N.pt`` (the ``state_dict()`` of each object it was given, tensors and plain values
-as they are, and every random generator of the rank) and each DeepSpeed engine saves itself under
-``deepspeed/NAME/``; rank 0 then seals the folder (manifest with sizes and sha256, rename, ``latest`` last,
-``checkpoint.keep``, in the background with ``checkpoint.async_save``). Files load with ``weights_only=True``.
+as they are, and every random generator of the rank), each DeepSpeed engine saves itself under
+``deepspeed/NAME/``, and an FSDP2 module (``fully_shard``) with the optimizers in ``state`` goes through
+``torch.distributed.checkpoint`` into ``dcp/`` (every rank its own shards); rank 0 then seals the folder
+(manifest with sizes and sha256, rename, ``latest`` last, ``checkpoint.keep``, in the background with
+``checkpoint.async_save``). Files load with ``weights_only=True``.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from hpc_train.ckpt import MANIFEST_NAME, CheckpointError, Manifest
+from hpc_train.ckpt.dcp_state import DCP_DIR
 from hpc_train.distributed.collectives import all_gather_objects
 from hpc_train.runtime import random_state
 from hpc_train.runtime.checkpoints import CheckpointTransaction
@@ -42,6 +45,39 @@ def _install(engine: Any, checkpointer: CheckpointTransaction) -> None:
     from hpc_train.train.checkpoint_files import install_file_engine
 
     install_file_engine(engine, checkpointer.files)
+
+
+def _sharded(state: MutableMapping[str, Any]) -> tuple[str | None, list[str]]:
+    """The FSDP2 module of ``state`` (its name) and the optimizers saved with it through DCP, or (None, [])."""
+    from torch.distributed.fsdp import FSDPModule
+
+    modules = sorted(name for name, value in state.items() if isinstance(value, FSDPModule))
+    if len(modules) > 1:
+        raise ValueError(f"ctx.checkpoint: {', '.join(modules)} are FSDP2 modules; give the one root module that "
+                         "fully_shard was called on last")
+    if not modules:
+        return None, []
+    return modules[0], sorted(name for name, value in state.items() if isinstance(value, torch.optim.Optimizer))
+
+
+def _dcp_save(state: MutableMapping[str, Any], module: str, optimizers: list[str], folder: Path) -> None:
+    """The FSDP2 module and its optimizers as one distributed checkpoint: every rank writes its own shards."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model, optim = get_state_dict(state[module], [state[name] for name in optimizers])
+    dcp.save({"model": model, "optimizers": optim}, checkpoint_id=str(folder / DCP_DIR))
+
+
+def _dcp_load(state: MutableMapping[str, Any], module: str, optimizers: list[str], folder: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    chosen = [state[name] for name in optimizers]
+    model, optim = get_state_dict(state[module], chosen)
+    loaded = {"model": model, "optimizers": optim}
+    dcp.load(loaded, checkpoint_id=str(folder / DCP_DIR))
+    set_state_dict(state[module], chosen, model_state_dict=loaded["model"], optim_state_dict=loaded["optimizers"])
 
 
 def _agree(problem: str | None) -> None:
@@ -73,13 +109,18 @@ class UserCheckpoint:
         self._progress("checkpoint", step)
         started = time.perf_counter()
 
+        module, optimizers = _sharded(state)
+
         def write(folder: Path) -> None:
             for name in sorted(state):
                 if _is_engine(state[name]):
                     _install(state[name], self._checkpointer)
                     state[name].save_checkpoint(str(folder / ENGINES_DIR / name), tag=ENGINE_TAG)
+            if module is not None:
+                _dcp_save(state, module, optimizers, folder)
+            held = {module, *optimizers}
             objects = {name: value.state_dict() if hasattr(value, "state_dict") else value
-                       for name, value in state.items() if not _is_engine(value)}
+                       for name, value in state.items() if not _is_engine(value) and name not in held}
             payload = {"step": step, "objects": objects, "random": random_state.capture(self._device)}
             self._checkpointer.files.save(payload, folder / RANKS_DIR / f"rank-{self.rank}.pt")
 
@@ -106,8 +147,11 @@ class UserCheckpoint:
             if _is_engine(state[name]):
                 _install(state[name], self._checkpointer)
                 state[name].load_checkpoint(str(found / ENGINES_DIR / name), tag=ENGINE_TAG)
+        module, optimizers = _sharded(state)
+        if module is not None:
+            _dcp_load(state, module, optimizers, found)
         for name, value in list(state.items()):
-            if _is_engine(value):
+            if _is_engine(value) or name in (module, *optimizers):
                 continue
             saved = payload["objects"][name]
             if hasattr(value, "load_state_dict"):
@@ -137,7 +181,11 @@ class UserCheckpoint:
         except (OSError, pickle.UnpicklingError, RuntimeError) as error:
             return {}, f"checkpoint {found.name}: rank {self.rank} cannot read its state ({error})"
         engines = {name for name, value in state.items() if _is_engine(value)}
-        missing = sorted(set(state) - engines - set(payload["objects"]))
+        module, optimizers = _sharded(state)
+        in_dcp = {module, *optimizers} if module is not None else set()
+        missing = sorted(set(state) - engines - in_dcp - set(payload["objects"]))
+        if module is not None and not (found / DCP_DIR).is_dir():
+            missing.append(module)
         missing += sorted(name for name in engines if not (found / ENGINES_DIR / name).is_dir())
         if missing:
             held = sorted(payload["objects"]) + sorted(p.name for p in (found / ENGINES_DIR).glob("*"))
