@@ -105,6 +105,15 @@ def submit(plans: list[Plan]) -> list[Any]:
     The plans of a sweep differ only in what runs, never in resources, so they share one executor: on Slurm
     that is one ``sbatch --array`` call, and each array task reads the plan in its own run folder.
     """
+    saved = dict(os.environ)
+    try:
+        return _submit(plans)
+    finally:  # the local executor's processes took their environment at submit: this process gets its own back
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def _submit(plans: list[Plan]) -> list[Any]:
     first = plans[0]
     os.environ["SUBMITIT_PREEMPT_SIGNAL"] = first.signal  # submitit reads it when it writes the script
     import submitit
