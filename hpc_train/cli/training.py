@@ -22,6 +22,8 @@ class TrainingSummary:
     """The plan's training section; ``--json`` carries it as it is (None: not known on the login node)."""
 
     kind: str  # "trainer", "program" or "smoke"
+    from_file: dict[str, str]  # typed key -> the train.deepspeed_config key it came from (and its file)
+    overridden: dict[str, Any]  # typed keys of the file that --set gave another value: the file's value
     model: dict[str, Any]
     data: dict[str, Any]
     engine: dict[str, Any]
@@ -44,17 +46,33 @@ def training_summary(plan: Plan) -> TrainingSummary:
     checkpoint = {"every_steps": cfg.checkpoint.every_steps, "keep": cfg.checkpoint.keep,
                   "async": cfg.checkpoint.async_save, "verify": cfg.checkpoint.verify}
     if kind == "smoke":
-        return TrainingSummary(kind, {}, {}, {}, {}, None, None, {}, {}, {"entry_point": "smoke", "args": [],
-                                                                          "params": {}})
+        return TrainingSummary(kind, {}, {}, {}, {}, {}, {}, None, None, {}, {},
+                               {"entry_point": "smoke", "args": [], "params": {}})
     if kind == "program":
         script = parse_program(cfg.job.program).kind == "script"  # saves and resumes on its own, without ctx
         program = {"entry_point": cfg.job.program, "kind": "script" if script else "function",
                    "args": list(cfg.job.args), "params": dict(cfg.params)}
-        return TrainingSummary(kind, {}, {}, {}, {}, None, None, {} if script else checkpoint,
+        return TrainingSummary(kind, {}, {}, {}, {}, {}, {}, None, None, {} if script else checkpoint,
                                {} if script else resume, program)
     steps = cfg.train.steps
-    return TrainingSummary(kind, _model(plan), _data(plan), _engine(plan), _precision(plan), steps,
+    from_file, overridden = _from_file(plan)
+    return TrainingSummary(kind, from_file, overridden, _model(plan), _data(plan), _engine(plan), _precision(plan),
+                           steps,
                            steps * plan.layout.global_batch * cfg.train.seq_len, checkpoint, resume, {})
+
+
+def _from_file(plan: Plan) -> tuple[dict[str, str], dict[str, Any]]:
+    """Which typed keys the job's ds_config.json set, and those --set changed (with the file's value)."""
+    if not plan.config.train.deepspeed_config:
+        return {}, {}
+    from hpc_train.config.ds_import import import_deepspeed_config
+
+    name = plan.config.train.deepspeed_config
+    imported = import_deepspeed_config(Path(plan.code_dir or ".") / name, name)
+    values = dataclasses.asdict(plan.config)
+    overridden = {typed: value for typed, value in imported.typed.items()
+                  if values[typed.split(".")[0]][typed.split(".")[1]] != value}
+    return dict(imported.origin), overridden
 
 
 def _model(plan: Plan) -> dict[str, Any]:
@@ -165,6 +183,11 @@ def training_rows(summary: TrainingSummary) -> list[tuple[str, str]]:
         rows.append(("precision", planned if precision["requested"] != "auto"
                      else f"auto: {planned} ({precision['why']})"))
         rows.append(("steps", f"{summary.steps:,} steps, {_count(summary.tokens)} tokens"))
+    if summary.from_file:
+        name = next(iter(summary.from_file.values())).split(": ")[0]
+        rows.append((f"from {name}", ", ".join(sorted(summary.from_file))))
+        for typed, value in sorted(summary.overridden.items()):
+            rows.append(("overridden", f"{typed}: the file says {value!r}, --set gave another value"))
     if summary.checkpoint:
         ckpt = summary.checkpoint
         every = f"every {ckpt['every_steps']} steps" if ckpt["every_steps"] else "only on preemption and at the end"

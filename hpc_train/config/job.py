@@ -152,6 +152,10 @@ class TrainSection:
     engine: Literal["deepspeed", "fsdp2"] = option(
         "deepspeed", "What trains the model: deepspeed (ZeRO 0-3 from [zero], the pipeline engine) or fsdp2 "
         "(PyTorch's fully_shard from [fsdp], with distributed checkpoints that reshard on load).")
+    deepspeed_config: str = option("", "A DeepSpeed ds_config.json (relative to this file's folder): the keys "
+                                   "hpc_train models become their typed keys, the rest pass through as [deepspeed] "
+                                   "does; a key the job file sets differently is refused (--set wins).",
+                                   check_path)
     model: str = option("tiny", f"A preset of the built-in GPT ({', '.join(MODEL_PRESETS)}), or your model: "
                         '"package.module:factory" or "path/to/file.py:factory", factory(ctx) returning a '
                         "torch.nn.Module whose forward returns the loss.", check_model)

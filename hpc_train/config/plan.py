@@ -18,6 +18,7 @@ from typing import Any
 
 from hpc_train.config.checks import check_path, parse_time_seconds
 from hpc_train.config.deepspeed import deepspeed_config
+from hpc_train.config.ds_import import imported_for, merge_imported, named_in_file
 from hpc_train.config.environment import detected_on_node, rank_env
 from hpc_train.config.job import DATA_SOURCES, MODEL_PRESETS, JobConfig
 from hpc_train.config.loader import build, checked_portable, load_toml, rebuild
@@ -108,10 +109,17 @@ class Plan:
 
 
 def load_job(path: Path, overrides: list[str]) -> JobConfig:
-    """Read a job file, apply ``--set`` overrides and type-check every key."""
+    """Read a job file (with the ``ds_config.json`` its ``train.deepspeed_config`` names), apply ``--set``
+    overrides and type-check every key."""
     data = load_toml(path, "config")
+    imported = imported_for(data, path.resolve().parent)
+    if imported is not None:
+        data = merge_imported(data, imported)
     data = checked_portable(apply_overrides(data, overrides, JobConfig))
-    return build(JobConfig, data)
+    try:
+        return build(JobConfig, data)
+    except ConfigError as error:
+        raise named_in_file(error, imported) from None
 
 
 def _config_hash(config: JobConfig) -> str:

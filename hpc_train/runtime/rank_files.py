@@ -186,6 +186,13 @@ class RankFiles:
         else:
             self._write(folder, relative, state, None)
 
+    def after(self, wait: Callable[[], Any]) -> None:
+        """Files a library writes in the background itself (DCP's asynchronous save): the writer thread calls
+        ``wait()`` (the library's future) before this rank's marker, so rank 0 commits only once they are on disk;
+        what ``wait`` raises is reported through the marker like a failed write."""
+        self._start()
+        self._jobs.put((False, wait))
+
     def announce(self) -> None:
         """After this rank's last file of an asynchronous save: its marker for rank 0's commit thread."""
         folder = self._folder()

@@ -9,8 +9,11 @@ position and the schedule are the same on every rank; each rank's random state i
 was saved reads rank 0's step, sampler and schedule and keeps its freshly seeded random state, as the DeepSpeed
 path does.
 
-Saves are synchronous: DCP writes its files itself, so rank 0 hashes them at the commit. (DCP's asynchronous
-save needs a CPU process group of its own, never the one a barrier uses; not built yet.)
+With ``checkpoint.async_save`` (the default) the shards go through ``dcp.async_save``: the state is copied to
+host memory on the step, and DCP writes it in a thread of its own, on a gloo group made for it alone (DCP's
+asynchronous save needs a CPU group, and a barrier on the group a background save uses deadlocks; nothing else
+uses this one). Each rank's writer thread waits for DCP's future before it writes the rank's marker, so rank 0
+commits (hashing DCP's files) only once every shard is on disk; the save after a stop signal is synchronous.
 """
 
 from __future__ import annotations
@@ -34,22 +37,40 @@ def _rank_file(folder: Path, rank: int) -> Path:
     return folder / RANKS_DIR / f"rank-{rank}.pt"
 
 
+def _done(future: Any) -> Any:
+    """What DCP's asynchronous save returned (a Future, or a response holding the upload's future), waited on."""
+    return getattr(future, "upload_completion", future).result()
+
+
 class Fsdp2Checkpoints(CheckpointTransaction):
     """The trainer's save and resume for an :class:`~hpc_train.train.engine_fsdp2.Fsdp2Engine`."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        import torch.distributed as dist
+
+        super().__init__(*args, **kwargs)
+        # Collective: every rank builds its checkpointer at the same point of the build stage.
+        self._save_group = dist.new_group(backend="gloo") if self.async_save else None
+
     def save(self, engine: Any, step: int, sampler_state: dict[str, int], wait: bool = False) -> None:
-        """Every rank's shards through DCP, and its own small file; sealed before this returns."""
+        """Every rank's shards through DCP (in the background unless ``wait`` or a synchronous config), and its
+        own small file."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         def write(tmp: Path) -> None:
             model, optimizer = get_state_dict(engine.module, engine.optimizer)
-            dcp.save({"model": model, "optimizer": optimizer}, checkpoint_id=str(tmp / DCP_DIR))
+            state, where = {"model": model, "optimizer": optimizer}, str(tmp / DCP_DIR)
+            if self.files.staging:
+                future = dcp.async_save(state, checkpoint_id=where, process_group=self._save_group)
+                self.files.after(lambda: _done(future))
+            else:
+                dcp.save(state, checkpoint_id=where)
             own = {"step": step, "sampler": sampler_state, "scheduler": engine.scheduler.state_dict(),
                    "random": random_state.capture(engine.device)}
             self.files.save(own, _rank_file(tmp, self.rank))
 
-        self.save_with(step, write, wait=True)
+        self.save_with(step, write, wait=wait)
 
     def resume(self, engine: Any) -> tuple[int, dict[str, int] | None]:
         """(the last completed step, the sampler state) of the newest verified checkpoint, or (0, None)."""

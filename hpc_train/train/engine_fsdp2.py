@@ -11,8 +11,8 @@ with GPUs never gets a CUDA mesh under gloo). bf16 computes in bf16 and reduces 
 sharding, on the DTensor parameters, with the weight-decay groups and schedule of the DeepSpeed path.
 
 Left for later (docs/training.md says so): building on the meta device and materialising with ``to_empty`` (the
-model is built whole on each rank first, as for DeepSpeed, so both start from the same weights), tensor
-parallelism on a 2-D mesh, asynchronous DCP saves.
+model is built whole on each rank first, as for DeepSpeed, so both start from the same weights), and tensor
+parallelism on a 2-D mesh.
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ import torch
 
 from hpc_train.run.watch import last_logged_step
 from tests.conftest import REPO, exported
+from tests.runtime.wandb_records import read_offline_run
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("slurm_cluster")]
 EXAMPLE = str(REPO / "examples" / "tiny_gpt.toml")
@@ -111,15 +112,17 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.T
 
 
 def test_a_hugging_face_gpt2_sent_usr2_by_scancel_exports_the_uninterrupted_weights(tmp_path: Path) -> None:
-    """The HF GPT-2 example (ZeRO-2, 2 nodes, 2 DataLoader workers per rank): ``scancel --signal=USR2``, saved,
-    requeued by Slurm, resumed; the export is bitwise that of an uninterrupted run and loads strictly into
-    ``GPT2LMHeadModel``."""
+    """The HF GPT-2 example on FSDP2 (``train.engine = "fsdp2"``, tied weights, 2 nodes, 2 DataLoader workers
+    per rank, W&B offline): ``scancel --signal=USR2``, saved, requeued by Slurm, resumed; the export is bitwise
+    that of an uninterrupted run and loads strictly into ``GPT2LMHeadModel``, and both attempts are one W&B run
+    with every step once. (ZeRO-2 on Slurm: the tiny GPT's tests below; the GPT-2 on ZeRO-2 preempted at random
+    steps: tests/train/test_hf_gpt2.py.)"""
     transformers = pytest.importorskip("transformers", reason="the hf extra (pip install 'hpc_train[hf]') is missing")
     tokens = tmp_path / "corpus.u16"
     subprocess.run([sys.executable, "-m", "hpc_train.train.prepare", str(REPO / "examples" / "corpus" /
                     "hpc_train_docs.txt"), str(tokens)], check=True, capture_output=True, timeout=60)
     hf = ["--set", f"data.path={tokens}", "--set", "data.num_workers=2", "--set", "checkpoint.every_steps=100",
-          "--set", "monitor.eval_every=10"]
+          "--set", "monitor.eval_every=10", "--set", "train.engine=fsdp2"]
     example = str(REPO / "examples" / "hf_gpt2" / "job.toml")
     plain, interrupted = tmp_path / "plain", tmp_path / "interrupted"
     plain.mkdir()
@@ -129,7 +132,7 @@ def test_a_hugging_face_gpt2_sent_usr2_by_scancel_exports_the_uninterrupted_weig
     run_dir = interrupted / "runs" / "hf-gpt2"
     seed = int(time.time())  # printed on failure: the step is reproducible
     at_step = random.Random(seed).randint(5, STEPS // 2)  # noqa: S311 - not a secret
-    job_id = _submit(interrupted, STEPS, *hf, example=example)
+    job_id = _submit(interrupted, STEPS, *hf, "--set", "monitor.wandb=offline", example=example)
     _wait_for_step(job_id, run_dir, at_step)
     subprocess.run(["scancel", "--signal=USR2", job_id], check=True, timeout=30)
     _wait_until_completed(job_id, run_dir)
@@ -141,6 +144,10 @@ def test_a_hugging_face_gpt2_sent_usr2_by_scancel_exports_the_uninterrupted_weig
     config = transformers.GPT2Config(**{k: v for k, v in json.loads((run_dir / "model.json").read_text())[
         "hf_config"].items() if k not in ("architectures", "transformers_version")})
     transformers.GPT2LMHeadModel(config).load_state_dict(weights, strict=True)
+    offline = [read_offline_run(path) for path in sorted((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))]
+    assert len(offline) == 2 and offline[0].run_id == offline[1].run_id, offline
+    logged = [row["trainer/step"] for run in offline for row in run.history if "loss" in row]
+    assert logged == list(range(1, STEPS + 1)), logged  # every step once: none lost, the replayed ones not twice
 
 
 def test_requeued_from_outside_then_preempted_by_a_higher_priority_job(uninterrupted: dict[str, torch.Tensor],

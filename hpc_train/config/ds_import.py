@@ -1,0 +1,177 @@
+"""A DeepSpeed user's ``ds_config.json`` as the job's config: ``[train] deepspeed_config = "ds_config.json"``.
+
+The keys hpc_train models become the typed keys they mean (the micro batch, accumulation, global batch, clipping,
+the number format, the ZeRO stage and offload, AdamW's settings, a warm-up schedule), so the checks, the plan
+and the memory estimate see them; every other key passes through to DeepSpeed as a ``[deepspeed]`` table does.
+The job file and the JSON must agree: a key both set to different values is refused, naming the key in the
+file; ``--set`` on the command line wins over both (how a CPU trial runs a GPU file in fp32). Pure Python: the
+login node reads the file before anything is submitted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hpc_train.errors import ConfigError
+
+__all__ = ["Imported", "import_deepspeed_config", "imported_for", "merge_imported", "named_in_file"]
+
+_MAX_BYTES = 1 << 20
+_ADAM = ("adam", "adamw")
+# DeepSpeed key path -> the typed key it means (values copied as they are)
+_PLAIN: dict[tuple[str, ...], str] = {
+    ("train_micro_batch_size_per_gpu",): "train.micro_batch",
+    ("gradient_accumulation_steps",): "train.grad_accum",
+    ("train_batch_size",): "train.global_batch",
+    ("gradient_clipping",): "train.grad_clip",
+    ("zero_optimization", "stage"): "zero.stage",
+    ("zero_optimization", "overlap_comm"): "zero.overlap_comm",
+    ("zero_optimization", "reduce_bucket_size"): "zero.bucket_size",
+    ("optimizer", "params", "lr"): "train.lr",
+    ("optimizer", "params", "eps"): "train.eps",
+    ("optimizer", "params", "weight_decay"): "train.weight_decay",
+    ("scheduler", "params", "warmup_num_steps"): "train.warmup_steps",
+    ("scheduler", "params", "warmup_min_lr"): "train.min_lr",
+}
+# Read, and what they say is carried by typed keys (or is DeepSpeed's bookkeeping that the typed config sets)
+_CONSUMED = {("optimizer", "type"), ("optimizer", "params", "betas"), ("fp16", "enabled"), ("bf16", "enabled"),
+             ("zero_optimization", "offload_optimizer", "device"), ("zero_optimization", "offload_param", "device"),
+             ("scheduler", "type"), ("scheduler", "params", "warmup_max_lr"), ("scheduler", "params",
+                                                                                "total_num_steps")}
+
+
+@dataclass
+class Imported:
+    """What the file says: typed values by ``section.key``, where each came from (``file: key``), and the keys that
+    pass through to DeepSpeed as they are."""
+
+    source: str = ""
+    typed: dict[str, Any] = field(default_factory=dict)
+    origin: dict[str, str] = field(default_factory=dict)
+    passthrough: dict[str, Any] = field(default_factory=dict)
+
+
+def _read(path: Path, shown: str) -> dict[str, Any]:
+    try:
+        info = os.stat(path)
+    except OSError:
+        raise ConfigError("train.deepspeed_config", f"{shown} does not exist",
+                          "a relative path is taken from the job file's folder") from None
+    if not path.is_file() or info.st_size > _MAX_BYTES:
+        raise ConfigError("train.deepspeed_config", f"{shown} is not a JSON file of at most 1 MiB",
+                          "point it at your ds_config.json")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ConfigError(shown, f"is not valid JSON ({error})", "fix the file") from None
+    if not isinstance(data, dict):
+        raise ConfigError(shown, "holds no JSON object", 'a DeepSpeed config is an object: {"zero_optimization": ...}')
+    return data
+
+
+def _flat(data: dict[str, Any], prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], Any]:
+    out: dict[tuple[str, ...], Any] = {}
+    for key, value in data.items():
+        if isinstance(value, dict) and value:
+            out.update(_flat(value, (*prefix, str(key))))
+        else:
+            out[(*prefix, str(key))] = value
+    return out
+
+
+def _nested(flat: dict[tuple[str, ...], Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for path, value in flat.items():
+        node = out
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        node[path[-1]] = value
+    return out
+
+
+def import_deepspeed_config(path: Path, shown: str) -> Imported:
+    """Read ``path`` (``shown`` names it in messages) into typed values and the keys that pass through."""
+    flat = _flat(_read(path, shown))
+    found = Imported(source=shown)
+
+    def put(typed: str, value: Any, key: tuple[str, ...]) -> None:
+        found.typed[typed] = value
+        found.origin[typed] = f"{shown}: {'.'.join(key)}"
+
+    for key, typed in _PLAIN.items():
+        if key in flat and flat[key] != "auto":
+            put(typed, flat[key], key)
+    _optimizer(flat, put, shown)
+    _precision(flat, put)
+    for device_key, typed in ((("zero_optimization", "offload_optimizer", "device"), "zero.offload_optimizer"),
+                              (("zero_optimization", "offload_param", "device"), "zero.offload_params")):
+        if device_key in flat:
+            put(typed, flat[device_key] == "cpu", device_key)
+    if found.typed.get("zero.offload_optimizer"):
+        put("train.optimizer", "cpu_adam", ("zero_optimization", "offload_optimizer", "device"))
+    found.passthrough = _nested({k: v for k, v in flat.items() if k not in _PLAIN and k not in _CONSUMED
+                                 and k[:2] not in (("zero_optimization", "offload_optimizer"),
+                                                   ("zero_optimization", "offload_param"))})
+    return found
+
+
+def _optimizer(flat: dict[tuple[str, ...], Any], put: Callable[[str, Any, tuple[str, ...]], None],
+               shown: str) -> None:
+    kind = flat.get(("optimizer", "type"))
+    if kind is not None and str(kind).lower() not in _ADAM:
+        raise ConfigError(f"{shown}: optimizer.type", f'"{kind}" is not an optimizer hpc_train trains with',
+                          'use "AdamW" (or "Adam"): hpc_train trains with AdamW and its weight-decay groups')
+    betas = flat.get(("optimizer", "params", "betas"))
+    if isinstance(betas, list) and len(betas) == 2:
+        put("train.beta1", betas[0], ("optimizer", "params", "betas"))
+        put("train.beta2", betas[1], ("optimizer", "params", "betas"))
+    peak = flat.get(("scheduler", "params", "warmup_max_lr"))
+    if peak is not None and peak != "auto":
+        put("train.lr", peak, ("scheduler", "params", "warmup_max_lr"))
+
+
+def _precision(flat: dict[tuple[str, ...], Any], put: Callable[[str, Any, tuple[str, ...]], None]) -> None:
+    for name in ("fp16", "bf16"):
+        if flat.get((name, "enabled")) is True:
+            put("train.precision", name, (name, "enabled"))
+
+
+def merge_imported(data: dict[str, Any], imported: Imported) -> dict[str, Any]:
+    """``data`` (the job file) with the file's typed values and pass-through keys; a key both set differently is
+    a ConfigError naming the key in the file and the job's key."""
+    merged = {section: dict(values) if isinstance(values, dict) else values for section, values in data.items()}
+    for typed, value in imported.typed.items():
+        section, key = typed.split(".")
+        table = merged.setdefault(section, {})
+        if key in table and table[key] != value:
+            raise ConfigError(imported.origin[typed], f"= {value!r} contradicts {typed} = {table[key]!r} in the job "
+                              "file", f"remove one of them (or give the value with --set {typed}=...)")
+        table[key] = value
+    user = merged.setdefault("deepspeed", {})
+    for key, value in imported.passthrough.items():
+        if key in user and user[key] != value:
+            raise ConfigError(f"{imported.source}: {key}",
+                              f"contradicts deepspeed.{key} in the job file", "keep it in one place")
+        user[key] = value
+    return merged
+
+
+def imported_for(data: dict[str, Any], config_dir: Path) -> Imported | None:
+    """The file ``[train] deepspeed_config`` of a job file's ``data`` names, read; None without one."""
+    train = data.get("train")
+    value = train.get("deepspeed_config") if isinstance(train, dict) else None
+    if not isinstance(value, str) or not value:
+        return None
+    return import_deepspeed_config(config_dir / value, value)
+
+
+def named_in_file(error: ConfigError, imported: Imported | None) -> ConfigError:
+    """A check's error on a typed key that came from the file, naming the key in the file (the typed key after)."""
+    if imported is None or error.where not in imported.origin:
+        return error
+    return ConfigError(f"{imported.origin[error.where]} (as {error.where})", error.problem, error.fix)
