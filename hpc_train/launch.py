@@ -69,7 +69,7 @@ def run_rank(run_dir: Path) -> dict[str, Any]:
 
 
 def _run_rank(run_dir: Path, plan: Plan, watch: PreemptionWatch | None) -> dict[str, Any]:
-    from hpc_train.distributed.launchers import detect_launch
+    from hpc_train.distributed.launchers import Geometry, check_geometry, detect_launch
     from hpc_train.distributed.smoke import run_smoke  # the trainer is imported only when the job trains
 
     info = detect_launch(expected_world=plan.layout.world)
@@ -84,6 +84,8 @@ def _run_rank(run_dir: Path, plan: Plan, watch: PreemptionWatch | None) -> dict[
     if on_slurm and info.rank == 0 and program != "smoke":
         _look_back(run_dir, plan, info, logger)
     try:
+        check_geometry(info, Geometry(plan.resources.nodes, plan.resources.tasks_per_node,
+                                      plan.resources.gpus_per_node))  # before any process group
         if program == "smoke":
             result = run_smoke(plan, info)
         elif program == "train":

@@ -13,7 +13,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["LaunchError", "LaunchInfo", "detect_launch", "tasks_on_node"]
+__all__ = ["Geometry", "LaunchError", "LaunchInfo", "check_geometry", "detect_launch", "tasks_on_node"]
 
 
 class LaunchError(RuntimeError):
@@ -133,6 +133,51 @@ def _check(info: LaunchInfo, expected_world: int | None) -> LaunchInfo:
                           "(nodes x tasks_per_node): the launch line and the plan disagree, e.g. srun -n or "
                           "--ntasks-per-node differs from the job config; render the script again")
     return info
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """What the plan asked the scheduler for: nodes, ranks on each, GPUs on each."""
+
+    nodes: int
+    tasks_per_node: int
+    gpus_per_node: int
+
+
+# Launchers whose node count and ranks per node come from the scheduler's allocation (not one local process tree)
+_ALLOCATED = ("srun", "torchrun", "openmpi", "mpich", "deepspeed")
+
+
+def check_geometry(info: LaunchInfo, expected: Geometry, env: Mapping[str, str] | None = None) -> None:
+    """Before any process group starts: the tasks the launcher gave this rank match the plan (nodes, tasks per
+    node, the step's node list, GPUs on this node), so a wrong allocation after a restart or a requeue is one
+    message naming both sides instead of a hang in ``init_process_group``."""
+    env = os.environ if env is None else env
+    if info.launcher not in _ALLOCATED:
+        return
+    problems = []
+    if info.num_nodes != expected.nodes:
+        problems.append(f"ranks on {info.num_nodes} node{'s' if info.num_nodes != 1 else ''} but the plan has "
+                        f"{expected.nodes} (job.nodes)")
+    if info.local_world_size != expected.tasks_per_node:
+        problems.append(f"{info.local_world_size} rank{'s' if info.local_world_size != 1 else ''} on node "
+                        f"{info.node_rank} but the plan has {expected.tasks_per_node} (job.tasks_per_node)")
+    listed = env.get("SLURM_STEP_NODELIST") or ""
+    if listed and info.launcher == "srun":
+        from hpc_train.distributed.hostlist import expand
+
+        hosts = expand(listed)
+        if len(hosts) != expected.nodes:
+            problems.append(f"the step's node list {listed} holds {len(hosts)} node{'s' if len(hosts) != 1 else ''},"
+                            f" the plan {expected.nodes}")
+    gpus = env.get("SLURM_GPUS_ON_NODE", "")
+    if gpus.isdigit() and expected.gpus_per_node and int(gpus) < expected.gpus_per_node:
+        problems.append(f"Slurm gave node {info.node_rank} {gpus} GPU{'s' if gpus != '1' else ''} "
+                        f"(SLURM_GPUS_ON_NODE) but the plan has {expected.gpus_per_node} (job.gpus_per_node)")
+    if problems:
+        raise LaunchError(f"{info.launcher} started " + "; ".join(problems) + ": the allocation and the plan "
+                          "disagree (a launch line changed by hand, or a restart on other nodes); submit the "
+                          "config again, or render the script again")
 
 
 def detect_launch(env: Mapping[str, str] | None = None, expected_world: int | None = None) -> LaunchInfo:

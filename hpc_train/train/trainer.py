@@ -408,7 +408,8 @@ def _after_step(rank: _Rank, parts: _Parts, monitor: Monitor, progress: _Progres
         watch.settle()  # the run is done: a signal now needs no save and no requeue
     stopped_by = 0 if last else watch.poll()
     if not stopped_by and monitor.histograms_due(step):
-        monitor.histograms(step, parts.model.named_parameters())
+        local = ((name, p.to_local() if hasattr(p, "to_local") else p) for name, p in parts.model.named_parameters())
+        monitor.histograms(step, local)  # FSDP2's parameters are DTensors: rank 0's shard, as under ZeRO-3
     every = config.monitor.eval_every
     if not stopped_by and every and (step % every == 0 or last):
         result = _evaluate(engine, parts.data, parts.groups, None if last else watch, parts.said)

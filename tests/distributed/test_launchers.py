@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from hpc_train.distributed.launchers import LaunchError, detect_launch, tasks_on_node
+from hpc_train.distributed.launchers import Geometry, LaunchError, check_geometry, detect_launch, tasks_on_node
 from hpc_train.distributed.rendezvous import RendezvousError, check_resolves, choose_rendezvous, derive_port
 
 SRUN_RANK3 = {"SLURM_JOB_ID": "4242", "SLURM_PROCID": "3", "SLURM_LOCALID": "1", "SLURM_NODEID": "1",
@@ -94,3 +94,24 @@ def test_tasks_per_node_reads_slurm_compression() -> None:
 def test_an_address_that_does_not_resolve_is_named() -> None:
     with pytest.raises(RendezvousError, match=r"'n1-nosuchfabric\.invalid' does not resolve"):
         check_resolves("n1-nosuchfabric.invalid")
+
+
+@pytest.mark.parametrize(("env", "geometry", "message"), [
+    (SRUN_RANK3, Geometry(2, 2, 0), ""),
+    (SRUN_RANK3, Geometry(4, 1, 0), "srun started ranks on 2 nodes but the plan has 4 (job.nodes); 2 ranks on node 1 "
+     "but the plan has 1 (job.tasks_per_node); the step's node list n[1-2] holds 2 nodes, the plan 4"),
+    (SRUN_RANK3 | {"SLURM_GPUS_ON_NODE": "1"}, Geometry(2, 2, 2),
+     "Slurm gave node 1 1 GPU (SLURM_GPUS_ON_NODE) but the plan has 2 (job.gpus_per_node)"),
+    (SRUN_RANK3 | {"SLURM_GPUS_ON_NODE": "4"}, Geometry(2, 2, 2), ""),
+    (TORCHRUN_RANK2, Geometry(2, 4, 0), "torchrun started 2 ranks on node 1 but the plan has 4"),
+    (SUBMITIT_LOCAL, Geometry(3, 9, 0), ""),  # one process tree on this machine: nothing allocated to check
+])
+def test_the_allocation_must_match_the_plan_before_any_process_group(env: dict[str, str], geometry: Geometry,
+                                                                     message: str) -> None:
+    info = detect_launch(env)
+    if not message:
+        check_geometry(info, geometry, env)
+        return
+    with pytest.raises(LaunchError) as error:
+        check_geometry(info, geometry, env)
+    assert message in str(error.value) and "the allocation and the plan disagree" in str(error.value)
