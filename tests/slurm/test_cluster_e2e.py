@@ -77,6 +77,28 @@ def test_rendered_template_runs_with_plain_sbatch(tmp_path: Path, template: str)
     assert smoke["launcher"] == {"srun": "srun", "torchrun": "torchrun", "mpirun": "openmpi"}[template]
 
 
+def test_a_step_with_fewer_tasks_than_the_plan_ends_with_one_message_naming_both(tmp_path: Path) -> None:
+    """The geometry check: a script whose srun line was changed by hand (2 tasks, one a node, for a plan of 2 x 2)
+    fails on every rank before any process group, with one line naming both sides, not a hang."""
+    rendered = subprocess.run([sys.executable, "-m", "hpc_train", "render", EXAMPLE, "--site", "local-slurm",
+                               *TWO_BY_TWO, "--set", "job.name=geometry", "--json"],
+                              cwd=tmp_path, capture_output=True, text=True, timeout=60, check=True)
+    script = Path(json.loads(rendered.stdout)["script"])
+    text = script.read_text()
+    assert "srun --kill-on-bad-exit=1 " in text
+    script.write_text(text.replace("srun --kill-on-bad-exit=1 ", "srun --kill-on-bad-exit=1 --ntasks=2 "
+                                   "--ntasks-per-node=1 ", 1))
+    job_id = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, check=True,
+                            timeout=30).stdout.strip().split(";")[0]
+    started = time.monotonic()
+    state = wait_for_job(job_id, timeout_s=120)
+    output = "\n".join(p.read_text() for p in (tmp_path / "runs" / "geometry" / "logs").glob("slurm-*.out"))
+    assert state == "FAILED" and time.monotonic() - started < 60, output
+    said = [line for line in output.splitlines() if "the job's plan has 4" in line]
+    assert said and all("srun started 2 ranks but the job's plan has 4" in line for line in said), output
+    assert "Traceback" not in output
+
+
 def test_sweep_is_one_job_array_with_a_run_folder_per_task(tmp_path: Path) -> None:
     result = _submit(tmp_path, "--site", "local-slurm", *TWO_BY_TWO, "--sweep", "train.lr=1e-3,3e-4")
     assert result.returncode == 0, result.stdout + result.stderr
