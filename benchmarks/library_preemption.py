@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -39,7 +40,11 @@ STEPS, SMOKE_STEPS = 100, 60
 STEP_SLEEP_S = 0.25
 TWO_NODES = ["--site", "local-slurm", "--set", "job.nodes=2", "--set", "job.tasks_per_node=1", "--set",
              "job.cpus_per_task=1"]
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+# A rank's variables from the calling process would mislead torchrun's workers (LOCAL_SIZE above all)
+_RANK_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                   "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE")
+ENV = {**{k: v for k, v in os.environ.items() if k not in _RANK_VARIABLES}, "OMP_NUM_THREADS": "1",
+       "PYTHONUNBUFFERED": "1"}
 
 
 @dataclass
@@ -89,9 +94,13 @@ def torchrun_weights(lib: str, work: Path, steps: int) -> Path:
     out = work / f"{lib}-torchrun.pt"
     args = script_args(lib, work / f"{lib}-torchrun-checkpoints", steps, out)
     args[args.index("--step-sleep") + 1] = "0"
-    result = subprocess.run([PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                             str(REPO / "examples" / lib / "train.py"), *args, "--plain"], cwd=work, env=ENV,
-                            capture_output=True, text=True, timeout=600, check=False)
+    for _attempt in range(2):  # once more when a worker died by a signal (a gloo abort seen under load), not a code
+        shutil.rmtree(work / f"{lib}-torchrun-checkpoints", ignore_errors=True)  # a fresh start, not a resume
+        result = subprocess.run([PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                                 str(REPO / "examples" / lib / "train.py"), *args, "--plain"], cwd=work, env=ENV,
+                                capture_output=True, text=True, timeout=600, check=False)
+        if "exitcode  : -" not in result.stderr:
+            break
     if result.returncode != 0:
         raise RuntimeError(f"torchrun {lib} failed:\n{result.stdout[-2000:]}\n{result.stderr[-3000:]}")
     return out

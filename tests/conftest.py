@@ -56,6 +56,18 @@ def job_file(tmp_path: Path) -> Callable[[str], Path]:
     return write
 
 
+@pytest.fixture(autouse=True)
+def _environment_kept() -> Iterator[None]:
+    """What a test's in-process code exports (a rank's rendezvous variables, LOCAL_SIZE among them, or a plan's
+    rank environment) leaves with the test: a later test in the same lane that starts torchrun must not inherit
+    a LOCAL_SIZE of 1 for its 2 local ranks (DeepSpeed's shared-memory layer then aborts the process at exit)."""
+    saved = dict(os.environ)
+    yield
+    if os.environ != saved:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
 def free_port() -> int:
     """A TCP port nothing listens on now (for a torchrun baseline; its default 29500 may be another test's)."""
     import socket

@@ -141,14 +141,14 @@ def _precision(flat: dict[tuple[str, ...], Any], put: Callable[[str, Any, tuple[
             put("train.precision", name, (name, "enabled"))
 
 
-def merge_imported(data: dict[str, Any], imported: Imported) -> dict[str, Any]:
+def merge_imported(data: dict[str, Any], imported: Imported, set_keys: frozenset[str] = frozenset()) -> dict[str, Any]:
     """``data`` (the job file) with the file's typed values and pass-through keys; a key both set differently is
-    a ConfigError naming the key in the file and the job's key."""
+    a ConfigError naming the key in the file and the job's key, unless ``--set`` gives it (``set_keys``)."""
     merged = {section: dict(values) if isinstance(values, dict) else values for section, values in data.items()}
     for typed, value in imported.typed.items():
         section, key = typed.split(".")
         table = merged.setdefault(section, {})
-        if key in table and table[key] != value:
+        if key in table and table[key] != value and typed not in set_keys:
             raise ConfigError(imported.origin[typed], f"= {value!r} contradicts {typed} = {table[key]!r} in the job "
                               "file", f"remove one of them (or give the value with --set {typed}=...)")
         table[key] = value

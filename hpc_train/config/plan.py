@@ -114,7 +114,7 @@ def load_job(path: Path, overrides: list[str]) -> JobConfig:
     data = load_toml(path, "config")
     imported = imported_for(data, path.resolve().parent)
     if imported is not None:
-        data = merge_imported(data, imported)
+        data = merge_imported(data, imported, frozenset(item.partition("=")[0].strip() for item in overrides))
     data = checked_portable(apply_overrides(data, overrides, JobConfig))
     try:
         return build(JobConfig, data)

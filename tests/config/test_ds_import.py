@@ -73,6 +73,13 @@ def test_a_contradicting_or_refused_file_exits_2_naming_its_key(tmp_path: Path, 
     assert sorted(p.name for p in tmp_path.iterdir()) == before
 
 
+def test_a_key_given_with_set_is_no_contradiction(tmp_path: Path) -> None:
+    job = _job(tmp_path, 'precision = "auto"\n')
+    with pytest.raises(ConfigError, match=r"fp16\.enabled: = 'fp16' contradicts train\.precision = 'auto'"):
+        load_job(job, [])
+    assert load_job(job, ["train.precision=fp32"]).train.precision == "fp32"
+
+
 def test_a_missing_or_broken_file_is_one_message(tmp_path: Path) -> None:
     job = _job(tmp_path)
     (tmp_path / "ds_config.json").unlink()

@@ -92,7 +92,7 @@ def test_a_step_with_fewer_tasks_than_the_plan_ends_with_one_message_naming_both
                             timeout=30).stdout.strip().split(";")[0]
     started = time.monotonic()
     state = wait_for_job(job_id, timeout_s=120)
-    output = "\n".join(p.read_text() for p in (tmp_path / "runs" / "geometry" / "logs").glob("slurm-*.out"))
+    output = "\n".join(p.read_text() for p in sorted((tmp_path / "runs" / "geometry" / "logs").glob("slurm-*.*")))
     assert state == "FAILED" and time.monotonic() - started < 60, output
     said = [line for line in output.splitlines() if "the job's plan has 4" in line]
     assert said and all("srun started 2 ranks but the job's plan has 4" in line for line in said), output
