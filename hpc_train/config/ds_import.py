@@ -106,6 +106,15 @@ def import_deepspeed_config(path: Path, shown: str) -> Imported:
     for key, typed in _PLAIN.items():
         if key in flat and flat[key] != "auto":
             put(typed, flat[key], key)
+    for key in flat:  # hpc_train builds the optimizer and the schedule: a setting of theirs it cannot honour is refused
+        if key[0] in ("optimizer", "scheduler") and key not in _PLAIN and key not in _CONSUMED:
+            raise ConfigError(f"{shown}: {'.'.join(key)}", "is a setting of DeepSpeed's optimizer or scheduler, which "
+                              "hpc_train builds itself (AdamW with train.lr, beta1, beta2, eps, weight_decay; warm-up "
+                              "then train.decay)", "remove it, or set the train key it stands for")
+    kind = flat.get(("scheduler", "type"))
+    if kind is not None and kind not in ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR"):
+        raise ConfigError(f"{shown}: scheduler.type", f'"{kind}" is not a schedule hpc_train runs',
+                          'use "WarmupDecayLR" (warm-up, then train.decay), or remove the scheduler')
     _optimizer(flat, put, shown)
     _precision(flat, put)
     for device_key, typed in ((("zero_optimization", "offload_optimizer", "device"), "zero.offload_optimizer"),
