@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -66,6 +67,27 @@ def _environment_kept() -> Iterator[None]:
     if os.environ != saved:
         os.environ.clear()
         os.environ.update(saved)
+
+
+def torchrun(args: list[str], cwd: Path, env: dict[str, str], timeout: float = 600,
+             fresh: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """A plain ``torchrun --standalone --nproc_per_node=2`` baseline (the reference a test compares hpc_train with),
+    run once more when a worker died by a signal: a gloo rank of these scripts aborted with "terminate called
+    without an active exception" a few times while the other test lane loaded the machine (cause not found).
+    ``fresh``: the script's own checkpoint folder, removed before each try so that a retry starts over."""
+    import shutil
+
+    result = None
+    for _attempt in range(2):
+        if fresh is not None:
+            shutil.rmtree(fresh, ignore_errors=True)
+        result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
+                                 *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout,
+                                check=False)
+        if "exitcode  : -" not in result.stderr:
+            break
+    assert result is not None
+    return result
 
 
 def free_port() -> int:

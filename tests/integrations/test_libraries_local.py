@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import REPO
+from tests.conftest import REPO, torchrun
 
 pytestmark = pytest.mark.slow
 LIBS = ("lightning", "hf_trainer", "accelerate")
@@ -69,11 +69,9 @@ def test_lightning_with_the_integration_preempted_early_loses_no_step_and_ends_b
 
     script = str(REPO / "examples" / "lightning" / "train.py")
     ref = tmp_path / "ref"
-    torchrun = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                               "--standalone", script, "--steps", "40", "--checkpoints",
-                               str(ref / "checkpoints"), "--out", str(ref / "weights.pt"), "--plain"], cwd=tmp_path,
-                              env=ENV, capture_output=True, text=True, timeout=600, check=False)
-    assert torchrun.returncode == 0, torchrun.stdout[-3000:] + torchrun.stderr[-3000:]
+    baseline = torchrun([script, "--steps", "40", "--checkpoints", str(ref / "checkpoints"), "--out",
+                         str(ref / "weights.pt"), "--plain"], tmp_path, ENV, fresh=ref / "checkpoints")
+    assert baseline.returncode == 0, baseline.stdout[-3000:] + baseline.stderr[-3000:]
     work, steps = tmp_path / "ours", tmp_path / "ours" / "steps.txt"
     work.mkdir()
     args = ["--steps", "40", "--checkpoints", str(work / "checkpoints"), "--out", str(work / "weights.pt"),

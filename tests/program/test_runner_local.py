@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from hpc_train.run.watch import last_logged_step, local_rank_pid
-from tests.conftest import REPO
+from tests.conftest import REPO, torchrun
 
 pytestmark = pytest.mark.slow
 OWN_LOOP = str(REPO / "examples" / "own_loop" / "job.toml")
@@ -83,12 +83,9 @@ def test_an_unmodified_ddp_script_ends_with_torchrun_s_weights(tmp_path: Path) -
     ours, theirs = tmp_path / "hpc_train.pt", tmp_path / "torchrun.pt"
     code, output = submit(tmp_path, DDP_SCRIPT, f'job.args=["--epochs", "2", "--out", "{ours}"]')
     assert code == 0, output[-3000:]
-    torchrun = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                               "--standalone", str(REPO / "examples" / "ddp_script" / "train_cnn.py"),
-                               "--epochs", "2", "--out",
-                               str(theirs)], cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"}, check=False)
-    assert torchrun.returncode == 0, torchrun.stderr[-3000:]
+    baseline = torchrun([str(REPO / "examples" / "ddp_script" / "train_cnn.py"), "--epochs", "2", "--out",
+                         str(theirs)], tmp_path, {**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    assert baseline.returncode == 0, baseline.stderr[-3000:]
     a, b = torch.load(ours, weights_only=True), torch.load(theirs, weights_only=True)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     run_dir = tmp_path / "runs" / "ddp-cnn"
@@ -122,7 +119,9 @@ def test_a_function_stopped_at_random_steps_ends_with_the_uninterrupted_weights(
     overrides = (f"params.steps={STEPS}", "params.save_every=1000", "params.step_sleep=0.05")
     with running(start(tmp_path, OWN_LOOP, *overrides)) as process:
         for index, step in enumerate(at_steps):
-            _wait(lambda: len(attempts(run_dir)) == index + 1 and last_logged_step(run_dir) >= step  # noqa: B023
+            # this attempt has logged a step of its own (its handlers are in place, its pid file is its own)
+            _wait(lambda: len(attempts(run_dir)) == index + 1 and last_logged_step(run_dir)  # noqa: B023
+                  >= max(step, int(attempts(run_dir)[-1]["start_step"]) + 1)  # noqa: B023
                   and local_rank_pid(run_dir, 1) is not None, process, f"step {step} (seed {seed})")
             os.kill(local_rank_pid(run_dir, 1), signal.SIGUSR2)  # one rank: the others learn of it from should_stop
             _wait(lambda: len([a for a in attempts(run_dir) if a["outcome"] != "running"]) > index,  # noqa: B023

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import REPO
+from tests.conftest import REPO, torchrun
 from tests.program.test_runner_local import OWN_LOOP, attempts, final_model
 from tests.slurm.test_preemption_e2e import _state, _wait_for_step, _wait_until_completed
 
@@ -39,14 +39,8 @@ def _sbatch(script: str) -> str:
 @pytest.fixture(scope="module")
 def torchrun_weights(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
     out = tmp_path_factory.mktemp("torchrun") / "weights.pt"
-    for _attempt in range(2):  # once more when a worker died by a signal (a gloo abort seen under load)
-        result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                                 "--standalone", str(REPO / "examples" / "ddp_script" / "train_cnn.py"),
-                                 "--epochs", "2", "--out",
-                                 str(out)], capture_output=True, text=True, timeout=300,
-                                env={**os.environ, "OMP_NUM_THREADS": "1"}, check=False)
-        if "exitcode  : -" not in result.stderr:
-            break
+    result = torchrun([str(REPO / "examples" / "ddp_script" / "train_cnn.py"), "--epochs", "2", "--out", str(out)],
+                      out.parent, {**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     return torch.load(out, weights_only=True)
 
