@@ -21,7 +21,6 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
 RANK_PROGRAM = """
 import os, sys, time
 rank = int(os.environ["SLURM_PROCID"])
@@ -105,7 +104,7 @@ def main() -> None:
         args.runs = 1
     results: dict[str, list[tuple[float, float]]] = {"hpc_train.submit": [], "hand-written sbatch": []}
     phases = random.Random(0)  # noqa: S311 - benchmark phases, not secrets
-    with tempfile.TemporaryDirectory(dir=REPO) as tmp:
+    with tempfile.TemporaryDirectory(prefix="hpc_train-submit-latency-") as tmp:
         work = Path(tmp)
         _idle(0.0)
         for index in range(warmups):
