@@ -284,12 +284,12 @@ def _check_engine(cfg: JobConfig) -> None:
     for key in cfg.deepspeed:
         raise ConfigError(f"deepspeed.{key}", 'is a DeepSpeed config key; train.engine = "fsdp2" does not read it',
                           'remove the [deepspeed] table, or set train.engine = "deepspeed"')
-    for axis in ("pipeline", "tensor", "context"):
+    for axis in ("pipeline", "context"):
         size = getattr(cfg.parallel, axis)
         if size > 1:
             raise ConfigError(f"parallel.{axis}", f'{size} with train.engine = "fsdp2": FSDP2 here shards over the '
-                              "data axis only (tensor, pipeline and context parallelism train with DeepSpeed)",
-                              f'set parallel.{axis} = 1, or train.engine = "deepspeed"')
+                              f"data axis, with tensor parallelism beside it ({axis} parallelism trains with "
+                              "DeepSpeed)", f'set parallel.{axis} = 1, or train.engine = "deepspeed"')
     if cfg.train.optimizer != "torch_adamw":
         raise ConfigError("train.optimizer", f'"{cfg.train.optimizer}" is a DeepSpeed op; FSDP2 trains with '
                           "torch's AdamW on the sharded parameters", 'use train.optimizer = "torch_adamw"')

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F  # noqa: N812 (the usual alias)
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 __all__ = [
     "ColumnParallelLinear",
@@ -40,6 +41,7 @@ __all__ = [
     "gather_from_tensor_parallel_region",
     "gather_tensor",
     "init_normal",
+    "local_shard",
     "mark_sharded",
     "partition_size",
     "reduce_from_tensor_parallel_region",
@@ -231,13 +233,21 @@ def gather_from_tensor_parallel_region(input_: torch.Tensor, group: Group) -> to
 # Layers
 # ---------------------------------------------------------------------------------------------------------------
 
-def mark_sharded(*params: nn.Parameter | None) -> None:
+def mark_sharded(*params: nn.Parameter | None, dim: int = 0) -> None:
     """Tell DeepSpeed these parameters differ across the tensor group, so that gradient norms count each shard
-    (the layers here mark their own; a parameter left unmarked is counted once, on tensor rank 0)."""
+    (the layers here mark their own; a parameter left unmarked is counted once, on tensor rank 0), and FSDP2
+    along which dimension (``partition_dim``, Megatron's name) they are split, to make them tensor DTensors."""
     for param in params:
         if param is not None:
             param.model_parallel = True  # type: ignore[attr-defined]
             param.tensor_model_parallel = True  # type: ignore[attr-defined]
+            param.partition_dim = dim  # type: ignore[attr-defined]
+
+
+def local_shard(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    """This rank's shard of a parameter: under FSDP2 with tensor parallelism the layers' parameters are DTensors
+    on the tensor axis (so checkpoints know the full shapes), and the layers compute on the local shard."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def _full_weight(shape: tuple[int, ...], init_method: InitMethod | None, seed: int | torch.Generator,
@@ -283,7 +293,8 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, input_: torch.Tensor) -> torch.Tensor:
         """Local slice of the output features (``[..., out_features / tp]``), or all of them if gathered."""
-        output = F.linear(copy_to_tensor_parallel_region(input_, self.group), self.weight, self.bias)
+        input_ = copy_to_tensor_parallel_region(input_, self.group)
+        output = F.linear(input_, local_shard(self.weight), local_shard(self.bias))
         return gather_from_tensor_parallel_region(output, self.group) if self.gather_output else output
 
     @torch.no_grad()
@@ -331,13 +342,13 @@ class RowParallelLinear(nn.Module):
             self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=self.weight.device))
         else:
             self.register_parameter("bias", None)
-        mark_sharded(self.weight)  # the bias is whole on every rank
+        mark_sharded(self.weight, dim=1)  # the bias is whole on every rank
 
     def forward(self, input_: torch.Tensor) -> torch.Tensor:
         """Full output (``[..., out_features]``), identical on every rank of the group."""
         if not self.input_is_parallel:
             input_ = scatter_to_tensor_parallel_region(input_, self.group)
-        output = reduce_from_tensor_parallel_region(F.linear(input_, self.weight), self.group)
+        output = reduce_from_tensor_parallel_region(F.linear(input_, local_shard(self.weight)), self.group)
         return output if self.bias is None else output + self.bias
 
     @torch.no_grad()
@@ -386,10 +397,10 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Embeddings ``[..., embedding_dim]`` of integer ids ``[...]``, identical on every rank."""
         if self.tp_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return F.embedding(input_ids, local_shard(self.weight))
         outside = (input_ids < self.vocab_start) | (input_ids >= self.vocab_end)
         local_ids = (input_ids - self.vocab_start).masked_fill(outside, 0)
-        partial = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        partial = F.embedding(local_ids, local_shard(self.weight)).masked_fill(outside.unsqueeze(-1), 0.0)
         return reduce_from_tensor_parallel_region(partial, self.group)
 
     @torch.no_grad()

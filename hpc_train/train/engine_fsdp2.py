@@ -10,9 +10,14 @@ with GPUs never gets a CUDA mesh under gloo). bf16 computes in bf16 and reduces 
 (``MixedPrecisionPolicy``); the sharded parameters and the optimizer stay fp32. The optimizer is built after
 sharding, on the DTensor parameters, with the weight-decay groups and schedule of the DeepSpeed path.
 
+With ``[parallel] tensor > 1`` the model's tensor-parallel layers keep their shards and their own collectives on
+the tensor group; each sharded parameter (marked by the layers with its ``partition_dim``) becomes a DTensor on
+the tensor axis of the same mesh before sharding, so ``fully_shard`` on the data axis makes it a 2-D DTensor and
+a checkpoint knows its full shape (DCP then reshards on either axis). The gradient norm counts each shard once
+and each replica once (:func:`global_grad_norm`).
+
 Left for later (docs/training.md says so): building on the meta device and materialising with ``to_empty`` (the
-model is built whole on each rank first, as for DeepSpeed, so both start from the same weights), and tensor
-parallelism on a 2-D mesh.
+model is built whole on each rank first, as for DeepSpeed, so both start from the same weights).
 """
 
 from __future__ import annotations
@@ -24,10 +29,11 @@ import torch
 from torch import nn
 
 from hpc_train.config.plan import Plan
+from hpc_train.distributed.collectives import all_reduce_values
 from hpc_train.distributed.mesh import ParallelGroups
 from hpc_train.train.engine import lr_at, weight_decay_groups
 
-__all__ = ["Fsdp2Engine", "fsdp_blocks"]
+__all__ = ["Fsdp2Engine", "fsdp_blocks", "global_grad_norm", "tensor_parallel_dtensors"]
 
 
 def fsdp_blocks(model: nn.Module) -> list[nn.Module]:
@@ -45,6 +51,58 @@ def fsdp_blocks(model: nn.Module) -> list[nn.Module]:
             holders.setdefault(id(param), set()).add(index)
     tied = {index for owners in holders.values() if len(owners) > 1 for index in owners}
     return [child for index, child in enumerate(children) if index not in tied]
+
+
+def tensor_parallel_dtensors(model: nn.Module, tensor_mesh: Any) -> int:
+    """Make each parameter the tensor-parallel layers marked (``tensor_model_parallel`` with ``partition_dim``) a
+    DTensor sharded on ``tensor_mesh``, in place; the layers compute on its local shard. Returns how many."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    count = 0
+    for owner_name, owner in model.named_modules():
+        for name, param in list(owner.named_parameters(recurse=False)):
+            if not getattr(param, "tensor_model_parallel", False) or isinstance(param, DTensor):
+                continue
+            dim = getattr(param, "partition_dim", None)
+            if dim is None:
+                raise ValueError(f"{owner_name}.{name} is marked tensor-parallel without a partition_dim: FSDP2 "
+                                 "needs the dimension it is split along (hpc_train's tensor_parallel layers set it)")
+            shard = DTensor.from_local(param.data, tensor_mesh, [Shard(dim)], run_check=False)
+            setattr(owner, name, nn.Parameter(shard, requires_grad=param.requires_grad))
+            count += 1
+    return count
+
+
+def _replicas(tensor: torch.Tensor, world: int) -> int:
+    """How many ranks of ``world`` hold the same values as this rank's local part of ``tensor``."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(tensor, DTensor):
+        return world
+    shards = 1
+    for axis, placement in enumerate(tensor.placements):
+        if not (placement.is_replicate() or placement.is_partial()):  # Shard and _StridedShard
+            shards *= tensor.device_mesh.size(axis)
+    return world // shards
+
+
+def global_grad_norm(params: list[torch.Tensor], group: Any, device: torch.device) -> float:
+    """The 2-norm of every gradient over ``group`` (the data and tensor ranks): each rank's local squares, each
+    divided by the number of ranks holding the same part, summed in one all-reduce. A parameter that is a DTensor
+    on the data axis alone is whole on every tensor rank, and counts once. The caller reads the norm as a number
+    anyway (to clip and to log), so the sum travels as one through the group's device."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size(group)
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for param in params:
+        grad = param.grad
+        if grad is None:
+            continue
+        part = grad.to_local() if hasattr(grad, "to_local") else grad
+        total += part.float().pow(2).sum() / _replicas(grad, world)
+    (summed,) = all_reduce_values([float(total)], group=group)
+    return math.sqrt(summed)
 
 
 def _mixed_precision(precision: str) -> Any:
@@ -66,6 +124,8 @@ class Fsdp2Engine:
         config = plan.config
         train, fsdp = config.train, config.fsdp
         self.device = device
+        if groups.size("tp") > 1:
+            tensor_parallel_dtensors(model, groups.mesh["tp"])
         mesh = groups.mesh["dp"]
         options: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": fsdp.reshard_after_forward,
                                    "mp_policy": _mixed_precision(train.precision)}
@@ -74,8 +134,13 @@ class Fsdp2Engine:
         for block in fsdp_blocks(model):
             fully_shard(block, **options)
         self.module = fully_shard(model, **options)
+        self.norm_group = None  # the world: FSDP2 trains data x tensor only (validate refuses pipeline, context)
+        # One step per tensor with tensor parallelism: a foreach step (CUDA's default) takes one DTensor mesh per
+        # call, and the parameters are on two (data x tensor, data alone). Splitting the groups by mesh instead
+        # would tie a checkpoint's optimizer groups to the tensor size it was saved at.
         self.optimizer = torch.optim.AdamW(weight_decay_groups(model, train.weight_decay), lr=train.lr,
-                                           betas=(train.beta1, train.beta2), eps=train.eps)
+                                           betas=(train.beta1, train.beta2), eps=train.eps,
+                                           foreach=False if groups.size("tp") > 1 else None)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: lr_at(step, train) / train.lr)
         self.grad_accum = train.grad_accum
         self.grad_clip = train.grad_clip
@@ -92,9 +157,14 @@ class Fsdp2Engine:
         self._micro += 1
         if self._micro % self.grad_accum:
             return
-        # The norm before clipping over every rank's shards (a DTensor: its full value is one all-reduce).
-        norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.grad_clip or math.inf)
-        self._norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        # The norm before clipping, over every rank's shards; clipped as torch's clip_grad_norm_ does.
+        params = [param for param in self.module.parameters() if param.grad is not None]
+        self._norm = global_grad_norm(params, self.norm_group, self.device)
+        if self.grad_clip:
+            scale = min(1.0, self.grad_clip / (self._norm + 1e-6))
+            if scale < 1.0:
+                for param in params:
+                    param.grad.mul_(scale)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)

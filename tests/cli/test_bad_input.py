@@ -89,7 +89,8 @@ CASES = [
     ("deepspeed-table-with-fsdp2", '[train]\nengine = "fsdp2"\n[deepspeed]\nwall_clock_breakdown = true\n', [],
      'deepspeed.wall_clock_breakdown: is a DeepSpeed config key; train.engine = "fsdp2" does not read it'),
     ("pipeline-with-fsdp2", '[job]\ntasks_per_node = 2\n[train]\nengine = "fsdp2"\n[parallel]\npipeline = 2\n',
-     [], 'parallel.pipeline: 2 with train.engine = "fsdp2": FSDP2 here shards over the data axis only'),
+     [], 'parallel.pipeline: 2 with train.engine = "fsdp2": FSDP2 here shards over the data axis, with tensor '
+     'parallelism beside it'),
     ("fused-adam-with-fsdp2", '[train]\nengine = "fsdp2"\noptimizer = "fused_adam"\n', [],
      'train.optimizer: "fused_adam" is a DeepSpeed op; FSDP2 trains with torch\'s AdamW'),
     ("fsdp-key-with-deepspeed", "[fsdp]\noffload = true\n", [],

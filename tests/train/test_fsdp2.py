@@ -62,15 +62,17 @@ def _trained(root: Path, name: str, *overrides: str) -> SimpleNamespace:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
-    """The uninterrupted runs every test reads: FSDP2 on 2 ranks, on 1 and on 4, DeepSpeed ZeRO-3 on 2 (global
-    batch 8 in each)."""
+    """The uninterrupted runs every test reads: FSDP2 on 2 ranks, on 1 and on 4, DeepSpeed ZeRO-3 on 2, FSDP2 at
+    tensor 2 x data 2 (global batch 8 in each)."""
     root = tmp_path_factory.mktemp("fsdp2")
     return SimpleNamespace(fsdp2=_trained(root, "fsdp2", "train.engine=fsdp2", "job.tasks_per_node=2"),
                            one=_trained(root, "one", "train.engine=fsdp2", "job.tasks_per_node=1",
                                         "train.grad_accum=2"),
                            four=_trained(root, "four", "train.engine=fsdp2", "job.tasks_per_node=4",
                                          "train.micro_batch=2"),
-                           zero3=_trained(root, "zero3", "zero.stage=3", "job.tasks_per_node=2"))
+                           zero3=_trained(root, "zero3", "zero.stage=3", "job.tasks_per_node=2"),
+                           tp2=_trained(root, "tp2", "train.engine=fsdp2", "job.tasks_per_node=4",
+                                        "parallel.tensor=2"))
 
 
 def _close(losses: dict[int, float], reference: dict[int, float], steps: range) -> list[tuple[int, float, float]]:
@@ -112,6 +114,24 @@ def test_a_2_rank_checkpoint_resumes_on_another_rank_count(runs: SimpleNamespace
     resumed = _losses(work / "runs" / "tiny-gpt")
     assert not _close(resumed, runs.fsdp2.losses, range(11, STEPS + 1))
     assert "universal" not in output  # no conversion step
+
+
+def test_tensor_2_by_data_2_follows_one_rank_exports_the_same_names_and_resumes_at_tensor_1(
+        runs: SimpleNamespace, tmp_path: Path) -> None:
+    """The GPT's tensor-parallel layers keep their shards as DTensors on the tensor axis, sharded again by FSDP2 on
+    the data axis (2-D): the checkpoint knows each full shape, so DCP reshards it on the tensor axis too."""
+    assert not _close(runs.tp2.losses, runs.one.losses, range(1, STEPS + 1))
+    ours, theirs = runs.tp2.weights, runs.fsdp2.weights
+    assert {k: (t.dtype, t.shape) for k, t in ours.items()} == {k: (t.dtype, t.shape) for k, t in theirs.items()}
+    assert max(float((ours[k] - theirs[k]).abs().max()) for k in ours) < 1e-4
+    work = tmp_path / "copy"
+    shutil.copytree(runs.tp2.work, work, symlinks=True)
+    checkpoints = work / "runs" / "tiny-gpt" / "checkpoints"
+    shutil.rmtree(checkpoints / "step-00000020")
+    (checkpoints / "latest").write_text("step-00000010\n")
+    output = _finished(_start(work, "train.engine=fsdp2", "job.tasks_per_node=2"))
+    assert "resumed from step 10" in output
+    assert not _close(_losses(work / "runs" / "tiny-gpt"), runs.tp2.losses, range(11, STEPS + 1))
 
 
 def test_preempted_at_random_steps_it_ends_bitwise_where_the_uninterrupted_run_ends(runs: SimpleNamespace,
