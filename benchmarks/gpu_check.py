@@ -6,13 +6,14 @@ The steps, each recorded whether it passes or not, so one run tells everything:
 
 * ``environment``: torch, CUDA, the device as torch names it, bf16 support, DeepSpeed and submitit versions;
 * ``trainer``: the built-in trainer through ``python -m hpc_train.submit`` (tiny in bf16, fp16 with dynamic
-  loss scaling, ZeRO-3 with CPU offload and ``cpu_adam``, ``fused_adam``; then the 125M preset);
+  loss scaling, ZeRO-3 with CPU offload and ``cpu_adam``, ``fused_adam``, the FSDP2 engine; then the 125M
+  preset);
 * ``resume``: a run preempted (USR2 to its rank) and resumed against the same run uninterrupted, bitwise;
 * ``user_checkpoint``: a user function's ``ctx.checkpoint`` across a preemption;
 * ``bench``: ``bench allreduce`` (on NCCL, the transport from NCCL's own log);
 * ``hang``: an injected hang, the watchdog's stacks and (on NCCL) the flight recorder's dump;
-* ``mfu``: the 125M and 1.3B GPT through hpc_train against the nanoGPT-style loop of the same model and batch
-  (``benchmarks/gpu_baseline.py``), with and without ``torch.compile``.
+* ``mfu``: the 125M and 1.3B GPT through hpc_train (DeepSpeed, then FSDP2 in bf16) against the nanoGPT-style
+  loop of the same model and batch (``benchmarks/gpu_baseline.py``), with and without ``torch.compile``.
 
 ``--cpu-dry-run`` runs the same steps on this CPU machine with gloo, fp32 and tiny sizes (2 ranks where ZeRO
 needs data parallelism); steps that only exist on a GPU (fp16, fused_adam, the flight recorder) say so in the
@@ -164,6 +165,7 @@ def step_trainer(check: Check) -> dict[str, Any]:
             "stage": 3, "offload_optimizer": True, "offload_params": True}},
          "compiling cpu_adam takes minutes on two cores"),
         ("tiny-fused-adam", {"train": {"optimizer": "fused_adam"}, "zero": {"stage": 2}}, "fused_adam needs CUDA"),
+        ("tiny-fsdp2", {"train": {"engine": "fsdp2"}, "checkpoint": {"every_steps": 6}}, ""),
         ("125M-zero2", {"train": {"model": "125M", "seq_len": 1024, "micro_batch": 8}, "zero": {"stage": 2}},
          "the 125M preset is minutes per step on a CPU"),
     ]
@@ -305,6 +307,15 @@ def step_mfu(check: Check) -> dict[str, Any]:
                                "ratio": ours["tokens_per_s"] / check.ranks / eager["tokens_per_s"]}
         row["loop_compiled"] = ("skipped: torch.compile takes minutes on a CPU" if check.dry else
                                 _baseline(model, seq_len, micro, steps, compiled=True, vocab=vocab))
+        if check.dry:
+            row["fsdp2"] = "skipped: on CPUs only the code path counts (the trainer step's tiny-fsdp2 run)"
+        else:  # the same model and batch on the FSDP2 engine, bf16 params with fp32 gradient reduction
+            fsdp2 = _train(check, f"mfu-{model}-fsdp2", train={"model": model, "seq_len": seq_len,
+                                                               "micro_batch": micro, "steps": steps,
+                                                               "engine": "fsdp2"},
+                           data={"vocab_size": vocab}, monitor={"log_every": 4})
+            row["fsdp2"] = {**fsdp2, "ratio_to_deepspeed": fsdp2["tokens_per_s"] / ours["tokens_per_s"]}
+        row["fsdp2_compiled"] = "not run: the trainer has no torch.compile switch yet (the loop's row measures it)"
         results[model] = row
     return results
 

@@ -27,6 +27,8 @@ def test_the_gpu_check_runs_every_step_on_cpus(tmp_path: Path) -> None:
     assert result.returncode == 0 and not failed, (failed, result.stdout[-3000:])
     trainer = steps["trainer"]["result"]
     assert trainer["tiny-zero2"]["status"] == "passed" and trainer["tiny-zero2"]["precision"] == "fp32"
+    fsdp2 = trainer["tiny-fsdp2"]
+    assert fsdp2["status"] == "passed" and fsdp2["final_loss"] < fsdp2["first_loss"]
     assert {name for name, part in trainer.items() if part["status"] == "skipped"} == GPU_ONLY
     assert steps["resume"]["result"]["bitwise_equal"] is True
     assert steps["user_checkpoint"]["result"]["attempts"][0][0] == "preempted"

@@ -68,6 +68,8 @@ CASES = [  # the costliest first (CPU seconds here: 57, 52, 25, 23, 22, 14, 4, 0
                                 r"render --stdout \(local-slurm\)\s+.*")),
     Case("log_call.py", (), (rf"hpc_train Monitor\.scalars \+ health\s+{NUMBER}\s+{NUMBER}",
                              rf"own json\.dumps \+ write \(baseline\)\s+{NUMBER}\s+1\.00")),
+    Case("fsdp2.py", (), (rf"2\s+zero3\s+{NUMBER}\s+1\.000\s+{NUMBER}\s+1\.000",
+                          rf"2\s+fsdp2\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}")),
     Case("topology.py", (), (r"layout\s+hpc_train s\s+brute force s\s+ratio\s+target",
                              rf"64 ranks \(tp 2, pp 4, dp 8\)\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}\s+\w+")),
     Case("submit_latency.py", (), (r"hpc_train\.submit\s+.*", r"hand-written sbatch\s+.*\s+1\.00\s+.*\s+1\.00"),
