@@ -3,9 +3,13 @@
     .venv/bin/python benchmarks/checkpoint.py [--ranks 2] [--layers 4] [--hidden 512] [--saves 3] [--json]
     .venv/bin/python benchmarks/checkpoint.py --ranks 4 --layers 5 --hidden 1024     # a 1 GB checkpoint
     .venv/bin/python benchmarks/checkpoint.py --smoke                                # tiny, once: CI runs it
+    .venv/bin/python benchmarks/checkpoint.py --engine fsdp2                         # FSDP2's DCP shards
 
 ``--ranks`` ranks on this machine (gloo), a GPT built as the trainer builds it (ZeRO-2, torch AdamW, the
-model-parallel unit) and ``hpc_train.train.checkpointing.Checkpointer``. After one untimed save:
+model-parallel unit) and ``hpc_train.train.checkpointing.Checkpointer``; with ``--engine fsdp2`` the FSDP2 engine and
+``hpc_train.train.checkpointing_fsdp2.Fsdp2Checkpoints`` (the shards through ``torch.distributed.checkpoint`` inside
+the same transaction; a DCP file ``__R_N.distcp`` counts as rank R's, ``.metadata`` as rank 0's). After one
+untimed save:
 
 * save: each synchronous save is timed whole (every rank's files, hashed while written and fsynced, the commit:
   manifest, rename, ``latest``), between two raw writes of the same bytes: every rank writes files of the sizes it
@@ -56,6 +60,8 @@ def _job_config(args: dict[str, Any], async_save: bool) -> Any:
     overrides = [f"train.precision={args['precision']}", f"train.seq_len={args['seq_len']}",
                  f"train.micro_batch={args['micro_batch']}", "train.warmup_steps=1", "checkpoint.keep=2",
                  f"checkpoint.async_save={'true' if async_save else 'false'}", f"checkpoint.verify={args['verify']}"]
+    if args["engine"] == "fsdp2":
+        overrides.append("train.engine=fsdp2")
     data = apply_overrides(load_toml(REPO / "examples" / "tiny_gpt.toml", "config"), overrides, JobConfig)
     return build(JobConfig, data)
 
@@ -136,22 +142,41 @@ def _train_step(engine: Any, stream: Any) -> float:
     return time.perf_counter() - start
 
 
+def _dcp_owner(path: str) -> int | None:
+    """The rank that wrote a DCP file (``dcp/__R_N.distcp``: R), or None for anything else."""
+    name = Path(path).name
+    if Path(path).parent.name == "dcp" and name.startswith("__") and name.endswith(".distcp"):
+        return int(name[2:].split("_")[0])
+    return None
+
+
 def _my_sizes(checkpointer: Any, step: int) -> list[int]:
-    """The sizes of the files this rank wrote in the last save (rank 0: also the files nobody wrote through the
-    writer), from the committed manifest."""
+    """The sizes of the files this rank wrote in the last save (its own DCP shards too; rank 0 also the files
+    nobody wrote through the writer, DCP's ``.metadata`` among them), from the committed manifest."""
     import torch.distributed as dist
 
     from hpc_train.ckpt import Manifest
     from hpc_train.distributed.collectives import all_gather_objects, broadcast_object
 
-    mine = {entry.path for entry in checkpointer.files.entries}
-    everyone = set().union(*all_gather_objects(sorted(mine)))
+    rank = dist.get_rank()
     manifest = None
     if checkpointer.manager:
         manifest = Manifest.from_json((checkpointer.manager.root / f"step-{step:08d}" / "manifest.json").read_text())
     manifest = broadcast_object(manifest)
+    mine = {entry.path for entry in checkpointer.files.entries}
+    mine |= {entry.path for entry in manifest.files if _dcp_owner(entry.path) == rank}
+    everyone = set().union(*all_gather_objects(sorted(mine)))
     return [entry.size for entry in manifest.files
-            if entry.path in mine or (dist.get_rank() == 0 and entry.path not in everyone)]
+            if entry.path in mine or (rank == 0 and entry.path not in everyone)]
+
+
+def _dcp_reads(checkpointer: Any, rank: int) -> list[str]:
+    """The DCP files a rank reads when it loads at the world size it saved at: its own shards and the metadata."""
+    found = checkpointer.latest()
+    if found is None or not (found / "dcp").is_dir():
+        return []
+    return [str(path) for path in sorted((found / "dcp").iterdir())
+            if path.name == ".metadata" or _dcp_owner(f"dcp/{path.name}") == rank]
 
 
 class _ReadLog:
@@ -175,9 +200,7 @@ def worker(args: dict[str, Any]) -> None:
 
     from hpc_train.distributed.mesh import ModelParallelUnit, ParallelGroups
     from hpc_train.distributed.topology import Topology
-    from hpc_train.train.checkpointing import Checkpointer
     from hpc_train.train.data import ResumableSampler, SyntheticTokens, batch
-    from hpc_train.train.engine import build_engine
     from hpc_train.train.model import GPT, GPTConfig, count_parameters
 
     torch.set_num_threads(1)
@@ -187,9 +210,18 @@ def worker(args: dict[str, Any]) -> None:
     groups = ParallelGroups(Topology.build(world, tp=1, pp=1, cp=1, order="tp-cp-dp-pp"), "cpu")
     shape = GPTConfig(256, args["seq_len"], args["layers"], args["heads"], args["hidden"])
     model = GPT(shape, groups.group("tp"), seed=1234)
-    engine = build_engine(model, config, world, ModelParallelUnit(groups), run_dir, int(os.environ["LOCAL_RANK"]))
     layout = SimpleNamespace(world=world, tensor=1, pipeline=1, data=world, context=1)
-    sync = Checkpointer(run_dir, config, layout, "benchmark")
+    if args["engine"] == "fsdp2":
+        from hpc_train.train.checkpointing_fsdp2 import Fsdp2Checkpoints as Checkpoints
+        from hpc_train.train.engine_fsdp2 import Fsdp2Engine
+
+        engine = Fsdp2Engine(model, SimpleNamespace(config=config), groups, torch.device("cpu"))
+    else:
+        from hpc_train.train.checkpointing import Checkpointer as Checkpoints
+        from hpc_train.train.engine import build_engine
+
+        engine = build_engine(model, config, world, ModelParallelUnit(groups), run_dir, int(os.environ["LOCAL_RANK"]))
+    sync = Checkpoints(run_dir, config, layout, "benchmark")
     source = SyntheticTokens(256, 1234)
     sampler = ResumableSampler(source.num_samples(args["seq_len"]), rank, world, args["micro_batch"], 1234)
     stream = iter(lambda: batch(source, sampler.next_indices(), args["seq_len"]), None)
@@ -213,14 +245,14 @@ def worker(args: dict[str, Any]) -> None:
         reads.paths.clear()
         cold &= _drop_caches()
         load_s = _timed_together(lambda: sync.resume(engine))
-        mine = list(reads.paths)
+        mine = list(reads.paths) + (_dcp_reads(sync, rank) if args["engine"] == "fsdp2" else [])
         cold &= _drop_caches()
         raw_a = _timed_together(lambda m=mine: _raw_read(m))
         cold &= _drop_caches()
         raw_b = _timed_together(lambda m=mine: _raw_read(m))
         loads.append({"load_s": load_s, "raw_s": (raw_a + raw_b) / 2,
                       "bytes": sum(os.path.getsize(p) for p in mine)})
-    asynchronous = Checkpointer(run_dir, _job_config(args, async_save=True), layout, "benchmark")
+    asynchronous = Checkpoints(run_dir, _job_config(args, async_save=True), layout, "benchmark")
     stalls: list[dict[str, Any]] = []
     for _ in range(args["saves"]):
         plain += [_train_step(engine, stream) for _ in range(2)]
@@ -253,7 +285,8 @@ def run_ranks(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
     """Start ``args.ranks`` ranks of this file in worker mode; rank 0's JSON line."""
     spec = {"run_dir": str(run_dir), "saves": args.saves, "layers": args.layers, "heads": args.heads,
             "hidden": args.hidden, "seq_len": args.seq_len, "micro_batch": args.micro_batch,
-            "precision": args.precision, "verify": args.verify, "steps_during": args.steps_during}
+            "precision": args.precision, "verify": args.verify, "steps_during": args.steps_during,
+            "engine": args.engine}
     port = _free_port()
     procs = []
     for rank in range(args.ranks):
@@ -301,8 +334,9 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
 
 def report(args: argparse.Namespace, figures: dict[str, Any]) -> None:
     f = figures
+    engine = "FSDP2 (DCP shards)" if args.engine == "fsdp2" else "ZeRO-2"
     print(f"GPT {args.layers} layers x {args.hidden} hidden, {f['parameters'] / 1e6:.1f} M parameters, "
-          f"{f['ranks']} ranks, ZeRO-2, {args.precision}, checkpoint.verify = {args.verify}; one checkpoint: "
+          f"{f['ranks']} ranks, {engine}, {args.precision}, checkpoint.verify = {args.verify}; one checkpoint: "
           f"{f['checkpoint_mb']:.1f} MB in {f['files']} files; {args.saves} repetitions (medians); "
           f"load average {os.getloadavg()[0]:.1f}")
     print(f"{'':44} {'seconds':>8} {'MB/s':>7} {'ratio':>6}  target")
@@ -336,6 +370,8 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=2)
     parser.add_argument("--steps-during", type=int, default=3, help="training steps run while an async save writes")
     parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
+    parser.add_argument("--engine", choices=("deepspeed", "fsdp2"), default="deepspeed",
+                        help="deepspeed: ZeRO-2 and its checkpoint files; fsdp2: FSDP2 and DCP shards")
     parser.add_argument("--verify", choices=("size", "sha256"), default="sha256",
                         help="checkpoint.verify: what the load checks (sha256: hashed while read)")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, one repetition: does it still run")
