@@ -1,6 +1,7 @@
 """Deliberate faults for testing failure handling on a real cluster: ``HPC_TRAIN_INJECT_FAULT``.
 
 Values: ``raise:R`` (rank R raises), ``hang:R`` (rank R sleeps forever), ``exit:R:CODE`` (rank R exits),
+``signal:R:N`` (rank R sends itself signal N: 9 is a ``kill -9`` from outside, 11 a crash in native code),
 ``slow:R:MS`` (rank R spends MS more milliseconds in every forward pass: a straggler), ``slow_comm:R:MS`` (rank R
 spends MS more milliseconds in every collective of a training step: a slow fabric, which its peers wait on),
 ``leak:R:MB`` (rank R keeps MB more megabytes after every training step: a memory leak).
@@ -57,6 +58,9 @@ def maybe_inject_fault(rank: int, step: int | None = None) -> None:
             time.sleep(60)
     if fault.kind == "exit":
         sys.exit(int(fault.argument or 1))
+    if fault.kind == "signal" and fault.argument.isascii() and fault.argument.isdigit():
+        os.kill(os.getpid(), int(fault.argument))
+        time.sleep(60)  # a signal that does not end the process: it is not the fault the test wants
 
 
 def _amount(rank: int, kind: str) -> int:

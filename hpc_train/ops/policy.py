@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Decision", "RetryPolicy", "decide"]
 
-_FAILURES = ("node_failure", "infrastructure", "hang", "unknown", "user_error", "out_of_memory")
+_FAILURES = ("node_failure", "infrastructure", "hang", "killed", "crashed", "unknown", "user_error", "out_of_memory")
 
 
 @dataclass(frozen=True)
@@ -66,6 +66,12 @@ _NEVER = {
     "out_of_memory": "lower train.micro_batch, raise zero.stage or offload, or ask for more memory "
                      "(python -m hpc_train validate --memory estimates it), then resubmit",
     "cancelled": "someone cancelled the job; resubmit to go on",
+    # No retry yet: nothing is left running in the job to retry a rank that died on a signal (a node failure is
+    # requeued by Slurm itself, an infrastructure error by the rank that raised it).
+    "killed": "resubmit the same command to go on from the last checkpoint; if ranks keep being killed, ask the "
+              "site what kills them (a node health agent, a memory limit outside the job)",
+    "crashed": "python -m hpc_train logs RUN_DIR --rank N shows what the rank did last; resubmit the same command "
+               "to go on from the last checkpoint",
 }
 
 

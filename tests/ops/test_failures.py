@@ -226,14 +226,46 @@ def test_a_save_that_hung_after_the_signal(tmp_path: Path) -> None:
     assert found.failure_class == "hang" and "exit 76" in found.reason
 
 
-def test_a_rank_killed_without_a_word_is_unknown_and_named(tmp_path: Path) -> None:
+def test_a_rank_killed_from_outside_is_killed_and_named(tmp_path: Path) -> None:
+    """``kill -9`` of rank 1 on n2: srun says "Killed", rank 0 only lost its peer."""
     run_dir = _run(tmp_path)
     write_rank(run_dir, "574", Rank(0, 0, error=GLOO_CLOSED, traceback=comm_traceback("RuntimeError: x")))
     write_rank(run_dir, "574", Rank(1, 1))
     write_batch(run_dir, "574", "srun: error: n2: task 1: Killed\n")
     found = _classify(run_dir, record("574", "FAILED", "0:9", steps=(("0", "FAILED", "0:9"),)), "574")
-    assert found.failure_class == "unknown" and found.ranks == (1,) and "n2" in found.reason
+    assert found.failure_class == "killed" and found.ranks == (1,) and found.nodes == ("n2",)
+    assert found.reason.startswith("killed: SIGKILL from outside the program") and "rank 1 on n2" in found.reason
     assert "Killed" in found.reason
+
+
+@pytest.mark.parametrize(("words", "signal"), [("Segmentation fault (core dumped)", "SIGSEGV"),
+                                               ("Bus error", "SIGBUS"), ("Aborted (core dumped)", "SIGABRT")])
+def test_a_rank_that_crashed_in_native_code_is_crashed(tmp_path: Path, words: str, signal: str) -> None:
+    run_dir = _run(tmp_path)
+    write_rank(run_dir, "578", Rank(0, 0, error=GLOO_CLOSED, traceback=comm_traceback("RuntimeError: x")))
+    write_rank(run_dir, "578", Rank(1, 1))
+    write_batch(run_dir, "578", f"srun: error: n2: task 1: {words}\n")
+    found = _classify(run_dir, record("578", "FAILED", "0:11", steps=(("0", "FAILED", "0:11"),)), "578")
+    assert (found.failure_class, found.ranks, found.nodes) == ("crashed", (1,), ("n2",))
+    assert found.reason.startswith(f"crashed: {signal} in native code")
+
+
+@pytest.mark.parametrize(("exit_code", "kind"), [("0:9", "killed"), ("0:11", "crashed"), ("137:0", "killed"),
+                                                 ("135:0", "crashed")])
+def test_a_signal_in_the_exit_status_alone_names_the_class(exit_code: str, kind: str) -> None:
+    """No srun line (a local run, a batch log that is gone): the signal in Slurm's exit code, or 128 + N."""
+    found = classify(record("579", "FAILED", exit_code), Evidence())
+    assert found.failure_class == kind and "without a traceback" in found.reason
+
+
+def test_the_cgroup_oom_killer_is_out_of_memory_not_killed(tmp_path: Path) -> None:
+    """SIGKILL from the job's own memory limit: rule 4 (out of memory) comes before the signal classes."""
+    run_dir = _run(tmp_path)
+    write_rank(run_dir, "580", Rank(1, 1))
+    write_batch(run_dir, "580", "slurmstepd-n2: error: Detected 1 oom_kill event in StepId=580.0. Some of the "
+                "step tasks have been OOM Killed.\nsrun: error: n2: task 1: Out Of Memory\n")
+    found = _classify(run_dir, record("580", "OUT_OF_MEMORY", "0:125"), "580")
+    assert found.failure_class == "out_of_memory" and "job.mem" in found.reason
 
 
 def test_ranks_that_could_not_start(tmp_path: Path) -> None:
@@ -285,7 +317,7 @@ def test_to_dict_names_the_class() -> None:
 
 def test_classes_are_exactly_the_documented_ones() -> None:
     assert set(CLASSES) == {"completed", "preempted", "time_limit", "node_failure", "infrastructure",
-                            "out_of_memory", "hang", "user_error", "cancelled", "unknown"}
+                            "out_of_memory", "hang", "killed", "crashed", "user_error", "cancelled", "unknown"}
 
 
 def test_traceback_helper_shape() -> None:  # the fixtures look like Python's own tracebacks

@@ -15,7 +15,7 @@ def _c(kind: str, nodes: tuple[str, ...] = (), reason: str = "") -> Classificati
     return Classification(kind, reason or f"{kind.replace('_', ' ')}: something", nodes=nodes, job_id="42")
 
 
-@pytest.mark.parametrize("kind", ["user_error", "out_of_memory", "cancelled"])
+@pytest.mark.parametrize("kind", ["user_error", "out_of_memory", "cancelled", "killed", "crashed"])
 def test_never_retried_and_says_what_to_do(kind: str) -> None:
     decision = decide(_c(kind, ("n1",)), [], POLICY)
     assert decision == Decision(False, [], decision.message)

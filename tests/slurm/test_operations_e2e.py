@@ -113,6 +113,41 @@ def test_a_rank_that_raises_is_a_user_error_and_not_retried(tmp_path: Path) -> N
     assert logs.returncode == 0 and "RuntimeError: injected fault on rank 1" in logs.stdout, logs.stdout
 
 
+@pytest.mark.parametrize(("number", "kind", "name"), [(9, "killed", "SIGKILL"), (11, "crashed", "SIGSEGV")])
+def test_a_rank_that_dies_on_a_signal_is_named_with_its_class(tmp_path: Path, number: int, kind: str,
+                                                               name: str) -> None:
+    """Rank 1 ends on ``kill -9`` (or a segfault) at step 5, no traceback: status says killed (crashed), names
+    rank 1, its node and the signal, and the run is not retried."""
+    job_id = _submit(tmp_path, 30, "--set", f"env.HPC_TRAIN_INJECT_FAULT=signal:1:{number}", "--set",
+                     "env.HPC_TRAIN_INJECT_FAULT_STEP=5")
+    run_dir = tmp_path / "runs" / "tiny-gpt"
+    deadline = time.monotonic() + 180
+    while _state(job_id) not in ("FAILED", "CANCELLED", "COMPLETED"):
+        assert time.monotonic() < deadline, _logs(run_dir)
+        time.sleep(1)
+    status = subprocess.run([sys.executable, "-m", "hpc_train", "status", str(run_dir), "--json"],
+                            capture_output=True, text=True, timeout=60, check=False)
+    assert status.returncode == 0, status.stderr
+    failures = _failures(json.loads(status.stdout))
+    assert failures and failures[-1]["class"] == kind, status.stdout
+    assert name in failures[-1]["reason"] and "rank 1" in failures[-1]["reason"], failures[-1]
+    assert not (run_dir / "excluded_nodes.json").exists()
+
+
+def _failures(data: object) -> list[dict]:
+    """Every object with a failure ``class`` inside ``status --json``'s output."""
+    found: list[dict] = []
+    if isinstance(data, dict):
+        if isinstance(data.get("class"), str) and "reason" in data:
+            found.append(data)
+        for value in data.values():
+            found += _failures(value)
+    elif isinstance(data, list):
+        for value in data:
+            found += _failures(value)
+    return found
+
+
 def test_a_second_submission_to_a_busy_run_folder_is_refused(tmp_path: Path) -> None:
     job_id = _submit(tmp_path, 400)
     try:
