@@ -31,10 +31,8 @@ The first rule that matches decides; the order is the point:
    Slurm requeued it (``REQUEUED``): **preempted**, or **time_limit** when it ended within the smaller of 10
    minutes and 10 % of its time limit; with ``CANCELLED`` it is **cancelled** (scancel, which the run saved for).
 8. ``CANCELLED`` with nothing above: **cancelled** (someone ran scancel; never retried).
-9. A rank that ended on a signal without a traceback, naming rank, node and signal: SIGKILL or SIGTERM from
-   outside (srun "task N: Killed", a node health agent, an administrator's ``kill -9``; the kernel's OOM killer
-   outside a cgroup looks like this too, which is why rule 4 comes first): **killed**; a crash in native code
-   (SIGSEGV, SIGBUS, SIGABRT, SIGILL, SIGFPE: "Segmentation fault", "Bus error", "Aborted"): **crashed**.
+9. A rank that ended on a signal without a traceback: **killed** (SIGKILL, SIGTERM from outside) or **crashed**
+   (SIGSEGV, SIGBUS, SIGABRT, ...), naming rank, node and signal (:mod:`hpc_train.ops.signal_deaths`).
 10. Status 126/127 (command not found) or a launch error line ("hpc_train.launch: ..."): **user_error**.
 11. Anything else: **unknown** (ranks that only lost their peers name the silent ranks' nodes, not excluded).
 
@@ -53,6 +51,7 @@ from typing import Any
 from hpc_train.distributed.hostlist import expand
 from hpc_train.ops.evidence import SRUN_ERROR, Evidence, RankReport, srun_tasks
 from hpc_train.ops.scheduler import SlurmRecord
+from hpc_train.ops.signal_deaths import signal_class, srun_signal
 from hpc_train.run.exit_codes import (
     COMMAND_NOT_RUNNABLE,
     EXIT_HUNG,
@@ -95,14 +94,6 @@ _SECONDARY = PEER_LOST
 _NOT_PRIMARY = re.compile(r"^(SystemExit|KeyboardInterrupt|GeneratorExit)\b")
 _FRAME = re.compile(r'File "([^"]+)", line ([0-9]+)(?:, in (\S+))?')
 _SLURM_DUE = re.compile(r"\*\*\* (?:JOB|STEP) \S+ ON (\S+) CANCELLED AT \S+(?: DUE TO ([A-Z ]+?))? \*\*\*")
-_SIGNALS = {1: "SIGHUP", 2: "SIGINT", 4: "SIGILL", 6: "SIGABRT", 7: "SIGBUS", 8: "SIGFPE", 9: "SIGKILL",
-            11: "SIGSEGV", 15: "SIGTERM"}
-_CRASH_SIGNALS = frozenset({4, 6, 7, 8, 11})
-# srun's words for a task that ended on a signal, and the signal each names
-_SRUN_SIGNAL_WORDS = ((re.compile(r"Segmentation fault"), 11), (re.compile(r"Bus error"), 7),
-                      (re.compile(r"Aborted"), 6), (re.compile(r"Illegal instruction"), 4),
-                      (re.compile(r"Floating point exception"), 8), (re.compile(r"Killed"), 9),
-                      (re.compile(r"Terminated"), 15), (re.compile(r"signal ([0-9]+)"), 0))
 
 
 @dataclass(frozen=True)
@@ -337,38 +328,19 @@ def _cancelled(a: _Attempt) -> Classification | None:
     return a.result("cancelled", f"cancelled: {_cancelled_by(a)}; no rank reported an error")
 
 
-def _srun_signal(message: str) -> int | None:
-    """The signal srun's line for a task names ("Killed": 9, "Segmentation fault": 11, "signal 7"), or None."""
-    for pattern, number in _SRUN_SIGNAL_WORDS:
-        if m := pattern.search(message):
-            return int(m[1]) if number == 0 else number
-    return None
-
-
-def _signal_class(signal: int) -> tuple[str, str]:
-    """(class, what it means) of a rank that ended on ``signal`` without a traceback."""
-    name = _SIGNALS.get(signal, f"signal {signal}")
-    if signal in _CRASH_SIGNALS:
-        return "crashed", f"crashed: {name} in native code (an extension, a driver, a library)"
-    return "killed", f"killed: {name} from outside the program (a node health agent, an administrator, the " \
-                     "kernel's OOM killer outside the job's cgroup)"
-
-
 def _killed(a: _Attempt) -> Classification | None:
-    """A rank that ended on a signal without a traceback: killed from outside (SIGKILL, SIGTERM) or crashed in
-    native code (SIGSEGV, SIGBUS, SIGABRT, ...)."""
+    """A rank that ended on a signal without a traceback: killed from outside, or crashed in native code."""
     for task, (node, _tasks, message) in sorted(a.srun.items()):
-        signal = _srun_signal(message)
-        if signal is not None:
-            kind, words = _signal_class(signal)
+        if (signal := srun_signal(message)) is not None:
+            kind, words = signal_class(signal)
             return a.result(kind, f"{words}: rank {task} on {node} ended without a traceback ({message.strip()})",
                             [node], [task], [f"srun: {node}: task {task}: {message}"])
     signals = [sig for _rc, sig in a.statuses if sig and sig != 15]
     signals += [rc - 128 for rc in a.codes if 128 < rc < 160 and rc != LOCAL_REQUEUE_EXIT]
-    if signals:
-        kind, words = _signal_class(signals[0])
-        return a.result(kind, f"{words}: a process ended without a traceback")
-    return None
+    if not signals:
+        return None
+    kind, words = signal_class(signals[0])
+    return a.result(kind, f"{words}: a process ended without a traceback")
 
 
 def _could_not_start(a: _Attempt) -> Classification | None:

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from hpc_train.ckpt import MANIFEST_NAME, CheckpointError, Manifest
 from hpc_train.ckpt.dcp_state import DCP_DIR
+from hpc_train.ckpt.manifest import FileEntry
 from hpc_train.distributed.collectives import all_gather_objects
 from hpc_train.runtime import random_state
 from hpc_train.runtime.checkpoints import CheckpointTransaction
@@ -60,13 +61,19 @@ def _sharded(state: MutableMapping[str, Any]) -> tuple[str | None, list[str]]:
     return modules[0], sorted(name for name, value in state.items() if isinstance(value, torch.optim.Optimizer))
 
 
-def _dcp_save(state: MutableMapping[str, Any], module: str, optimizers: list[str], folder: Path) -> None:
-    """The FSDP2 module and its optimizers as one distributed checkpoint: every rank writes its own shards."""
+def _dcp_save(state: MutableMapping[str, Any], module: str, optimizers: list[str], folder: Path,
+              entries: list[FileEntry]) -> None:
+    """The FSDP2 module and its optimizers as one distributed checkpoint: every rank writes its own shards, each
+    hashed while written into ``entries`` (this rank's manifest entries)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
+    from hpc_train.runtime.dcp_writer import hashing_writer
+
     model, optim = get_state_dict(state[module], [state[name] for name in optimizers])
-    dcp.save({"model": model, "optimizers": optim}, checkpoint_id=str(folder / DCP_DIR))
+    where = folder / DCP_DIR
+    dcp.save({"model": model, "optimizers": optim}, storage_writer=hashing_writer(where, folder, entries),
+             checkpoint_id=str(where))
 
 
 def _dcp_load(state: MutableMapping[str, Any], module: str, optimizers: list[str], folder: Path) -> None:
@@ -117,7 +124,7 @@ class UserCheckpoint:
                     _install(state[name], self._checkpointer)
                     state[name].save_checkpoint(str(folder / ENGINES_DIR / name), tag=ENGINE_TAG)
             if module is not None:
-                _dcp_save(state, module, optimizers, folder)
+                _dcp_save(state, module, optimizers, folder, self._checkpointer.files.entries)
             held = {module, *optimizers}
             objects = {name: value.state_dict() if hasattr(value, "state_dict") else value
                        for name, value in state.items() if not _is_engine(value) and name not in held}

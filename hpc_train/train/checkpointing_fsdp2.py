@@ -13,7 +13,8 @@ With ``checkpoint.async_save`` (the default) the shards go through ``dcp.async_s
 host memory on the step, and DCP writes it in a thread of its own, on a gloo group made for it alone (DCP's
 asynchronous save needs a CPU group, and a barrier on the group a background save uses deadlocks; nothing else
 uses this one). Each rank's writer thread waits for DCP's future before it writes the rank's marker, so rank 0
-commits (hashing DCP's files) only once every shard is on disk; the save after a stop signal is synchronous.
+commits only once every shard is on disk; the save after a stop signal is synchronous. The shards are hashed
+while DCP writes them (:mod:`hpc_train.runtime.dcp_writer`), so the commit reads none of them back.
 """
 
 from __future__ import annotations
@@ -37,6 +38,12 @@ def _rank_file(folder: Path, rank: int) -> Path:
     return folder / RANKS_DIR / f"rank-{rank}.pt"
 
 
+def _dcp_failure(error: BaseException) -> str:
+    """The failure DCP reports from a rank (its message holds every failed rank's whole traceback)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[-1] if lines else type(error).__name__
+
+
 def _done(future: Any) -> Any:
     """What DCP's asynchronous save returned (a Future, or a response holding the upload's future), waited on."""
     return getattr(future, "upload_completion", future).result()
@@ -51,21 +58,31 @@ class Fsdp2Checkpoints(CheckpointTransaction):
         super().__init__(*args, **kwargs)
         # Collective: every rank builds its checkpointer at the same point of the build stage.
         self._save_group = dist.new_group(backend="gloo") if self.async_save else None
+        self._stager: Any = None  # made at the first asynchronous save, kept for the run
 
     def save(self, engine: Any, step: int, sampler_state: dict[str, int], wait: bool = False) -> None:
         """Every rank's shards through DCP (in the background unless ``wait`` or a synchronous config), and its
         own small file."""
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         def write(tmp: Path) -> None:
+            from hpc_train.runtime.dcp_writer import hashing_writer, host_stager
+
             model, optimizer = get_state_dict(engine.module, engine.optimizer)
-            state, where = {"model": model, "optimizer": optimizer}, str(tmp / DCP_DIR)
+            state, where = {"model": model, "optimizer": optimizer}, tmp / DCP_DIR
+            writer = hashing_writer(where, tmp, self.files.entries)  # this save's list: begin() made it
             if self.files.staging:
-                future = dcp.async_save(state, checkpoint_id=where, process_group=self._save_group)
+                self._stager = self._stager or host_stager(engine.device.type == "cuda")
+                future = dcp.async_save(state, storage_writer=writer, checkpoint_id=str(where),
+                                        process_group=self._save_group, async_stager=self._stager)
                 self.files.after(lambda: _done(future))
             else:
-                dcp.save(state, checkpoint_id=where)
+                try:
+                    dcp.save(state, storage_writer=writer, checkpoint_id=str(where))
+                except CheckpointException as error:  # a BaseException: past every "except Exception"
+                    raise CheckpointError(f"{where}: DCP could not write the shards: {_dcp_failure(error)}") from None
             own = {"step": step, "sampler": sampler_state, "scheduler": engine.scheduler.state_dict(),
                    "random": random_state.capture(engine.device)}
             self.files.save(own, _rank_file(tmp, self.rank))
