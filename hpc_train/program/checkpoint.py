@@ -68,7 +68,7 @@ def _dcp_save(state: MutableMapping[str, Any], module: str, optimizers: list[str
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from hpc_train.runtime.dcp_writer import hashing_writer
+    from hpc_train.runtime.dcp_files import hashing_writer
 
     model, optim = get_state_dict(state[module], [state[name] for name in optimizers])
     where = folder / DCP_DIR

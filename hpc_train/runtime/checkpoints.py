@@ -14,7 +14,7 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -126,15 +126,17 @@ class CheckpointTransaction:
                                                name=f"commit-step-{step}", daemon=False)
             self._committer.start()
 
-    def latest(self) -> Path | None:
+    def latest(self, level: Any = None, skip: Collection[Path] = ()) -> Path | None:
         """Every rank: the newest checkpoint that verifies (rank 0 looks, falling back past damaged ones with a
-        warning, and tells the others), or None; rank 0's error reaches every rank."""
+        warning, and tells the others), or None; rank 0's error reaches every rank. ``level`` overrides
+        ``checkpoint.verify`` (a loader that hashes while it reads asks for sizes); ``skip``: checkpoints a load
+        already found damaged."""
         if not self.resume_enabled:
             return None
         found: Any = None
         if self.manager:
             try:
-                newest = self.manager.latest_verified()
+                newest = self.manager.latest_verified(level, skip)
                 found = None if newest is None else str(newest)
             except Exception as error:
                 found = Refusal(str(error), isinstance(error, ConfigError))

@@ -14,7 +14,7 @@ host memory on the step, and DCP writes it in a thread of its own, on a gloo gro
 asynchronous save needs a CPU group, and a barrier on the group a background save uses deadlocks; nothing else
 uses this one). Each rank's writer thread waits for DCP's future before it writes the rank's marker, so rank 0
 commits only once every shard is on disk; the save after a stop signal is synchronous. The shards are hashed
-while DCP writes them (:mod:`hpc_train.runtime.dcp_writer`), so the commit reads none of them back.
+while DCP writes them (:mod:`hpc_train.runtime.dcp_files`), so the commit reads none of them back.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from hpc_train.ckpt import CheckpointError
+from hpc_train.ckpt import MANIFEST_NAME, CheckpointError, Manifest
 from hpc_train.distributed.collectives import all_gather_objects
 from hpc_train.runtime import random_state
 from hpc_train.runtime.checkpoints import CheckpointTransaction
@@ -68,7 +68,7 @@ class Fsdp2Checkpoints(CheckpointTransaction):
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         def write(tmp: Path) -> None:
-            from hpc_train.runtime.dcp_writer import hashing_writer, host_stager
+            from hpc_train.runtime.dcp_files import hashing_writer, host_stager
 
             model, optimizer = get_state_dict(engine.module, engine.optimizer)
             state, where = {"model": model, "optimizer": optimizer}, tmp / DCP_DIR
@@ -90,25 +90,59 @@ class Fsdp2Checkpoints(CheckpointTransaction):
         self.save_with(step, write, wait=wait)
 
     def resume(self, engine: Any) -> tuple[int, dict[str, int] | None]:
-        """(the last completed step, the sampler state) of the newest verified checkpoint, or (0, None)."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+        """(the last completed step, the sampler state) of the newest good checkpoint, or (0, None).
 
-        found = self.latest()
-        if found is None:
-            return 0, None
-        model, optimizer = get_state_dict(engine.module, engine.optimizer)
-        state = {"model": model, "optimizer": optimizer}
-        dcp.load(state, checkpoint_id=str(found / DCP_DIR))
-        set_state_dict(engine.module, engine.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optimizer"])
-        mine = _rank_file(found, self.rank)
-        shared = self.files.load(mine if mine.exists() else _rank_file(found, 0))
+        Rank 0 picks the newest checkpoint whose files have the manifest's sizes; every rank then reads the
+        shards DCP asks it for and its own small file once each, checking each one's sha256 on the way with
+        ``checkpoint.verify = "sha256"``. A damaged file is found by the rank that read it, the ranks agree,
+        and all of them load the previous checkpoint over it (as the DeepSpeed path does)."""
+        damaged: list[Path] = []
+        while True:
+            found = self.latest("size", damaged)
+            if found is None:
+                if damaged:
+                    raise CheckpointError(f"every checkpoint failed verification while it was loaded ("
+                                          f"{', '.join(path.name for path in damaged)}); the model is partly "
+                                          "loaded, so the run stops: set checkpoint.resume = false to start over")
+                return 0, None
+            problem, shared, mine = self._load(engine, found)
+            problems = [p for p in all_gather_objects(problem) if p]
+            if not problems:
+                break
+            self.log(f"warning: checkpoint {found.name} skipped: {problems[0]}; falling back to the previous one")
+            damaged.append(found)
         steps = {int(step) for step in all_gather_objects(int(shared["step"]))}
         if len(steps) != 1:
             raise CheckpointError(f"{found}: the ranks' files hold different steps {sorted(steps)}")
         engine.scheduler.load_state_dict(shared["scheduler"])
-        if mine.exists():
+        if mine:
             random_state.restore(shared["random"], engine.device)
         self.log(f"resumed from step {shared['step']} ({found.name}, FSDP2 shards resharded by DCP as needed)")
         return int(shared["step"]), shared["sampler"]
+
+    def _load(self, engine: Any, found: Path) -> tuple[str | None, dict[str, Any], bool]:
+        """Load ``found`` into the engine on this rank: (what was wrong with its files, or None; the rank's
+        small file, or rank 0's for a rank the checkpoint did not have; whether it was this rank's own)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        from hpc_train.runtime.dcp_files import checking_reader
+
+        entries = list(Manifest.from_json((found / MANIFEST_NAME).read_text(encoding="utf-8")).files)
+        problems: list[str] = []
+        model, optimizer = get_state_dict(engine.module, engine.optimizer)
+        state = {"model": model, "optimizer": optimizer}
+        reader = checking_reader(found / DCP_DIR, found, entries, self.check_sha256, problems)
+        try:
+            dcp.load(state, storage_reader=reader, checkpoint_id=str(found / DCP_DIR))
+        except CheckpointException as error:  # DCP's error reaches every rank: a file gone, short, unreadable
+            return _dcp_failure(error), {}, False
+        set_state_dict(engine.module, engine.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optimizer"])
+        mine = _rank_file(found, self.rank)
+        self.files.load_problems.clear()
+        self.files.begin_load(found, entries, self.check_sha256)
+        shared = self.files.load(mine if mine.exists() else _rank_file(found, 0))
+        problems += self.files.load_problems
+        return (problems[0] if problems else None), shared, mine.exists()

@@ -7,9 +7,10 @@ tests/integrations/test_preemption_slurm.py (its six Slurm runs are that test). 
 requeue round trip on the cluster, about 100 s of Slurm's credential and scheduler waits even when tiny) is left
 to a manual run: CI's time is spent on its local parts and on the cluster's end-to-end tests of the same requeue.
 
-The runs start together when the first test asks for one, in three lanes (two for the benchmarks on this machine,
-one for those on the local Slurm cluster, which mostly wait for Slurm), because one after another they would
-take several minutes of CI; each test then waits for its own run.
+The runs on this machine start together when the first test asks for one, two at a time, because one after
+another they would take several minutes of CI; each test then waits for its own run. A benchmark that submits
+to the local Slurm cluster runs in its own test in the Slurm lane instead (its jobs take the nodes: started beside
+the Slurm lane's tests, they once left another test's job pending until that test gave up).
 """
 
 from __future__ import annotations
@@ -20,14 +21,14 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import pytest
 
 from tests.conftest import PYTHON, REPO
-from tests.slurm.cluster import cluster_problem, slurm_cluster
+from tests.slurm.cluster import slurm_cluster
 
 __all__ = ["slurm_cluster"]  # the fixture (skip, or fail where HPC_TRAIN_REQUIRE_SLURM=1), asked for by name
 
@@ -78,6 +79,10 @@ CASES = [  # the costliest first (CPU seconds here: 57, 52, 25, 23, 22, 14, 4, 0
     Case("submit_latency.py", (), (r"hpc_train\.submit\s+.*", r"hand-written sbatch\s+.*\s+1\.00\s+.*\s+1\.00"),
          slurm=True),
 ]
+# Run in the Slurm lane by their own test (tests/conftest.py puts a test that asks for slurm_cluster there): their
+# jobs take the nodes, and started beside the Slurm lane's tests they left another test's job pending.
+SLURM_CASES = [case for case in CASES if case.slurm]
+CASES = [case for case in CASES if not case.slurm]
 LOCAL_LANES = 2
 
 
@@ -100,43 +105,21 @@ class Result:
 
 
 class Runs:
-    """Every runnable case of ``cases`` started in its lane; ``result(case)`` waits for one."""
+    """Every case of ``cases`` started, LOCAL_LANES at a time; ``result(case)`` waits for one."""
 
     def __init__(self, cases: list[Case]) -> None:
         self.before = _untracked()
-        slurm_problem = cluster_problem()
         self._procs: set[subprocess.Popen[str]] = set()
         self._lock = threading.Lock()
-        self._pools = [ThreadPoolExecutor(LOCAL_LANES), ThreadPoolExecutor(1)]
-        self.futures: dict[Case, Future[Result]] = {}
-        self.not_started: dict[Case, str] = {}  # why (the Slurm cases' tests say it through slurm_cluster)
-        for case in cases:
-            why = ""
-            if case.slurm and slurm_problem:
-                why = f"the local Slurm cluster did not answer when the runs started: {slurm_problem}"
-            if why:
-                self.not_started[case] = why
-            else:
-                self.futures[case] = self._pools[case.slurm].submit(self._run, case)
+        self._pools = [ThreadPoolExecutor(LOCAL_LANES)]
+        self.futures: dict[Case, Future[Result]] = {case: self._pools[0].submit(self._run, case) for case in cases}
 
     def _run(self, case: Case) -> Result:
-        start = time.monotonic()
-        # A session of its own: on a timeout the whole group goes (its ranks too), SIGINT first so that a
-        # benchmark cancels its Slurm jobs.
-        proc = subprocess.Popen([PYTHON, f"benchmarks/{case.script}", "--smoke", *case.args], cwd=REPO,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        return _run_case(case, self._track)
+
+    def _track(self, proc: subprocess.Popen[str], running: bool) -> None:
         with self._lock:
-            self._procs.add(proc)
-        try:
-            out, err = proc.communicate(timeout=case.timeout_s)
-        except subprocess.TimeoutExpired:
-            _stop(proc)
-            out, err = proc.communicate()
-            err += f"\n[test_smoke: killed after {case.timeout_s:.0f} s]"
-        finally:
-            with self._lock:
-                self._procs.discard(proc)
-        return Result(proc.returncode, out, err, time.monotonic() - start)
+            (self._procs.add if running else self._procs.discard)(proc)
 
     def result(self, case: Case) -> Result:
         return self.futures[case].result()
@@ -151,6 +134,35 @@ class Runs:
             _stop(proc)
         for pool in self._pools:
             pool.shutdown(wait=True)
+
+
+def _run_case(case: Case, track: Callable[[subprocess.Popen[str], bool], None] = lambda proc, running: None
+              ) -> Result:
+    """``benchmarks/SCRIPT --smoke``, in a session of its own: on a timeout the whole group goes (its ranks too),
+    SIGINT first so that a benchmark cancels its Slurm jobs."""
+    start = time.monotonic()
+    proc = subprocess.Popen([PYTHON, f"benchmarks/{case.script}", "--smoke", *case.args], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    track(proc, True)
+    try:
+        out, err = proc.communicate(timeout=case.timeout_s)
+    except subprocess.TimeoutExpired:
+        _stop(proc)
+        out, err = proc.communicate()
+        err += f"\n[test_smoke: killed after {case.timeout_s:.0f} s]"
+    finally:
+        track(proc, False)
+    return Result(proc.returncode, out, err, time.monotonic() - start)
+
+
+def _check(case: Case, result: Result) -> None:
+    print(f"{case.id} --smoke: exit {result.code} after {result.seconds:.1f} s")
+    report = f"exit {result.code} after {result.seconds:.1f} s\n--- stdout\n{result.out[-4000:]}\n--- stderr\n" \
+             f"{result.err[-4000:]}"
+    assert result.code == 0, report
+    lines = result.out.splitlines()
+    for pattern in case.lines:
+        assert any(re.fullmatch(pattern, line.strip()) for line in lines), f"no line matches {pattern!r}\n{report}"
 
 
 def _stop(proc: subprocess.Popen[str]) -> None:
@@ -177,21 +189,14 @@ def runs(request: pytest.FixtureRequest) -> Iterator[Runs]:
 
 
 @pytest.mark.parametrize("case", CASES, ids=[case.id for case in CASES])
-def test_benchmark_smoke(case: Case, runs: Runs, request: pytest.FixtureRequest) -> None:
-    if case.slurm:
-        request.getfixturevalue("slurm_cluster")  # skips, or fails where HPC_TRAIN_REQUIRE_SLURM=1
-    if case in runs.not_started:
-        if case.slurm and os.environ.get("HPC_TRAIN_REQUIRE_SLURM") == "1":
-            pytest.fail(runs.not_started[case])
-        pytest.skip(runs.not_started[case])
-    result = runs.result(case)
-    print(f"{case.id} --smoke: exit {result.code} after {result.seconds:.1f} s")
-    report = f"exit {result.code} after {result.seconds:.1f} s\n--- stdout\n{result.out[-4000:]}\n--- stderr\n" \
-             f"{result.err[-4000:]}"
-    assert result.code == 0, report
-    lines = result.out.splitlines()
-    for pattern in case.lines:
-        assert any(re.fullmatch(pattern, line.strip()) for line in lines), f"no line matches {pattern!r}\n{report}"
+def test_benchmark_smoke(case: Case, runs: Runs) -> None:
+    _check(case, runs.result(case))
+
+
+@pytest.mark.parametrize("case", SLURM_CASES, ids=[case.id for case in SLURM_CASES])
+def test_benchmark_smoke_on_the_cluster(case: Case, slurm_cluster: object) -> None:
+    """Asks for the cluster by name, so it runs in the Slurm lane, one at a time with the other cluster tests."""
+    _check(case, _run_case(case))
 
 
 def test_smoke_runs_leave_nothing_in_the_repository(runs: Runs) -> None:

@@ -116,6 +116,23 @@ def test_a_2_rank_checkpoint_resumes_on_another_rank_count(runs: SimpleNamespace
     assert "universal" not in output  # no conversion step
 
 
+def test_a_shard_that_fails_its_sha256_while_loaded_falls_back_to_the_previous_checkpoint(
+        runs: SimpleNamespace, tmp_path: Path) -> None:
+    """One byte of rank 1's newest DCP shard flipped (the size unchanged, so only the hash read on the way finds
+    it): every rank falls back to step 10 together and the run goes on as the uninterrupted one did."""
+    work = tmp_path / "copy"
+    shutil.copytree(runs.fsdp2.work, work, symlinks=True)
+    shard = work / "runs" / "tiny-gpt" / "checkpoints" / "step-00000020" / "dcp" / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    output = _finished(_start(work, "train.engine=fsdp2", "checkpoint.verify=sha256"))
+    assert ("checkpoint step-00000020 skipped: dcp/__1_0.distcp is corrupt: sha256 differs from the manifest; "
+            "falling back to the previous one") in output, output[-3000:]
+    assert "resumed from step 10 (step-00000010" in output
+    assert not _close(_losses(work / "runs" / "tiny-gpt"), runs.fsdp2.losses, range(11, STEPS + 1))
+
+
 def test_tensor_2_by_data_2_follows_one_rank_exports_the_same_names_and_resumes_at_tensor_1(
         runs: SimpleNamespace, tmp_path: Path) -> None:
     """The GPT's tensor-parallel layers keep their shards as DTensors on the tensor axis, sharded again by FSDP2 on
