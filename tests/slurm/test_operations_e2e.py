@@ -90,14 +90,20 @@ def test_a_node_that_goes_down_is_excluded_and_the_run_resumes(tmp_path: Path) -
         assert f"ExcNodeList={node}" in show, show
 
 
-def test_a_rank_that_raises_is_a_user_error_and_not_retried(tmp_path: Path) -> None:
-    job_id = _submit(tmp_path, 30, "--set", "env.HPC_TRAIN_INJECT_FAULT=raise:1", "--set",
+def _ended_with_fault(tmp_path: Path, fault: str) -> tuple[str, Path]:
+    """A 30-step job whose fault fires at step 5, waited for until Slurm ends it: (job id, run folder)."""
+    job_id = _submit(tmp_path, 30, "--set", f"env.HPC_TRAIN_INJECT_FAULT={fault}", "--set",
                      "env.HPC_TRAIN_INJECT_FAULT_STEP=5")
     run_dir = tmp_path / "runs" / "tiny-gpt"
     deadline = time.monotonic() + 180
     while _state(job_id) not in ("FAILED", "CANCELLED", "COMPLETED"):
         assert time.monotonic() < deadline, _logs(run_dir)
         time.sleep(1)
+    return job_id, run_dir
+
+
+def test_a_rank_that_raises_is_a_user_error_and_not_retried(tmp_path: Path) -> None:
+    job_id, run_dir = _ended_with_fault(tmp_path, "raise:1")
     time.sleep(3)  # a requeue, if there were one, would show by now
     rows = subprocess.run(["sacct", "-n", "-P", "-X", "-D", "-j", job_id, "-o", "State"], capture_output=True,
                           text=True, timeout=30, check=True).stdout.split()
@@ -118,13 +124,7 @@ def test_a_rank_that_dies_on_a_signal_is_named_with_its_class(tmp_path: Path, nu
                                                                name: str) -> None:
     """Rank 1 ends on ``kill -9`` (or a segfault) at step 5, no traceback: status says killed (crashed), names
     rank 1, its node and the signal, and the run is not retried."""
-    job_id = _submit(tmp_path, 30, "--set", f"env.HPC_TRAIN_INJECT_FAULT=signal:1:{number}", "--set",
-                     "env.HPC_TRAIN_INJECT_FAULT_STEP=5")
-    run_dir = tmp_path / "runs" / "tiny-gpt"
-    deadline = time.monotonic() + 180
-    while _state(job_id) not in ("FAILED", "CANCELLED", "COMPLETED"):
-        assert time.monotonic() < deadline, _logs(run_dir)
-        time.sleep(1)
+    _job, run_dir = _ended_with_fault(tmp_path, f"signal:1:{number}")
     status = subprocess.run([sys.executable, "-m", "hpc_train", "status", str(run_dir), "--json"],
                             capture_output=True, text=True, timeout=60, check=False)
     assert status.returncode == 0, status.stderr
