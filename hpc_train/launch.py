@@ -19,9 +19,10 @@ from typing import Any, NoReturn
 
 from hpc_train.config.plan import Plan
 from hpc_train.errors import ConfigError
-from hpc_train.run.exit_codes import EXIT_NOT_RETRIED, EXIT_STOPPED
+from hpc_train.run.exit_codes import EXIT_NOT_RETRIED, EXIT_RESTART_IN_PLACE, EXIT_STOPPED
 from hpc_train.run.files import atomic_write
 from hpc_train.run.folder import check_run_folder
+from hpc_train.run.in_place import in_place_left
 from hpc_train.run.loglines import format_launch_error, format_start, format_stopped, rank_log_format
 from hpc_train.run.node import node_name
 from hpc_train.run.paths import (
@@ -81,7 +82,7 @@ def _run_rank(run_dir: Path, plan: Plan, watch: PreemptionWatch | None) -> dict[
     _prepare_fabric(run_dir, plan, info.local_rank, logger)
     on_slurm = bool(os.environ.get("SLURM_JOB_ID")) and os.environ.get("SUBMITIT_EXECUTOR") != "local"
     program = plan.config.job.program
-    if on_slurm and info.rank == 0 and program != "smoke":
+    if on_slurm and info.rank == 0 and program != "smoke" and not info.in_place:  # the agent looked at a restart
         _look_back(run_dir, plan, info, logger)
     try:
         check_geometry(info, Geometry(plan.resources.nodes, plan.resources.tasks_per_node,
@@ -100,7 +101,8 @@ def _run_rank(run_dir: Path, plan: Plan, watch: PreemptionWatch | None) -> dict[
         _record_consequence(run_dir, info.rank, stop, logger)
         _leave(info, stop.notice.exit_code)
     except BaseException as error:
-        _record_failure(run_dir, plan, info, error, on_slurm and program != "smoke", logger)
+        if _record_failure(run_dir, plan, info, error, on_slurm and program != "smoke", logger):
+            _leave(info, EXIT_RESTART_IN_PLACE)  # the agent above this rank starts every rank again
         raise
     if "stopped" in result:  # saved after a preemption signal: leave without a result, with the agreed status
         stopped = result["stopped"]
@@ -136,17 +138,26 @@ def _leave(info: Any, code: int) -> NoReturn:
 
 
 def _record_failure(run_dir: Path, plan: Plan, info: Any, error: BaseException, may_retry: bool,
-                    logger: logging.Logger) -> None:
+                    logger: logging.Logger) -> bool:
     """The rank's traceback in its log and ``rank-N.error.json``, written after the retry policy has acted and
-    saying what it did: a follower on the login node never cancels a job that one of its ranks is requeuing."""
+    saying what it did: a follower on the login node never cancels a job that one of its ranks is requeuing.
+    True when an in-place restart mends the error (a network fault, a peer that went away) and this rank leaves
+    for its agent to start it again, instead of a requeue."""
+    from hpc_train.ops.recovery import mended_in_place
+
     text = _traceback_text(error)
     logger.error("failed:\n%s", text)
-    requeued = False
+    requeued = in_place = False
     if may_retry and not isinstance(error, SystemExit):
-        requeued = _requeue_after_error(run_dir, plan, info, repr(error), text, logger)
+        in_place = in_place_left(os.environ) > 0 and mended_in_place(info.rank, node_name(), repr(error), text)
+        if not in_place:
+            requeued = _requeue_after_error(run_dir, plan, info, repr(error), text, logger)
     report = {"rank": info.rank, "host": node_name(), "time": time.time(), "error": repr(error),
-              "traceback": text, "requeued": requeued}
+              "traceback": text, "requeued": requeued, "restart_in_place": in_place, "in_place": info.in_place}
     atomic_write(rank_error_path(run_dir, info.rank), json.dumps(report, indent=2) + "\n")
+    if in_place:
+        logger.info("leaving for an in-place restart (the agent starts every rank again from the last checkpoint)")
+    return in_place
 
 
 def _record_consequence(run_dir: Path, rank: int, stop: StopConsequence, logger: logging.Logger) -> None:
@@ -199,7 +210,7 @@ def _requeue_after_error(run_dir: Path, plan: Plan, info: Any, error: str, text:
     from hpc_train.ops.recovery import requeue_after_error
 
     recovery = requeue_after_error(run_dir, info.job_id, info.restart, info.rank, node_name(), error, text,
-                                   RetryPolicy.from_section(plan.config.retry), logger.info)
+                                   RetryPolicy.from_section(plan.config.retry), logger.info, in_place=info.in_place)
     if recovery.failure_class:
         logger.info("%s: %s", recovery.failure_class, recovery.message)
     return recovery.action == "requeue"
@@ -238,7 +249,17 @@ class RankEntry:
         self.run_dir = run_dir
 
     def __call__(self) -> dict[str, Any]:
-        return run_rank(Path(self.run_dir))
+        from hpc_train.agent import agent_setup, supervise
+
+        run_dir = Path(self.run_dir)
+        setup = agent_setup(run_dir)
+        if setup is None:
+            return run_rank(run_dir)
+        code = supervise(setup)  # the rank runs below an agent that may start it again inside this job
+        if code != 0:
+            raise SystemExit(code)
+        results = [run_dir / name for name in (TRAIN_FILE, PROGRAM_FILE) if (run_dir / name).exists()]
+        return json.loads(results[0].read_text(encoding="utf-8")) if setup.rank == 0 and results else {}
 
     def checkpoint(self) -> Any:
         """submitit calls this when its own signal handler still holds the preemption signal (the first moments

@@ -276,6 +276,9 @@ class RetrySection:
     hang: int = option(2, "Requeues after a hang the watchdog found.")
     node_failure: int = option(3, "Requeues after a node failure, each with the failed node excluded.")
     infrastructure: int = option(3, "Requeues after NCCL, CUDA or network errors, with the node excluded.")
+    in_place: int = option(2, "Restarts inside the same Slurm job (a new life of every rank, from the last "
+                              "checkpoint) after a rank was killed, crashed, hung or met a network fault, before "
+                              "the job is requeued; 0 turns them off.")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -58,6 +58,7 @@ def _check_counts(cfg: JobConfig) -> None:
         ("watchdog.checkpoint_timeout_s", cfg.watchdog.checkpoint_timeout_s, 10),
         ("watchdog.straggler_factor", cfg.watchdog.straggler_factor, 0), ("retry.hang", cfg.retry.hang, 0),
         ("retry.node_failure", cfg.retry.node_failure, 0), ("retry.infrastructure", cfg.retry.infrastructure, 0),
+        ("retry.in_place", cfg.retry.in_place, 0),
     ):
         _at_least(where, value, low)
     for where, value, high in (("job.nodes", cfg.job.nodes, MAX_NODES), ("job.tasks_per_node", cfg.job.tasks_per_node,

@@ -7,7 +7,8 @@ spends MS more milliseconds in every collective of a training step: a slow fabri
 ``leak:R:MB`` (rank R keeps MB more megabytes after every training step: a memory leak).
 ``HPC_TRAIN_INJECT_FAULT_STEP=N`` fires the fault at training step N instead of at start-up, and
 ``HPC_TRAIN_INJECT_FAULT_RESTART=K`` only in the attempt with that Slurm restart count (so a requeued job can
-show that it recovers). Set them in a job's ``[env]``; unset, nothing happens.
+show that it recovers), ``HPC_TRAIN_INJECT_FAULT_IN_PLACE=I`` only in the rank's life with that in-place restart
+index (:mod:`hpc_train.agent`; 0 is the first life). Set them in a job's ``[env]``; unset, nothing happens.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ __all__ = ["FAULT_VARIABLE", "injected_comm_delay_s", "injected_delay_s", "injec
 FAULT_VARIABLE = "HPC_TRAIN_INJECT_FAULT"
 STEP_VARIABLE = "HPC_TRAIN_INJECT_FAULT_STEP"
 RESTART_VARIABLE = "HPC_TRAIN_INJECT_FAULT_RESTART"
+IN_PLACE_VARIABLE = "HPC_TRAIN_INJECT_FAULT_IN_PLACE"
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,9 @@ def _fault(rank: int) -> Fault | None:
         return None
     restart = os.environ.get(RESTART_VARIABLE, "")
     if restart and restart != os.environ.get("SLURM_RESTART_COUNT", "0"):
+        return None
+    in_place = os.environ.get(IN_PLACE_VARIABLE, "")
+    if in_place and in_place != os.environ.get("HPC_TRAIN_IN_PLACE", "0"):
         return None
     step = os.environ.get(STEP_VARIABLE, "")
     return Fault(kind, rank, argument, int(step) if (step.isascii() and step.isdigit()) else None)

@@ -13,6 +13,8 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from hpc_train.run.in_place import in_place_index
+
 __all__ = ["Geometry", "LaunchError", "LaunchInfo", "check_geometry", "detect_launch", "tasks_on_node"]
 
 
@@ -37,6 +39,7 @@ class LaunchInfo:
     restart: int
     master_addr: str = ""
     master_port: int = 0
+    in_place: int = 0  # the in-place restart of this Slurm attempt (hpc_train.agent); 0 before any
 
 
 def _int(env: Mapping[str, str], *names: str) -> int:
@@ -66,7 +69,7 @@ def tasks_on_node(spec: str, node: int) -> int:
 
 def _slurm_ids(env: Mapping[str, str]) -> dict[str, object]:
     return {"job_id": env.get("SLURM_JOB_ID", ""), "array_task": env.get("SLURM_ARRAY_TASK_ID", ""),
-            "restart": int(env.get("SLURM_RESTART_COUNT", "0") or 0),
+            "restart": int(env.get("SLURM_RESTART_COUNT", "0") or 0), "in_place": in_place_index(env),
             "nodelist": env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST", "")}
 
 

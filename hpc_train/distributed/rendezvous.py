@@ -30,10 +30,11 @@ class Rendezvous:
     port: int
 
 
-def derive_port(job_id: str, restart: int, low: int, high: int) -> int:
-    """A port in ``[low, high)`` from the job id and restart count (the templates' formula)."""
+def derive_port(job_id: str, restart: int, low: int, high: int, in_place: int = 0) -> int:
+    """A port in ``[low, high)`` from the job id and restart count (the templates' formula); each restart in
+    place moves it on, so a new step never meets the old one's port in TIME_WAIT."""
     digits = "".join(ch for ch in job_id if (ch.isascii() and ch.isdigit())) or "0"
-    return low + (int(digits) * 7919 + restart * 104729) % (high - low)
+    return low + (int(digits) * 7919 + restart * 104729 + in_place * 1299709) % (high - low)
 
 
 def _mpi_bcast_rendezvous(info: LaunchInfo, low: int, high: int) -> Rendezvous:
@@ -57,12 +58,13 @@ def choose_rendezvous(info: LaunchInfo, port_range: tuple[int, int] = (20000, 32
     if info.launcher in ("openmpi", "mpich") and info.master_addr and info.master_port:
         return Rendezvous(info.master_addr, info.master_port)  # exported by the mpirun template
     if info.launcher in ("submitit-local", "single"):
-        return Rendezvous("127.0.0.1", derive_port(info.job_id, info.restart, low, high))
+        return Rendezvous("127.0.0.1", derive_port(info.job_id, info.restart, low, high, info.in_place))
     if not info.nodelist or not info.job_id:
         if info.launcher in ("openmpi", "mpich"):
             return _mpi_bcast_rendezvous(info, low, high)
         raise LaunchError(f"{info.launcher}: SLURM_JOB_NODELIST and SLURM_JOB_ID are needed to find rank 0")
-    return Rendezvous(first_host(info.nodelist) + fabric_suffix, derive_port(info.job_id, info.restart, low, high))
+    port = derive_port(info.job_id, info.restart, low, high, info.in_place)
+    return Rendezvous(first_host(info.nodelist) + fabric_suffix, port)
 
 
 def check_resolves(addr: str) -> None:

@@ -66,12 +66,13 @@ _NEVER = {
     "out_of_memory": "lower train.micro_batch, raise zero.stage or offload, or ask for more memory "
                      "(python -m hpc_train validate --memory estimates it), then resubmit",
     "cancelled": "someone cancelled the job; resubmit to go on",
-    # No retry yet: nothing is left running in the job to retry a rank that died on a signal (a node failure is
-    # requeued by Slurm itself, an infrastructure error by the rank that raised it).
-    "killed": "resubmit the same command to go on from the last checkpoint; if ranks keep being killed, ask the "
-              "site what kills them (a node health agent, a memory limit outside the job)",
+    # The agent (hpc_train.agent) restarts these inside the job within retry.in_place; what reaches the policy
+    # has spent those restarts (or had them off), so nothing is left running in the job to retry it.
+    "killed": "resubmit the same command to go on from the last checkpoint (the restarts inside the job, "
+              "retry.in_place, were spent or off); if ranks keep being killed, ask the site what kills them (a "
+              "node health agent, a memory limit outside the job)",
     "crashed": "python -m hpc_train logs RUN_DIR --rank N shows what the rank did last; resubmit the same command "
-               "to go on from the last checkpoint",
+               "to go on from the last checkpoint (the restarts inside the job, retry.in_place, were spent or off)",
 }
 
 

@@ -31,6 +31,7 @@ from hpc_train.run.attempts import AttemptLog
 from hpc_train.run.exclusions import add_exclusions, exclude_expression, read_exclusions
 from hpc_train.run.jobid import scontrol_job_id
 from hpc_train.run.paths import HEARTBEAT_DIR, recovery_claim_path
+from hpc_train.run.peer_errors import lost_its_peer
 from hpc_train.run.stops import attempt_key
 
 __all__ = ["RETRIED_CLASSES", "Recovery", "down_nodes", "look_back", "requeue_after_error"]
@@ -177,13 +178,23 @@ def look_back(run_dir: Path, job_id: str, restart: int, policy: RetryPolicy, all
     return recovery
 
 
-def _claim(run_dir: Path, job_id: str, restart: int, rank: int) -> bool:
+def mended_in_place(rank: int, host: str, error: str, traceback: str) -> bool:
+    """Whether starting every rank again inside the job mends this rank's error: a network fault that is not
+    this node's own hardware, or a peer that went away (its own cause is restarted or decided by its agent)."""
+    if lost_its_peer(f"{error}\n{traceback}"):
+        return True
+    classification = classify(None, Evidence(ranks=(RankReport(rank=rank, host=host, error=error,
+                                                                traceback=traceback),)))
+    return classification.failure_class == "infrastructure" and not is_hardware_fault(f"{error}\n{traceback}")
+
+
+def _claim(run_dir: Path, job_id: str, restart: int, rank: int, in_place: int = 0) -> bool:
     """One decider per attempt: the first rank to fail. The others' errors are mostly what they saw of its
     failure, and a dozen ranks requeueing and excluding at once would race on the list and on the job. The claim
     names the rank, so that the follower waits for its decision before it cancels anything."""
     (run_dir / HEARTBEAT_DIR).mkdir(mode=0o700, exist_ok=True)
     try:
-        descriptor = os.open(recovery_claim_path(run_dir, attempt_key(job_id, restart)),
+        descriptor = os.open(recovery_claim_path(run_dir, attempt_key(job_id, restart, in_place)),
                              os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     except FileExistsError:
         return False
@@ -194,7 +205,7 @@ def _claim(run_dir: Path, job_id: str, restart: int, rank: int) -> bool:
 
 def requeue_after_error(run_dir: Path, job_id: str, restart: int, rank: int, host: str, error: str,
                         traceback: str, policy: RetryPolicy, log: Callable[[str], None],
-                        run: Runner = subprocess.run) -> Recovery:
+                        run: Runner = subprocess.run, in_place: int = 0) -> Recovery:
     """A rank that raised: when its error is an infrastructure fault (not the program's), requeue the job within
     ``[retry] infrastructure``, excluding this node when the fault is its own GPU's; anything else fails.
 
@@ -205,7 +216,7 @@ def requeue_after_error(run_dir: Path, job_id: str, restart: int, rank: int, hos
         return Recovery("continue")
     report = RankReport(rank=rank, host=host, error=error, traceback=traceback)
     classification = classify(None, Evidence(ranks=(report,)))
-    if classification.failure_class != "infrastructure" or not _claim(run_dir, job_id, restart, rank):
+    if classification.failure_class != "infrastructure" or not _claim(run_dir, job_id, restart, rank, in_place):
         return Recovery("continue", classification.reason, classification.failure_class)
     own = is_hardware_fault(f"{error}\n{traceback}")
     classification = replace(classification, nodes=(host,) if own else ())

@@ -53,7 +53,7 @@ _SUBMITIT_FILE = re.compile(r"^([0-9]+(?:_[0-9]+)?)_(?:submitted\.pkl|submission
 _SLURM_FILE = re.compile(r"^slurm-([0-9]+(?:_[0-9]+)?)\.(?:out|err)$")
 _ENDED_BADLY = {"FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL",
                 "DEADLINE", "KILLED", "STOPPED", "HUNG"}
-_FAILED_OUTCOMES = ("failed", "killed", "hang")
+_FAILED_OUTCOMES = ("failed", "killed", "crashed", "infrastructure", "hang")
 _METRICS_BYTES = 256 << 10
 _RATE_RECORDS = 20  # the ETA uses the step rate over this many recent metrics records
 _SPARK_POINTS = 24  # status --watch draws the loss of this many recent records
@@ -106,6 +106,7 @@ class AttemptView:
     end_step: int | None
     note: str = ""
     failure: dict[str, Any] | None = None
+    in_place: int = 0  # the restart inside the same Slurm attempt (hpc_train.agent)
 
 
 @dataclass
@@ -369,13 +370,16 @@ def _attempt_view(folder: RunFolder, attempt: Attempt, answer: scheduler.Schedul
                   explain: bool) -> AttemptView:
     """One attempt; ``explain``: classify it (the newest failed attempts only: each reads the rank logs)."""
     failure = None
-    if explain:
+    if "restarted in place" in attempt.note:  # the agent recorded why (Slurm's record is the whole allocation's)
+        failure = {"class": attempt.outcome, "reason": attempt.note}
+    elif explain:
         records = answer.history.get(attempt.job_id, [])
         record = records[attempt.restart] if attempt.restart < len(records) else None
         found = classify(record, collect_evidence(folder.path, attempt.job_id, attempt.restart))
         failure = found.to_dict()
     return AttemptView(attempt.attempt, attempt.job_id, attempt.restart, attempt.started, attempt.ended,
-                       attempt.outcome, attempt.start_step, attempt.end_step, attempt.note, failure)
+                       attempt.outcome, attempt.start_step, attempt.end_step, attempt.note, failure,
+                       attempt.in_place)
 
 
 # -- output ------------------------------------------------------------------------------------------------
@@ -473,7 +477,8 @@ def _details(s: RunStatus, now: float) -> list[Any]:
             end = a.end_step if a.end_step is not None else "..." if a.outcome == "running" else "?"
             steps = f"{a.start_step}->{end}"
             why = a.failure["reason"] if a.failure else a.note
-            table.add_row(str(a.attempt), shown(a.job_id), str(a.restart), _clock(a.started), _clock(a.ended),
+            restart = f"{a.restart}.{a.in_place}" if a.in_place else str(a.restart)  # 0.1: restarted in place
+            table.add_row(str(a.attempt), shown(a.job_id), restart, _clock(a.started), _clock(a.ended),
                           Text(a.outcome, style=_STYLE.get(a.outcome.upper(), "")), steps, shown(why))
         parts.append(table)
     if s.excluded:

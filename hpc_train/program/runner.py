@@ -55,7 +55,8 @@ class _LazyWatchdog:
     def start(self) -> Watchdog | None:
         wcfg, info = self.plan.config.watchdog, self.info
         if wcfg.enabled and self.watchdog is None:
-            self.watchdog = Watchdog(self.run_dir, info.rank, info.world_size, attempt_key(info.job_id, info.restart),
+            key = attempt_key(info.job_id, info.restart, info.in_place)
+            self.watchdog = Watchdog(self.run_dir, info.rank, info.world_size, key,
                                      Timeouts(wcfg.startup_timeout_s, wcfg.step_timeout_s, wcfg.checkpoint_timeout_s),
                                      self._decide if info.rank == 0 else None, self.log).__enter__()
         return self.watchdog
@@ -129,7 +130,7 @@ def run_program(plan: Plan, info: LaunchInfo, run_dir: Path, log: Callable[[str]
         return ctx.step if ctx is not None and ctx.step_known else None
 
     unasked = UnaskedStop(plan, info.rank, watch, recorder, asked, last_step, log, run_dir,
-                          attempt_key(info.job_id, info.restart))
+                          attempt_key(info.job_id, info.restart, info.in_place))
     try:
         # The program's prints go to its rank's log (rank 0's is what the login node follows), line by line.
         with unasked, contextlib.redirect_stdout(LogLines(log)):
@@ -161,7 +162,7 @@ def _record_asked_stop(session: Session, step: int | None, signum: int, decision
     it is there (no collective: the program may have destroyed its process group), so none ends the job under
     rank 0 (srun's --kill-on-bad-exit) before the attempt is recorded."""
     info, run_dir = session.info, session.run_dir
-    key = attempt_key(info.job_id, info.restart)
+    key = attempt_key(info.job_id, info.restart, info.in_place)
     if info.rank == 0:
         done = session.recorder.record_stop(step, signum, decision)
         publish_notice(run_dir, StopNotice(key, "done", time.time(), signal_name(signum), done.action,

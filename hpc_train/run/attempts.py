@@ -21,7 +21,8 @@ from hpc_train.run.paths import ATTEMPTS_FILE
 
 __all__ = ["ATTEMPTS_FILE", "Attempt", "AttemptLog", "recommended_lead_seconds", "requeues_so_far"]
 
-OUTCOMES = ("running", "completed", "preempted", "failed", "hang", "node_failure", "infrastructure", "killed")
+OUTCOMES = ("running", "completed", "preempted", "failed", "hang", "node_failure", "infrastructure", "killed",
+            "crashed")
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,7 @@ class Attempt:
     step_s_max: float | None = None
     save_s_max: float | None = None
     note: str = ""
+    in_place: int = 0  # the restart inside the same Slurm attempt (hpc_train.agent) this attempt was
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Attempt:
@@ -61,7 +63,8 @@ _MAX_LINE = 65536
 _FIELD_TYPES = {"attempt": "an integer", "job_id": "a string", "restart": "an integer", "host": "a string",
                 "started": "a number", "start_step": "an integer", "outcome": "an outcome", "ended": "a number",
                 "end_step": "an integer", "signal": "a string", "requeued": "true or false",
-                "step_s_max": "a number", "save_s_max": "a number", "note": "a string"}
+                "step_s_max": "a number", "save_s_max": "a number", "note": "a string",
+                "in_place": "an integer"}
 _OPTIONAL = {"ended", "end_step", "signal", "step_s_max", "save_s_max"}
 
 
@@ -102,12 +105,13 @@ class AttemptLog:
         text = "".join(json.dumps(asdict(a), sort_keys=True) + "\n" for a in attempts)
         atomic_write(self.path, text)
 
-    def begin(self, job_id: str, restart: int, host: str, started: float, start_step: int) -> Attempt:
+    def begin(self, job_id: str, restart: int, host: str, started: float, start_step: int,
+              in_place: int = 0) -> Attempt:
         """Close an attempt left ``running`` as ``killed`` and open the next one."""
         attempts = [replace(a, outcome="killed") if a.outcome == "running" else a for a in self.read()]
         number = max((a.attempt for a in attempts), default=0) + 1
         current = Attempt(attempt=number, job_id=job_id, restart=restart, host=host, started=started,
-                          start_step=start_step)
+                          start_step=start_step, in_place=in_place)
         self._write([*attempts, current])
         return current
 

@@ -36,6 +36,8 @@ __all__ = [
     "rank_error_path",
     "rank_log_path",
     "recovery_claim_path",
+    "restart_notice_path",
+    "restart_ready_path",
     "stacks_path",
     "stop_notice_path",
     "stop_request_path",
@@ -103,6 +105,18 @@ def hang_marker_path(run_dir: Path, attempt: str) -> Path:
 def hang_decision_path(run_dir: Path, attempt: str) -> Path:
     """Rank 0's decision about a hang (exit status and why), which the other ranks wait for."""
     return Path(run_dir) / HEARTBEAT_DIR / f"hang-{attempt}.decided.json"
+
+
+def restart_notice_path(run_dir: Path, attempt: str, in_place: int) -> Path:
+    """The first word that attempt ``attempt``'s ranks start again inside the job, as in-place restart
+    ``in_place`` (1, 2, ...): whoever made it first says why; every rank's agent acts on it."""
+    return Path(run_dir) / HEARTBEAT_DIR / f"restart-{attempt}.{in_place}.json"
+
+
+def restart_ready_path(run_dir: Path, attempt: str, in_place: int, rank: int) -> Path:
+    """Made by rank ``rank``'s agent once every process of its old rank is gone; restart ``in_place`` begins
+    when all ranks have one."""
+    return Path(run_dir) / HEARTBEAT_DIR / f"restart-{attempt}.{in_place}.ready-{rank}"
 
 
 def stop_notice_path(run_dir: Path, attempt: str) -> Path:

@@ -14,8 +14,10 @@ from typing import Any
 from hpc_train.distributed.collectives import broadcast_object
 from hpc_train.distributed.launchers import LaunchInfo
 from hpc_train.run.attempts import Attempt, AttemptLog, recommended_lead_seconds, requeues_so_far
-from hpc_train.run.exit_codes import EXIT_HUNG
+from hpc_train.run.exit_codes import EXIT_HUNG, EXIT_RESTART_IN_PLACE
+from hpc_train.run.in_place import RestartNotice, in_place_left, request_restart
 from hpc_train.run.node import node_name
+from hpc_train.run.stops import attempt_key
 from hpc_train.runtime.preemption import Requeue, decide_requeue, perform_requeue
 from hpc_train.runtime.watchdog import Hang
 
@@ -42,7 +44,8 @@ class AttemptRecorder:
         self.current: Attempt | None = None
         if self.is_writer:
             self.current = self.attempts.begin(job_id=info.job_id or "", restart=info.restart,
-                                               host=node_name(), started=time.time(), start_step=start_step)
+                                               host=node_name(), started=time.time(), start_step=start_step,
+                                               in_place=info.in_place)
 
     def step_time(self, seconds: float) -> None:
         self.step_s_max = max(self.step_s_max or 0.0, seconds)
@@ -126,10 +129,15 @@ def decide_hang(run_dir: Path, info: LaunchInfo, recorder: AttemptRecorder | Non
     current = recorder.current if recorder is not None else None
     if current is None:  # hung before the trainer had opened the attempt (bootstrap, model, resume)
         current = attempts.begin(job_id=info.job_id or "", restart=info.restart, host=node_name(),
-                                 started=time.time(), start_step=hang.step)
-    hangs = sum(1 for a in attempts.read() if a.outcome == "hang" and a.job_id == current.job_id)
+                                 started=time.time(), start_step=hang.step, in_place=info.in_place)
+    # retry.hang counts requeues: a hang restarted in place (retry.in_place) is not one
+    hangs = sum(1 for a in attempts.read() if a.outcome == "hang" and a.requeued and a.job_id == current.job_id)
     env = dict(os.environ)
-    if hangs >= retries:
+    in_place = in_place_left(env) > 0  # an agent starts every rank again inside this job: no requeue
+    if in_place:
+        decision = Requeue("none", EXIT_RESTART_IN_PLACE, f"restarting in place ({info.in_place + 1} of "
+                                                          f"{info.in_place + in_place_left(env)}, retry.in_place)")
+    elif hangs >= retries:
         decision = Requeue("none", EXIT_HUNG, f"not requeued: {hangs} earlier hang(s) of this job, retry.hang = "
                                               f"{retries}")
     else:
@@ -142,4 +150,7 @@ def decide_hang(run_dir: Path, info: LaunchInfo, recorder: AttemptRecorder | Non
     attempts.finish(current, outcome="hang", ended=time.time(), end_step=hang.step, requeued=decision.action != "none",
                     note=f"{hang.describe()}; {decision.reason}"[:500])
     log(f"hang: {decision.reason}")
+    if in_place:  # last: the agents end every rank once they see it
+        request_restart(run_dir, attempt_key(info.job_id, info.restart), RestartNotice(
+            info.in_place + 1, info.rank, node_name(), "hang", hang.describe()[:300], time.time()))
     return decision.exit_code, decision.reason

@@ -24,6 +24,7 @@ from typing import Any
 
 from hpc_train.run.attempts import Attempt, AttemptLog
 from hpc_train.run.files import read_record_text
+from hpc_train.run.in_place import read_notice as read_restart
 from hpc_train.run.paths import LOGS_DIR, RANK_ERROR_GLOB, recovery_claim_path
 from hpc_train.run.peer_errors import lost_its_peer
 from hpc_train.run.stops import attempt_key, read_notice
@@ -47,6 +48,7 @@ class CancelFacts:
     stop_phase: str | None = None  # rank 0's stop notice for this attempt: "stopping" or "done"
     deciding_rank: int | None = None  # a rank that claimed the retry decision and has not written its record
     waited_s: float = 0.0  # since the first failure was seen
+    restarting: str | None = None  # the restart notice of this attempt (its agents start the ranks again)
 
 
 @dataclass(frozen=True)
@@ -78,11 +80,16 @@ def _being_requeued(facts: CancelFacts) -> str:
         return f"attempt {attempt.attempt} was recorded as {attempt.outcome} {how}"
     if facts.stop_phase is not None:
         return f"rank 0 is stopping the attempt for the signal ({facts.stop_phase})"
+    if facts.restarting is not None:
+        return f"the ranks are restarting in place ({facts.restarting})"
     if facts.deciding_rank is not None:
         return f"rank {facts.deciding_rank} is deciding whether the retry policy requeues its error"
     retried = [f for f in facts.failures if f.get("requeued") is True]
     if retried:
         return f"rank {retried[0].get('rank')}'s error was retried: the job is being requeued"
+    mended = [f for f in facts.failures if f.get("restart_in_place") is True]
+    if mended:
+        return f"rank {mended[0].get('rank')}'s error is mended by an in-place restart of every rank"
     if facts.failures and facts.waited_s < PEER_PATIENCE_S and all(
             lost_its_peer(str(f.get("error", ""))) for f in facts.failures):
         ranks = ", ".join(str(f.get("rank")) for f in facts.failures)
@@ -116,15 +123,18 @@ def read_facts(run_dir: Path, job_id: str, state: str, since: float = 0.0, waite
     attempts = [a for a in AttemptLog(run_dir).read() if a.started >= since - 1]
     attempt = attempts[-1] if attempts else None
     failures = tuple(read_failures(run_dir, since))
-    stop_phase = deciding = None
+    stop_phase = deciding = restarting = None
     if attempt is not None:
-        key = attempt_key(attempt.job_id, attempt.restart)
+        failures = tuple(f for f in failures if f.get("in_place", 0) >= attempt.in_place)  # earlier lives': history
+        restart = read_restart(run_dir, attempt_key(attempt.job_id, attempt.restart), attempt.in_place + 1, 0.0)
+        restarting = f"{restart.failure_class}: {restart.reason}" if restart is not None else None
+        key = attempt_key(attempt.job_id, attempt.restart, attempt.in_place)
         notice = read_notice(run_dir, key, attempt.started)
         stop_phase = notice.phase if notice is not None else None
         deciding = _claimant(run_dir, key)
         if deciding is not None and any(f.get("rank") == deciding for f in failures):
             deciding = None  # it has decided: its record says whether it requeued
-    return CancelFacts(job_id, state, attempt, failures, stop_phase, deciding, waited_s)
+    return CancelFacts(job_id, state, attempt, failures, stop_phase, deciding, waited_s, restarting)
 
 
 def _claimant(run_dir: Path, key: str) -> int | None:

@@ -206,7 +206,7 @@ def _watchdog(rank: _Rank) -> Watchdog | None:
     def decide(hang: Any) -> tuple[int, str]:
         return decide_hang(run_dir, info, rank.recorder, hang, retries, log)
 
-    return Watchdog(run_dir, info.rank, info.world_size, attempt_key(info.job_id, info.restart),
+    return Watchdog(run_dir, info.rank, info.world_size, attempt_key(info.job_id, info.restart, info.in_place),
                     Timeouts(wcfg.startup_timeout_s, wcfg.step_timeout_s, wcfg.checkpoint_timeout_s),
                     decide if info.rank == 0 else None, log)
 

@@ -122,3 +122,24 @@ def test_the_facts_come_from_the_run_folder_as_this_submission_left_it(tmp_path:
 
     publish_notice(run_dir, StopNotice(attempt_key("42", 2), "stopping", since + 8, "SIGUSR2", "scontrol", 0, "why"))
     assert read_facts(run_dir, "42", "RUNNING", since).stop_phase == "stopping"
+
+
+def test_ranks_restarting_in_place_are_never_cancelled(tmp_path: Path) -> None:
+    """A restart notice of the running attempt, or an error the rank left for its agent to mend, keeps the job;
+    the errors of a life that was restarted are history once the next life has begun."""
+    from hpc_train.run.in_place import RestartNotice, request_restart
+
+    mended = {**PEER_LOST, "restart_in_place": True}
+    decision = decide_cancel(facts(failures=(mended,), waited_s=1e6))
+    assert not decision.cancel and "mended by an in-place restart" in decision.reason
+    AttemptLog(tmp_path).begin(job_id="42", restart=0, host="n1", started=time.time(), start_step=0)
+    rank_error_path(tmp_path, 1).parent.mkdir(parents=True)
+    rank_error_path(tmp_path, 1).write_text(json.dumps({**FAILURE, "time": time.time(), "in_place": 0}))
+    request_restart(tmp_path, attempt_key("42", 0), RestartNotice(1, 1, "n2", "killed", "rank 1 ended on SIGKILL",
+                                                                  time.time()))
+    read = read_facts(tmp_path, "42", "RUNNING")
+    assert read.restarting == "killed: rank 1 ended on SIGKILL"
+    assert not decide_cancel(read).cancel and "restarting in place" in decide_cancel(read).reason
+    AttemptLog(tmp_path).begin(job_id="42", restart=0, host="n1", started=time.time(), start_step=10, in_place=1)
+    read = read_facts(tmp_path, "42", "RUNNING")
+    assert read.failures == () and read.restarting is None  # the first life's error is not this life's

@@ -1,6 +1,6 @@
 """Operations on the real local Slurm cluster: a rank that hangs (found by the watchdog within its timeout,
-stacks dumped, requeued, resumed to the end) and a node that goes down mid-run (requeued on the other node
-with the failed one excluded, resumed from its checkpoint)."""
+stacks dumped, restarted inside the job, then requeued, resumed to the end) and a node that goes down mid-run
+(requeued on the other node with the failed one excluded, resumed from its checkpoint)."""
 
 from __future__ import annotations
 
@@ -26,22 +26,30 @@ from tests.slurm.test_preemption_e2e import (
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("slurm_cluster")]
 
 
-def test_a_hung_rank_is_found_dumped_and_requeued(tmp_path: Path) -> None:
+def test_a_hung_rank_is_restarted_in_place_then_requeued_once_retry_in_place_is_spent(tmp_path: Path) -> None:
+    """Rank 1 hangs at step 15 in every life of the job's first Slurm attempt: the watchdog finds it, the ranks
+    start again inside the job (retry.in_place = 1), it hangs again, and with no restart in place left the job
+    is requeued as before; the requeued attempt runs to the end."""
     timeout_s = 15
     job_id = _submit(tmp_path, 30, "--set", "env.HPC_TRAIN_INJECT_FAULT=hang:1", "--set",
                      "env.HPC_TRAIN_INJECT_FAULT_STEP=15", "--set", "env.HPC_TRAIN_INJECT_FAULT_RESTART=0",
-                     "--set", f"watchdog.step_timeout_s={timeout_s}", "--set", "retry.hang=1")
+                     "--set", f"watchdog.step_timeout_s={timeout_s}", "--set", "retry.hang=1",
+                     "--set", "retry.in_place=1")
     run_dir = tmp_path / "runs" / "tiny-gpt"
-    _wait_until_completed(job_id, run_dir, timeout_s=420)
-    first, second = _attempts(run_dir)
-    assert first["outcome"] == "hang" and first["requeued"], first
-    assert first["end_step"] == 14, first  # the last step that finished before rank 1 stopped
-    waited = float(str(first["note"]).split("no progress for ")[1].split(" s")[0])
-    assert timeout_s <= waited <= timeout_s + 5, first["note"]
-    assert "rank 1 in" in str(first["note"]) and "maybe_inject_fault" in str(first["note"])
+    _wait_until_completed(job_id, run_dir, timeout_s=480)
+    first, second, third = _attempts(run_dir)
+    assert first["outcome"] == "hang" and not first["requeued"] and first["in_place"] == 0, first
+    assert "restarting in place (1 of 1, retry.in_place)" in str(first["note"]), first
+    assert second["in_place"] == 1 and second["restart"] == 0 and second["start_step"] == 10, second
+    assert second["outcome"] == "hang" and second["requeued"], second
+    for hung in (first, second):
+        assert hung["end_step"] == 14, hung  # the last step that finished before rank 1 stopped
+        waited = float(str(hung["note"]).split("no progress for ")[1].split(" s")[0])
+        assert timeout_s <= waited <= timeout_s + 5, hung["note"]
+        assert "rank 1 in" in str(hung["note"]) and "maybe_inject_fault" in str(hung["note"])
     for rank in (0, 1):
         assert "# main thread 0x" in (run_dir / "logs" / f"stacks-rank-{rank}.txt").read_text()
-    assert second["outcome"] == "completed" and second["start_step"] == 10, second  # the checkpoint of step 10
+    assert third["outcome"] == "completed" and third["restart"] == 1 and third["start_step"] == 10, third
     assert last_logged_step(run_dir) == 30
 
 
@@ -90,10 +98,10 @@ def test_a_node_that_goes_down_is_excluded_and_the_run_resumes(tmp_path: Path) -
         assert f"ExcNodeList={node}" in show, show
 
 
-def _ended_with_fault(tmp_path: Path, fault: str) -> tuple[str, Path]:
+def _ended_with_fault(tmp_path: Path, fault: str, *extra: str) -> tuple[str, Path]:
     """A 30-step job whose fault fires at step 5, waited for until Slurm ends it: (job id, run folder)."""
     job_id = _submit(tmp_path, 30, "--set", f"env.HPC_TRAIN_INJECT_FAULT={fault}", "--set",
-                     "env.HPC_TRAIN_INJECT_FAULT_STEP=5")
+                     "env.HPC_TRAIN_INJECT_FAULT_STEP=5", *extra)
     run_dir = tmp_path / "runs" / "tiny-gpt"
     deadline = time.monotonic() + 180
     while _state(job_id) not in ("FAILED", "CANCELLED", "COMPLETED"):
@@ -122,9 +130,9 @@ def test_a_rank_that_raises_is_a_user_error_and_not_retried(tmp_path: Path) -> N
 @pytest.mark.parametrize(("number", "kind", "name"), [(9, "killed", "SIGKILL"), (11, "crashed", "SIGSEGV")])
 def test_a_rank_that_dies_on_a_signal_is_named_with_its_class(tmp_path: Path, number: int, kind: str,
                                                                name: str) -> None:
-    """Rank 1 ends on ``kill -9`` (or a segfault) at step 5, no traceback: status says killed (crashed), names
-    rank 1, its node and the signal, and the run is not retried."""
-    _job, run_dir = _ended_with_fault(tmp_path, f"signal:1:{number}")
+    """Rank 1 ends on ``kill -9`` (or a segfault) at step 5, no traceback, with restarts in place off (or spent):
+    status says killed (crashed), names rank 1, its node and the signal, and the run is not requeued."""
+    _job, run_dir = _ended_with_fault(tmp_path, f"signal:1:{number}", "--set", "retry.in_place=0")
     status = subprocess.run([sys.executable, "-m", "hpc_train", "status", str(run_dir), "--json"],
                             capture_output=True, text=True, timeout=60, check=False)
     assert status.returncode == 0, status.stderr

@@ -1,6 +1,7 @@
 """Preemption on the real local Slurm cluster, 2 nodes, submitted through submitit: a job requeued from outside
 with ``scontrol requeue`` and then preempted by a higher-priority job, one that reaches its time limit, a
-Hugging Face GPT-2 sent ``scancel --signal=USR2``, and a rendered sbatch script that requeues itself. Each
+Hugging Face GPT-2 sent ``scancel --signal=USR2``, a rank killed by SIGKILL (restarted inside the job), and a
+rendered sbatch script that requeues itself. Each
 (but the time limit, which stops once resumed) finishes, and its exported weights are bitwise identical to an
 uninterrupted run of the same config (fp32, CPU)."""
 
@@ -176,6 +177,29 @@ def test_requeued_from_outside_then_preempted_by_a_higher_priority_job(uninterru
     assert second["start_step"] == first["end_step"]
     assert second["outcome"] == "preempted" and second["signal"] in {"SIGUSR2", "SIGTERM"}, second
     assert third["start_step"] == second["end_step"]
+    _assert_same(_exported(run_dir, tmp_path / "weights.pt"), uninterrupted, run_dir)
+
+
+def test_a_rank_killed_at_a_random_step_restarts_inside_the_same_job(uninterrupted: dict[str, torch.Tensor],
+                                                                     tmp_path: Path) -> None:
+    """Rank 1 dies of SIGKILL at a random step (no traceback, no signal handler runs). Its agent sees it, every
+    rank starts again inside the same Slurm job (no requeue in sacct) from the last checkpoint, and the run ends
+    with the uninterrupted weights."""
+    seed = int(time.time())  # printed on failure: the step is reproducible
+    at_step = random.Random(seed).randint(12, STEPS - 5)  # noqa: S311 - not a secret
+    run_dir = tmp_path / "runs" / "tiny-gpt"
+    job_id = _submit(tmp_path, STEPS, "--set", "env.HPC_TRAIN_INJECT_FAULT=signal:1:9", "--set",
+                     f"env.HPC_TRAIN_INJECT_FAULT_STEP={at_step}", "--set", "env.HPC_TRAIN_INJECT_FAULT_IN_PLACE=0")
+    _wait_until_completed(job_id, run_dir)
+    first, second = _finished_run(run_dir, job_id)
+    assert first["outcome"] == "killed" and first["in_place"] == 0 and not first["requeued"], (seed, first)
+    assert "SIGKILL" in str(first["note"]) and "restarted in place (1 of retry.in_place = 2)" in str(first["note"])
+    assert second["in_place"] == 1 and second["restart"] == 0, (seed, second)  # the same Slurm attempt
+    assert second["start_step"] == (at_step - 1) // 10 * 10, (seed, second)  # the last checkpoint before the kill
+    rows = subprocess.run(["sacct", "-n", "-P", "-X", "-D", "-j", job_id, "-o", "State"], capture_output=True,
+                          text=True, timeout=30, check=True).stdout.split()
+    assert rows == ["COMPLETED"], rows  # never requeued: one allocation from start to end
+    assert "in-place restart 1 of 2 (retry.in_place): killed" in (run_dir / "logs" / "rank-0.log").read_text()
     _assert_same(_exported(run_dir, tmp_path / "weights.pt"), uninterrupted, run_dir)
 
 

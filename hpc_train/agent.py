@@ -1,0 +1,323 @@
+"""The per-task agent that restarts a rank inside the same Slurm job: ``python -m hpc_train.agent RUN_DIR``.
+
+Why an agent: a requeue gives the allocation back and waits in the queue again for the loss of one rank. srun
+starts one agent per task (the srun template, submitit's Slurm path); each agent runs its rank as a child
+(``python -m hpc_train.launch RUN_DIR``). When a rank is killed, crashes, hangs or meets a network fault, the
+agent that sees it writes the restart notice in the run folder (:mod:`hpc_train.run.in_place`); every agent
+then ends its rank and everything the rank started, waits until every rank's agent has done so, and starts its
+rank again with a fresh rendezvous port, up to ``retry.in_place`` times. Past that, or for a failure a restart
+cannot mend (the program's own error, out of memory, a GPU fault of this node), the agent leaves the way its
+rank did, so Slurm and the retry policy see exactly what they saw without it. The agent never imports torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from hpc_train.run.attempts import AttemptLog
+from hpc_train.run.exit_codes import EXIT_RESTART_IN_PLACE
+from hpc_train.run.in_place import (
+    IN_PLACE_ENV,
+    IN_PLACE_LEFT_ENV,
+    RestartNotice,
+    mark_ready,
+    read_notice,
+    ready_count,
+    request_restart,
+)
+from hpc_train.run.loglines import rank_log_format
+from hpc_train.run.node import node_name
+from hpc_train.run.paths import LOGS_DIR, rank_error_path, rank_log_path
+from hpc_train.run.peer_errors import lost_its_peer
+from hpc_train.run.stops import attempt_key
+
+__all__ = ["Agent", "AgentSetup", "agent_setup", "main", "rank_command", "supervise"]
+
+_POLL_S = 0.2
+_PEER_CAUSE_WAIT_S = 10.0  # a rank that only lost its peer waits this long for the peer's own cause
+_OWN_ERROR_WAIT_S = 3.0  # a rank that failed on its own waits this long for a restart it may have caused
+_BARRIER_S = 180.0  # every agent ends its rank within this; past it, the step is left to Slurm
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+@dataclass(frozen=True)
+class AgentSetup:
+    """Who this agent is: the run, its rank in the step, the Slurm attempt and how many restarts it may make."""
+
+    run_dir: Path
+    rank: int
+    world_size: int
+    job_id: str
+    restart: int
+    limit: int
+    preempt_signal: str  # the plan's signal (USR2 by default): the rank saves on it, the agent stops restarting
+
+
+def agent_setup(run_dir: Path, env: dict[str, str] | None = None) -> AgentSetup | None:
+    """The agent's setup when this process is an srun task of a job that restarts in place; None otherwise (the
+    local executor, torchrun or mpirun, ``retry.in_place = 0``, or a run folder the rank itself must refuse)."""
+    env = dict(os.environ) if env is None else env
+    if IN_PLACE_LEFT_ENV in env or not env.get("SLURM_JOB_ID") or "SLURM_STEP_ID" not in env:
+        return None
+    if env.get("SUBMITIT_EXECUTOR") == "local":
+        return None
+    try:
+        from hpc_train.config.plan import Plan
+        from hpc_train.run.folder import check_run_folder
+        from hpc_train.run.paths import PLAN_FILE
+
+        check_run_folder(run_dir)
+        plan = Plan.from_json((run_dir / PLAN_FILE).read_text(encoding="utf-8"))
+        limit = plan.config.retry.in_place if plan.config.job.program != "smoke" else 0
+        rank, world = int(env["SLURM_PROCID"]), int(env.get("SLURM_STEP_NUM_TASKS") or env["SLURM_NTASKS"])
+    except Exception:  # the rank reports whatever is wrong, in its own words
+        return None
+    if limit <= 0 or world != plan.layout.world:
+        return None
+    return AgentSetup(run_dir, rank, world, env["SLURM_JOB_ID"], int(env.get("SLURM_RESTART_COUNT") or 0), limit,
+                      plan.signal)
+
+
+def _logger(setup: AgentSetup) -> logging.Logger:
+    logger = logging.getLogger(f"hpc_train.agent{setup.rank}")
+    if not logger.handlers:
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+        (setup.run_dir / LOGS_DIR).mkdir(mode=0o700, exist_ok=True)
+        handler = logging.FileHandler(rank_log_path(setup.run_dir, setup.rank))
+        handler.setFormatter(logging.Formatter(rank_log_format(setup.rank)))
+        logger.addHandler(handler)
+        if setup.rank == 0:
+            stream = logging.StreamHandler(sys.stdout)
+            stream.setFormatter(logging.Formatter(rank_log_format(setup.rank)))
+            logger.addHandler(stream)
+    return logger
+
+
+def _oom_kills() -> int:
+    """The out-of-memory kills of this process's cgroup so far (cgroup v2 ``memory.events``), 0 when unknown."""
+    try:
+        line = Path("/proc/self/cgroup").read_text(encoding="utf-8").splitlines()[0]
+        events = Path("/sys/fs/cgroup") / line.split(":", 2)[2].lstrip("/") / "memory.events"
+        for row in events.read_text(encoding="utf-8").splitlines():
+            name, _, count = row.partition(" ")
+            if name == "oom_kill":
+                return int(count)
+    except (OSError, IndexError, ValueError):
+        pass
+    return 0
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every live process below ``pid`` (the agent is a subreaper: orphans of its rank come back to it)."""
+    parents: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text(encoding="utf-8")
+            parents.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    found, todo = [], [pid]
+    while todo:
+        children = parents.get(todo.pop(), [])
+        found += children
+        todo += children
+    return found
+
+
+class Agent:
+    """Runs one rank and starts it again in place while ``retry.in_place`` allows (see the module's docstring)."""
+
+    def __init__(self, setup: AgentSetup) -> None:
+        self.setup = setup
+        self.attempt = attempt_key(setup.job_id, setup.restart)
+        self.log = _logger(setup)
+        self.stopping: int | None = None  # a signal from Slurm (preemption, requeue, cancel): no more restarts
+
+    def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
+        self.stopping = signum  # the rank got the same signal from Slurm (it signals every process of the step)
+
+    def take_signals(self) -> None:
+        """Slurm's signals (the preemption signal, the TERM of a requeue or a cancel) reach every process of
+        the step, the rank too, which acts on them: the agent only stops restarting. It becomes the subreaper
+        of what its rank starts, so nothing the rank leaves behind escapes it."""
+        preempt = getattr(signal, f"SIG{self.setup.preempt_signal}", None)
+        for signum in {*((preempt,) if preempt else ()), signal.SIGTERM, signal.SIGINT, signal.SIGHUP}:
+            signal.signal(signum, self._on_signal)
+        if sys.platform == "linux":
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+    def run(self, argv: list[str]) -> int:
+        """Run the rank until it ends for good; the status to leave with (negative: the signal it died of)."""
+        in_place = 0
+        while True:
+            env = {**os.environ, IN_PLACE_ENV: str(in_place), IN_PLACE_LEFT_ENV: str(self.setup.limit - in_place)}
+            code, notice = self._run_once(argv, env, in_place)
+            self._end_everything_below()
+            if notice is None:
+                return code
+            self._wait_for_every_rank(notice)
+            if self.setup.rank == 0:
+                self._record(notice)
+            self.log.info("in-place restart %d of %d (retry.in_place): %s: %s (rank %d on %s); starting the rank "
+                          "again in job %s", notice.in_place, self.setup.limit, notice.failure_class, notice.reason,
+                          notice.rank, notice.host or "?", self.setup.job_id)
+            in_place = notice.in_place
+
+    def _run_once(self, argv: list[str], env: dict[str, str], in_place: int) -> tuple[int, RestartNotice | None]:
+        """One life of the rank: its exit status, and the restart notice that ends it (None: leave for good)."""
+        oom_before = _oom_kills()
+        child = subprocess.Popen(argv, env=env)
+        may_restart = in_place < self.setup.limit
+        while True:
+            try:
+                code = child.wait(timeout=_POLL_S)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+            if may_restart and self.stopping is None:
+                notice = read_notice(self.setup.run_dir, self.attempt, in_place + 1)
+                if notice is not None:
+                    self._kill(child)
+                    return child.wait(), notice
+        if code == 0 or not may_restart or self.stopping is not None:
+            if code != 0 and not may_restart and self._cause(code, oom_before) is not None:
+                self.log.info("no in-place restart left (retry.in_place = %d): leaving with status %d for the "
+                              "retry policy", self.setup.limit, code)
+            return code, None
+        return code, self._restart_for(code, oom_before, in_place + 1)
+
+    def _restart_for(self, code: int, oom_before: int, next_in_place: int) -> RestartNotice | None:
+        """The notice that restarts the ranks after this rank ended with ``code``, or None to leave with it."""
+        cause = self._cause(code, oom_before)
+        run_dir = self.setup.run_dir
+        if cause is None or cause[0] == "peer":  # maybe a consequence: wait for the cause's own notice
+            deadline = time.monotonic() + (_PEER_CAUSE_WAIT_S if cause else _OWN_ERROR_WAIT_S)
+            while time.monotonic() < deadline and self.stopping is None:
+                notice = read_notice(run_dir, self.attempt, next_in_place)
+                if notice is not None:
+                    return notice
+                time.sleep(_POLL_S)
+            if cause is None or self.stopping is not None:
+                return None
+            cause = ("infrastructure", cause[1])
+        return request_restart(run_dir, self.attempt, RestartNotice(next_in_place, self.setup.rank, node_name(),
+                                                                    cause[0], cause[1], time.time()))
+
+    def _cause(self, code: int, oom_before: int) -> tuple[str, str] | None:
+        """(class, why) of a rank's end that a restart in place may mend; ("peer", why) when it only lost a
+        peer; None when it may not (the program's error, out of memory, a stop)."""
+        if code < 0:
+            from hpc_train.ops.signal_deaths import SIGNAL_NAMES, signal_class
+
+            if code == -signal.SIGKILL and _oom_kills() > oom_before:
+                return None  # the cgroup's OOM killer: the retry policy says what to change
+            failure_class, _meaning = signal_class(-code)
+            return failure_class, f"rank {self.setup.rank} ended on {SIGNAL_NAMES.get(-code, f'signal {-code}')}"
+        if code != EXIT_RESTART_IN_PLACE:
+            return None
+        error = self._rank_error()
+        return ("peer" if lost_its_peer(error) else "infrastructure"), error[:300] or "asked for a restart"
+
+    def _rank_error(self) -> str:
+        import json
+
+        try:
+            record = json.loads(rank_error_path(self.setup.run_dir, self.setup.rank).read_text(encoding="utf-8"))
+            return str(record.get("error", ""))
+        except (OSError, ValueError, AttributeError):
+            return ""
+
+    def _kill(self, child: subprocess.Popen[Any]) -> None:
+        for pid in [child.pid, *_descendants(child.pid)]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+    def _end_everything_below(self) -> None:
+        """No process the old rank started (a data loader worker, a checkpoint stager) outlives it."""
+        for pid in _descendants(os.getpid()):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                if os.waitpid(-1, os.WNOHANG) == (0, 0):
+                    time.sleep(0.05)
+            except ChildProcessError:
+                return
+
+    def _wait_for_every_rank(self, notice: RestartNotice) -> None:
+        setup = self.setup
+        mark_ready(setup.run_dir, self.attempt, notice.in_place, setup.rank)
+        deadline = time.monotonic() + _BARRIER_S
+        while ready_count(setup.run_dir, self.attempt, notice.in_place, setup.world_size) < setup.world_size:
+            if time.monotonic() > deadline or self.stopping is not None:
+                self.log.error("in-place restart %d: not every rank's agent ended its rank within %.0f s (a node "
+                               "lost?); leaving the job to Slurm and the retry policy", notice.in_place, _BARRIER_S)
+                raise SystemExit(1)
+            time.sleep(0.1)
+
+    def _record(self, notice: RestartNotice) -> None:
+        """Rank 0's agent: the attempt that ended says why and that it restarted in place."""
+        log = AttemptLog(self.setup.run_dir)
+        ended = [a for a in log.read() if a.job_id == self.setup.job_id and a.restart == self.setup.restart
+                 and a.in_place == notice.in_place - 1]
+        if not ended or ended[-1].outcome != "running":
+            return
+        outcome = notice.failure_class if notice.failure_class in ("killed", "crashed", "infrastructure") else "failed"
+        log.finish(ended[-1], outcome=outcome, ended=notice.time,
+                   note=f"{notice.failure_class}: {notice.reason}; restarted in place "
+                        f"({notice.in_place} of retry.in_place = {self.setup.limit})"[:500])
+
+
+def _leave_like(code: int) -> int:
+    """Leave as the rank did: a rank that died of a signal makes its agent die of it, so srun reports the same."""
+    if code < 0:
+        logging.shutdown()
+        sys.stdout.flush()
+        if -code not in (signal.SIGKILL, signal.SIGSTOP):
+            signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+        time.sleep(1)  # a signal that does not end a process by default: leave with the shell's status for it
+        return 128 - code
+    return code
+
+
+def rank_command(run_dir: Path) -> list[str]:
+    return [sys.executable, *(["-u"] if sys.flags.unbuffered else []), "-m", "hpc_train.launch", str(run_dir)]
+
+
+def supervise(setup: AgentSetup, argv: list[str] | None = None) -> int:
+    """Run the rank of ``setup.run_dir`` (or ``argv``) under an agent; the status to leave with."""
+    agent = Agent(setup)
+    agent.take_signals()
+    return _leave_like(agent.run(argv or rank_command(setup.run_dir)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m hpc_train.agent RUN_DIR", file=sys.stderr)
+        return 2
+    run_dir = Path(args[0])
+    setup = agent_setup(run_dir)
+    if setup is None:  # nothing to restart: the rank runs in this process, as without an agent
+        os.execv(sys.executable, rank_command(run_dir))  # noqa: S606 (a fixed argv, no shell)
+    return supervise(setup)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
