@@ -1,6 +1,7 @@
 """Deliberate faults for testing failure handling on a real cluster: ``HPC_TRAIN_INJECT_FAULT``.
 
-Values: ``raise:R`` (rank R raises), ``hang:R`` (rank R sleeps forever), ``exit:R:CODE`` (rank R exits),
+Values: ``raise:R`` (rank R raises), ``network:R`` (rank R raises NCCL's network error: an infrastructure
+fault), ``hang:R`` (rank R sleeps forever), ``exit:R:CODE`` (rank R exits),
 ``signal:R:N`` (rank R sends itself signal N: 9 is a ``kill -9`` from outside, 11 a crash in native code),
 ``slow:R:MS`` (rank R spends MS more milliseconds in every forward pass: a straggler), ``slow_comm:R:MS`` (rank R
 spends MS more milliseconds in every collective of a training step: a slow fabric, which its peers wait on),
@@ -58,6 +59,9 @@ def maybe_inject_fault(rank: int, step: int | None = None) -> None:
         return
     if fault.kind == "raise":
         raise RuntimeError(f"injected fault on rank {rank} ({FAULT_VARIABLE}={os.environ[FAULT_VARIABLE]})")
+    if fault.kind == "network":  # what NCCL raises when the fabric drops a connection
+        raise RuntimeError(f"NCCL error: unhandled system error (injected on rank {rank}: "
+                           f"{FAULT_VARIABLE}={os.environ[FAULT_VARIABLE]}), NET/IB : Got completion with error 12")
     if fault.kind == "hang":
         while True:
             time.sleep(60)
