@@ -275,7 +275,8 @@ class Agent:
         log = AttemptLog(self.setup.run_dir)
         ended = [a for a in log.read() if a.job_id == self.setup.job_id and a.restart == self.setup.restart
                  and a.in_place == notice.in_place - 1]
-        if not ended or ended[-1].outcome != "running":
+        # "failed": rank 0's own view when a peer went away first (its gloo or NCCL error), not the cause
+        if not ended or ended[-1].outcome not in ("running", "failed"):
             return
         outcome = notice.failure_class if notice.failure_class in ("killed", "crashed", "infrastructure") else "failed"
         log.finish(ended[-1], outcome=outcome, ended=notice.time,
@@ -297,7 +298,7 @@ def _leave_like(code: int) -> int:
 
 
 def rank_command(run_dir: Path) -> list[str]:
-    return [sys.executable, *(["-u"] if sys.flags.unbuffered else []), "-m", "hpc_train.launch", str(run_dir)]
+    return [sys.executable, "-u", "-m", "hpc_train.launch", str(run_dir)]  # unbuffered, as srun lines run python
 
 
 def supervise(setup: AgentSetup, argv: list[str] | None = None) -> int:

@@ -113,14 +113,30 @@ def exported(run_dir: Path, out: Path, *extra: str) -> Path:
 _QUIET_LANE = {"tests/program/test_runner_local.py"}
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Lanes for ``pytest -n 2 --dist loadgroup`` (scripts/test.sh): every test that uses the local Slurm cluster
     runs in one lane, one at a time (a test preempts with a higher-priority job and takes both nodes, so two of
     them at once would meet each other's jobs); every other file is a lane of its own, so a module's shared run
-    is trained once. Without xdist the marks change nothing."""
+    is trained once. Without xdist the marks change nothing. ``tryfirst``: xdist's own hook turns the marks into
+    the ``@group`` suffix its scheduler reads, so they must be there before it runs."""
     for item in items:
         uses_slurm = "slurm_cluster" in getattr(item, "fixturenames", ())
         file = item.nodeid.split("::")[0]
         # Signal tests that lost a signal to one rank twice in four two-lane runs go with the Slurm lane's waiting
         # tests, not beside the other lane's training runs (not understood yet: the closing note says so).
         item.add_marker(pytest.mark.xdist_group("slurm" if uses_slurm or file in _QUIET_LANE else file))
+
+
+def pytest_xdist_node_collection_finished(node: object, ids: list[str]) -> None:
+    """Refuse to run the lanes when xdist did not group the tests: every test then runs alone, module fixtures
+    are built once per lane and Slurm tests of both lanes meet each other's jobs (pytest 9 with xdist 3.8 did
+    this without a word: xdist renames ``item._nodeid``, which pytest 9 no longer reads; constraints/cpu.txt
+    pins pytest). Called on the controller with each worker's collection."""
+    dist = getattr(getattr(getattr(node, "config", None), "option", None), "dist", "loadgroup")
+    if dist == "loadgroup" and ids and not any("@" in nodeid for nodeid in ids):
+        import xdist
+
+        raise pytest.UsageError(f"--dist loadgroup grouped none of the {len(ids)} tests: pytest "
+                                f"{pytest.__version__} and pytest-xdist {xdist.__version__} do not work together; "
+                                "run scripts/bootstrap.sh, which installs the pinned pytest")

@@ -158,3 +158,15 @@ def test_a_new_submission_of_the_run_excludes_its_nodes(tmp_path: Path) -> None:
     cfg = load_job(REPO / "examples" / "tiny_gpt.toml", ["job.exclude=n7"])
     plan = make_plan(cfg, load_site("local-slurm"), "slurm", cwd=tmp_path)
     assert plan.resources.exclude == "n[2-3,7]"
+
+
+@pytest.mark.parametrize(("error", "mended"), [
+    ("RuntimeError('NCCL error: unhandled system error, NET/IB : Got completion with error 12')", True),
+    ("RuntimeError('[gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer')", True),
+    ("RuntimeError('CUDA error: uncorrectable ECC error encountered')", False),  # this node's GPU: requeue, excluded
+    ("ValueError('loss is nan')", False),  # the program's own: the same on every life
+])
+def test_an_in_place_restart_mends_network_faults_and_lost_peers_only(error: str, mended: bool) -> None:
+    from hpc_train.ops.recovery import mended_in_place
+
+    assert mended_in_place(1, "n2", error, f"Traceback (most recent call last):\n{error}\n") is mended

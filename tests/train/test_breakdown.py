@@ -88,10 +88,11 @@ def _data_shares(tmp_path: Path, *overrides: str) -> tuple[list[float], list[dic
 def test_a_slow_dataset_shows_as_data_wait_and_workers_take_it_off_the_step(tmp_path: Path) -> None:
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
-    # 8 samples x 20 ms a step, in the training process: the data wait stays above the threshold even when the
-    # other test lane slows the step's compute down; 4 workers (asleep, not computing) load a batch every 40 ms
-    inline, flagged = _data_shares(tmp_path / "a", "params.sleep_s=0.02")
-    workers, clear = _data_shares(tmp_path / "b", "params.sleep_s=0.02", "data.num_workers=4", "data.prefetch_factor=4")
+    # 8 samples x 40 ms a step, in the training process: the data wait stays above the threshold even when the
+    # other test lane slows the step's compute down (at 20 ms it once fell to 29 %); 4 workers (asleep, not
+    # computing) load a batch every 80 ms
+    inline, flagged = _data_shares(tmp_path / "a", "params.sleep_s=0.04")
+    workers, clear = _data_shares(tmp_path / "b", "params.sleep_s=0.04", "data.num_workers=4", "data.prefetch_factor=4")
     assert len(inline) == len(workers) == 3
     assert min(inline[1:]) > 0.3, inline
     assert max(workers[1:]) < min(inline[1:]) / 2, (inline, workers)
