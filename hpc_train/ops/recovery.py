@@ -168,6 +168,9 @@ def look_back(run_dir: Path, job_id: str, restart: int, policy: RetryPolicy, all
         return _requeue_avoiding(run_dir, job_id, allocation, log, run) or Recovery("continue")
     evidence = collect_evidence(run_dir, job_id, restart - 1)
     classification = classify(record, evidence, down_nodes(record, run))
+    errors = "\n".join(f"{r.error}\n{r.traceback}" for r in evidence.ranks)
+    if classification.failure_class == "infrastructure" and not is_hardware_fault(errors):
+        classification = replace(classification, nodes=())  # a network error shows on both ends: no node is bad
     if classification.failure_class not in RETRIED_CLASSES:
         moved = _requeue_avoiding(run_dir, job_id, allocation, log, run)
         return moved or Recovery("continue", classification.reason, classification.failure_class)

@@ -170,3 +170,17 @@ def test_an_in_place_restart_mends_network_faults_and_lost_peers_only(error: str
     from hpc_train.ops.recovery import mended_in_place
 
     assert mended_in_place(1, "n2", error, f"Traceback (most recent call last):\n{error}\n") is mended
+
+
+def test_the_look_back_after_a_network_error_excludes_no_node(tmp_path: Path) -> None:
+    """The requeued attempt classifies the one before it as infrastructure again; a network error names no bad
+    node (a 2-node job that excluded one could never start again)."""
+    run_dir = _run_dir(tmp_path, outcome="failed")
+    (run_dir / "logs" / "rank-1.error.json").write_text(json.dumps({
+        "rank": 1, "host": "n2", "time": 10.0, "error": "DistBackendError('NCCL error')",
+        "traceback": NCCL_SYSTEM_ERROR, "requeued": True}))
+    slurm = FakeSlurm({"sacct --noheader": _sacct(("REQUEUED", "n[1-2]", "2026-11-30T03:20:46"),
+                                                  ("RUNNING", "n[1-2]", "2026-11-30T03:21:06"))})
+    result = look_back(run_dir, "77", 1, RetryPolicy(), ["n1", "n2"], lambda _: None, run=slurm)
+    assert result.failure_class == "infrastructure" and result.action == "continue", result
+    assert read_exclusions(run_dir) == [] and not slurm.called("ExcNodeList")
