@@ -35,8 +35,13 @@ def last_logged_step(run_dir: Path) -> int:
 
 def local_rank_pid(run_dir: Path, rank: int) -> int | None:
     """The pid of the live rank ``rank`` of this run under submitit's local executor (its tasks run
-    ``submitit.core._submit`` on the run's ``submitit/`` folder and carry their rank in the environment)."""
+    ``submitit.core._submit`` on the run's ``submitit/`` folder and carry their rank in the environment).
+
+    A rank's forked children (data loader workers) carry the same command line and environment, and those of an
+    attempt that just ended outlive it for a few seconds: the rank is the newest such process whose parent is
+    not one of them (a signal sent to an old attempt's worker is lost)."""
     marker = str(Path(run_dir) / SUBMITIT_DIR).encode()
+    found: dict[int, tuple[int, int]] = {}  # pid: (parent, start time)
     for entry in Path("/proc").iterdir():
         if not (entry.name.isascii() and entry.name.isdigit()):
             continue
@@ -45,8 +50,10 @@ def local_rank_pid(run_dir: Path, rank: int) -> int | None:
             if b"submitit.core._submit" not in cmdline or marker not in cmdline:
                 continue
             env = dict(item.split(b"=", 1) for item in (entry / "environ").read_bytes().split(b"\0") if b"=" in item)
-        except OSError:
+            stat = (entry / "stat").read_text(encoding="utf-8").rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
             continue
-        if env.get(b"SUBMITIT_LOCAL_GLOBALID") == str(rank).encode():
-            return int(entry.name)
-    return None
+        if env.get(b"SUBMITIT_LOCAL_GLOBALID") == str(rank).encode() and stat[0] not in ("Z", "X"):
+            found[int(entry.name)] = (int(stat[1]), int(stat[19]))
+    ranks = [pid for pid, (parent, _) in found.items() if parent not in found]
+    return max(ranks, key=lambda pid: found[pid][1], default=None)

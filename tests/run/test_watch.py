@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 from hpc_train.run.paths import METRICS_FILE
@@ -18,3 +22,34 @@ def test_last_logged_step_reads_whole_lines_only(tmp_path: Path) -> None:
 
 def test_no_rank_process_of_a_run_that_is_not_running(tmp_path: Path) -> None:
     assert local_rank_pid(tmp_path, 0) is None
+
+
+_RANK = """
+import os, sys, time
+if os.fork() == 0:  # a data loader worker: the same command line and environment as its rank
+    time.sleep(30)
+    os._exit(0)
+if sys.argv[1] == "leave":  # the rank of an attempt that ended; its worker outlives it
+    os._exit(0)
+time.sleep(30)
+"""
+
+
+def test_the_rank_is_found_not_its_workers_nor_an_old_attempts_orphan(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "SUBMITIT_LOCAL_GLOBALID": "1"}
+    argv = [sys.executable, "-c", _RANK]
+    marker = ["submitit.core._submit", str(run_dir / "submitit")]
+    old = subprocess.Popen([*argv, "leave", *marker], env=env)
+    old.wait()  # its worker lives on, an orphan
+    time.sleep(0.2)
+    rank = subprocess.Popen([*argv, "stay", *marker], env=env)
+    try:
+        deadline = time.monotonic() + 10
+        while local_rank_pid(run_dir, 1) != rank.pid:
+            assert time.monotonic() < deadline, local_rank_pid(run_dir, 1)
+            time.sleep(0.05)
+        assert local_rank_pid(run_dir, 0) is None
+    finally:
+        rank.kill()
+        subprocess.run(["pkill", "-f", str(run_dir / "submitit")], check=False)
