@@ -110,9 +110,6 @@ def exported(run_dir: Path, out: Path, *extra: str) -> Path:
     return out
 
 
-_QUIET_LANE = {"tests/program/test_runner_local.py"}
-
-
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Lanes for ``pytest -n 2 --dist loadgroup`` (scripts/test.sh): every test that uses the local Slurm cluster
@@ -123,9 +120,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         uses_slurm = "slurm_cluster" in getattr(item, "fixturenames", ())
         file = item.nodeid.split("::")[0]
-        # Signal tests that lost a signal to one rank twice in four two-lane runs go with the Slurm lane's waiting
-        # tests, not beside the other lane's training runs (not understood yet: the closing note says so).
-        item.add_marker(pytest.mark.xdist_group("slurm" if uses_slurm or file in _QUIET_LANE else file))
+        item.add_marker(pytest.mark.xdist_group("slurm" if uses_slurm else file))
 
 
 def pytest_xdist_node_collection_finished(node: object, ids: list[str]) -> None:
