@@ -246,8 +246,8 @@ def _host_oom(a: _Attempt) -> Classification | None:
     killed = {task: node for task, (node, _tasks, message) in a.srun.items() if _HOST_OOM.search(message)}
     nodes = [*killed.values(), *(m[1] for line in lines if (m := re.match(r"slurmstepd-(\S+?):", line)))]
     where = f" on {', '.join(dict.fromkeys(nodes))}" if nodes else ""
-    return a.result("out_of_memory", f"out of memory: the node's memory limit killed a rank{where} (no traceback); "
-                    "ask for more memory (job.mem) or lower train.micro_batch", nodes, killed, lines[:3])
+    return a.result("out_of_memory", f"out of memory: the node's memory limit killed a rank{where}; not retried "
+                    "unchanged: raise job.mem, lower train.micro_batch or data.num_workers", nodes, killed, lines[:3])
 
 
 def _first_rank_error(a: _Attempt) -> Classification | None:
