@@ -203,6 +203,30 @@ def test_a_rank_killed_at_a_random_step_restarts_inside_the_same_job(uninterrupt
     _assert_same(_exported(run_dir, tmp_path / "weights.pt"), uninterrupted, run_dir)
 
 
+def test_a_rank_killed_under_the_srun_template_restarts_inside_the_same_job(
+        uninterrupted: dict[str, torch.Tensor], tmp_path: Path) -> None:
+    """The same kill through a rendered srun script (``python -m hpc_train.agent`` on every task, no submitit):
+    the agents start both ranks again inside the job and the run ends with the uninterrupted weights."""
+    rendered = subprocess.run([sys.executable, "-m", "hpc_train", "render", EXAMPLE, *BASE, "--set",
+                               f"train.steps={STEPS}", "--template", "srun", "--set",
+                               "env.HPC_TRAIN_INJECT_FAULT=signal:1:9", "--set", "env.HPC_TRAIN_INJECT_FAULT_STEP=23",
+                               "--set", "env.HPC_TRAIN_INJECT_FAULT_IN_PLACE=0", "--json"], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=60, check=True)
+    script = json.loads(rendered.stdout)["script"]
+    assert "-m hpc_train.agent" in Path(script).read_text()
+    job_id = subprocess.run(["sbatch", "--parsable", script], capture_output=True, text=True, check=True,
+                            timeout=30).stdout.strip().split(";")[0]
+    run_dir = tmp_path / "runs" / "tiny-gpt"
+    _wait_until_completed(job_id, run_dir)
+    first, second = _finished_run(run_dir, job_id)
+    assert first["outcome"] == "killed" and "restarted in place" in str(first["note"]), first
+    assert second["in_place"] == 1 and second["start_step"] == 20, second
+    rows = subprocess.run(["sacct", "-n", "-P", "-X", "-D", "-j", job_id, "-o", "State"], capture_output=True,
+                          text=True, timeout=30, check=True).stdout.split()
+    assert rows == ["COMPLETED"], rows
+    _assert_same(_exported(run_dir, tmp_path / "weights.pt"), uninterrupted, run_dir)
+
+
 def test_time_limit(tmp_path: Path) -> None:
     """A 2-minute job asking for its signal 60 s ahead, with steps slowed to 1.2 s (rank 0 sleeps in each
     forward pass, ``HPC_TRAIN_INJECT_FAULT=slow:0:1200``), so that its 60 steps outlast the first attempt: Slurm
