@@ -27,6 +27,7 @@ from typing import Any
 
 from hpc_train.run.attempts import AttemptLog
 from hpc_train.run.exit_codes import EXIT_RESTART_IN_PLACE
+from hpc_train.run.files import read_record_text
 from hpc_train.run.in_place import (
     IN_PLACE_ENV,
     IN_PLACE_LEFT_ENV,
@@ -233,12 +234,14 @@ class Agent:
         return ("peer" if lost_its_peer(error) else "infrastructure"), error[:300] or "asked for a restart"
 
     def _rank_error(self) -> str:
+        """The error this rank recorded (``rank-N.error.json``), read as every run-folder record is: never through
+        a link, bounded in size."""
         import json
 
         try:
-            record = json.loads(rank_error_path(self.setup.run_dir, self.setup.rank).read_text(encoding="utf-8"))
-            return str(record.get("error", ""))
-        except (OSError, ValueError, AttributeError):
+            record = json.loads(read_record_text(rank_error_path(self.setup.run_dir, self.setup.rank)) or "{}")
+            return str(record.get("error", "")) if isinstance(record, dict) else ""
+        except (ValueError, RecursionError):
             return ""
 
     def _kill(self, child: subprocess.Popen[Any]) -> None:

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from hpc_train.run.files import read_record_text
 from hpc_train.run.paths import HEARTBEAT_DIR, restart_notice_path, restart_ready_path
 
 __all__ = [
@@ -81,7 +82,7 @@ def read_notice(run_dir: Path, attempt: str, in_place: int, settle_s: float = 1.
     deadline = time.monotonic() + settle_s
     while True:
         try:
-            data = json.loads(path.read_text(encoding="utf-8"))
+            data = json.loads(read_record_text(path))  # never through a link, bounded in size
             return RestartNotice(**{k: data[k] for k in RestartNotice.__dataclass_fields__})
         except (OSError, ValueError, KeyError, TypeError):
             if time.monotonic() >= deadline:
