@@ -188,8 +188,10 @@ def test_a_rank_killed_at_a_random_step_restarts_inside_the_same_job(uninterrupt
     seed = int(time.time())  # printed on failure: the step is reproducible
     at_step = random.Random(seed).randint(12, STEPS - 5)  # noqa: S311 - not a secret
     run_dir = tmp_path / "runs" / "tiny-gpt"
+    # followed as users run it: the follower must not cancel the job while its ranks restart
     job_id = _submit(tmp_path, STEPS, "--set", "env.HPC_TRAIN_INJECT_FAULT=signal:1:9", "--set",
-                     f"env.HPC_TRAIN_INJECT_FAULT_STEP={at_step}", "--set", "env.HPC_TRAIN_INJECT_FAULT_IN_PLACE=0")
+                     f"env.HPC_TRAIN_INJECT_FAULT_STEP={at_step}", "--set", "env.HPC_TRAIN_INJECT_FAULT_IN_PLACE=0",
+                     follow=True)
     _wait_until_completed(job_id, run_dir)
     first, second = _finished_run(run_dir, job_id)
     assert first["outcome"] == "killed" and first["in_place"] == 0 and not first["requeued"], (seed, first)
