@@ -12,6 +12,7 @@ from hpc_train.ckpt.manager import CheckpointManager
 from hpc_train.config.job import MODEL_PRESETS
 from hpc_train.config.plan import Plan
 from hpc_train.config.program import parse_program
+from hpc_train.config.young_daly import duration, estimated_cost_s, hours, plan_cadence
 from hpc_train.run.paths import CHECKPOINTS_DIR
 
 __all__ = ["TrainingSummary", "training_rows", "training_summary"]
@@ -43,8 +44,9 @@ def training_summary(plan: Plan) -> TrainingSummary:
     cfg = plan.config
     kind = {"train": "trainer", "smoke": "smoke"}.get(cfg.job.program, "program")
     resume = _resume_point(plan)
-    checkpoint = {"every_steps": cfg.checkpoint.every_steps, "keep": cfg.checkpoint.keep,
-                  "async": cfg.checkpoint.async_save, "verify": cfg.checkpoint.verify}
+    checkpoint = {"every_steps": cfg.checkpoint.every_steps, "every_minutes": cfg.checkpoint.every_minutes,
+                  "keep": cfg.checkpoint.keep, "async": cfg.checkpoint.async_save, "verify": cfg.checkpoint.verify,
+                  "cadence": None}
     if kind == "smoke":
         return TrainingSummary(kind, {}, {}, {}, {}, {}, {}, None, None, {}, {},
                                {"entry_point": "smoke", "args": [], "params": {}})
@@ -56,9 +58,29 @@ def training_summary(plan: Plan) -> TrainingSummary:
                                {} if script else resume, program)
     steps = cfg.train.steps
     from_file, overridden = _from_file(plan)
-    return TrainingSummary(kind, from_file, overridden, _model(plan), _data(plan), _engine(plan), _precision(plan),
+    model = _model(plan)
+    checkpoint["cadence"] = _cadence(plan, model["parameters"])
+    return TrainingSummary(kind, from_file, overridden, model, _data(plan), _engine(plan), _precision(plan),
                            steps,
                            steps * plan.layout.global_batch * cfg.train.seq_len, checkpoint, resume, {})
+
+
+def _cadence(plan: Plan, parameters: int | None) -> dict[str, Any] | None:
+    """``checkpoint.every_minutes`` at this size: the interval and its goodput inside the job and through the
+    queue, from the save time an earlier attempt of this run measured, else a guess from the parameter count."""
+    every = plan.config.checkpoint.every_minutes
+    if not every:
+        return None
+    from hpc_train.run.attempts import AttemptLog, measured_save_s
+
+    measured = measured_save_s(AttemptLog(Path(plan.run_dir)).read())
+    if measured is None and parameters is None:
+        return {"mode": every if every == "auto" else "fixed", "interval_s": None, "cost_s": None,
+                "cost_measured": False}
+    cost = measured if measured is not None else estimated_cost_s(parameters or 0, plan.resources.nodes,
+                                                                  plan.config.checkpoint.async_save)
+    return dataclasses.asdict(plan_cadence(every, cost, measured is not None, plan.node_mtbf_hours,
+                                           plan.resources.nodes, plan.queue_wait_minutes))
 
 
 def _from_file(plan: Plan) -> tuple[dict[str, str], dict[str, Any]]:
@@ -142,6 +164,19 @@ def _resume_point(plan: Plan) -> dict[str, Any]:
     return {"enabled": True, "step": best.step if best else None, "path": str(best.path) if best else None}
 
 
+def _cadence_text(cadence: dict[str, Any]) -> str:
+    if cadence["interval_s"] is None:
+        return "decided on the ranks from the first timed save (the model's size is not known here)"
+    cost = f"{cadence['cost_s']:.3g} s a save, " + ("measured by this run" if cadence["cost_measured"]
+                                                  else "estimated until the run times one")
+    interval = duration(cadence["interval_s"])
+    if cadence["mode"] == "auto":
+        interval += f" = sqrt(2 x {cadence['cost_s']:.3g} s x {hours(cadence['mtbf_s'])} between failures)"
+    return (f"{interval}; {cost}; goodput {cadence['goodput_in_place']:.2%} restarting inside the job, "
+            f"{cadence['goodput_requeue']:.2%} through the queue ({duration(cadence['restart_requeue_s'])} a "
+            "requeue)")
+
+
 def _count(value: int | None) -> str:
     if value is None:
         return "not known on the login node"
@@ -191,9 +226,14 @@ def training_rows(summary: TrainingSummary) -> list[tuple[str, str]]:
     if summary.checkpoint:
         ckpt = summary.checkpoint
         every = f"every {ckpt['every_steps']} steps" if ckpt["every_steps"] else "only on preemption and at the end"
+        if ckpt.get("every_minutes"):
+            every = (f"about every {ckpt['every_minutes']:g} min" if ckpt["every_minutes"] != "auto"
+                     else "auto (Young/Daly)")
         rows.append(("checkpoints", f"{every}, keep {ckpt['keep']}, "
                                     + ("written in the background" if ckpt["async"] else "written on the step")
                                     + f", resume checks {ckpt['verify']}"))
+        if ckpt.get("cadence"):
+            rows.append(("cadence", _cadence_text(ckpt["cadence"])))
     resume = summary.resume
     if not resume:
         rows.append(("checkpoints", "the script's own (ctx.checkpoint is for functions)"))

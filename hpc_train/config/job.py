@@ -206,6 +206,11 @@ class CheckpointSection:
     """``[checkpoint]``: transactional checkpoints in run_folder/checkpoints."""
 
     every_steps: int = option(50, "Save every N steps; 0 saves only on preemption and at the end.")
+    every_minutes: float | Literal["auto"] = option(
+        0.0, 'Save about every N minutes instead of every_steps (the built-in trainer; rank 0 turns the minutes '
+        'into steps from the step time it measures), or "auto": the Young/Daly interval sqrt(2 C M) from the '
+        "save cost C this run measures and the job's mean time between failures M (the site's "
+        "[reliability] node_mtbf_hours over the node count); 0: every_steps decides.")
     keep: int = option(3, "Checkpoints kept; the newest verified one is never deleted.")
     async_save: bool = option(True, "Stage files in memory and write them in the background while training "
                               "goes on (a file too big for free memory is written at once; the save before a "

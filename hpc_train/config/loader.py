@@ -106,8 +106,7 @@ def _convert(value: Any, kind: Any, where: str) -> Any:
     origin = get_origin(kind)
     wrong = ConfigError(where, f"expected {describe_type(kind)}, got {value!r}", f"write {describe_type(kind)}")
     if origin in (types.UnionType, typing.Union):
-        inner = next(arg for arg in get_args(kind) if arg is not type(None))
-        return _convert(value, inner, where)
+        return _convert_union(value, kind, where, wrong)
     if origin is Literal:
         choices = get_args(kind)
         if value not in choices:
@@ -155,6 +154,19 @@ def _convert(value: Any, kind: Any, where: str) -> Any:
             raise ConfigError(where, f"expected a [{where}] table, got {value!r}", f"write it as a [{where}] section")
         return build(kind, value, where)
     raise TypeError(f"unsupported config type {kind!r} at {where}")  # a bug in a schema, not user input
+
+
+def _convert_union(value: Any, kind: Any, where: str, wrong: ConfigError) -> Any:
+    """An optional value (``int | None``), or one of several types (a number or "auto"): the first it fits."""
+    inners = [arg for arg in get_args(kind) if arg is not type(None)]
+    if len(inners) == 1:
+        return _convert(value, inners[0], where)
+    for inner in inners:
+        try:
+            return _convert(value, inner, where)
+        except ConfigError:
+            continue
+    raise wrong
 
 
 def _run_check(field: dataclasses.Field[Any], value: Any, where: str) -> None:

@@ -95,6 +95,8 @@ class Plan:
     nccl_detect: list[str] = dataclasses.field(default_factory=list)  # filled in by each node (fabric.nccl)
     code_dir: str = ""  # the config file's folder: user code's relative paths, and sys.path on every rank
     prometheus_dir: str = ""  # the site's textfile-collector folder ([monitor] prometheus); empty: the run folder
+    node_mtbf_hours: float = 6300.0  # the site's [reliability], for checkpoint.every_minutes = "auto"
+    queue_wait_minutes: float = 30.0
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True) + "\n"
@@ -252,6 +254,8 @@ def make_plan(cfg: JobConfig, site: SiteConfig, executor: str, *, python: str | 
         config_hash=_config_hash(config),
         interconnect=site.network.interconnect,
         prometheus_dir=site.prometheus_dir,
+        node_mtbf_hours=site.reliability.node_mtbf_hours,
+        queue_wait_minutes=site.reliability.queue_wait_minutes,
         nccl_detect=detected_on_node(site.network),
         code_dir=str(code_dir),
     )

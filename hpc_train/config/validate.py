@@ -254,6 +254,27 @@ def _check_preempt(cfg: JobConfig, site: SiteConfig, lead_seconds: int) -> None:
                           f'"{cfg.job.time}"', "give the job more time or a shorter lead")
 
 
+def _check_cadence(cfg: JobConfig, site: SiteConfig) -> None:
+    """``checkpoint.every_minutes`` is the built-in trainer's; "auto" needs a failure rate to work from."""
+    every = cfg.checkpoint.every_minutes
+    if every == 0:
+        return
+    if every != "auto":
+        _at_least("checkpoint.every_minutes", every, 0, 'give minutes (like 30), "auto", or 0 to save by steps')
+    if cfg.job.program != "train":
+        raise ConfigError("checkpoint.every_minutes", f"is the built-in trainer's; job.program = "
+                          f'"{cfg.job.program}" saves when it calls ctx.checkpoint.save',
+                          "remove it, and save from your program at the cadence you choose")
+    reliability = site.reliability
+    if every == "auto" and reliability.node_mtbf_hours <= 0:
+        raise ConfigError(f"site {site.name}: reliability.node_mtbf_hours", f"{reliability.node_mtbf_hours} "
+                          'leaves checkpoint.every_minutes = "auto" no failure rate to work from',
+                          "give one node's mean time between failures in hours (6300 is Llama 3's)")
+    if reliability.queue_wait_minutes < 0:
+        raise ConfigError(f"site {site.name}: reliability.queue_wait_minutes",
+                          f"{reliability.queue_wait_minutes} is below 0", "give the typical wait in minutes")
+
+
 def _check_network(site: SiteConfig) -> None:
     """Numbers NCCL takes only within a range; outside it NCCL ignores or rejects them at the first collective."""
     network = site.network
@@ -307,5 +328,6 @@ def validate(cfg: JobConfig, site: SiteConfig, gpus_per_node: int, cpus_per_task
     data_parallel = _check_layout(cfg, gpus_per_node)
     _check_training(cfg, data_parallel)
     _check_preempt(cfg, site, lead_seconds)
+    _check_cadence(cfg, site)
     _check_network(site)
     return data_parallel

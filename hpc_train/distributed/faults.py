@@ -5,7 +5,8 @@ fault), ``hang:R`` (rank R sleeps forever), ``exit:R:CODE`` (rank R exits),
 ``signal:R:N`` (rank R sends itself signal N: 9 is a ``kill -9`` from outside, 11 a crash in native code),
 ``slow:R:MS`` (rank R spends MS more milliseconds in every forward pass: a straggler), ``slow_comm:R:MS`` (rank R
 spends MS more milliseconds in every collective of a training step: a slow fabric, which its peers wait on),
-``leak:R:MB`` (rank R keeps MB more megabytes after every training step: a memory leak).
+``leak:R:MB`` (rank R keeps MB more megabytes after every training step: a memory leak), ``slow_save:R:MS``
+(rank R spends MS more milliseconds in every checkpoint save: a slow file system).
 ``HPC_TRAIN_INJECT_FAULT_STEP=N`` fires the fault at training step N instead of at start-up, and
 ``HPC_TRAIN_INJECT_FAULT_RESTART=K`` only in the attempt with that Slurm restart count (so a requeued job can
 show that it recovers), ``HPC_TRAIN_INJECT_FAULT_IN_PLACE=I`` only in the rank's life with that in-place restart
@@ -19,7 +20,8 @@ import sys
 import time
 from dataclasses import dataclass
 
-__all__ = ["FAULT_VARIABLE", "injected_comm_delay_s", "injected_delay_s", "injected_leak_bytes", "maybe_inject_fault"]
+__all__ = ["FAULT_VARIABLE", "injected_comm_delay_s", "injected_delay_s", "injected_leak_bytes",
+           "injected_save_delay_s", "maybe_inject_fault"]
 
 FAULT_VARIABLE = "HPC_TRAIN_INJECT_FAULT"
 STEP_VARIABLE = "HPC_TRAIN_INJECT_FAULT_STEP"
@@ -93,3 +95,8 @@ def injected_comm_delay_s(rank: int) -> float:
 def injected_leak_bytes(rank: int) -> int:
     """Bytes a ``leak`` fault keeps after each training step of ``rank``; 0 otherwise."""
     return _amount(rank, "leak") * 2**20
+
+
+def injected_save_delay_s(rank: int) -> float:
+    """Seconds a ``slow_save`` fault adds to each checkpoint save of ``rank``; 0 otherwise."""
+    return _amount(rank, "slow_save") / 1000

@@ -19,7 +19,7 @@ from typing import Any
 from hpc_train.run.files import atomic_write, read_record_text, warn_bad_record
 from hpc_train.run.paths import ATTEMPTS_FILE
 
-__all__ = ["ATTEMPTS_FILE", "Attempt", "AttemptLog", "recommended_lead_seconds", "requeues_so_far"]
+__all__ = ["ATTEMPTS_FILE", "Attempt", "AttemptLog", "measured_save_s", "recommended_lead_seconds", "requeues_so_far"]
 
 OUTCOMES = ("running", "completed", "preempted", "failed", "hang", "node_failure", "infrastructure", "killed",
             "crashed")
@@ -128,6 +128,11 @@ def requeues_so_far(attempts: list[Attempt], job_id: str | None = None) -> int:
     """How many times job ``job_id`` (a requeue keeps the id; a new submission gets a new one) has requeued
     itself; every job of the run when ``job_id`` is None."""
     return sum(1 for a in attempts if a.requeued and (job_id is None or a.job_id == job_id))
+
+
+def measured_save_s(attempts: list[Attempt]) -> float | None:
+    """The save time the newest attempt that timed one measured (what a step waited for), or None."""
+    return next((a.save_s_max for a in reversed(attempts) if a.save_s_max is not None), None)
 
 
 def recommended_lead_seconds(attempts: list[Attempt], floor: int) -> int:

@@ -25,8 +25,11 @@ from hpc_train.ckpt import CheckpointError, CheckpointManager
 from hpc_train.ckpt.manifest import FileEntry
 from hpc_train.config.job import JobConfig
 from hpc_train.distributed.collectives import broadcast_object, gather_objects
+from hpc_train.distributed.faults import injected_save_delay_s
 from hpc_train.errors import ConfigError
+from hpc_train.run.attempts import AttemptLog, measured_save_s
 from hpc_train.run.files import open_record
+from hpc_train.runtime.cadence import PROBE_STEPS, SaveCadence
 from hpc_train.runtime.rank_files import WRITTEN_DIR, RankFiles, written_marker
 
 __all__ = ["CheckpointTransaction", "Refusal", "broadcast"]
@@ -77,7 +80,13 @@ class CheckpointTransaction:
     def __init__(self, run_dir: Path, config: JobConfig, layout: Any, config_hash: str,
                  log: Callable[[str], None] | None = None) -> None:
         checkpoint = config.checkpoint
+        self.run_dir = run_dir
         self.every = checkpoint.every_steps
+        self.every_minutes = checkpoint.every_minutes  # 0: every_steps decides
+        self.cadence: SaveCadence | None = None  # rank 0's clock when saves are timed (time_saves)
+        self._timed_steps = 0
+        self._next_due: int | None = None
+        self._said = ""
         self.resume_enabled = checkpoint.resume
         self.rank = dist.get_rank()
         # The trainer's progress log; by default the rank's own logger, which hpc_train.launch sets up.
@@ -99,8 +108,46 @@ class CheckpointTransaction:
         self._committer: threading.Thread | None = None
         self._commit_error: BaseException | None = None
 
+    def time_saves(self, node_mtbf_hours: float, nodes: int) -> None:
+        """Every rank, before the steps: with ``checkpoint.every_minutes``, saves fall due at the step rank 0
+        derives from its clock (:class:`~hpc_train.runtime.cadence.SaveCadence`) rather than every N steps.
+        ``"auto"`` starts from the save time an earlier attempt of this run measured."""
+        if self.every_minutes and self.rank == 0:
+            measured = measured_save_s(AttemptLog(self.run_dir).read())
+            self.cadence = SaveCadence(self.every_minutes, node_mtbf_hours, nodes, measured)
+
     def due(self, step: int, last: int) -> bool:
-        return step == last or bool(self.every and step % self.every == 0)
+        """Every rank, after each step, in the same order (with timed saves it may broadcast rank 0's decision)."""
+        if step == last:
+            return True
+        if not self.every_minutes:
+            return bool(self.every and step % self.every == 0)
+        self._timed_steps += 1
+        if self.cadence:
+            self.cadence.stepped()
+        if self._next_due is None and self._timed_steps == PROBE_STEPS:
+            self._decide(step)
+        return step == self._next_due
+
+    def saved(self, step: int, seconds: float) -> None:
+        """Every rank, after a save that ``due`` asked for: what it cost the steps, and with timed saves the
+        step of the next one (a broadcast)."""
+        if not self.every_minutes:
+            return
+        if self.cadence:
+            self.cadence.saved(seconds)
+        self._decide(step)
+
+    def _decide(self, step: int) -> None:
+        decided = None
+        if self.cadence:
+            steps = self.cadence.steps_to_next()
+            decided = step + steps
+            said = self.cadence.describe(steps)
+            if said != self._said:
+                self.log(said)
+                self._said = said
+        self._next_due = broadcast(decided)
 
     def save_with(self, step: int, write: Callable[[Path], None], wait: bool = False) -> None:
         """Every rank calls ``write(folder)`` to put its files into the folder rank 0 opened (through
@@ -109,6 +156,9 @@ class CheckpointTransaction:
         memory and writes it in this rank's writer thread, and rank 0 commits in its own thread once every rank
         has said it is done; ``latest`` still moves only once everything is durable. A previous background save
         always finishes first, and its failure stops every rank here."""
+        delay = injected_save_delay_s(self.rank)
+        if delay:
+            time.sleep(delay)  # an injected slow save (HPC_TRAIN_INJECT_FAULT=slow_save:R:MS)
         opened = broadcast(self._open(self.manager, step) if self.manager else None)
         if isinstance(opened, Refusal):
             raise self._commit_error or opened.error()

@@ -266,6 +266,7 @@ def _build(rank: _Rank, spec: ModelSpec, topology: Topology, groups: ParallelGro
     kind = engine_kind(config.train.engine)
     engine = kind.build(model, rank.plan, topology, groups, rank.run_dir, info.local_rank)
     checkpointer = kind.checkpoints(rank.plan, rank.run_dir, rank.log)
+    checkpointer.time_saves(rank.plan.node_mtbf_hours, rank.plan.resources.nodes)
     return _Parts(groups, topology.sizes["pp"] > 1, model, engine, data, checkpointer,
                   StragglerCheck(config.watchdog.straggler_factor, info.rank, rank.log), flops,
                   f"train.model {config.train.model}", _breakdown(rank, device), _health(rank),
@@ -333,7 +334,10 @@ def _steps(rank: _Rank, parts: _Parts, monitor: Monitor, recorder: AttemptRecord
                     _progress(rank.watchdog, "checkpoint", step)
                     saved = time.perf_counter()
                     parts.checkpointer.save(parts.engine, step, parts.stream.state_dict())
-                    recorder.save_time(time.perf_counter() - saved)
+                    took = time.perf_counter() - saved
+                    recorder.save_time(took)
+                    if step < rank.plan.config.train.steps:  # the next save's step, where there is one
+                        parts.checkpointer.saved(step, took)
                 _progress(rank.watchdog, "step", step)
         rank.watch.settle()
         parts.stream.close()

@@ -114,3 +114,43 @@ def test_submit_and_validate_json_carry_the_training_section(tmp_path: Path) -> 
     plan = json.loads(validate.stdout)
     del plan["training"]
     assert Plan.from_json(json.dumps(plan)).name == "tiny-gpt"  # the rest is the plan as it was
+
+
+def test_timed_checkpoints_show_the_interval_and_the_goodput_inside_the_job_and_through_the_queue(
+        tmp_path: Path) -> None:
+    plan = _plan(tmp_path, job={"nodes": 1, "tasks_per_node": 2}, checkpoint={"every_minutes": "auto"})
+    cadence = training_summary(plan).checkpoint["cadence"]
+    assert cadence["mode"] == "auto" and not cadence["cost_measured"]
+    assert cadence["cost_s"] == 0.1  # the tiny model's guess, until the run times a save
+    assert cadence["interval_s"] == pytest.approx((2 * 0.1 * 6300 * 3600) ** 0.5)
+    assert cadence["goodput_in_place"] > cadence["goodput_requeue"]
+    rows = _rows(plan)
+    assert rows["checkpoints"].startswith("auto (Young/Daly), keep 3")
+    assert "= sqrt(2 x 0.1 s x 6,300 h between failures); 0.1 s a save, estimated until the run times one" \
+        in rows["cadence"]
+    assert "through the queue (31 min a requeue)" in rows["cadence"]
+    fixed = _rows(_plan(tmp_path, checkpoint={"every_minutes": 20}))
+    assert fixed["checkpoints"].startswith("about every 20 min") and fixed["cadence"].startswith("20 min; ")
+    assert "cadence" not in _rows(_plan(tmp_path))
+
+
+def test_the_cadence_starts_from_the_save_time_an_earlier_attempt_measured(tmp_path: Path) -> None:
+    from hpc_train.run.attempts import AttemptLog
+
+    plan = _plan(tmp_path, checkpoint={"every_minutes": "auto"})
+    Path(plan.run_dir).mkdir(parents=True)
+    log = AttemptLog(Path(plan.run_dir))
+    log.finish(log.begin("7", 0, "n1", 1.0, 0), outcome="preempted", end_step=40, save_s_max=4.5)
+    cadence = training_summary(plan).checkpoint["cadence"]
+    assert cadence["cost_measured"] and cadence["cost_s"] == 4.5
+    assert "4.5 s a save, measured by this run" in _rows(plan)["cadence"]
+
+
+def test_auto_needs_a_failure_rate_from_the_site(tmp_path: Path) -> None:
+    from hpc_train.errors import ConfigError
+
+    site = tmp_path / "site.toml"
+    site.write_text('name = "nofail"\n[slurm]\nenabled = false\n[reliability]\nnode_mtbf_hours = 0\n')
+    cfg = build(JobConfig, {"checkpoint": {"every_minutes": "auto"}})
+    with pytest.raises(ConfigError, match=r"reliability\.node_mtbf_hours: 0\.0 leaves checkpoint\.every_minutes"):
+        make_plan(cfg, load_site(str(site)), "local", cwd=tmp_path)
