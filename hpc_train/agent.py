@@ -28,6 +28,7 @@ from typing import Any
 from hpc_train.run.attempts import AttemptLog
 from hpc_train.run.exit_codes import EXIT_RESTART_IN_PLACE
 from hpc_train.run.files import read_record_text
+from hpc_train.run.host_memory import memory_peak, oom_kills
 from hpc_train.run.in_place import (
     IN_PLACE_ENV,
     IN_PLACE_LEFT_ENV,
@@ -37,7 +38,7 @@ from hpc_train.run.in_place import (
     ready_count,
     request_restart,
 )
-from hpc_train.run.loglines import rank_log_format
+from hpc_train.run.loglines import format_host_oom, rank_log_format
 from hpc_train.run.node import node_name
 from hpc_train.run.paths import LOGS_DIR, rank_error_path, rank_log_path
 from hpc_train.run.peer_errors import lost_its_peer
@@ -106,20 +107,6 @@ def _logger(setup: AgentSetup) -> logging.Logger:
     return logger
 
 
-def _oom_kills() -> int:
-    """The out-of-memory kills of this process's cgroup so far (cgroup v2 ``memory.events``), 0 when unknown."""
-    try:
-        line = Path("/proc/self/cgroup").read_text(encoding="utf-8").splitlines()[0]
-        events = Path("/sys/fs/cgroup") / line.split(":", 2)[2].lstrip("/") / "memory.events"
-        for row in events.read_text(encoding="utf-8").splitlines():
-            name, _, count = row.partition(" ")
-            if name == "oom_kill":
-                return int(count)
-    except (OSError, IndexError, ValueError):
-        pass
-    return 0
-
-
 def _descendants(pid: int) -> list[int]:
     """Every live process below ``pid`` (the agent is a subreaper: orphans of its rank come back to it)."""
     parents: dict[int, list[int]] = {}
@@ -180,7 +167,7 @@ class Agent:
 
     def _run_once(self, argv: list[str], env: dict[str, str], in_place: int) -> tuple[int, RestartNotice | None]:
         """One life of the rank: its exit status, and the restart notice that ends it (None: leave for good)."""
-        oom_before = _oom_kills()
+        oom_before = oom_kills()
         child = subprocess.Popen(argv, env=env)
         may_restart = in_place < self.setup.limit
         while True:
@@ -224,8 +211,11 @@ class Agent:
         if code < 0:
             from hpc_train.ops.signal_deaths import SIGNAL_NAMES, signal_class
 
-            if code == -signal.SIGKILL and _oom_kills() > oom_before:
-                return None  # the cgroup's OOM killer: the retry policy says what to change
+            if code == -signal.SIGKILL and oom_kills() > oom_before:
+                peak = memory_peak()  # the cgroup's OOM killer: the retry policy says what to change
+                self.log.error(format_host_oom(self.setup.rank, peak.process_bytes, peak.cgroup_bytes,
+                                               peak.limit_bytes))
+                return None
             failure_class, _meaning = signal_class(-code)
             return failure_class, f"rank {self.setup.rank} ended on {SIGNAL_NAMES.get(-code, f'signal {-code}')}"
         if code != EXIT_RESTART_IN_PLACE:

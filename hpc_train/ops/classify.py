@@ -7,14 +7,13 @@ attempt's part of ``logs/rank-N.log``, ``logs/stacks-rank-N.txt``, and the batch
 The first rule that matches decides; the order is the point:
 
 1. ``COMPLETED`` with status 0 everywhere: **completed**.
-2. The scheduler saw a node die (``NODE_FAIL``, ``BOOT_FAIL``, "DUE TO NODE FAILURE"): **node_failure**. It comes
-   before the rank evidence because every surviving rank then shows a traceback ("connection closed by peer",
-   NCCL errors) that would otherwise read as a program error.
+2. The scheduler saw a node die (``NODE_FAIL``, ``BOOT_FAIL``, "DUE TO NODE FAILURE"): **node_failure**, before
+   the rank evidence: every surviving rank then shows a traceback that would read as a program error.
 3. Slurm's preemption and time limit: ``PREEMPTED``, "DUE TO PREEMPTION" or hpc_train's status 144 (local
    requeue): **preempted**; ``TIMEOUT``, ``DEADLINE``, "DUE TO TIME LIMIT": **time_limit**. Slurm's verdict beats
    whatever the signalled ranks printed on the way out.
-4. The cgroup out-of-memory killer (``OUT_OF_MEMORY`` on the job or a step, "oom-kill" or srun's "Out Of Memory"
-   in the batch output): **out_of_memory** (host memory; the killed rank leaves no traceback).
+4. The cgroup out-of-memory killer (``OUT_OF_MEMORY`` on a step, "oom-kill" or srun's "Out Of Memory", the
+   agent's peak line): **out_of_memory** (host memory; the killed rank leaves no traceback).
 5. The first rank to fail with an error of its own (a *primary* error; earliest by its error file's time, then
    rank) decides: CUDA out of memory or ``MemoryError``: **out_of_memory**; a GPU or driver fault (ECC, illegal
    memory access, fallen off the bus, Xid) or a network fault (NCCL "unhandled system error", InfiniBand errors):
@@ -31,8 +30,7 @@ The first rule that matches decides; the order is the point:
    Slurm requeued it (``REQUEUED``): **preempted**, or **time_limit** when it ended within the smaller of 10
    minutes and 10 % of its time limit; with ``CANCELLED`` it is **cancelled** (scancel, which the run saved for).
 8. ``CANCELLED`` with nothing above: **cancelled** (someone ran scancel; never retried).
-9. A rank that ended on a signal without a traceback: **killed** (SIGKILL, SIGTERM from outside) or **crashed**
-   (SIGSEGV, SIGBUS, SIGABRT, ...), naming rank, node and signal (:mod:`hpc_train.ops.signal_deaths`).
+9. A rank that ended on a signal without a traceback: **killed** (SIGKILL, SIGTERM) or **crashed** (SIGSEGV, ...).
 10. Status 126/127 (command not found) or a launch error line ("hpc_train.launch: ..."): **user_error**.
 11. Anything else: **unknown** (ranks that only lost their peers name the silent ranks' nodes, not excluded).
 
@@ -51,7 +49,7 @@ from typing import Any
 from hpc_train.distributed.hostlist import expand
 from hpc_train.ops.evidence import SRUN_ERROR, Evidence, RankReport, srun_tasks
 from hpc_train.ops.scheduler import SlurmRecord
-from hpc_train.ops.signal_deaths import signal_class, srun_signal
+from hpc_train.ops.signal_deaths import oom_peaks, signal_class, srun_signal
 from hpc_train.run.exit_codes import (
     COMMAND_NOT_RUNNABLE,
     EXIT_HUNG,
@@ -241,13 +239,15 @@ def _host_oom(a: _Attempt) -> Classification | None:
     """The cgroup out-of-memory killer: SIGKILL, no traceback; Slurm and slurmstepd say it."""
     steps = a.record.steps if a.record else ()
     lines = [line.strip() for line in a.evidence.batch_log.splitlines() if _HOST_OOM.search(line)]
-    if a.state != "OUT_OF_MEMORY" and not any(s.state.startswith("OUT_OF_MEMORY") for s in steps) and not lines:
+    peaks = oom_peaks(a.evidence.ranks)  # the agents' own words, with the peak each rank reached
+    if not (a.state == "OUT_OF_MEMORY" or any(s.state.startswith("OUT_OF_MEMORY") for s in steps) or lines or peaks):
         return None
     killed = {task: node for task, (node, _tasks, message) in a.srun.items() if _HOST_OOM.search(message)}
     nodes = [*killed.values(), *(m[1] for line in lines if (m := re.match(r"slurmstepd-(\S+?):", line)))]
     where = f" on {', '.join(dict.fromkeys(nodes))}" if nodes else ""
-    return a.result("out_of_memory", f"out of memory: the node's memory limit killed a rank{where}; not retried "
-                    "unchanged: raise job.mem, lower train.micro_batch or data.num_workers", nodes, killed, lines[:3])
+    return a.result("out_of_memory", f"out of memory: the node's memory limit killed a rank{where}"
+                    f"{f' ({peaks})' if peaks else ''}; not retried unchanged: raise job.mem, lower "
+                    "train.micro_batch or data.num_workers", nodes, killed, lines[:3])
 
 
 def _first_rank_error(a: _Attempt) -> Classification | None:

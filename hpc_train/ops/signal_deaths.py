@@ -8,8 +8,12 @@ this, from Slurm and the cgroup) needs a change. ``unknown`` named none of these
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 
-__all__ = ["SIGNAL_NAMES", "signal_class", "srun_signal"]
+from hpc_train.ops.evidence import RankReport
+from hpc_train.run.loglines import parse_host_oom
+
+__all__ = ["SIGNAL_NAMES", "oom_peaks", "signal_class", "srun_signal"]
 
 SIGNAL_NAMES = {1: "SIGHUP", 2: "SIGINT", 4: "SIGILL", 6: "SIGABRT", 7: "SIGBUS", 8: "SIGFPE", 9: "SIGKILL",
                 11: "SIGSEGV", 15: "SIGTERM"}
@@ -36,3 +40,18 @@ def signal_class(signal: int) -> tuple[str, str]:
         return "crashed", f"crashed: {name} in native code (an extension, a driver, a library)"
     return "killed", f"killed: {name} from outside the program (a node health agent, an administrator, the " \
                      "kernel's OOM killer outside the job's cgroup)"
+
+
+def oom_peaks(reports: Iterable[RankReport]) -> str:
+    """What the agents said of their ranks' out-of-memory kills, as the message's words ("rank 1 peaked at 3.20
+    GiB, its cgroup at 3.98 of 4.00 GiB"), or "" when no agent saw one (:func:`hpc_train.run.loglines.
+    format_host_oom`)."""
+    said = []
+    for report in reports:
+        for line in report.log_tail:
+            if (found := parse_host_oom(line)) is not None:
+                rank, process, cgroup, limit = found
+                said.append(f"rank {rank} peaked at {process:.2f} GiB"
+                            + (f", its cgroup at {cgroup:.2f}" + (f" of {limit:.2f}" if limit else "") + " GiB"
+                               if cgroup is not None else ""))
+    return "; ".join(dict.fromkeys(said))

@@ -12,9 +12,10 @@ from dataclasses import dataclass
 from datetime import datetime
 
 __all__ = [
-    "BATCH_START", "LAUNCH_ERROR_PREFIX", "NOT_IN_COLLECTIVE", "RANK_LINE", "RANK_RECORD", "START",
-    "STOPPED", "StartLine", "format_launch_error", "format_not_in_collective", "format_saved_after_signal",
-    "format_start", "format_stopped", "parse_start", "parse_stop", "rank_line_time",
+    "BATCH_START", "HOST_OOM", "LAUNCH_ERROR_PREFIX", "NOT_IN_COLLECTIVE", "RANK_LINE", "RANK_RECORD", "START",
+    "STOPPED", "StartLine", "format_host_oom", "format_launch_error", "format_not_in_collective",
+    "format_saved_after_signal", "format_start", "format_stopped", "parse_host_oom", "parse_start", "parse_stop",
+    "rank_line_time",
     "rank_log_format",
 ]
 
@@ -98,6 +99,32 @@ NOT_IN_COLLECTIVE = re.compile(r"hang: rank ([0-9]+) is not in a collective")  #
 
 def format_not_in_collective(rank: int, frame: str) -> str:
     return f"hang: rank {rank} is not in a collective: {frame}"
+
+
+# -- the agent on an out-of-memory kill --------------------------------------------------------------------------
+
+HOST_OOM = re.compile(r"out of memory: rank ([0-9]+) was killed by the memory limit of its cgroup; its largest "
+                      r"process peaked at ([0-9.]+) GiB(?:, the cgroup at ([0-9.]+) GiB(?: of its ([0-9.]+) GiB "
+                      r"limit)?)?")
+
+
+def format_host_oom(rank: int, process_bytes: int, cgroup_bytes: int | None, limit_bytes: int | None) -> str:
+    """The agent's line when its rank's cgroup killed it: the peaks that say how far over it went."""
+    line = (f"out of memory: rank {rank} was killed by the memory limit of its cgroup; its largest process peaked "
+            f"at {process_bytes / 2**30:.2f} GiB")
+    if cgroup_bytes is not None:
+        line += f", the cgroup at {cgroup_bytes / 2**30:.2f} GiB"
+        if limit_bytes is not None:
+            line += f" of its {limit_bytes / 2**30:.2f} GiB limit"
+    return line
+
+
+def parse_host_oom(line: str) -> tuple[int, float, float | None, float | None] | None:
+    """(rank, the process's peak, the cgroup's peak, the limit) in GiB, or None."""
+    m = HOST_OOM.search(line)
+    if not m:
+        return None
+    return int(m[1]), float(m[2]), float(m[3]) if m[3] else None, float(m[4]) if m[4] else None
 
 
 # -- the batch step's output ------------------------------------------------------------------------------------

@@ -268,6 +268,20 @@ def test_the_cgroup_oom_killer_is_out_of_memory_not_killed(tmp_path: Path) -> No
     assert found.failure_class == "out_of_memory" and "job.mem" in found.reason
 
 
+def test_the_agents_peak_line_says_how_close_the_rank_came_to_the_limit(tmp_path: Path) -> None:
+    """The agent above a rank logs what the rank and its cgroup peaked at (hpc_train.run.host_memory); the
+    message carries it, even where Slurm's accounting has not seen the kill (a plain FAILED, no batch line)."""
+    from hpc_train.run.loglines import format_host_oom
+
+    run_dir = _run(tmp_path)
+    write_rank(run_dir, "581", Rank(1, 1, [(3.0, "ERROR", format_host_oom(1, int(3.2 * 2**30), int(3.99 * 2**30),
+                                                                           4 * 2**30))]))
+    found = _classify(run_dir, record("581", "FAILED", "0:9"), "581")
+    assert found.failure_class == "out_of_memory", found
+    assert "(rank 1 peaked at 3.20 GiB, its cgroup at 3.99 of 4.00 GiB); not retried unchanged: raise job.mem" \
+        in found.reason, found.reason
+
+
 def test_ranks_that_could_not_start(tmp_path: Path) -> None:
     assert classify(record("575", "FAILED", "127:0"), Evidence()).failure_class == "user_error"
     evidence = Evidence(batch_log="hpc_train.launch: WORLD_SIZE=4 but the plan has 8 ranks\n")

@@ -12,11 +12,13 @@ from hpc_train.run.loglines import (
     RANK_LINE,
     RANK_RECORD,
     StartLine,
+    format_host_oom,
     format_launch_error,
     format_not_in_collective,
     format_saved_after_signal,
     format_start,
     format_stopped,
+    parse_host_oom,
     parse_start,
     parse_stop,
     rank_line_time,
@@ -65,3 +67,11 @@ def test_the_record_prefix_gives_level_rank_message_and_time() -> None:
 def test_the_launch_error_and_the_batch_start_line() -> None:
     assert format_launch_error("no rank found").removeprefix(LAUNCH_ERROR_PREFIX) == "no rank found"
     assert BATCH_START.match("hpc_train: job 42 restart 0 on n[1-2], rendezvous n1:29500")
+
+
+def test_the_agents_out_of_memory_line_gives_the_rank_and_its_peaks() -> None:
+    gib = 2**30
+    assert parse_host_oom(format_host_oom(3, int(2.5 * gib), 4 * gib, 4 * gib)) == (3, 2.5, 4.0, 4.0)
+    assert parse_host_oom(format_host_oom(0, gib, 2 * gib, None)) == (0, 1.0, 2.0, None)
+    assert parse_host_oom(format_host_oom(1, gib, None, None)) == (1, 1.0, None, None)
+    assert parse_host_oom("killed: SIGKILL from outside") is None
