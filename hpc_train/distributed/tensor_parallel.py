@@ -22,6 +22,7 @@ Design rules of this module:
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -29,7 +30,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F  # noqa: N812 (the usual alias)
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 __all__ = [
     "ColumnParallelLinear",
@@ -247,7 +247,8 @@ def mark_sharded(*params: nn.Parameter | None, dim: int = 0) -> None:
 def local_shard(tensor: torch.Tensor | None) -> torch.Tensor | None:
     """This rank's shard of a parameter: under FSDP2 with tensor parallelism the layers' parameters are DTensors
     on the tensor axis (so checkpoints know the full shapes), and the layers compute on the local shard."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    dtensor = sys.modules.get("torch.distributed.tensor")  # not imported: no DTensor exists (an import is 1 s)
+    return tensor.to_local() if dtensor is not None and isinstance(tensor, dtensor.DTensor) else tensor
 
 
 def _full_weight(shape: tuple[int, ...], init_method: InitMethod | None, seed: int | torch.Generator,

@@ -51,7 +51,6 @@ from hpc_train.train.forward import forward_loss
 from hpc_train.train.loader import BatchStream
 from hpc_train.train.model_card import write_model_card
 from hpc_train.train.models import ModelSpec, model_spec
-from hpc_train.train.pipeline import eval_step, train_step
 from hpc_train.train.precision import agreed_precision
 from hpc_train.train.rank_data import RankData, build_data
 from hpc_train.train.stragglers import StragglerCheck
@@ -79,6 +78,8 @@ def _evaluate(engine: Any, data: RankData, groups: ParallelGroups, watch: Preemp
     if stream is None:
         return None
     if groups.size("pp") > 1:
+        from hpc_train.train.pipeline import eval_step  # DeepSpeed's pipeline engine: imported when it is used
+
         return eval_step(engine, stream, micro_batches=batches)
     engine.eval()
     total = 0.0
@@ -354,7 +355,7 @@ def _micro_batches(rank: _Rank, parts: _Parts, logged: bool) -> float:
     ranks on logged steps only (a collective), NaN otherwise."""
     engine, accum, delay = parts.engine, rank.plan.config.train.grad_accum, injected_delay_s(rank.info.rank)
     timing = parts.breakdown
-    total = 0.0
+    total: torch.Tensor | None = None  # summed on the device: a float() per micro-batch would sync a GPU each time
     with timing.sampled(logged):
         for _ in range(accum):
             with timing.phase("data"):
@@ -367,8 +368,10 @@ def _micro_batches(rank: _Rank, parts: _Parts, logged: bool) -> float:
                 engine.backward(micro_loss)
             with timing.phase("optimizer"):
                 engine.step()
-            total += float(micro_loss)
-    return _mean_over(total / accum, parts.groups.group("dp")) if logged else float("nan")
+            total = micro_loss.detach() if total is None else total + micro_loss.detach()
+    if not logged or total is None:
+        return float("nan")
+    return _mean_over(float(total) / accum, parts.groups.group("dp"))
 
 
 def _step(rank: _Rank, parts: _Parts, monitor: Monitor, recorder: AttemptRecorder, progress: _Progress) -> None:
@@ -378,6 +381,8 @@ def _step(rank: _Rank, parts: _Parts, monitor: Monitor, recorder: AttemptRecorde
     lr = engine.get_lr()[0]  # the rate this step uses; the scheduler moves on inside engine.step()
     logged = monitor.log_due(step)
     if parts.pipelined:
+        from hpc_train.train.pipeline import train_step
+
         progress.loss = train_step(engine, parts.stream)  # already the global batch's mean, on every rank
     else:
         progress.loss = _micro_batches(rank, parts, logged)
