@@ -74,6 +74,8 @@ CASES = [  # the costliest first (CPU seconds here: 57, 52, 25, 23, 22, 14, 4, 0
                              rf"own json\.dumps \+ write \(baseline\)\s+{NUMBER}\s+1\.00")),
     Case("fsdp2.py", (), (rf"2\s+zero3\s+{NUMBER}\s+1\.000\s+{NUMBER}\s+1\.000",
                           rf"2\s+fsdp2\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}")),
+    Case("rank_start.py", (), (r"run 1: trainer start to first step [\d.]+ s; imports [\d.]+ s",
+                                rf"\(b\) trainer start to first step: median {NUMBER} s; import floor {NUMBER} s; .*")),
     Case("topology.py", (), (r"layout\s+hpc_train s\s+brute force s\s+ratio\s+target",
                              rf"64 ranks \(tp 2, pp 4, dp 8\)\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}\s+\w+")),
     Case("submit_latency.py", (), (r"hpc_train\.submit\s+.*", r"hand-written sbatch\s+.*\s+1\.00\s+.*\s+1\.00"),
