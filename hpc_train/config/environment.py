@@ -80,6 +80,8 @@ def rank_env(cfg: JobConfig, site: SiteConfig, cpus_per_task: int, gpus_per_node
     if gpus_per_node > 0:
         env.update(torch_nccl_env(site.network, run_dir))
     env.update(network_env(site.network))
+    if site.slurm.requeue == "dependency":
+        env["HPC_TRAIN_REQUEUE"] = "dependency"  # hpc_train.run.chain: the next attempt is a new job
     env.update(site.env)
     env.update(cfg.env)
     return env

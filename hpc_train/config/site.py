@@ -56,6 +56,10 @@ class SlurmSite:
         "gpus-per-node", "How GPUs are requested: --gpus-per-node=N or --gres=gpu:N (older sites)."
     )
     exclusive: bool = option(False, "Ask for whole nodes (--exclusive).")
+    requeue: Literal["scontrol", "dependency"] = option(
+        "scontrol", "How the next attempt is made after a preemption or a hang: scontrol requeue (the same job "
+        'id), or "dependency" for sites that disable requeue: rank 0 submits the job\'s batch script again with '
+        "--dependency=afterany:<this job>, into the same run folder.")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -31,6 +31,7 @@ from hpc_train.ops.classify import Classification, classify
 from hpc_train.ops.evidence import collect_evidence
 from hpc_train.ops.health_view import health_cell, health_lines, read_findings
 from hpc_train.run.attempts import Attempt, AttemptLog
+from hpc_train.run.chain import successor_of
 from hpc_train.run.exclusions import read_exclusions
 from hpc_train.run.files import open_record, read_json_object
 from hpc_train.run.paths import (
@@ -202,6 +203,7 @@ def read_folder(path: Path) -> RunFolder:
 
 def _folder_job_ids(path: Path, attempts: list[Attempt]) -> list[str]:
     ids = {a.job_id for a in attempts if a.job_id}
+    ids |= {nxt for a in attempts if a.job_id and (nxt := successor_of(path, a.job_id))}  # a chain's next job
     for folder, pattern in ((path / SUBMITIT_DIR, _SUBMITIT_FILE), (path / LOGS_DIR, _SLURM_FILE)):
         if folder.is_dir():
             ids |= {m[1] for name in os.listdir(folder) if (m := pattern.match(name))}

@@ -21,6 +21,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from hpc_train.run.chain import REQUEUE_ENV, submit_successor
+from hpc_train.run.exclusions import exclude_expression, read_exclusions
 from hpc_train.run.exit_codes import EXIT_SAVE_HUNG, EXIT_STOPPED, LOCAL_REQUEUE_EXIT
 from hpc_train.run.jobid import scontrol_job_id
 
@@ -136,14 +138,28 @@ def decide_requeue(env: dict[str, str], enabled: bool, max_requeues: int, requeu
                                              "resubmit to go on")
     if local:
         return Requeue("local", LOCAL_REQUEUE_EXIT, "submitit's local executor restarts the tasks")
+    if env.get("SLURM_JOB_ID") and env.get(REQUEUE_ENV) == "dependency":
+        if env.get("SLURM_ARRAY_TASK_ID"):
+            return Requeue("none", EXIT_STOPPED, "a sweep's array task cannot go on as a new job ([slurm] requeue "
+                                                 "= \"dependency\"); submit the sweep again to resume")
+        return Requeue("dependency", 0, "a new job after this one ([slurm] requeue = \"dependency\")")
     if env.get("SLURM_JOB_ID"):
         return Requeue("scontrol", 0, f"scontrol requeue {scontrol_job_id(env)}")
     return Requeue("none", EXIT_STOPPED, "not under Slurm or submitit; run the same command again to resume")
 
 
 def perform_requeue(decision: Requeue, env: dict[str, str],
-                    run: Callable[..., subprocess.CompletedProcess[str]] = subprocess.run) -> Requeue:
-    """Carry out a ``scontrol`` requeue (the others need nothing here); a failure becomes ``none`` with why."""
+                    run: Callable[..., subprocess.CompletedProcess[str]] = subprocess.run,
+                    run_dir: Any = None) -> Requeue:
+    """Carry out a ``scontrol`` requeue, or submit the next job of a dependency chain into ``run_dir`` (the
+    others need nothing here); a failure becomes ``none`` with why."""
+    if decision.action == "dependency":
+        if run_dir is None:
+            return Requeue("none", EXIT_STOPPED, "no run folder to chain the next job into; resubmit to resume")
+        job_id = env.get("SLURM_JOB_ID", "")
+        exclude = exclude_expression(read_exclusions(run_dir))
+        successor, said = submit_successor(run_dir, job_id, env, run, exclude=exclude)
+        return Requeue("dependency", decision.exit_code, said) if successor else Requeue("none", EXIT_STOPPED, said)
     if decision.action != "scontrol":
         return decision
     scontrol = shutil.which("scontrol")

@@ -14,6 +14,7 @@ from typing import Any
 from hpc_train.distributed.collectives import broadcast_object
 from hpc_train.distributed.launchers import LaunchInfo
 from hpc_train.run.attempts import Attempt, AttemptLog, recommended_lead_seconds, requeues_so_far
+from hpc_train.run.chain import REQUEUE_ENV, links_before
 from hpc_train.run.exit_codes import EXIT_HUNG, EXIT_RESTART_IN_PLACE
 from hpc_train.run.in_place import RestartNotice, in_place_left, request_restart
 from hpc_train.run.node import node_name
@@ -78,8 +79,10 @@ class AttemptRecorder:
     def requeue_decision(self, requeue_signal: bool, requeue_enabled: bool, max_requeues: int) -> Requeue:
         """Rank 0, no collective: whether this job may requeue now (its requeues so far from attempts.jsonl)."""
         job = self.current.job_id if self.current else None
-        return decide_requeue(dict(os.environ), requeue_enabled, max_requeues,
-                              requeues_so_far(self.attempts.read(), job), requeue_signal)
+        env = dict(os.environ)
+        before = links_before(self.attempts.path.parent, job or "") if env.get(REQUEUE_ENV) == "dependency" else \
+            requeues_so_far(self.attempts.read(), job)  # a chain's jobs each start at restart 0
+        return decide_requeue(env, requeue_enabled, max_requeues, before, requeue_signal)
 
     def decide_stop(self, signum: int, requeue_signal: bool, requeue_enabled: bool, max_requeues: int) -> Requeue:
         """Collective, when the ranks agreed on a signal: rank 0 decides whether the job will requeue and every
@@ -92,7 +95,7 @@ class AttemptRecorder:
         collective, so it works after the program has left its process group. Returns what was done."""
         if not self.is_writer:
             return decision
-        done = perform_requeue(decision, dict(os.environ))
+        done = perform_requeue(decision, dict(os.environ), run_dir=self.attempts.path.parent)
         self._finish(outcome="preempted", end_step=step, signal=signal_name(signum), requeued=done.action != "none",
                      note=f"{why}{done.reason}"[:500])
         return done
@@ -141,12 +144,12 @@ def decide_hang(run_dir: Path, info: LaunchInfo, recorder: AttemptRecorder | Non
         decision = Requeue("none", EXIT_HUNG, f"not requeued: {hangs} earlier hang(s) of this job, retry.hang = "
                                               f"{retries}")
     else:
-        decision = perform_requeue(decide_requeue(env, True, retries, hangs), env)
+        decision = perform_requeue(decide_requeue(env, True, retries, hangs), env, run_dir=run_dir)
         if decision.action == "none":
             decision = Requeue("none", EXIT_HUNG, decision.reason)
-        elif decision.action == "scontrol":
-            decision = Requeue("scontrol", EXIT_HUNG, f"requeued (hang {hangs + 1} of retry.hang = {retries}): "
-                                                      f"{decision.reason}")
+        elif decision.action in ("scontrol", "dependency"):
+            decision = Requeue(decision.action, EXIT_HUNG, f"requeued (hang {hangs + 1} of retry.hang = {retries}): "
+                                                           f"{decision.reason}")
     attempts.finish(current, outcome="hang", ended=time.time(), end_step=hang.step, requeued=decision.action != "none",
                     note=f"{hang.describe()}; {decision.reason}"[:500])
     log(f"hang: {decision.reason}")

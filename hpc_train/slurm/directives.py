@@ -71,8 +71,10 @@ def sbatch_directives(plan: Plan, launcher: str) -> list[str]:
         directive("export", export_directive(plan)),
         directive("chdir", plan.run_dir),
     ]
-    if plan.requeue:
+    if plan.requeue and plan.env.get("HPC_TRAIN_REQUEUE") != "dependency":
         lines.append(directive("requeue"))
+    elif plan.requeue:  # the site disables requeue: the next attempt is a new job (hpc_train.run.chain)
+        lines.append(directive("no-requeue"))
     # No "B:": the signal goes to every job step (the ranks), not only to the batch shell.
     lines.append(directive("signal", f"{plan.signal}@{plan.lead_seconds}"))
     return lines

@@ -94,6 +94,8 @@ def submitit_parameters(plan: Plan) -> dict[str, Any]:
             params[key] = value
     if res.exclusive:
         params["exclusive"] = True
+    if plan.env.get("HPC_TRAIN_REQUEUE") == "dependency":  # the site disables requeue (hpc_train.run.chain)
+        params["additional_parameters"]["no-requeue"] = True
     # A rank that fails ends the step at once instead of leaving the others waiting in a collective.
     params["srun_args"] = ["--kill-on-bad-exit=1", *plan.srun_args, *container_srun_flags(plan)]
     return params

@@ -19,6 +19,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from hpc_train.run.attempts import Attempt, AttemptLog
+from hpc_train.run.chain import successor_of
 from hpc_train.run.files import atomic_write
 from hpc_train.run.paths import LOGS_DIR, SUBMITIT_DIR, follower_cancel_path, rank_log_path
 from hpc_train.slurm.cancel_policy import CancelDecision, decide_cancel, read_facts, read_failures
@@ -69,9 +70,11 @@ class FollowedJob:
     def __post_init__(self) -> None:
         self.tail = LogTail(rank_log_path(self.run_dir, 0), self.log_offset)
 
+    chained: str = ""  # the job of a dependency chain that now carries the run (hpc_train.run.chain)
+
     @property
     def job_id(self) -> str:
-        return str(self.job.job_id)
+        return self.chained or str(self.job.job_id)
 
     @property
     def since(self) -> float:
@@ -100,6 +103,17 @@ def _poll(jobs: list[FollowedJob], executor: str) -> None:
         if not job.done:
             job.done = job.job.done()
             job.state = job.job.state if not job.done else ("FINISHED" if _local_ok(job) else "FAILED")
+
+
+def _follow_chains(jobs: list[FollowedJob], console: Console) -> None:
+    """A job that ended after submitting the next one of its chain (``[slurm] requeue = "dependency"``): follow
+    that one from here, as the same run."""
+    for job in jobs:
+        successor = successor_of(job.run_dir, job.job_id) if job.done else None
+        if successor is not None:
+            console.print(f"[bold]job {job.job_id}[/]: goes on as job {successor} (a new job after this one: the "
+                          "site's requeue = \"dependency\")")
+            job.chained, job.done, job.state, job.failed_at = successor, False, "PENDING", None
 
 
 def _waiting_for_requeue(job: FollowedJob, patience_s: float = 300.0) -> bool:
@@ -234,6 +248,7 @@ def follow(jobs: list[FollowedJob], executor: str, console: Console, poll_s: flo
                     console.print(f"[red]job {job.job_id}: a rank failed; waiting for the others to stop[/]")
                 if not job.done and job.failed_at and time.monotonic() - job.failed_at > cancel_after_s:
                     _cancel_or_keep(console, job)
+            _follow_chains(jobs, console)  # after the ended job's last lines
             if status:
                 status.update(", ".join(f"job {job.job_id}: {job.state}" for job in jobs))
             if all(job.done for job in jobs):

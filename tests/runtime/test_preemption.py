@@ -59,6 +59,9 @@ def test_poll_answers_one_step_late_without_waiting(one_rank_group: None) -> Non
     ({}, True, 0, "none", EXIT_STOPPED),
     ({"SLURM_JOB_ID": "42"}, False, 0, "none", EXIT_STOPPED),
     ({"SLURM_JOB_ID": "42"}, True, 3, "none", EXIT_STOPPED),
+    ({"SLURM_JOB_ID": "42", "HPC_TRAIN_REQUEUE": "dependency"}, True, 0, "dependency", 0),
+    ({"SLURM_JOB_ID": "42", "HPC_TRAIN_REQUEUE": "dependency", "SLURM_ARRAY_TASK_ID": "3"}, True, 0, "none",
+     EXIT_STOPPED),
 ])
 def test_decide_requeue(env: dict[str, str], enabled: bool, before: int, action: str, code: int) -> None:
     decision = decide_requeue(env, enabled, max_requeues=3, requeued_before=before)

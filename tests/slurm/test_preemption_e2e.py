@@ -272,3 +272,49 @@ def test_rendered_sbatch_script_requeues_itself(uninterrupted: dict[str, torch.T
     first = _finished_run(run_dir, job_id)[0]
     assert first["outcome"] == "preempted" and first["requeued"] and first["note"] == f"scontrol requeue {job_id}"
     _assert_same(_exported(run_dir, tmp_path / "weights.pt"), uninterrupted, run_dir)
+
+
+def test_where_requeue_is_forbidden_a_preempted_job_goes_on_as_a_new_job(uninterrupted: dict[str, torch.Tensor],
+                                                                         tmp_path: Path) -> None:
+    """A site with ``[slurm] requeue = "dependency"`` (its jobs are submitted ``--no-requeue``, as where the
+    partition disables requeue): after USR2, rank 0 submits the job's own batch script again with
+    ``--dependency=afterany``. The follower goes on with the new job id, which resumes from the saved step, and
+    the run ends with the uninterrupted weights. ``status`` shows one run with both job ids."""
+    site = tmp_path / "norequeue.toml"
+    site.write_text((REPO / "site_configs" / "local-slurm.toml").read_text()
+                    .replace('name = "local-slurm"', 'name = "norequeue"')
+                    .replace("[slurm]\n", '[slurm]\nrequeue = "dependency"\n', 1))
+    run_dir = tmp_path / "runs" / "tiny-gpt"
+    args = [sys.executable, "-m", "hpc_train.submit", EXAMPLE, *BASE, "--site", str(site), "--set",
+            f"train.steps={STEPS}", "--set", "env.HPC_TRAIN_INJECT_FAULT=slow:0:60"]
+    follower = subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 180
+        while not (run_dir / "attempts.jsonl").exists() or last_logged_step(run_dir) < 15:
+            assert follower.poll() is None and time.monotonic() < deadline, _logs(run_dir)
+            time.sleep(0.2)
+        first_job = str(_attempts(run_dir)[0]["job_id"])
+        shown = subprocess.run(["scontrol", "show", "job", first_job], capture_output=True, text=True, timeout=30,
+                               check=True).stdout
+        assert "Requeue=0" in shown, shown  # submitted --no-requeue: scontrol requeue is not how it goes on
+        subprocess.run(["scancel", "--signal=USR2", first_job], check=True, timeout=30)
+        out, _ = follower.communicate(timeout=420)
+    finally:
+        if follower.poll() is None:
+            follower.kill()
+    assert follower.returncode == 0, out[-4000:] + _logs(run_dir)
+    first, second = _attempts(run_dir)
+    second_job = str(second["job_id"])
+    assert second_job != first_job and f"job {first_job}: goes on as job {second_job}" in out, out[-3000:]
+    assert first["outcome"] == "preempted" and first["requeued"], first
+    assert f"submitted job {second_job} to go on after job {first_job}" in str(first["note"]), first
+    assert second["outcome"] == "completed" and second["start_step"] == first["end_step"], second
+    for job in (first_job, second_job):  # two jobs, each run once: never requeued
+        rows = subprocess.run(["sacct", "-n", "-P", "-X", "-D", "-j", job, "-o", "State"], capture_output=True,
+                              text=True, timeout=30, check=True).stdout.split()
+        assert rows == ["COMPLETED"], (job, rows)
+    status = subprocess.run([sys.executable, "-m", "hpc_train", "status", str(run_dir), "--json"], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=60, check=True)
+    (run,) = json.loads(status.stdout)["runs"]
+    assert run["job_ids"] == [first_job, second_job] and run["job_id"] == second_job, run
+    _assert_same(_exported(run_dir, tmp_path / "weights.pt"), uninterrupted, run_dir)

@@ -116,3 +116,23 @@ def test_gres_sites_ask_for_gres() -> None:
         site = load_site(name)
         if site.node.gpus and site.slurm.gpu_directive == "gres":
             assert f"--gres=gpu:{site.node.gpus}" in sbatch_directives(plan_for(name), "srun")
+
+
+def test_a_site_without_requeue_submits_no_requeue_and_tells_the_ranks(tmp_path: Path) -> None:
+    """``[slurm] requeue = "dependency"``: the script asks for --no-requeue (requeue is not how the next attempt
+    is made) and the ranks know to submit the next job themselves (hpc_train.run.chain); submitit's too."""
+    import dataclasses
+
+    from hpc_train.config.job import JobConfig
+    from hpc_train.config.loader import build
+    from hpc_train.config.plan import make_plan
+    from hpc_train.slurm.executors import submitit_parameters
+
+    base = load_site("local-slurm")
+    site = dataclasses.replace(base, slurm=dataclasses.replace(base.slurm, requeue="dependency"))
+    plan = make_plan(build(JobConfig, {"job": {"nodes": 2}}), site, "slurm", cwd=tmp_path)
+    directives = [line for line in render_script(plan, "srun").text.splitlines() if line.startswith("#SBATCH")]
+    assert "#SBATCH --no-requeue" in directives and "#SBATCH --requeue" not in directives
+    assert plan.env["HPC_TRAIN_REQUEUE"] == "dependency"
+    assert submitit_parameters(plan)["additional_parameters"]["no-requeue"] is True
+    assert "HPC_TRAIN_REQUEUE" not in make_plan(build(JobConfig, {}), base, "slurm", cwd=tmp_path).env
