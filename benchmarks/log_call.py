@@ -29,7 +29,7 @@ from hpc_train.runtime.monitor import Monitor
 
 def _hpc_train(folder: Path, calls: int) -> float:
     def consumers() -> list[RecordHealth]:
-        return [RecordHealth(HealthCheck(folder, Thresholds(0.3, 3.0, 0.1, -1, 0.2), lambda line: None))]
+        return [RecordHealth(HealthCheck(folder, Thresholds(0.3, 3.0, 0.1, -1, 0.2), lambda line: None), every=10)]
 
     monitor = Monitor.create(0, folder, total_steps=0, log_every=10, tensorboard=False, start_step=0,
                              console=Console(file=io.StringIO(), width=200), exporters=consumers)

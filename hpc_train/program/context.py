@@ -151,7 +151,7 @@ class RunContext(RankContext):
         monitor = plan.config.monitor
         limits = Thresholds(monitor.health_data_share, monitor.health_loss_spike, monitor.health_memory_growth,
                             -1, monitor.health_comm_share)  # -1: the program's own loader
-        health = RecordHealth(HealthCheck(self.run_dir, limits, self._session.log))
+        health = RecordHealth(HealthCheck(self.run_dir, limits, self._session.log), every=monitor.log_every)
         return [health, *build_exporters(plan, self.run_dir, self._session.log)]
 
     @contextlib.contextmanager

@@ -238,15 +238,20 @@ class HealthCheck:
 class RecordHealth:
     """The checks over a program's ``ctx.log`` records, as one of the monitor's record consumers (rank 0):
     ``loss`` when the program logs one, the data wait when it times a ``ctx.timer("data")`` section (its share of
-    the record's ``step_time_s``), and memory when it logs ``memory_bytes``."""
+    the record's ``step_time_s``), and memory when it logs ``memory_bytes``. Like the trainer's, the checks look
+    at every ``every``-th step (``monitor.log_every``: the records the progress line shows), and at any record
+    whose loss is NaN or infinite, at once; a program that logs every step pays for a tenth of them."""
 
-    def __init__(self, health: HealthCheck) -> None:
+    def __init__(self, health: HealthCheck, every: int = 1) -> None:
         self.health = health
+        self.every = max(1, every)
 
     def record(self, record: Mapping[str, Any]) -> None:
         step = record.get("step")
         if not isinstance(step, int) or "eval_loss" in record:
             return
+        if step % self.every and ("loss" not in record or record["loss"] is not None):
+            return  # not a logged step, and its loss is finite (metrics.jsonl writes NaN and inf as null)
         seen = dict(record)
         data_ms, step_s = record.get("data_ms"), record.get("step_time_s")
         if isinstance(data_ms, int | float) and isinstance(step_s, int | float) and step_s > 0:

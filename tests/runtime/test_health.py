@@ -124,3 +124,19 @@ def test_a_program_s_records_are_checked_for_their_loss_and_their_timed_data_wai
     checks.record({"step": 4, "loss": None})  # a NaN the program logged (metrics.jsonl's null)
     assert lines[-1].startswith("health: loss at step 4: the loss is NaN or infinite")
     assert {f["check"] for f in _findings(tmp_path)} == {"loss"}  # the data wait cleared: step 4 timed none
+
+
+def test_a_program_logging_every_step_is_checked_at_its_logged_steps_and_at_once_for_a_nan(tmp_path: Path) -> None:
+    """``every`` = monitor.log_every: the checks read the records the progress line shows, as the trainer's do,
+    so a program that logs every step pays for a tenth of them; a NaN loss is flagged at its own step."""
+    from hpc_train.runtime.health import RecordHealth
+
+    lines: list[str] = []
+    checks = RecordHealth(HealthCheck(tmp_path, Thresholds(num_workers=-1), lines.append), every=10)
+    for step in range(1, 10):
+        checks.record({"step": step, "loss": 2.0, "data_ms": 45.0, "step_time_s": 0.05})  # 90 % on data
+    assert lines == []  # not a logged step yet
+    checks.record({"step": 10, "loss": 2.0, "data_ms": 45.0, "step_time_s": 0.05})
+    assert lines[-1].startswith("health: data_wait at step 10: 90% of the step waits for data")
+    checks.record({"step": 13, "loss": None})
+    assert lines[-1].startswith("health: loss at step 13: the loss is NaN or infinite")
