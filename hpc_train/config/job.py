@@ -143,6 +143,10 @@ class FsdpSection:
                                          "them again for the backward (less memory, one more all-gather a block).")
     offload: bool = option(False, "Keep parameters, gradients and optimizer state in CPU memory (CPUOffloadPolicy); "
                            "the optimizer step runs on the CPU.")
+    meta_init: bool = option(True, "Build the built-in GPT on the meta device, shard it, then materialise each "
+                             "rank's shards (to_empty) and draw the same weights as a whole build, one parameter "
+                             "at a time: no rank ever holds the whole model. With parallel.tensor > 1, or your "
+                             "own model, the model is built whole first.")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -23,13 +23,14 @@ Design rules of this module:
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F  # noqa: N812 (the usual alias)
 from torch import nn
+
+from hpc_train.distributed.tp_init import InitMethod, fill_parameter, full_weight, init_normal, replayable
 
 __all__ = [
     "ColumnParallelLinear",
@@ -38,6 +39,7 @@ __all__ = [
     "VocabParallelCrossEntropy",
     "VocabParallelEmbedding",
     "copy_to_tensor_parallel_region",
+    "fill_parameter",
     "gather_from_tensor_parallel_region",
     "gather_tensor",
     "init_normal",
@@ -54,17 +56,6 @@ __all__ = [
 ]
 
 Group = dist.ProcessGroup | None
-#: Fills a full (unsharded) weight in place, drawing every random number from the given generator.
-InitMethod = Callable[[torch.Tensor, torch.Generator], Any]
-
-
-def init_normal(std: float = 0.02, mean: float = 0.0) -> InitMethod:
-    """Return an init method drawing N(mean, std²) from the given generator (the Megatron default, std 0.02)."""
-
-    def init(weight: torch.Tensor, generator: torch.Generator) -> None:
-        nn.init.normal_(weight, mean=mean, std=std, generator=generator)
-
-    return init
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -251,15 +242,6 @@ def local_shard(tensor: torch.Tensor | None) -> torch.Tensor | None:
     return tensor.to_local() if dtensor is not None and isinstance(tensor, dtensor.DTensor) else tensor
 
 
-def _full_weight(shape: tuple[int, ...], init_method: InitMethod | None, seed: int | torch.Generator,
-                 dtype: torch.dtype) -> torch.Tensor:
-    """Draw the full weight on the CPU in float32 (same numbers for every dtype, device and TP size)."""
-    generator = seed if isinstance(seed, torch.Generator) else torch.Generator().manual_seed(seed)
-    weight = torch.empty(shape, dtype=torch.float32)
-    (init_method or init_normal())(weight, generator)
-    return weight.to(dtype)
-
-
 def _check_full_shape(what: str, tensor: torch.Tensor, expected: tuple[int, ...]) -> None:
     if tuple(tensor.shape) != expected:
         raise ValueError(f"{what}: the full tensor has shape {tuple(tensor.shape)}, expected {expected}")
@@ -283,7 +265,8 @@ class ColumnParallelLinear(nn.Module):
         self.tp_size = tp_world_size(group)
         self.out_features_per_partition = partition_size(
             out_features, self.tp_size, name="out_features", owner="ColumnParallelLinear")
-        full = _full_weight((out_features, in_features), init_method, seed, dtype)
+        self._init = (init_method, seed, dtype)
+        full = full_weight((out_features, in_features), init_method, seed, dtype)
         self.weight = nn.Parameter(shard_tensor(full, 0, group).to(device))
         if bias:
             self.bias = nn.Parameter(torch.zeros(self.out_features_per_partition, dtype=dtype,
@@ -291,6 +274,15 @@ class ColumnParallelLinear(nn.Module):
         else:
             self.register_parameter("bias", None)
         mark_sharded(self.weight, self.bias)
+
+    def reset_parameters(self) -> None:
+        """Draw the weights again from the layer's seed, into parameters FSDP2 may have sharded (the meta build)."""
+        method, seed, dtype = self._init
+        full = full_weight((self.out_features, self.in_features), method, replayable(seed, "ColumnParallelLinear"),
+                            dtype)
+        fill_parameter(self.weight, shard_tensor(full, 0, self.group))
+        if self.bias is not None:
+            fill_parameter(self.bias, torch.zeros(self.out_features_per_partition, dtype=dtype))
 
     def forward(self, input_: torch.Tensor) -> torch.Tensor:
         """Local slice of the output features (``[..., out_features / tp]``), or all of them if gathered."""
@@ -337,13 +329,23 @@ class RowParallelLinear(nn.Module):
         self.tp_size = tp_world_size(group)
         self.in_features_per_partition = partition_size(
             in_features, self.tp_size, name="in_features", owner="RowParallelLinear")
-        full = _full_weight((out_features, in_features), init_method, seed, dtype)
+        self._init = (init_method, seed, dtype)
+        full = full_weight((out_features, in_features), init_method, seed, dtype)
         self.weight = nn.Parameter(shard_tensor(full, 1, group).to(device))
         if bias:
             self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=self.weight.device))
         else:
             self.register_parameter("bias", None)
         mark_sharded(self.weight, dim=1)  # the bias is whole on every rank
+
+    def reset_parameters(self) -> None:
+        """Draw the weights again from the layer's seed, into parameters FSDP2 may have sharded (the meta build)."""
+        method, seed, dtype = self._init
+        full = full_weight((self.out_features, self.in_features), method, replayable(seed, "RowParallelLinear"),
+                            dtype)
+        fill_parameter(self.weight, shard_tensor(full, 1, self.group))
+        if self.bias is not None:
+            fill_parameter(self.bias, torch.zeros(self.out_features, dtype=dtype))
 
     def forward(self, input_: torch.Tensor) -> torch.Tensor:
         """Full output (``[..., out_features]``), identical on every rank of the group."""
@@ -391,9 +393,17 @@ class VocabParallelEmbedding(nn.Module):
             fix="pad the vocabulary (unused ids) to")
         self.vocab_start = tp_rank(group) * self.num_embeddings_per_partition
         self.vocab_end = self.vocab_start + self.num_embeddings_per_partition
-        full = _full_weight((num_embeddings, embedding_dim), init_method, seed, dtype)
+        self._init = (init_method, seed, dtype)
+        full = full_weight((num_embeddings, embedding_dim), init_method, seed, dtype)
         self.weight = nn.Parameter(shard_tensor(full, 0, group).to(device))
         mark_sharded(self.weight)
+
+    def reset_parameters(self) -> None:
+        """Draw the table again from the layer's seed, into a parameter FSDP2 may have sharded (the meta build)."""
+        method, seed, dtype = self._init
+        full = full_weight((self.num_embeddings, self.embedding_dim), method,
+                            replayable(seed, "VocabParallelEmbedding"), dtype)
+        fill_parameter(self.weight, shard_tensor(full, 0, self.group))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Embeddings ``[..., embedding_dim]`` of integer ids ``[...]``, identical on every rank."""

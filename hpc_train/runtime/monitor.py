@@ -40,6 +40,7 @@ from rich.markup import escape
 from hpc_train.run.paths import METRICS_FILE
 from hpc_train.run.quick_exit import on_leave
 from hpc_train.runtime.flops import mfu as _mfu
+from hpc_train.runtime.metric_lines import frozen_value, json_number, record_line
 
 __all__ = ["TENSORBOARD_DIR", "LogLines", "Monitor", "NullMonitor", "format_duration", "truncate_metrics"]
 
@@ -123,45 +124,6 @@ def truncate_metrics(path: Path, start_step: int) -> int:
 def _float(value: SupportsFloat | None) -> float | None:
     """A plain float (reads a tensor's value), or None."""
     return None if value is None else float(value)
-
-
-def _frozen(value: Any) -> Any:
-    """A logged value as it is now: a CPU tensor read (cheaper than a copy), a GPU tensor detached and copied
-    (asynchronously: reading it would wait for the GPU on every step), a number as it is."""
-    if getattr(value, "is_cpu", False):
-        return float(value)
-    detach = getattr(value, "detach", None)
-    return detach().clone() if detach is not None else value
-
-
-_LINE_TEMPLATES: dict[tuple[str, ...], str] = {}  # a record's names -> its line with {} for each value
-
-
-def _record_line(record: Mapping[str, Any]) -> str:
-    """``json.dumps(record, allow_nan=False) + "\\n"`` for a ``ctx.log`` record (names that are Python identifiers,
-    an int step, finite floats or None), the same text at a fraction of the cost: a program that logs every step
-    pays it on every record, and its records have the same names each time, so the line's frame is made once.
-    Anything else goes through ``json.dumps``."""
-    values = []
-    for value in record.values():
-        if value is None:
-            values.append("null")
-        elif type(value) is float or type(value) is int:
-            values.append(repr(value))
-        else:
-            return json.dumps(record, allow_nan=False) + "\n"
-    names = tuple(record)
-    template = _LINE_TEMPLATES.get(names)
-    if template is None:
-        if not all(name.isascii() and name.isidentifier() for name in names) or len(_LINE_TEMPLATES) > 256:
-            return json.dumps(record, allow_nan=False) + "\n"
-        template = _LINE_TEMPLATES[names] = "{{" + ", ".join(f'"{name}": {{}}' for name in names) + "}}\n"
-    return template.format(*values)
-
-
-def _json_number(value: float | None) -> float | None:
-    """Strict JSON has no NaN/Infinity (``jq`` and many readers reject them): non-finite values become null."""
-    return value if value is not None and math.isfinite(value) else None
 
 
 class Monitor:
@@ -281,9 +243,9 @@ class Monitor:
         loss_f, lr_f, grad_f = float(loss), float(lr), _float(grad_norm)
         self._append({
             "step": step,
-            "loss": _json_number(loss_f),
-            "lr": _json_number(lr_f),
-            "grad_norm": _json_number(grad_f),
+            "loss": json_number(loss_f),
+            "lr": json_number(lr_f),
+            "grad_norm": json_number(grad_f),
             "tokens_per_s": tokens_per_s,
             "mfu": utilisation,
             "step_time_s": mean_step,
@@ -322,7 +284,7 @@ class Monitor:
                 continue
             if not (isinstance(value, int | float) or hasattr(value, "__float__")) or isinstance(value, bool | str):
                 raise TypeError(f"ctx.log({name}={value!r}): a logged value is a number or a one-element tensor")
-            kept[name] = _frozen(value)
+            kept[name] = frozen_value(value)
         if self._off_leave is None:
             self._off_leave = on_leave(self.flush)
         self._pending.append((step, time.time(), kept))
@@ -346,7 +308,7 @@ class Monitor:
                 record["step_time_s"] = (now - last[1]) / (step - last[0])
             record["time"] = now
             self._last_scalars = (step, now)
-            lines.append(_record_line(record))
+            lines.append(record_line(record))
             for exporter in self.exporters:
                 exporter.record(record)
         self._metrics.write("".join(lines))
@@ -367,7 +329,7 @@ class Monitor:
     def eval(self, step: int, loss: SupportsFloat) -> None:
         """Record an evaluation loss at ``step``: a line, ``{"step", "eval_loss"}`` in metrics.jsonl, eval/loss."""
         loss_f = float(loss)
-        self._append({"step": step, "eval_loss": _json_number(loss_f)})
+        self._append({"step": step, "eval_loss": json_number(loss_f)})
         if self._writer is not None:
             self._writer.add_scalar("eval/loss", loss_f, step)
             self._writer.flush()

@@ -16,8 +16,11 @@ the tensor axis of the same mesh before sharding, so ``fully_shard`` on the data
 a checkpoint knows its full shape (DCP then reshards on either axis). The gradient norm counts each shard once
 and each replica once (:func:`global_grad_norm`).
 
-Left for later (docs/training.md says so): building on the meta device and materialising with ``to_empty`` (the
-model is built whole on each rank first, as for DeepSpeed, so both start from the same weights).
+The built-in GPT is built on the meta device (``fsdp.meta_init``, the default with ``parallel.tensor = 1``):
+``fully_shard`` then works on shapes alone, ``to_empty`` gives each rank memory for its own shards, and the GPT's
+``init_weights`` draws the numbers a whole build draws, one parameter at a time, each rank keeping its part. No
+rank holds the whole model, and the run starts bit for bit where a whole build starts. Other models, and tensor
+parallelism, are built whole on each rank first, as for DeepSpeed.
 """
 
 from __future__ import annotations
@@ -134,6 +137,9 @@ class Fsdp2Engine:
         for block in fsdp_blocks(model):
             fully_shard(block, **options)
         self.module = fully_shard(model, **options)
+        if any(param.is_meta for param in model.parameters()):  # the meta build: memory for this rank's shards
+            model.to_empty(device="cpu" if fsdp.offload else device)
+            model.init_weights()  # the whole build's numbers, a parameter at a time
         self.norm_group = None  # the world: FSDP2 trains data x tensor only (validate refuses pipeline, context)
         # One step per tensor with tensor parallelism: a foreach step (CUDA's default) takes one DTensor mesh per
         # call, and the parameters are on two (data x tensor, data alone). Splitting the groups by mesh instead

@@ -23,6 +23,7 @@ from hpc_train.distributed.tensor_parallel import (
     tp_world_size,
     vocab_parallel_cross_entropy,
 )
+from hpc_train.distributed.tp_init import fill_parameter
 
 __all__ = ["GPT", "GPTConfig", "count_parameters", "make_embeddings"]
 
@@ -102,9 +103,15 @@ def make_embeddings(config: GPTConfig, group: Any, seed: int) -> tuple[VocabPara
     token = VocabParallelEmbedding(config.vocab_size, config.hidden, group, seed=seed)
     _mark_sharded(token, "weight")
     position = nn.Embedding(config.seq_len, config.hidden)
-    with torch.no_grad():
-        position.weight.normal_(0.0, 0.02, generator=torch.Generator().manual_seed(seed + 1))
+    if not position.weight.is_meta:  # FSDP2's meta build draws it in GPT.init_weights
+        with torch.no_grad():
+            position.weight.copy_(_position_table(config, seed))
     return token, position
+
+
+def _position_table(config: GPTConfig, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed + 1)
+    return torch.empty(config.seq_len, config.hidden).normal_(0.0, 0.02, generator=generator)
 
 
 class GPT(nn.Module):
@@ -114,11 +121,21 @@ class GPT(nn.Module):
         super().__init__()
         self.config = config
         self.group = group
+        self.seed = seed
         self.wte, self.wpe = make_embeddings(config, group, seed)
         self.blocks = nn.ModuleList(Block(config, group, seed + 100 * (i + 1)) for i in range(config.layers))
         self.ln_f = nn.LayerNorm(config.hidden)
         self.head = ColumnParallelLinear(config.hidden, config.vocab_size, group, bias=False, seed=seed + 2)
         _mark_sharded(self.head, "weight")
+
+    def init_weights(self) -> None:
+        """Draw every weight again, the same numbers as the constructor draws, into parameters FSDP2 has sharded:
+        a model built on the meta device and materialised with ``to_empty`` (:mod:`hpc_train.train.engine_fsdp2`)
+        starts where a whole build starts. Each rank draws a whole parameter at a time, never the whole model."""
+        for module in self.modules():
+            if isinstance(module, ColumnParallelLinear | RowParallelLinear | VocabParallelEmbedding | nn.LayerNorm):
+                module.reset_parameters()
+        fill_parameter(self.wpe.weight, _position_table(self.config, self.seed))
 
     def fsdp_blocks(self) -> list[nn.Module]:
         """What FSDP2 shards one by one before the root (which keeps the embeddings, the final norm and the head):

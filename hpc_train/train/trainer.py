@@ -7,6 +7,7 @@ comes from its :class:`~hpc_train.train.models.ModelSpec`; nothing here knows it
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import resource
 import time
@@ -253,19 +254,31 @@ def _set_up(rank: _Rank) -> tuple[Topology, ParallelGroups]:
     return topology, groups
 
 
+def _meta_build(config: Any, topology: Topology) -> bool:
+    """FSDP2 builds the built-in GPT on the meta device (``fsdp.meta_init``) and draws its weights shard by shard
+    (:class:`~hpc_train.train.engine_fsdp2.Fsdp2Engine`); a user's model, or tensor parallelism, is built whole."""
+    return (config.train.engine == "fsdp2" and config.fsdp.meta_init and config.train.model in MODEL_PRESETS
+            and topology.sizes["tp"] == 1)
+
+
 def _build(rank: _Rank, spec: ModelSpec, topology: Topology, groups: ParallelGroups) -> _Parts:
     """The model (its FLOPs counted before the engine wraps it), the data, the engine and its checkpoints
     (:mod:`hpc_train.train.engines`), and the straggler check."""
     config, info = rank.plan.config, rank.info
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     ctx = RankContext(rank.plan, info, rank.run_dir, groups, device)
-    model = spec.build(ctx, topology, groups)
+    meta = _meta_build(config, topology)
+    with torch.device("meta") if meta else contextlib.nullcontext():
+        model = spec.build(ctx, topology, groups)
     flops = spec.flops_per_token(config, model)
     if info.rank == 0:
         write_model_card(rank.run_dir, model, config.train.model)
     data = build_data(ctx, groups, device, tuple(rank.watch.signals))
     kind = engine_kind(config.train.engine)
     engine = kind.build(model, rank.plan, topology, groups, rank.run_dir, info.local_rank)
+    if meta:
+        rank.log("fsdp2: the model was built on the meta device and each rank drew only its own shards "
+                 "(fsdp.meta_init)")
     checkpointer = kind.checkpoints(rank.plan, rank.run_dir, rank.log)
     checkpointer.time_saves(rank.plan.node_mtbf_hours, rank.plan.resources.nodes)
     return _Parts(groups, topology.sizes["pp"] > 1, model, engine, data, checkpointer,

@@ -250,6 +250,6 @@ def test_records_kept_by_ctx_log_are_written_when_a_stop_leaves_the_process_at_o
     {"step": 2, "flag": True, "time": 3.0},  # not a ctx.log value: json.dumps says what it is
 ])
 def test_a_record_line_is_exactly_what_json_dumps_writes(record: dict[str, object]) -> None:
-    from hpc_train.runtime.monitor import _record_line
+    from hpc_train.runtime.metric_lines import record_line as _record_line
 
     assert _record_line(record) == json.dumps(record, allow_nan=False) + "\n"

@@ -63,7 +63,7 @@ def _trained(root: Path, name: str, *overrides: str) -> SimpleNamespace:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
     """The uninterrupted runs every test reads: FSDP2 on 2 ranks, on 1 and on 4, DeepSpeed ZeRO-3 on 2, FSDP2 at
-    tensor 2 x data 2 (global batch 8 in each)."""
+    tensor 2 x data 2 (global batch 8 in each), and FSDP2 on 2 ranks built whole (``fsdp.meta_init = false``)."""
     root = tmp_path_factory.mktemp("fsdp2")
     return SimpleNamespace(fsdp2=_trained(root, "fsdp2", "train.engine=fsdp2", "job.tasks_per_node=2"),
                            one=_trained(root, "one", "train.engine=fsdp2", "job.tasks_per_node=1",
@@ -72,7 +72,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
                                          "train.micro_batch=2"),
                            zero3=_trained(root, "zero3", "zero.stage=3", "job.tasks_per_node=2"),
                            tp2=_trained(root, "tp2", "train.engine=fsdp2", "job.tasks_per_node=4",
-                                        "parallel.tensor=2"))
+                                        "parallel.tensor=2"),
+                           whole=_trained(root, "whole", "train.engine=fsdp2", "job.tasks_per_node=2",
+                                          "fsdp.meta_init=false"))
 
 
 def _close(losses: dict[int, float], reference: dict[int, float], steps: range) -> list[tuple[int, float, float]]:
@@ -90,6 +92,16 @@ def test_fsdp2_follows_deepspeed_zero3_and_one_rank(runs: SimpleNamespace) -> No
     paths = {entry["path"] for entry in manifest["files"]}
     assert {"dcp/.metadata", "dcp/__0_0.distcp", "dcp/__1_0.distcp", "ranks/rank-0.pt", "ranks/rank-1.pt"} <= paths
     assert all(len(entry["sha256"]) == 64 for entry in manifest["files"])  # DCP's own files hashed at the commit
+
+
+def test_the_meta_build_trains_bit_for_bit_as_a_whole_build(runs: SimpleNamespace) -> None:
+    """``fsdp.meta_init`` (the default): the GPT is built on the meta device, sharded, materialised with
+    ``to_empty`` and drawn again parameter by parameter; it trains exactly as the model built whole first."""
+    said = "fsdp2: the model was built on the meta device and each rank drew only its own shards"
+    assert said in runs.fsdp2.output and said not in runs.whole.output
+    assert runs.fsdp2.losses == runs.whole.losses
+    assert runs.fsdp2.weights.keys() == runs.whole.weights.keys()
+    assert all(torch.equal(tensor, runs.whole.weights[name]) for name, tensor in runs.fsdp2.weights.items())
 
 
 def test_the_export_equals_deepspeed_s_in_layout_and_names_and_loads_strictly(runs: SimpleNamespace) -> None:
