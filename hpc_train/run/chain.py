@@ -21,8 +21,8 @@ from pathlib import Path
 from hpc_train.run.files import atomic_write, read_json_object
 from hpc_train.run.paths import SUBMITIT_DIR
 
-__all__ = ["CHAIN_DIR", "REQUEUE_ENV", "chain_of", "links_before", "record_successor", "submit_successor",
-           "successor_of"]
+__all__ = ["CHAIN_DIR", "REQUEUE_ENV", "chain_of", "jobs_before", "links_before", "record_successor",
+           "submit_successor", "successor_of"]
 
 CHAIN_DIR = "chain"
 REQUEUE_ENV = "HPC_TRAIN_REQUEUE"  # "dependency" on ranks whose site forbids scontrol requeue
@@ -59,20 +59,26 @@ def chain_of(run_dir: Path, job_id: str, limit: int = 10_000) -> list[str]:
     return chain
 
 
-def links_before(run_dir: Path, job_id: str) -> int:
-    """How many jobs of the chain came before ``job_id``: the requeues so far, for ``preempt.max_requeues``."""
+def jobs_before(run_dir: Path, job_id: str) -> list[str]:
+    """The jobs of the chain before ``job_id``, the nearest first."""
     folder = Path(run_dir) / CHAIN_DIR
     if not folder.is_dir():
-        return 0
+        return []
     earlier = {}
     for path in folder.glob("*.json"):
         record = read_json_object(path)
         if str(record.get("successor", "")).isdigit():
             earlier[str(record["successor"])] = str(record.get("job", ""))
-    count, current = 0, job_id
-    while current in earlier and count < 10_000:
-        count, current = count + 1, earlier[current]
-    return count
+    found, current = [], job_id
+    while current in earlier and len(found) < 10_000 and earlier[current] not in found:
+        current = earlier[current]
+        found.append(current)
+    return found
+
+
+def links_before(run_dir: Path, job_id: str) -> int:
+    """How many jobs of the chain came before ``job_id``: the requeues so far, for ``preempt.max_requeues``."""
+    return len(jobs_before(run_dir, job_id))
 
 
 def _job_environment(env: Mapping[str, str]) -> dict[str, str]:

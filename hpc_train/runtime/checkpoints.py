@@ -123,7 +123,7 @@ class CheckpointTransaction:
         if not self.every_minutes:
             return bool(self.every and step % self.every == 0)
         self._timed_steps += 1
-        if self.cadence:
+        if self.cadence is not None:
             self.cadence.stepped()
         if self._next_due is None and self._timed_steps == PROBE_STEPS:
             self._decide(step)
@@ -134,13 +134,13 @@ class CheckpointTransaction:
         step of the next one (a broadcast)."""
         if not self.every_minutes:
             return
-        if self.cadence:
+        if self.cadence is not None:
             self.cadence.saved(seconds)
         self._decide(step)
 
     def _decide(self, step: int) -> None:
         decided = None
-        if self.cadence:
+        if self.cadence is not None:
             steps = self.cadence.steps_to_next()
             decided = step + steps
             said = self.cadence.describe(steps)

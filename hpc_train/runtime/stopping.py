@@ -14,7 +14,7 @@ from typing import Any
 from hpc_train.distributed.collectives import broadcast_object
 from hpc_train.distributed.launchers import LaunchInfo
 from hpc_train.run.attempts import Attempt, AttemptLog, recommended_lead_seconds, requeues_so_far
-from hpc_train.run.chain import REQUEUE_ENV, links_before
+from hpc_train.run.chain import REQUEUE_ENV, jobs_before, links_before
 from hpc_train.run.exit_codes import EXIT_HUNG, EXIT_RESTART_IN_PLACE
 from hpc_train.run.in_place import RestartNotice, in_place_left, request_restart
 from hpc_train.run.node import node_name
@@ -125,7 +125,8 @@ class AttemptRecorder:
 def decide_hang(run_dir: Path, info: LaunchInfo, recorder: AttemptRecorder | None, hang: Hang, retries: int,
                 log: Callable[[str], None]) -> tuple[int, str]:
     """Rank 0, from the watchdog thread: record the attempt as ``hang`` and requeue while ``[retry] hang``
-    allows (counted per job: a new submission starts again). Returns the exit status and why.
+    allows (counted per job, or per chain of jobs where requeue is forbidden: a new submission starts again).
+    Returns the exit status and why.
 
     No collectives here: the other ranks are stuck, or waiting for this decision in a file."""
     attempts = AttemptLog(run_dir)
@@ -134,8 +135,9 @@ def decide_hang(run_dir: Path, info: LaunchInfo, recorder: AttemptRecorder | Non
         current = attempts.begin(job_id=info.job_id or "", restart=info.restart, host=node_name(),
                                  started=time.time(), start_step=hang.step, in_place=info.in_place)
     # retry.hang counts requeues: a hang restarted in place (retry.in_place) is not one
-    hangs = sum(1 for a in attempts.read() if a.outcome == "hang" and a.requeued and a.job_id == current.job_id)
     env = dict(os.environ)
+    jobs = {current.job_id, *(jobs_before(run_dir, current.job_id) if env.get(REQUEUE_ENV) == "dependency" else ())}
+    hangs = sum(1 for a in attempts.read() if a.outcome == "hang" and a.requeued and a.job_id in jobs)
     in_place = in_place_left(env) > 0  # an agent starts every rank again inside this job: no requeue
     if in_place:
         decision = Requeue("none", EXIT_RESTART_IN_PLACE, f"restarting in place ({info.in_place + 1} of "

@@ -13,6 +13,7 @@ import pytest
 from hpc_train.run.chain import (
     _job_environment,
     chain_of,
+    jobs_before,
     links_before,
     record_successor,
     submit_successor,
@@ -26,6 +27,7 @@ def test_the_links_read_back_as_one_chain(tmp_path: Path) -> None:
     assert successor_of(tmp_path, "10") == "11" and successor_of(tmp_path, "15") is None
     assert chain_of(tmp_path, "10") == ["10", "11", "15"]
     assert [links_before(tmp_path, job) for job in ("10", "11", "15", "99")] == [0, 1, 2, 0]
+    assert jobs_before(tmp_path, "15") == ["11", "10"]  # retry.hang counts the chain's hangs, not one job's
     assert oct((tmp_path / "chain").stat().st_mode & 0o777) == "0o700"
 
 
