@@ -25,6 +25,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from hpc_train.run.assignment import node_of
 from hpc_train.run.attempts import AttemptLog
 from hpc_train.run.exit_codes import EXIT_RESTART_IN_PLACE
 from hpc_train.run.files import read_record_text
@@ -44,7 +45,7 @@ from hpc_train.run.paths import LOGS_DIR, rank_error_path, rank_log_path
 from hpc_train.run.peer_errors import lost_its_peer
 from hpc_train.run.stops import attempt_key
 
-__all__ = ["Agent", "AgentSetup", "agent_setup", "main", "rank_command", "supervise"]
+__all__ = ["Agent", "AgentSetup", "Spares", "agent_setup", "main", "rank_command", "supervise"]
 
 _POLL_S = 0.2
 _PEER_CAUSE_WAIT_S = 10.0  # a rank that only lost its peer waits this long for the peer's own cause
@@ -64,6 +65,19 @@ class AgentSetup:
     restart: int
     limit: int
     preempt_signal: str  # the plan's signal (USR2 by default): the rank saves on it, the agent stops restarting
+    spares: Spares | None = None  # a job with hot spares (job.spare_nodes): this task's place in the allocation
+
+
+@dataclass(frozen=True)
+class Spares:
+    """This task's place in an allocation with spare nodes, and the layout it must keep."""
+
+    task: int
+    local: int
+    node: str
+    allocated: tuple[str, ...]
+    nodes: int  # the layout's (job.nodes)
+    tasks_per_node: int
 
 
 def agent_setup(run_dir: Path, env: dict[str, str] | None = None) -> AgentSetup | None:
@@ -83,26 +97,38 @@ def agent_setup(run_dir: Path, env: dict[str, str] | None = None) -> AgentSetup 
         plan = Plan.from_json((run_dir / PLAN_FILE).read_text(encoding="utf-8"))
         limit = plan.config.retry.in_place if plan.config.job.program != "smoke" else 0
         rank, world = int(env["SLURM_PROCID"]), int(env.get("SLURM_STEP_NUM_TASKS") or env["SLURM_NTASKS"])
+        spare, per_node = plan.resources.spare_nodes, plan.resources.tasks_per_node
+        spares = None
+        if spare and world == (plan.resources.nodes + spare) * per_node:
+            from hpc_train.distributed.hostlist import expand
+
+            allocated = tuple(expand(env["SLURM_JOB_NODELIST"]))
+            spares = Spares(rank, int(env["SLURM_LOCALID"]), node_of(env), allocated, plan.resources.nodes, per_node)
+            rank, world = -1, plan.layout.world  # a rank is given by each life's assignment
     except Exception:  # the rank reports whatever is wrong, in its own words
         return None
     if limit <= 0 or world != plan.layout.world:
         return None
     return AgentSetup(run_dir, rank, world, env["SLURM_JOB_ID"], int(env.get("SLURM_RESTART_COUNT") or 0), limit,
-                      plan.signal)
+                      plan.signal, spares)
 
 
-def _logger(setup: AgentSetup) -> logging.Logger:
-    logger = logging.getLogger(f"hpc_train.agent{setup.rank}")
+def _logger(run_dir: Path, rank: int, task: int | None = None) -> logging.Logger:
+    """The log of rank ``rank`` (rank 0's also on stdout, the batch output), or with ``task`` the own log of a
+    task's agent in a job with spares (``logs/agent-task-T.log``), whose rank changes from life to life."""
+    name = f"hpc_train.agent{rank}" if task is None else f"hpc_train.agent-task{task}"
+    logger = logging.getLogger(name)
     if not logger.handlers:
         logger.setLevel(logging.INFO)
         logger.propagate = False
-        (setup.run_dir / LOGS_DIR).mkdir(mode=0o700, exist_ok=True)
-        handler = logging.FileHandler(rank_log_path(setup.run_dir, setup.rank))
-        handler.setFormatter(logging.Formatter(rank_log_format(setup.rank)))
+        (run_dir / LOGS_DIR).mkdir(mode=0o700, exist_ok=True)
+        path = rank_log_path(run_dir, rank) if task is None else run_dir / LOGS_DIR / f"agent-task-{task}.log"
+        handler = logging.FileHandler(path)
+        handler.setFormatter(logging.Formatter(rank_log_format(rank if task is None else task)))
         logger.addHandler(handler)
-        if setup.rank == 0:
+        if rank == 0 and task is None:
             stream = logging.StreamHandler(sys.stdout)
-            stream.setFormatter(logging.Formatter(rank_log_format(setup.rank)))
+            stream.setFormatter(logging.Formatter(rank_log_format(rank)))
             logger.addHandler(stream)
     return logger
 
@@ -131,9 +157,14 @@ class Agent:
 
     def __init__(self, setup: AgentSetup) -> None:
         self.setup = setup
+        self.rank = setup.rank  # with spares, the rank of this life's assignment (-1: a spare)
         self.attempt = attempt_key(setup.job_id, setup.restart)
-        self.log = _logger(setup)
+        self.log = _logger(setup.run_dir, setup.rank, setup.spares.task if setup.spares else None)
         self.stopping: int | None = None  # a signal from Slurm (preemption, requeue, cancel): no more restarts
+
+    def logger_for(self, rank: int) -> logging.Logger:
+        """The log of rank ``rank`` (with spares, the rank this agent runs in a life)."""
+        return _logger(self.setup.run_dir, rank)
 
     def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
         self.stopping = signum  # the rank got the same signal from Slurm (it signals every process of the step)
@@ -150,6 +181,10 @@ class Agent:
 
     def run(self, argv: list[str]) -> int:
         """Run the rank until it ends for good; the status to leave with (negative: the signal it died of)."""
+        if self.setup.spares is not None:
+            from hpc_train.agent_spares import run_with_spares
+
+            return run_with_spares(self, argv)
         in_place = 0
         while True:
             env = {**os.environ, IN_PLACE_ENV: str(in_place), IN_PLACE_LEFT_ENV: str(self.setup.limit - in_place)}
@@ -202,7 +237,7 @@ class Agent:
             if cause is None or self.stopping is not None:
                 return None
             cause = ("infrastructure", cause[1])
-        return request_restart(run_dir, self.attempt, RestartNotice(next_in_place, self.setup.rank, node_name(),
+        return request_restart(run_dir, self.attempt, RestartNotice(next_in_place, self.rank, node_name(),
                                                                     cause[0], cause[1], time.time()))
 
     def _cause(self, code: int, oom_before: int) -> tuple[str, str] | None:
@@ -213,11 +248,11 @@ class Agent:
 
             if code == -signal.SIGKILL and oom_kills() > oom_before:
                 peak = memory_peak()  # the cgroup's OOM killer: the retry policy says what to change
-                self.log.error(format_host_oom(self.setup.rank, peak.process_bytes, peak.cgroup_bytes,
+                self.log.error(format_host_oom(self.rank, peak.process_bytes, peak.cgroup_bytes,
                                                peak.limit_bytes))
                 return None
             failure_class, _meaning = signal_class(-code)
-            return failure_class, f"rank {self.setup.rank} ended on {SIGNAL_NAMES.get(-code, f'signal {-code}')}"
+            return failure_class, f"rank {self.rank} ended on {SIGNAL_NAMES.get(-code, f'signal {-code}')}"
         if code != EXIT_RESTART_IN_PLACE:
             return None
         error = self._rank_error()
@@ -229,7 +264,7 @@ class Agent:
         import json
 
         try:
-            record = json.loads(read_record_text(rank_error_path(self.setup.run_dir, self.setup.rank)) or "{}")
+            record = json.loads(read_record_text(rank_error_path(self.setup.run_dir, self.rank)) or "{}")
             return str(record.get("error", "")) if isinstance(record, dict) else ""
         except (ValueError, RecursionError):
             return ""
@@ -301,8 +336,17 @@ def supervise(setup: AgentSetup, argv: list[str] | None = None) -> int:
     return _leave_like(agent.run(argv or rank_command(setup.run_dir)))
 
 
+def settle(run_dir: Path, code: int, job_id: str) -> int:
+    """The batch script's status after a step with hot spares: 0 when this job's newest attempt completed (a
+    lost node's task made srun's status non-zero though a spare took its ranks), else srun's ``code``."""
+    attempts = [a for a in AttemptLog(run_dir).read() if a.job_id == job_id]
+    return 0 if attempts and attempts[-1].outcome == "completed" else code
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
+    if len(args) == 3 and args[0] == "--settle" and args[2].isdigit():
+        return settle(Path(args[1]), int(args[2]), os.environ.get("SLURM_JOB_ID", ""))
     if len(args) != 1:
         print("usage: python -m hpc_train.agent RUN_DIR", file=sys.stderr)
         return 2

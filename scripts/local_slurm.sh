@@ -36,7 +36,7 @@ readonly NODE_PORT_BASE=6830
 readonly NODE_CPUS=4
 readonly NODE_MEM=4000
 readonly MAX_NODES=4
-readonly DEFAULT_NODES=2
+readonly DEFAULT_NODES=3
 readonly PKGS=(slurm-wlm slurmctld slurmd slurm-client munge mariadb-server slurmdbd)
 
 T0=$EPOCHREALTIME
@@ -400,8 +400,14 @@ EOF
     for ((n = 1; n <= nodes; n++)); do
         echo "NodeName=n$n NodeHostname=localhost NodeAddr=127.0.0.1 Port=$((NODE_PORT_BASE + n)) CPUs=$NODE_CPUS RealMemory=$NODE_MEM State=UNKNOWN"
     done
-    echo "PartitionName=batch Nodes=n[1-$nodes] Default=YES PriorityTier=1 PreemptMode=REQUEUE GraceTime=30 MaxTime=INFINITE State=UP"
-    echo "PartitionName=urgent Nodes=n[1-$nodes] PriorityTier=10 MaxTime=INFINITE State=UP"
+    # batch and urgent keep two nodes, so that an urgent 2-node job must preempt a batch one; the third node
+    # joins them only in "spares", where a 2-node job with job.spare_nodes = 1 gets a hot spare.
+    local shared=$((nodes < 2 ? nodes : 2))
+    echo "PartitionName=batch Nodes=n[1-$shared] Default=YES PriorityTier=1 PreemptMode=REQUEUE GraceTime=30 MaxTime=INFINITE State=UP"
+    echo "PartitionName=urgent Nodes=n[1-$shared] PriorityTier=10 MaxTime=INFINITE State=UP"
+    if ((nodes > 2)); then
+        echo "PartitionName=spares Nodes=n[1-$nodes] PriorityTier=1 MaxTime=INFINITE State=UP"
+    fi
 }
 
 db_password() {
@@ -669,7 +675,9 @@ prove_cluster() {
     fi
     # --immediate: a job submitted by someone else meanwhile may take the nodes first.
     # shellcheck disable=SC2016  # expanded by the job's shell, not here
-    if ! out=$(timeout 60 srun --immediate=30 -p batch -N "$nodes" --ntasks-per-node=1 -t 1 \
+    local partition=batch
+    if ((nodes > 2)); then partition=spares; fi  # batch holds n1-n2 only (slurm_conf)
+    if ! out=$(timeout 60 srun --immediate=30 -p "$partition" -N "$nodes" --ntasks-per-node=1 -t 1 \
         -J hpc_train-check sh -c 'echo "$SLURM_JOB_ID $SLURMD_NODENAME"' </dev/null 2>"$err"); then
         if [[ -n $(timeout 15 squeue -h -o %i 2>/dev/null) ]]; then
             say "other jobs took the nodes first: skipping the srun/sacct check"

@@ -186,7 +186,7 @@ ROOMS = {  # room: module prefixes, longest match wins
     "slurm": ("hpc_train.slurm",),
     "doctor": ("hpc_train.doctor",),
     "commands": ("hpc_train.cli", "hpc_train.submit", "hpc_train.__main__", "hpc_train.ckpt.cli"),
-    "launch": ("hpc_train.launch", "hpc_train.agent"),
+    "launch": ("hpc_train.launch", "hpc_train.agent", "hpc_train.agent_spares"),
     "distributed": ("hpc_train.distributed",),
     "runtime": ("hpc_train.runtime",),
     "train": ("hpc_train.train",),

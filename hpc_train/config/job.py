@@ -89,6 +89,9 @@ class JobSection:
     args: list[str] = option(list, "Arguments of a script (its sys.argv[1:]) or a function (ctx.args).",
                              factory=True)
     nodes: int = option(1, "Number of nodes.")
+    spare_nodes: int = option(0, "Hot spares: nodes allocated beyond job.nodes, idle until a node is lost; the next "
+                                 "restart inside the job (retry.in_place) puts its ranks on a spare and keeps the "
+                                 "layout. Slurm only, through srun (the srun template or submitit).")
     tasks_per_node: int = option(1, "Ranks per node (one per GPU on GPU sites).")
     gpus_per_node: int | None = option(None, "GPUs per node; default: tasks_per_node on GPU sites, 0 otherwise.")
     cpus_per_task: int | None = option(None, "CPU cores per rank; default: the node's cores / tasks_per_node.")

@@ -49,6 +49,7 @@ class Resources:
     exclude: str
     exclusive: bool
     gpu_directive: str
+    spare_nodes: int = 0  # allocated beyond nodes: hot spares (job.spare_nodes)
 
 
 @dataclass(frozen=True)
@@ -195,7 +196,7 @@ def _resources(cfg: JobConfig, site: SiteConfig, gpus: int, cpus: int, run_dir: 
         partition=job.partition or site.slurm.partition, account=job.account or site.slurm.account,
         qos=job.qos or site.slurm.qos, constraint=job.constraint or site.slurm.constraint,
         exclude=_exclude(job.exclude, run_dir), exclusive=site.slurm.exclusive,
-        gpu_directive=site.slurm.gpu_directive,
+        gpu_directive=site.slurm.gpu_directive, spare_nodes=job.spare_nodes,
     )
 
 
@@ -224,6 +225,9 @@ def make_plan(cfg: JobConfig, site: SiteConfig, executor: str, *, python: str | 
     if executor == "slurm" and not site.slurm.enabled:
         raise ConfigError("--executor", f"slurm, but site {site.name} has no Slurm ([slurm] enabled = false)",
                           "use --executor local, or a Slurm site")
+    if job.spare_nodes and executor != "slurm":
+        raise ConfigError("job.spare_nodes", f"{job.spare_nodes} spare node(s) need Slurm; the {executor} executor "
+                          "runs every rank on this machine", "remove job.spare_nodes, or submit to a Slurm site")
     data_parallel = validate(cfg, site, gpus, cpus, lead)
     _checked_deepspeed(cfg, data_parallel)
     code_dir = Path(os.path.abspath(config_dir or cwd or Path.cwd()))

@@ -58,7 +58,7 @@ def _check_counts(cfg: JobConfig) -> None:
         ("watchdog.checkpoint_timeout_s", cfg.watchdog.checkpoint_timeout_s, 10),
         ("watchdog.straggler_factor", cfg.watchdog.straggler_factor, 0), ("retry.hang", cfg.retry.hang, 0),
         ("retry.node_failure", cfg.retry.node_failure, 0), ("retry.infrastructure", cfg.retry.infrastructure, 0),
-        ("retry.in_place", cfg.retry.in_place, 0),
+        ("retry.in_place", cfg.retry.in_place, 0), ("job.spare_nodes", cfg.job.spare_nodes, 0),
     ):
         _at_least(where, value, low)
     for where, value, high in (("job.nodes", cfg.job.nodes, MAX_NODES), ("job.tasks_per_node", cfg.job.tasks_per_node,
@@ -275,6 +275,21 @@ def _check_cadence(cfg: JobConfig, site: SiteConfig) -> None:
                           f"{reliability.queue_wait_minutes} is below 0", "give the typical wait in minutes")
 
 
+def _check_spares(cfg: JobConfig, site: SiteConfig) -> None:
+    """A spare takes over inside the job: only the agents srun starts can hand ranks to it."""
+    if not cfg.job.spare_nodes:
+        return
+    if cfg.retry.in_place < 1:
+        raise ConfigError("job.spare_nodes", f"{cfg.job.spare_nodes} with retry.in_place = 0: a spare is used by a "
+                          "restart inside the job", "set retry.in_place to 1 or more, or remove job.spare_nodes")
+    if site.launch.launcher != "srun":
+        raise ConfigError("job.spare_nodes", f"needs the srun launcher; site {site.name} launches with "
+                          f"{site.launch.launcher}, whose ranks have no agent to move them",
+                          "use a site with [launch] launcher = \"srun\" (or submitit), or remove job.spare_nodes")
+    if cfg.job.program == "smoke":
+        raise ConfigError("job.spare_nodes", "the smoke program restarts nothing", "remove job.spare_nodes")
+
+
 def _check_network(site: SiteConfig) -> None:
     """Numbers NCCL takes only within a range; outside it NCCL ignores or rejects them at the first collective."""
     network = site.network
@@ -329,5 +344,6 @@ def validate(cfg: JobConfig, site: SiteConfig, gpus_per_node: int, cpus_per_task
     _check_training(cfg, data_parallel)
     _check_preempt(cfg, site, lead_seconds)
     _check_cadence(cfg, site)
+    _check_spares(cfg, site)
     _check_network(site)
     return data_parallel

@@ -46,7 +46,7 @@ def sbatch_directives(plan: Plan, launcher: str) -> list[str]:
     out, err = log_paths(plan)
     lines = [
         directive("job-name", plan.name),
-        directive("nodes", res.nodes),
+        directive("nodes", res.nodes + res.spare_nodes),  # the spares are allocated too
         directive("ntasks-per-node", per_node),
         directive("cpus-per-task", cpus),
     ]
@@ -64,6 +64,8 @@ def sbatch_directives(plan: Plan, launcher: str) -> list[str]:
             lines.append(directive(flag, value))
     if res.exclusive:
         lines.append(directive("exclusive"))
+    if res.spare_nodes:  # a lost node must not end the job: a spare takes its ranks (hpc_train.agent_spares)
+        lines.append(directive("no-kill"))
     lines += [
         directive("output", out),
         directive("error", err),

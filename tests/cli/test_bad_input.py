@@ -56,6 +56,8 @@ CASES = [
      "checkpoint.every_minutes: -5.0 is below the minimum 0"),
     ("every-minutes-for-a-program", '[job]\nprogram = "smoke"\n[checkpoint]\nevery_minutes = 30\n', [],
      "checkpoint.every_minutes: is the built-in trainer's"),
+    ("spare-nodes-on-this-machine", "[job]\nspare_nodes = 1\n", [],
+     "job.spare_nodes: 1 spare node(s) need Slurm; the local executor runs every rank on this machine"),
     ("micro-batch-zero", "[train]\nmicro_batch = 0\n", [], "train.micro_batch: 0 is below the minimum 1"),
     ("lr-negative", "[train]\nlr = -1.0\n", [], "train.lr: -1.0 is not positive"),
     ("min-lr-above-lr", "[train]\nlr = 1e-4\nmin_lr = 1e-3\n", [], "train.min_lr: 0.001 is above lr"),

@@ -7,10 +7,13 @@ uninterrupted run of the same config (fp32, CPU)."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
+import os
 import random
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -317,4 +320,59 @@ def test_where_requeue_is_forbidden_a_preempted_job_goes_on_as_a_new_job(uninter
                             capture_output=True, text=True, timeout=60, check=True)
     (run,) = json.loads(status.stdout)["runs"]
     assert run["job_ids"] == [first_job, second_job] and run["job_id"] == second_job, run
+    _assert_same(_exported(run_dir, tmp_path / "weights.pt"), uninterrupted, run_dir)
+
+
+def _processes_of(job_id: str, node: str) -> list[int]:
+    """The job's processes on ``node`` of the local cluster (every node is this machine): those whose
+    environment says so (the agent, its rank, the rank's workers)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"SLURM_JOB_ID={job_id}".encode() in environ and f"SLURMD_NODENAME={node}".encode() in environ:
+            found.append(int(entry.name))
+    return found
+
+
+def test_a_lost_node_is_replaced_by_a_hot_spare_inside_the_same_job(uninterrupted: dict[str, torch.Tensor],
+                                                                   tmp_path: Path) -> None:
+    """A 2-node job with one spare (``job.spare_nodes = 1``, the 3-node ``spares`` partition), through the
+    rendered srun script. Mid-run node n2 is drained and every process of the job on it is killed, as when a
+    node is lost: rank 0's agent restarts in place, n2's agents never answer, and the spare n3 takes rank 1. The
+    job is never requeued, completes, excludes n2, and ends with the uninterrupted weights."""
+    rendered = subprocess.run([sys.executable, "-m", "hpc_train", "render", EXAMPLE, *BASE, "--set",
+                               f"train.steps={STEPS}", "--set", "job.spare_nodes=1", "--set", "job.partition=spares",
+                               "--set", "env.HPC_TRAIN_INJECT_FAULT=slow:0:60", "--template", "srun", "--json"],
+                              cwd=tmp_path, capture_output=True, text=True, timeout=60, check=True)
+    script = json.loads(rendered.stdout)["script"]
+    job_id = subprocess.run(["sbatch", "--parsable", script], capture_output=True, text=True, check=True,
+                            timeout=30).stdout.strip().split(";")[0]
+    run_dir = tmp_path / "runs" / "tiny-gpt"
+    try:
+        _wait_for_step(job_id, run_dir, 15)
+        subprocess.run(["scontrol", "update", "NodeName=n2", "State=DRAIN", "Reason=hpc_train-test-lost-node"],
+                       check=True, timeout=30)
+        for pid in _processes_of(job_id, "n2"):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        _wait_until_completed(job_id, run_dir)
+    finally:
+        subprocess.run(["scontrol", "update", "NodeName=n2", "State=RESUME"], check=False, timeout=30)
+    first, second = _finished_run(run_dir, job_id)
+    assert first["in_place"] == 0 and second["in_place"] == 1 and second["restart"] == 0, (first, second)
+    assert "restarted in place (1 of retry.in_place = 2)" in str(first["note"]), first
+    rows = subprocess.run(["sacct", "-n", "-P", "-X", "-D", "-j", job_id, "-o", "State"], capture_output=True,
+                          text=True, timeout=30, check=True).stdout.split()
+    assert rows == ["COMPLETED"], rows  # never requeued; the lost node's task did not fail the job
+    assignment = json.loads((run_dir / "heartbeats" / f"assign-{job_id}.0.1.json").read_text())
+    assert assignment["nodes"] == ["n1", "n3"] and assignment["lost"] == ["n2"], assignment
+    excluded = json.loads((run_dir / "excluded_nodes.json").read_text())
+    assert [entry["node"] for entry in excluded["nodes"]] == ["n2"], excluded
+    log = (run_dir / "logs" / "rank-0.log").read_text()
+    assert "ranks on n1,n3 (spare n3 for lost n2)" in log, log[-3000:]
     _assert_same(_exported(run_dir, tmp_path / "weights.pt"), uninterrupted, run_dir)

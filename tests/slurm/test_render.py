@@ -136,3 +136,32 @@ def test_a_site_without_requeue_submits_no_requeue_and_tells_the_ranks(tmp_path:
     assert plan.env["HPC_TRAIN_REQUEUE"] == "dependency"
     assert submitit_parameters(plan)["additional_parameters"]["no-requeue"] is True
     assert "HPC_TRAIN_REQUEUE" not in make_plan(build(JobConfig, {}), base, "slurm", cwd=tmp_path).env
+
+
+def test_hot_spares_are_allocated_kept_alive_and_settled(tmp_path: Path) -> None:
+    """``job.spare_nodes``: the spares are in --nodes, a lost node does not end the job (--no-kill) or the
+    step (no --kill-on-bad-exit), and the script's status is what the run says of the job (--settle)."""
+    from hpc_train.config.job import JobConfig
+    from hpc_train.config.loader import build
+    from hpc_train.config.plan import make_plan
+    from hpc_train.slurm.executors import submitit_parameters
+
+    cfg = build(JobConfig, {"job": {"nodes": 2, "spare_nodes": 1, "partition": "spares"}})
+    plan = make_plan(cfg, load_site("local-slurm"), "slurm", cwd=tmp_path)
+    text = render_script(plan, "srun").text
+    directives = [line for line in text.splitlines() if line.startswith("#SBATCH")]
+    assert "#SBATCH --nodes=3" in directives and "#SBATCH --no-kill" in directives
+    srun = next(line for line in text.splitlines() if line.startswith("srun "))
+    assert "--kill-on-bad-exit" not in srun and srun.endswith("|| status=$?")
+    assert text.rstrip().splitlines()[-1].endswith(f'-m hpc_train.agent --settle {plan.run_dir} "$status"')
+    result = subprocess.run(["bash", "-n"], input=text, capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stderr
+    with pytest.raises(ConfigError, match="only the srun template starts the agents"):
+        render_script(plan, "torchrun")
+    with pytest.raises(ConfigError, match=r"job\.spare_nodes: submitit's job would end FAILED"):
+        submitit_parameters(plan)
+    for overrides, message in (({"retry": {"in_place": 0}}, "a spare is used by a restart inside the job"),
+                               ({"job": {"nodes": 2, "spare_nodes": -1}}, "job.spare_nodes: -1 is below")):
+        bad = build(JobConfig, {"job": {"nodes": 2, "spare_nodes": 1}, **overrides})
+        with pytest.raises(ConfigError, match=message):
+            make_plan(bad, load_site("local-slurm"), "slurm", cwd=tmp_path)

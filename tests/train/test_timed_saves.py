@@ -48,9 +48,10 @@ def _check(decisions: list[tuple[int, float, float]], saved: list[int]) -> None:
     assert saved[0] == 11  # the 10th step decides; "auto" without a timed save saves at once
     assert saved[-1] == STEPS  # the last step always saves
     # Every other save is where a logged decision put it (a decision is logged when it changes, so each gap
-    # between saves is one of the logged step counts).
+    # between saves is one of the logged step counts); a decision past the last step leaves only the last save.
     gaps = {b - a for a, b in itertools.pairwise(saved[:-1])}
-    assert gaps and gaps <= {steps for steps, _i, _c in decisions}, (saved, decisions)
+    assert gaps <= {steps for steps, _i, _c in decisions}, (saved, decisions)
+    assert all(saved[-2] + steps >= STEPS for steps, _i, _c in decisions[-1:]), (saved, decisions)
 
 
 def test_saves_fall_at_the_young_daly_interval_and_slower_saves_get_a_longer_one(tmp_path: Path) -> None:
@@ -64,4 +65,4 @@ def test_saves_fall_at_the_young_daly_interval_and_slower_saves_get_a_longer_one
     plain_interval = sum(i for _s, i, _c in plain) / len(plain)
     slow_interval = sum(i for _s, i, _c in slow) / len(slow)
     assert slow_interval > 1.5 * plain_interval, (plain, slow)
-    assert len(slow_saved) < len(plain_saved)
+    assert len(plain_saved) > 2 and len(slow_saved) < len(plain_saved), (plain_saved, slow_saved)

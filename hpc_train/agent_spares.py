@@ -1,0 +1,118 @@
+"""The agent's lives in a job with hot spares (``[job] spare_nodes``): who holds the ranks, and who takes over
+a lost node's, inside the same Slurm job.
+
+Every allocated node runs agents (the srun step covers the spares too). In each life the assignment
+(:mod:`hpc_train.run.assignment`) says which nodes hold the ranks; an agent on a node outside it waits as a spare
+for the next restart notice, or for the ranks to leave for good. At a restart every live agent ends its rank and
+says it is ready. Once all have, or once ``_LOST_AFTER_S`` has passed, the first agent to decide writes the next
+assignment: a node whose agents did not answer is lost (its ranks go to a spare, and it joins the run's
+``excluded_nodes.json``). With too few nodes left the agents leave, and the retry policy requeues the job as
+without spares.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from hpc_train.run.assignment import (
+    Assignment,
+    first_assignment,
+    mark_left,
+    mark_task_ready,
+    next_assignment,
+    publish_assignment,
+    rank_environment,
+    ranks_left,
+    read_assignment,
+    ready_nodes,
+)
+from hpc_train.run.exclusions import add_exclusions, read_exclusions
+from hpc_train.run.in_place import IN_PLACE_ENV, IN_PLACE_LEFT_ENV, RestartNotice, read_notice
+
+__all__ = ["run_with_spares"]
+
+_POLL_S = 0.2
+_LOST_AFTER_S = 15.0  # an agent that has not said it is ready by then is on a lost node
+
+
+def run_with_spares(agent: Any, argv: list[str]) -> int:
+    """Every life of this task (``agent``: :class:`hpc_train.agent.Agent`): a rank where the assignment puts one,
+    a wait where it does not."""
+    setup, spares = agent.setup, agent.setup.spares
+    if spares is None:
+        raise RuntimeError("run_with_spares needs an agent of a job with spare nodes")
+    excluded = [entry.node for entry in read_exclusions(setup.run_dir)]
+    assignment, in_place = first_assignment(spares.allocated, spares.nodes, excluded), 0
+    while True:
+        place = rank_environment(assignment, spares.node, spares.local, spares.tasks_per_node)
+        if place is None:
+            agent.rank = -1
+            code, notice = 0, _wait_as_spare(agent, in_place)
+        else:
+            agent.rank = int(place["SLURM_PROCID"])
+            agent.log = agent.logger_for(agent.rank)
+            env = {**os.environ, **place, IN_PLACE_ENV: str(in_place), IN_PLACE_LEFT_ENV: str(setup.limit - in_place)}
+            code, notice = agent._run_once(argv, env, in_place)
+        agent._end_everything_below()
+        if notice is None:
+            if place is not None:
+                mark_left(setup.run_dir, agent.attempt)  # the spares leave with the ranks
+            return code
+        decided, won = _next_life(agent, notice, assignment)
+        if decided is None or not decided.nodes:
+            agent.log.error("in-place restart %d: too few healthy nodes for the layout (%d needed, lost: %s); "
+                            "leaving the job to Slurm and the retry policy", notice.in_place, spares.nodes,
+                            ", ".join(decided.lost) if decided else "?")
+            mark_left(setup.run_dir, agent.attempt)
+            return 1 if place is not None else 0
+        if won:
+            agent._record(notice)
+        nxt = rank_environment(decided, spares.node, spares.local, spares.tasks_per_node)
+        if nxt is not None and nxt["SLURM_PROCID"] == "0":  # said once, in rank 0's log, which submit follows
+            moved = [node for node in decided.nodes if node not in assignment.nodes]
+            agent.logger_for(0).info(
+                "in-place restart %d of %d (retry.in_place): %s: %s (rank %d on %s); ranks on %s%s, in job %s",
+                notice.in_place, setup.limit, notice.failure_class, notice.reason, notice.rank, notice.host or "?",
+                ",".join(decided.nodes), f" (spare {', '.join(moved)} for lost {', '.join(decided.lost)})"
+                if moved else "", setup.job_id)
+        assignment, in_place = decided, notice.in_place
+
+
+def _wait_as_spare(agent: Any, in_place: int) -> RestartNotice | None:
+    """A spare waits for the next restart notice; None once the ranks have left for good, or Slurm stops it."""
+    setup = agent.setup
+    while agent.stopping is None and not ranks_left(setup.run_dir, agent.attempt):
+        if in_place < setup.limit:
+            notice = read_notice(setup.run_dir, agent.attempt, in_place + 1)
+            if notice is not None:
+                return notice
+        time.sleep(_POLL_S)
+    return None
+
+
+def _next_life(agent: Any, notice: RestartNotice, previous: Assignment) -> tuple[Assignment | None, bool]:
+    """Say this task is ready, then read or make the next assignment: (it, whether this agent made it)."""
+    setup, spares = agent.setup, agent.setup.spares
+    if spares is None:
+        raise RuntimeError("a restart with spares needs an agent of a job with spare nodes")
+    life, tasks = notice.in_place, len(spares.allocated) * spares.tasks_per_node
+    mark_task_ready(setup.run_dir, agent.attempt, life, spares.task, spares.node)
+    deadline = time.monotonic() + _LOST_AFTER_S
+    while agent.stopping is None:
+        decided = read_assignment(setup.run_dir, agent.attempt, life)
+        if decided is not None:
+            return decided, False
+        ready = ready_nodes(setup.run_dir, agent.attempt, life, tasks)
+        if sum(ready.values()) >= tasks or time.monotonic() > deadline:
+            healthy = [node for node in spares.allocated if ready[node] >= spares.tasks_per_node]
+            lost = [node for node in previous.nodes if node not in healthy]
+            made = next_assignment(previous, healthy, spares.allocated, life) or Assignment(life, [], lost)
+            decided, won = publish_assignment(setup.run_dir, agent.attempt, made)
+            if won and lost:
+                add_exclusions(setup.run_dir, lost, "node_failure", setup.job_id,
+                               f"its agents did not answer in-place restart {life} within {_LOST_AFTER_S:.0f} s")
+            return decided, won
+        time.sleep(0.1)
+    return None, False
