@@ -89,11 +89,13 @@ def test_a_slow_dataset_shows_as_data_wait_and_workers_take_it_off_the_step(tmp_
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     # 8 samples x 40 ms a step, in the training process: the data wait stays above the threshold even when the
-    # other test lane slows the step's compute down (at 20 ms it once fell to 29 %); 8 workers (asleep, not
-    # computing) load a batch every 40 ms between them, about the step's own time (4 workers, one every 80 ms,
-    # still left 57-72 % of the step waiting)
+    # other test lane slows the step's compute down (at 20 ms it once fell to 29 %). 16 workers (asleep, not
+    # computing) load the run's 12 batches in their first round, 320 ms, while the first step waits: only the
+    # first logged window waits. With 8 workers the second round came 320 ms after the first, so step 9 waited
+    # for it whenever 8 steps took less than that (65 % of a window under CI's load); 4 workers, one batch every
+    # 80 ms, left 57-72 % of the step waiting.
     inline, flagged = _data_shares(tmp_path / "a", "params.sleep_s=0.04")
-    workers, clear = _data_shares(tmp_path / "b", "params.sleep_s=0.04", "data.num_workers=8", "data.prefetch_factor=4")
+    workers, clear = _data_shares(tmp_path / "b", "params.sleep_s=0.04", "data.num_workers=16")
     assert len(inline) == len(workers) == 3
     assert min(inline[1:]) > 0.3, inline
     assert max(workers[1:]) < min(inline[1:]) / 2, (inline, workers)
