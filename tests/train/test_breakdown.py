@@ -118,7 +118,7 @@ def _two_rank_run(root: Path, name: str, *overrides: str) -> _Run:
     job = root / "job.toml"
     job.write_text(f'[job]\nname = "{name}"\ntasks_per_node = 2\n[train]\nsteps = 14\nseq_len = 32\nmicro_batch = 4\n'
                    'precision = "fp32"\n[monitor]\nlog_every = 2\neval_every = 0\ntensorboard = false\n'
-                   "health_comm_share = 0.6\n[checkpoint]\nevery_steps = 0\n")
+                   "health_comm_share = 0.8\n[checkpoint]\nevery_steps = 0\n")
     sets = [arg for item in overrides for arg in ("--set", item)]
     result = subprocess.run([sys.executable, "-m", "hpc_train.submit", str(job), "--site", "local", *sets],
                             cwd=root, capture_output=True, text=True, timeout=600, check=False)
@@ -141,8 +141,9 @@ def clean_run(tmp_path_factory: pytest.TempPathFactory) -> _Run:
 def test_an_injected_slow_collective_is_flagged_for_communication(clean_run: _Run, tmp_path: Path) -> None:
     slow = _two_rank_run(tmp_path, "slow", "env.HPC_TRAIN_INJECT_FAULT=slow_comm:1:80")
     assert len(clean_run.comm_shares) == len(slow.comm_shares) == 7
-    # the first window also warms up (on two shared cores a rank may wait long for the other's first step)
-    assert max(clean_run.comm_shares[1:]) < 0.6 < min(slow.comm_shares), (clean_run.comm_shares, slow.comm_shares)
+    # The first window also warms up (on two shared cores a rank may wait long for the other's first step).
+    # Under CI's other lane a clean window reached 0.69; an 80 ms collective keeps the slow run above 0.92.
+    assert max(clean_run.comm_shares[1:]) < 0.8 < min(slow.comm_shares), (clean_run.comm_shares, slow.comm_shares)
     assert clean_run.findings == [], clean_run.findings
     assert [f["check"] for f in slow.findings] == ["comm"]
     assert "gloo over TCP between CPU ranks" in str(slow.findings[0]["cause"])
