@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from hpc_train.distributed.hostlist import compress
-from hpc_train.run.files import read_json_object
+from hpc_train.run.files import read_json_object, read_record_text
 from hpc_train.run.paths import HEARTBEAT_DIR
 
 __all__ = ["Assignment", "assignment_path", "first_assignment", "mark_left", "mark_task_ready", "next_assignment",
@@ -131,12 +131,9 @@ def ready_nodes(run_dir: Path, attempt: str, in_place: int, tasks: int) -> Count
     """How many tasks of each node are ready for life ``in_place``."""
     counts: Counter[str] = Counter()
     for task in range(tasks):
-        path = _task_mark(run_dir, attempt, in_place, task)
-        try:
-            if not path.is_symlink():
-                counts[path.read_text(encoding="utf-8").strip()] += 1
-        except OSError:
-            continue
+        node = read_record_text(_task_mark(run_dir, attempt, in_place, task)).strip()  # never through a link
+        if node:
+            counts[node] += 1
     return counts
 
 
