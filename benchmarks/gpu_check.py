@@ -12,8 +12,9 @@ The steps, each recorded whether it passes or not, so one run tells everything:
 * ``user_checkpoint``: a user function's ``ctx.checkpoint`` across a preemption;
 * ``bench``: ``bench allreduce`` (on NCCL, the transport from NCCL's own log);
 * ``hang``: an injected hang, the watchdog's stacks and (on NCCL) the flight recorder's dump;
-* ``mfu``: the 125M and 1.3B GPT through hpc_train (DeepSpeed, then FSDP2 in bf16) against the nanoGPT-style
-  loop of the same model and batch (``benchmarks/gpu_baseline.py``), with and without ``torch.compile``.
+* ``mfu``: the 125M and 1.3B GPT through hpc_train (DeepSpeed, then FSDP2 in bf16, eager and with
+  ``train.compile``) against the nanoGPT-style loop of the same model and batch (``benchmarks/gpu_baseline.py``),
+  with and without ``torch.compile``.
 
 ``--cpu-dry-run`` runs the same steps on this CPU machine with gloo, fp32 and tiny sizes (2 ranks where ZeRO
 needs data parallelism); steps that only exist on a GPU (fp16, fused_adam, the flight recorder) say so in the
@@ -315,7 +316,15 @@ def step_mfu(check: Check) -> dict[str, Any]:
                                                                "engine": "fsdp2"},
                            data={"vocab_size": vocab}, monitor={"log_every": 4})
             row["fsdp2"] = {**fsdp2, "ratio_to_deepspeed": fsdp2["tokens_per_s"] / ours["tokens_per_s"]}
-        row["fsdp2_compiled"] = "not run: the trainer has no torch.compile switch yet (the loop's row measures it)"
+        if check.dry:
+            row["fsdp2_compiled"] = ("skipped: inductor compiles about 30 s a rank on a CPU (tests/train/"
+                                     "test_compiling.py runs the path with aot_eager)")
+        else:  # FSDP2 again with train.compile (inductor, each block): the first logged window holds the compile
+            compiled = _train(check, f"mfu-{model}-fsdp2-compiled",
+                              train={"model": model, "seq_len": seq_len, "micro_batch": micro, "steps": steps,
+                                     "engine": "fsdp2", "compile": True},
+                              data={"vocab_size": vocab}, monitor={"log_every": 4})
+            row["fsdp2_compiled"] = {**compiled, "ratio_to_eager": compiled["tokens_per_s"] / fsdp2["tokens_per_s"]}
         results[model] = row
     return results
 

@@ -127,7 +127,8 @@ def _engine(plan: Plan) -> dict[str, Any]:
             "reshard_after_forward": cfg.fsdp.reshard_after_forward if fsdp2 else None,
             "optimizer": cfg.train.optimizer, "lr": cfg.train.lr,
             "schedule": f"{cfg.train.warmup_steps} warm-up steps, then {cfg.train.decay} to {cfg.train.min_lr:g}",
-            "pipeline": plan.layout.pipeline, "tensor": plan.layout.tensor}
+            "pipeline": plan.layout.pipeline, "tensor": plan.layout.tensor,
+            "compile": cfg.train.compile_backend if cfg.train.compile else None}
 
 
 def _precision(plan: Plan) -> dict[str, Any]:
@@ -213,7 +214,8 @@ def training_rows(summary: TrainingSummary) -> list[tuple[str, str]]:
                 else f"DeepSpeed ZeRO-{engine['zero_stage']}")
         rows.append(("engine", name
                                + (f", {' and '.join(offload)} offloaded to CPU" if offload else "")
-                               + f"; {engine['optimizer']} lr {engine['lr']:g}, {engine['schedule']}"))
+                               + f"; {engine['optimizer']} lr {engine['lr']:g}, {engine['schedule']}"
+                               + (f"; each block torch.compiled ({engine['compile']})" if engine["compile"] else "")))
         planned = precision["planned"] or "decided on the nodes"
         rows.append(("precision", planned if precision["requested"] != "auto"
                      else f"auto: {planned} ({precision['why']})"))

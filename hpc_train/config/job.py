@@ -189,6 +189,16 @@ class TrainSection:
     eps: float = option(1e-8, "AdamW epsilon.")
     grad_clip: float = option(1.0, "Clip the global gradient norm to this; 0 disables clipping.")
     seed: int = option(1234, "Random seed (each rank derives its own).")
+    compile: bool = option(False, "Compile each block of the model (the GPT's transformer blocks, your model's "
+                           "fsdp_blocks(), else its Hugging Face _no_split_modules or top-level children) with "
+                           "torch.compile before sharding, as torchtitan does; the weights' names are unchanged, so "
+                           "checkpoints and exports move between compiled and eager runs. The first steps pay the "
+                           "compile (tens of seconds on a CPU with inductor). Not with zero.stage = 3 or "
+                           "parallel.pipeline > 1.")
+    compile_backend: Literal["inductor", "aot_eager", "eager", "cudagraphs"] = option(
+        "inductor", "torch.compile's backend for train.compile: inductor (generated kernels; a C++ compiler on "
+        "CPUs), aot_eager (traced forward and backward, no kernels: to tell a compiler bug from yours), eager, "
+        "or cudagraphs (GPUs).")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -335,10 +335,29 @@ def _check_engine(cfg: JobConfig) -> None:
                           "here", 'use "bf16" (or "fp32", or "auto")')
 
 
+def _check_compile(cfg: JobConfig) -> None:
+    """``train.compile`` where compiling each block is right: not under DeepSpeed's ZeRO-3, whose hooks gather
+    each parameter inside the block's forward, nor its pipeline engine, which runs the layers itself."""
+    train = cfg.train
+    if not train.compile:
+        if train.compile_backend != "inductor":
+            raise ConfigError("train.compile_backend", f'"{train.compile_backend}" is set but train.compile is '
+                              "false, so nothing is compiled", "set train.compile = true, or remove the backend")
+        return
+    if train.engine == "deepspeed" and cfg.zero.stage == 3:
+        raise ConfigError("train.compile", "with zero.stage = 3: ZeRO-3 gathers each parameter in hooks inside the "
+                          "compiled blocks", 'use train.engine = "fsdp2" (its shards compile), or zero.stage <= 2')
+    if cfg.parallel.pipeline > 1:
+        raise ConfigError("train.compile", f"with parallel.pipeline = {cfg.parallel.pipeline}: DeepSpeed's "
+                          "pipeline engine runs the layers itself", "set parallel.pipeline = 1, or train.compile "
+                          "= false")
+
+
 def validate(cfg: JobConfig, site: SiteConfig, gpus_per_node: int, cpus_per_task: int, lead_seconds: int) -> int:
     """Run every cross-field rule; return the derived data-parallel size."""
     _check_counts(cfg)
     _check_engine(cfg)
+    _check_compile(cfg)
     _check_resources(cfg, site, gpus_per_node, cpus_per_task)
     data_parallel = _check_layout(cfg, gpus_per_node)
     _check_training(cfg, data_parallel)

@@ -274,6 +274,12 @@ def _build(rank: _Rank, spec: ModelSpec, topology: Topology, groups: ParallelGro
     if info.rank == 0:
         write_model_card(rank.run_dir, model, config.train.model)
     data = build_data(ctx, groups, device, tuple(rank.watch.signals))
+    if config.train.compile:  # in place and lazy: traced at the first step, after the engine's wrapping
+        from hpc_train.train.compiling import compile_blocks
+
+        count = compile_blocks(model, config.train.compile_backend)
+        rank.log(f"compile: {count} block(s) compiled with torch.compile (backend {config.train.compile_backend}); "
+                 "the first step traces and compiles them")
     kind = engine_kind(config.train.engine)
     engine = kind.build(model, rank.plan, topology, groups, rank.run_dir, info.local_rank)
     if meta:
@@ -419,6 +425,10 @@ def _step(rank: _Rank, parts: _Parts, monitor: Monitor, recorder: AttemptRecorde
         parts.health.straggler(step, straggler, rank.plan.config.watchdog.straggler_factor)
     if step > progress.start_step + 1:  # the first step of an attempt also warms up
         recorder.step_time(elapsed)
+    elif rank.plan.config.train.compile and rank.info.rank == 0:
+        from hpc_train.train.compiling import compile_report
+
+        rank.log(compile_report(elapsed))
 
 
 def _after_step(rank: _Rank, parts: _Parts, monitor: Monitor, progress: _Progress) -> int:

@@ -101,6 +101,16 @@ CASES = [
      'parallelism beside it'),
     ("fused-adam-with-fsdp2", '[train]\nengine = "fsdp2"\noptimizer = "fused_adam"\n', [],
      'train.optimizer: "fused_adam" is a DeepSpeed op; FSDP2 trains with torch\'s AdamW'),
+    ("compile-with-zero3", "[train]\ncompile = true\n[zero]\nstage = 3\n", [],
+     'train.compile: with zero.stage = 3: ZeRO-3 gathers each parameter in hooks inside the compiled blocks. '
+     'Fix: use train.engine = "fsdp2"'),
+    ("compile-with-pipeline", "[job]\ntasks_per_node = 2\n[train]\ncompile = true\n[parallel]\npipeline = 2\n",
+     [], "train.compile: with parallel.pipeline = 2: DeepSpeed's pipeline engine runs the layers itself"),
+    ("compile-backend-without-compile", '[train]\ncompile_backend = "aot_eager"\n', [],
+     'train.compile_backend: "aot_eager" is set but train.compile is false, so nothing is compiled. '
+     "Fix: set train.compile = true"),
+    ("compile-backend-typo", '[train]\ncompile = true\ncompile_backend = "inducter"\n', [],
+     'train.compile_backend: "inducter" is not valid'),
     ("fsdp-key-with-deepspeed", "[fsdp]\noffload = true\n", [],
      'fsdp.offload: is for train.engine = "fsdp2"; this job trains with DeepSpeed. Fix: set train.engine = "fsdp2"'),
     ("wandb-project-space", '[monitor]\nwandb_project = "my project"\n', [],
