@@ -344,6 +344,9 @@ def _check_compile(cfg: JobConfig) -> None:
             raise ConfigError("train.compile_backend", f'"{train.compile_backend}" is set but train.compile is '
                               "false, so nothing is compiled", "set train.compile = true, or remove the backend")
         return
+    if cfg.job.program != "train":
+        raise ConfigError("train.compile", f'is the built-in trainer\'s, and job.program = "{cfg.job.program}"',
+                          "remove it; a program of your own calls model.compile() (or torch.compile) itself")
     if train.engine == "deepspeed" and cfg.zero.stage == 3:
         raise ConfigError("train.compile", "with zero.stage = 3: ZeRO-3 gathers each parameter in hooks inside the "
                           "compiled blocks", 'use train.engine = "fsdp2" (its shards compile), or zero.stage <= 2')

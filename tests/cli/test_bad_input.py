@@ -109,6 +109,8 @@ CASES = [
     ("compile-backend-without-compile", '[train]\ncompile_backend = "aot_eager"\n', [],
      'train.compile_backend: "aot_eager" is set but train.compile is false, so nothing is compiled. '
      "Fix: set train.compile = true"),
+    ("compile-in-a-program", '[job]\nprogram = "smoke"\n[train]\ncompile = true\n', [],
+     'train.compile: is the built-in trainer\'s, and job.program = "smoke". Fix: remove it'),
     ("compile-backend-typo", '[train]\ncompile = true\ncompile_backend = "inducter"\n', [],
      'train.compile_backend: "inducter" is not valid'),
     ("fsdp-key-with-deepspeed", "[fsdp]\noffload = true\n", [],
