@@ -65,12 +65,13 @@ class AgentSetup:
     restart: int
     limit: int
     preempt_signal: str  # the plan's signal (USR2 by default): the rank saves on it, the agent stops restarting
-    spares: Spares | None = None  # a job with hot spares (job.spare_nodes): this task's place in the allocation
+    spares: Spares | None = None  # spares or retry.shrink: this task's place in the allocation
 
 
 @dataclass(frozen=True)
 class Spares:
-    """This task's place in an allocation with spare nodes, and the layout it must keep."""
+    """This task's place in an allocation that goes on without a lost node (hot spares, or ``retry.shrink``), and
+    the layout it must keep."""
 
     task: int
     local: int
@@ -78,6 +79,16 @@ class Spares:
     allocated: tuple[str, ...]
     nodes: int  # the layout's (job.nodes)
     tasks_per_node: int
+    shrink: tuple[int, int, int] | None = None  # retry.shrink: (tensor x pipeline x context, micro, global batch)
+
+    def smaller(self, nodes_left: int) -> int | None:
+        """The node count a life goes on with when only ``nodes_left`` are left (retry.shrink); None without it."""
+        if self.shrink is None:
+            return None
+        from hpc_train.config.shrink import smaller_size
+
+        size = smaller_size(*self.shrink[:3], self.tasks_per_node, nodes_left)
+        return size.nodes if size else None
 
 
 def agent_setup(run_dir: Path, env: dict[str, str] | None = None) -> AgentSetup | None:
@@ -99,11 +110,14 @@ def agent_setup(run_dir: Path, env: dict[str, str] | None = None) -> AgentSetup 
         rank, world = int(env["SLURM_PROCID"]), int(env.get("SLURM_STEP_NUM_TASKS") or env["SLURM_NTASKS"])
         spare, per_node = plan.resources.spare_nodes, plan.resources.tasks_per_node
         spares = None
-        if spare and world == (plan.resources.nodes + spare) * per_node:
+        if plan.resources.survives_lost_node and world == (plan.resources.nodes + spare) * per_node:
             from hpc_train.distributed.hostlist import expand
 
             allocated = tuple(expand(env["SLURM_JOB_NODELIST"]))
-            spares = Spares(rank, int(env["SLURM_LOCALID"]), node_of(env), allocated, plan.resources.nodes, per_node)
+            lay = plan.layout
+            shrink = (lay.tensor * lay.pipeline * lay.context, lay.micro_batch, lay.global_batch)
+            spares = Spares(rank, int(env["SLURM_LOCALID"]), node_of(env), allocated, plan.resources.nodes, per_node,
+                            shrink if plan.resources.shrink else None)
             rank, world = -1, plan.layout.world  # a rank is given by each life's assignment
     except Exception:  # the rank reports whatever is wrong, in its own words
         return None

@@ -16,6 +16,7 @@ import os
 import time
 from typing import Any
 
+from hpc_train.config.shrink import SHRUNK_NODES_ENV
 from hpc_train.run.assignment import (
     Assignment,
     first_assignment,
@@ -54,6 +55,9 @@ def run_with_spares(agent: Any, argv: list[str]) -> int:
             agent.rank = int(place["SLURM_PROCID"])
             agent.log = agent.logger_for(agent.rank)
             env = {**os.environ, **place, IN_PLACE_ENV: str(in_place), IN_PLACE_LEFT_ENV: str(setup.limit - in_place)}
+            env.pop(SHRUNK_NODES_ENV, None)
+            if len(assignment.nodes) < spares.nodes:  # retry.shrink: the rank plans for the nodes left
+                env[SHRUNK_NODES_ENV] = str(len(assignment.nodes))
             code, notice = agent._run_once(argv, env, in_place)
         agent._end_everything_below()
         if notice is None:
@@ -75,9 +79,24 @@ def run_with_spares(agent: Any, argv: list[str]) -> int:
             agent.logger_for(0).info(
                 "in-place restart %d of %d (retry.in_place): %s: %s (rank %d on %s); ranks on %s%s, in job %s",
                 notice.in_place, setup.limit, notice.failure_class, notice.reason, notice.rank, notice.host or "?",
-                ",".join(decided.nodes), f" (spare {', '.join(moved)} for lost {', '.join(decided.lost)})"
-                if moved else "", setup.job_id)
+                ",".join(decided.nodes), _change(spares, assignment, decided, moved), setup.job_id)
         assignment, in_place = decided, notice.in_place
+
+
+def _change(spares: Any, before: Assignment, after: Assignment, moved: list[str]) -> str:
+    """What the next life changes, for rank 0's log: a spare in a lost node's place, or a smaller size."""
+    if moved:
+        return f" (spare {', '.join(moved)} for lost {', '.join(after.lost)})"
+    if len(after.nodes) < len(before.nodes) and spares.shrink is not None:
+        from hpc_train.config.shrink import smaller_size
+
+        was = smaller_size(*spares.shrink, spares.tasks_per_node, len(before.nodes))
+        now = smaller_size(*spares.shrink, spares.tasks_per_node, len(after.nodes))
+        if was is not None and now is not None:
+            return (f" (retry.shrink: {was.nodes} -> {now.nodes} nodes without lost {', '.join(after.lost)}; data "
+                    f"parallel {was.data} -> {now.data}, grad_accum {was.grad_accum} -> {now.grad_accum}, global "
+                    "batch kept)")
+    return ""
 
 
 def _wait_as_spare(agent: Any, in_place: int) -> RestartNotice | None:
@@ -108,7 +127,8 @@ def _next_life(agent: Any, notice: RestartNotice, previous: Assignment) -> tuple
         if sum(ready.values()) >= tasks or time.monotonic() > deadline:
             healthy = [node for node in spares.allocated if ready[node] >= spares.tasks_per_node]
             lost = [node for node in previous.nodes if node not in healthy]
-            made = next_assignment(previous, healthy, spares.allocated, life) or Assignment(life, [], lost)
+            made = (next_assignment(previous, healthy, spares.allocated, life, spares.smaller)
+                    or Assignment(life, [], lost))
             decided, won = publish_assignment(setup.run_dir, agent.attempt, made)
             if won and lost:
                 add_exclusions(setup.run_dir, lost, "node_failure", setup.job_id,

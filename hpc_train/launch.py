@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from hpc_train.config.plan import Plan
+from hpc_train.config.shrink import plan_for_life
 from hpc_train.errors import ConfigError
 from hpc_train.run.exit_codes import EXIT_NOT_RETRIED, EXIT_RESTART_IN_PLACE, EXIT_STOPPED
 from hpc_train.run.files import atomic_write
@@ -62,7 +63,7 @@ def run_rank(run_dir: Path) -> dict[str, Any]:
     """Run this rank's share of the job in ``run_dir``; return its result."""
     os.umask(0o077)  # logs and results of a run are private, like the run folder
     check_run_folder(run_dir)  # never reached through a link, nor writable by others: ranks run what it holds
-    plan = Plan.from_json((run_dir / PLAN_FILE).read_text(encoding="utf-8"))
+    plan = plan_for_life(Plan.from_json((run_dir / PLAN_FILE).read_text(encoding="utf-8")), os.environ)
     if plan.config.job.program == "smoke":  # nothing to save: signals keep their usual meaning
         return _run_rank(run_dir, plan, None)
     with PreemptionWatch([plan.signal]) as watch:  # first thing: a signal while starting up is kept for later

@@ -301,6 +301,11 @@ class RetrySection:
     in_place: int = option(2, "Restarts inside the same Slurm job (a new life of every rank, from the last "
                               "checkpoint) after a rank was killed, crashed, hung or met a network fault, before "
                               "the job is requeued; 0 turns them off.")
+    shrink: bool = option(False, "When a node is lost and no spare is left (job.spare_nodes), go on inside the "
+                          "job on the nodes left, at a smaller data-parallel size: the same global batch with "
+                          "more gradient accumulation, tensor and pipeline kept, resumed from the last checkpoint "
+                          "(resharded as on any other data-parallel size). Needs retry.in_place >= 1 and the srun "
+                          "template; the built-in trainer only.")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -50,6 +50,13 @@ class Resources:
     exclusive: bool
     gpu_directive: str
     spare_nodes: int = 0  # allocated beyond nodes: hot spares (job.spare_nodes)
+    shrink: bool = False  # with no spare left, go on at a smaller data-parallel size (retry.shrink)
+
+    @property
+    def survives_lost_node(self) -> bool:
+        """Whether the job goes on inside its allocation when a node is lost (a spare, or a smaller size): Slurm
+        must not end it, and the agents on every node decide who holds the ranks (hpc_train.agent_spares)."""
+        return bool(self.spare_nodes) or self.shrink
 
 
 @dataclass(frozen=True)
@@ -196,7 +203,7 @@ def _resources(cfg: JobConfig, site: SiteConfig, gpus: int, cpus: int, run_dir: 
         partition=job.partition or site.slurm.partition, account=job.account or site.slurm.account,
         qos=job.qos or site.slurm.qos, constraint=job.constraint or site.slurm.constraint,
         exclude=_exclude(job.exclude, run_dir), exclusive=site.slurm.exclusive,
-        gpu_directive=site.slurm.gpu_directive, spare_nodes=job.spare_nodes,
+        gpu_directive=site.slurm.gpu_directive, spare_nodes=job.spare_nodes, shrink=cfg.retry.shrink,
     )
 
 
@@ -228,6 +235,9 @@ def make_plan(cfg: JobConfig, site: SiteConfig, executor: str, *, python: str | 
     if job.spare_nodes and executor != "slurm":
         raise ConfigError("job.spare_nodes", f"{job.spare_nodes} spare node(s) need Slurm; the {executor} executor "
                           "runs every rank on this machine", "remove job.spare_nodes, or submit to a Slurm site")
+    if cfg.retry.shrink and executor != "slurm":
+        raise ConfigError("retry.shrink", f"goes on without a lost node, and the {executor} executor runs every "
+                          "rank on this machine", "remove retry.shrink, or submit to a Slurm site")
     data_parallel = validate(cfg, site, gpus, cpus, lead)
     _checked_deepspeed(cfg, data_parallel)
     code_dir = Path(os.path.abspath(config_dir or cwd or Path.cwd()))

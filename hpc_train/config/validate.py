@@ -12,6 +12,7 @@ from typing import Any
 from hpc_train.config.checks import parse_time_seconds
 from hpc_train.config.env_policy import refused_env_name, secret_reason
 from hpc_train.config.job import MODEL_PRESETS, FsdpSection, JobConfig, ZeroSection
+from hpc_train.config.shrink import smaller_size
 from hpc_train.config.site import SiteConfig
 from hpc_train.distributed.topology import Topology
 from hpc_train.errors import ConfigError, did_you_mean
@@ -290,6 +291,35 @@ def _check_spares(cfg: JobConfig, site: SiteConfig) -> None:
         raise ConfigError("job.spare_nodes", "the smoke program restarts nothing", "remove job.spare_nodes")
 
 
+def _check_shrink(cfg: JobConfig, site: SiteConfig) -> None:
+    """A smaller size inside the job: the agents decide it, and the built-in trainer resumes at any
+    data-parallel size (a program of your own may not expect another world size)."""
+    if not cfg.retry.shrink:
+        return
+    if cfg.retry.in_place < 1:
+        raise ConfigError("retry.shrink", "with retry.in_place = 0: the smaller size is a restart inside the job",
+                          "set retry.in_place to 1 or more, or remove retry.shrink")
+    if site.launch.launcher != "srun":
+        raise ConfigError("retry.shrink", f"needs the srun launcher; site {site.name} launches with "
+                          f"{site.launch.launcher}, whose ranks have no agent to restart them",
+                          "use a site with [launch] launcher = \"srun\" (or submitit), or remove retry.shrink")
+    if cfg.job.program != "train":
+        raise ConfigError("retry.shrink", f'is the built-in trainer\'s, and job.program = "{cfg.job.program}": a '
+                          "program of your own would start again at a world size it did not plan for",
+                          "remove retry.shrink; job.spare_nodes keeps the size")
+    if cfg.job.nodes < 2:
+        raise ConfigError("retry.shrink", "with job.nodes = 1: there is no smaller number of nodes to go on with",
+                          "remove retry.shrink, or use job.spare_nodes")
+    par, train = cfg.parallel, cfg.train
+    per_node, model_parallel = cfg.job.tasks_per_node, par.tensor * par.pipeline * par.context
+    global_batch = train.micro_batch * train.grad_accum * (cfg.job.nodes * per_node // model_parallel)
+    if smaller_size(model_parallel, train.micro_batch, global_batch, per_node, cfg.job.nodes - 1) is None:
+        raise ConfigError("retry.shrink", f"no smaller number of nodes keeps tensor x pipeline x context = "
+                          f"{model_parallel} and the global batch of {global_batch} (micro batch "
+                          f"{train.micro_batch})", "use job.spare_nodes, or a global batch that more "
+                          "data-parallel sizes divide")
+
+
 def _check_network(site: SiteConfig) -> None:
     """Numbers NCCL takes only within a range; outside it NCCL ignores or rejects them at the first collective."""
     network = site.network
@@ -367,5 +397,6 @@ def validate(cfg: JobConfig, site: SiteConfig, gpus_per_node: int, cpus_per_task
     _check_preempt(cfg, site, lead_seconds)
     _check_cadence(cfg, site)
     _check_spares(cfg, site)
+    _check_shrink(cfg, site)
     _check_network(site)
     return data_parallel

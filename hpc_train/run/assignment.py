@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import os
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -47,10 +47,11 @@ def first_assignment(allocated: Sequence[str], nodes: int, excluded: Iterable[st
     return Assignment(0, chosen)
 
 
-def next_assignment(previous: Assignment, healthy: Iterable[str], allocated: Sequence[str],
-                    in_place: int) -> Assignment | None:
-    """The next life's nodes: every healthy node keeps its place, a lost one is replaced by a healthy spare. None
-    when there are not enough healthy nodes (the retry policy requeues instead)."""
+def next_assignment(previous: Assignment, healthy: Iterable[str], allocated: Sequence[str], in_place: int,
+                    smaller: Callable[[int], int | None] | None = None) -> Assignment | None:
+    """The next life's nodes: every healthy node keeps its place, a lost one is replaced by a healthy spare. With
+    no spare left, ``smaller`` (``retry.shrink``) says how many of the nodes left go on (the first ones, in their
+    order). None when there are not enough healthy nodes (the retry policy requeues instead)."""
     ok = set(healthy)
     spares = [node for node in previous.spares(allocated) if node in ok]
     nodes, lost = [], list(previous.lost)
@@ -59,10 +60,12 @@ def next_assignment(previous: Assignment, healthy: Iterable[str], allocated: Seq
             nodes.append(node)
             continue
         lost.append(node)
-        if not spares:
-            return None
-        nodes.append(spares.pop(0))
-    return Assignment(in_place, nodes, lost)
+        if spares:
+            nodes.append(spares.pop(0))
+    if len(nodes) == len(previous.nodes):
+        return Assignment(in_place, nodes, lost)
+    count = smaller(len(nodes)) if smaller is not None and nodes else None
+    return Assignment(in_place, nodes[:count], lost) if count else None
 
 
 def assignment_path(run_dir: Path, attempt: str, in_place: int) -> Path:

@@ -64,7 +64,7 @@ def sbatch_directives(plan: Plan, launcher: str) -> list[str]:
             lines.append(directive(flag, value))
     if res.exclusive:
         lines.append(directive("exclusive"))
-    if res.spare_nodes:  # a lost node must not end the job: a spare takes its ranks (hpc_train.agent_spares)
+    if res.survives_lost_node:  # a lost node must not end the job: a spare or the nodes left go on
         lines.append(directive("no-kill"))
     lines += [
         directive("output", out),

@@ -69,9 +69,10 @@ def render_script(plan: Plan, template: str | None = None) -> RenderedScript:
         hint = did_you_mean(name, names)
         raise ConfigError("--template", f'no template "{name}"' + (f", {hint}" if hint else ""),
                           f"use one of {', '.join(names)}")
-    if plan.resources.spare_nodes and name != "srun":
-        raise ConfigError("--template", f"{name} with job.spare_nodes: only the srun template starts the agents "
-                          "that move a lost node's ranks to a spare", "use --template srun")
+    if plan.resources.survives_lost_node and name != "srun":
+        key = "job.spare_nodes" if plan.resources.spare_nodes else "retry.shrink"
+        raise ConfigError("--template", f"{name} with {key}: only the srun template starts the agents that go on "
+                          "without a lost node", "use --template srun")
     if name == "mpirun" and plan.container["runtime"] == "pyxis":
         raise ConfigError("--template", "mpirun cannot start ranks inside pyxis containers",
                           "use the srun or torchrun template on this site")

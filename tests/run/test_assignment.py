@@ -40,6 +40,19 @@ def test_a_lost_node_is_replaced_in_place_and_the_others_keep_their_ranks() -> N
         1, ["n1", "n2", "n3"], [])  # a kill -9 of one rank: every node answered, nothing moves
 
 
+def test_with_no_spare_left_shrink_goes_on_with_the_nodes_left_in_their_order() -> None:
+    """``retry.shrink``: a lost node with no spare leaves its place; ``smaller`` says how many of the nodes left
+    keep the layout (here pairs: 3 left go on as 2, and the third waits as a spare for a later loss)."""
+    pairs = lambda left: left - left % 2 or None  # noqa: E731 - the layout's rule, as the agent's Spares.smaller
+    life0 = Assignment(0, ["n1", "n2", "n3", "n4"])
+    life1 = next_assignment(life0, healthy=["n1", "n3", "n4"], allocated=ALLOCATED, in_place=1, smaller=pairs)
+    assert life1 == Assignment(1, ["n1", "n3"], ["n2"])
+    life2 = next_assignment(life1, healthy=["n1", "n4"], allocated=ALLOCATED, in_place=2, smaller=pairs)
+    assert life2 == Assignment(2, ["n1", "n4"], ["n2", "n3"])  # the idle n4 took n3's place: the size is kept
+    assert next_assignment(life2, healthy=["n4"], allocated=ALLOCATED, in_place=3, smaller=pairs) is None
+    assert next_assignment(life0, healthy=["n1", "n3", "n4"], allocated=ALLOCATED, in_place=1) is None  # no shrink
+
+
 def test_a_rank_sees_the_job_as_the_plan_drew_it() -> None:
     life = Assignment(1, ["n1", "n3"], ["n2"])
     place = rank_environment(life, "n3", local=1, tasks_per_node=2)

@@ -376,3 +376,47 @@ def test_a_lost_node_is_replaced_by_a_hot_spare_inside_the_same_job(uninterrupte
     log = (run_dir / "logs" / "rank-0.log").read_text()
     assert "ranks on n1,n3 (spare n3 for lost n2)" in log, log[-3000:]
     _assert_same(_exported(run_dir, tmp_path / "weights.pt"), uninterrupted, run_dir)
+
+
+def test_with_no_spare_left_a_lost_node_s_job_goes_on_at_half_the_size(uninterrupted: dict[str, torch.Tensor],
+                                                                       tmp_path: Path) -> None:
+    """``retry.shrink`` on 2 nodes and no spare, through the rendered srun script: n2 is drained and its processes
+    are killed mid-run. The agent on n1 goes on alone inside the same job at data-parallel size 1 with twice the
+    accumulation (the same global batch), resumes the 2-rank checkpoint through DeepSpeed's universal checkpoint,
+    and completes; the job is never requeued, n2 is excluded, and the weights follow the uninterrupted run's
+    (sums over another number of ranks round in another order: not bitwise)."""
+    rendered = subprocess.run([sys.executable, "-m", "hpc_train", "render", EXAMPLE, *BASE, "--set",
+                               f"train.steps={STEPS}", "--set", "retry.shrink=true", "--set",
+                               "env.HPC_TRAIN_INJECT_FAULT=slow:0:60", "--template", "srun", "--json"],
+                              cwd=tmp_path, capture_output=True, text=True, timeout=60, check=True)
+    script = json.loads(rendered.stdout)["script"]
+    job_id = subprocess.run(["sbatch", "--parsable", script], capture_output=True, text=True, check=True,
+                            timeout=30).stdout.strip().split(";")[0]
+    run_dir = tmp_path / "runs" / "tiny-gpt"
+    try:
+        _wait_for_step(job_id, run_dir, 15)
+        subprocess.run(["scontrol", "update", "NodeName=n2", "State=DRAIN", "Reason=hpc_train-test-shrink"],
+                       check=True, timeout=30)
+        for pid in _processes_of(job_id, "n2"):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        _wait_until_completed(job_id, run_dir)
+    finally:
+        subprocess.run(["scontrol", "update", "NodeName=n2", "State=RESUME"], check=False, timeout=30)
+    first, second = _finished_run(run_dir, job_id)
+    assert first["in_place"] == 0 and second["in_place"] == 1 and second["restart"] == 0, (first, second)
+    rows = subprocess.run(["sacct", "-n", "-P", "-X", "-D", "-j", job_id, "-o", "State"], capture_output=True,
+                          text=True, timeout=30, check=True).stdout.split()
+    assert rows == ["COMPLETED"], rows
+    assignment = json.loads((run_dir / "heartbeats" / f"assign-{job_id}.0.1.json").read_text())
+    assert assignment["nodes"] == ["n1"] and assignment["lost"] == ["n2"], assignment
+    excluded = json.loads((run_dir / "excluded_nodes.json").read_text())
+    assert [entry["node"] for entry in excluded["nodes"]] == ["n2"], excluded
+    log = (run_dir / "logs" / "rank-0.log").read_text()
+    assert ("ranks on n1 (retry.shrink: 2 -> 1 nodes without lost n2; data parallel 2 -> 1, grad_accum 1 -> 2, "
+            "global batch kept)") in log, log[-3000:]
+    assert "start: srun rank 0/1" in log and "universal" in log, log[-3000:]
+    weights = _exported(run_dir, tmp_path / "weights.pt")
+    assert weights.keys() == uninterrupted.keys()
+    apart = max(float((weights[name] - tensor).abs().max()) for name, tensor in uninterrupted.items())
+    assert apart < 1e-4, f"{apart} from the uninterrupted weights\n{_logs(run_dir)}"

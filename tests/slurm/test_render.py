@@ -165,3 +165,41 @@ def test_hot_spares_are_allocated_kept_alive_and_settled(tmp_path: Path) -> None
         bad = build(JobConfig, {"job": {"nodes": 2, "spare_nodes": 1}, **overrides})
         with pytest.raises(ConfigError, match=message):
             make_plan(bad, load_site("local-slurm"), "slurm", cwd=tmp_path)
+
+
+def test_shrink_keeps_the_job_alive_without_spares_and_settles(tmp_path: Path) -> None:
+    """``retry.shrink``: no node more in --nodes, but a lost node must not end the job or the step either, and
+    only the srun template starts the agents that go on without it; each bad combination names the key."""
+    from hpc_train.config.job import JobConfig
+    from hpc_train.config.loader import build
+    from hpc_train.config.plan import make_plan
+    from hpc_train.slurm.executors import submitit_parameters
+
+    cfg = build(JobConfig, {"job": {"nodes": 2}, "retry": {"shrink": True}})
+    plan = make_plan(cfg, load_site("local-slurm"), "slurm", cwd=tmp_path)
+    text = render_script(plan, "srun").text
+    directives = [line for line in text.splitlines() if line.startswith("#SBATCH")]
+    assert "#SBATCH --nodes=2" in directives and "#SBATCH --no-kill" in directives
+    srun = next(line for line in text.splitlines() if line.startswith("srun "))
+    assert "--kill-on-bad-exit" not in srun
+    assert text.rstrip().splitlines()[-1].endswith(f'-m hpc_train.agent --settle {plan.run_dir} "$status"')
+    with pytest.raises(ConfigError, match=r"torchrun with retry\.shrink: only the srun template"):
+        render_script(plan, "torchrun")
+    with pytest.raises(ConfigError, match=r"retry\.shrink: submitit's job would end FAILED"):
+        submitit_parameters(plan)
+    assert "--no-kill" not in render_script(make_plan(build(JobConfig, {"job": {"nodes": 2}}),
+                                                      load_site("local-slurm"), "slurm", cwd=tmp_path), "srun").text
+    for overrides, message in (
+            ({"retry": {"in_place": 0, "shrink": True}}, "retry.shrink: with retry.in_place = 0"),
+            ({"job": {"nodes": 1}, "retry": {"shrink": True}}, "retry.shrink: with job.nodes = 1"),
+            ({"job": {"nodes": 2, "program": "smoke"}, "retry": {"shrink": True}},
+             'retry.shrink: is the built-in trainer\'s, and job.program = "smoke"'),
+            ({"job": {"nodes": 2, "tasks_per_node": 1}, "parallel": {"pipeline": 2, "order": "tp-cp-dp-pp"},
+              "zero": {"stage": 1},
+              "retry": {"shrink": True}},
+             r"retry.shrink: no smaller number of nodes keeps tensor x pipeline x context = 2")):
+        bad = build(JobConfig, {"job": {"nodes": 2}, **overrides})
+        with pytest.raises(ConfigError, match=message):
+            make_plan(bad, load_site("local-slurm"), "slurm", cwd=tmp_path)
+    with pytest.raises(ConfigError, match=r"retry\.shrink: goes on without a lost node, and the local executor"):
+        make_plan(cfg, load_site("local"), "local", cwd=tmp_path)
