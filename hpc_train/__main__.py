@@ -71,24 +71,29 @@ def _planned_executor(args: argparse.Namespace) -> str:
 
 
 def _memory(args: argparse.Namespace) -> int:
-    """Bytes per rank of parameters, gradients, optimizer state and activations, against the site's GPUs."""
+    """Bytes per rank of parameters, gradients, optimizer state and activations, against the site's GPUs: as
+    DeepSpeed keeps them, or as FSDP2 does for ``train.engine = "fsdp2"``."""
     import dataclasses
 
     from hpc_train.config.sites import load_site
     from hpc_train.errors import ConfigError
-    from hpc_train.train.memory import memory_plan, memory_rows
+    from hpc_train.train.memory import fsdp2_memory_plan, memory_plan, memory_rows
 
     plan = plan_from_args(args, executor=_planned_executor(args))
     cfg, lay = plan.config, plan.layout
+    gpu_mem_gb, train = load_site(args.site).node.gpu_mem_gb, cfg.train
+    common = {"grad_accum": lay.grad_accum, "gpus_per_node": plan.resources.gpus_per_node,
+              "parameters": train.parameters}
     try:
-        fsdp2 = cfg.train.engine == "fsdp2"  # FSDP2 keeps per rank what ZeRO-3 keeps; its offload moves all of it
-        memory = memory_plan(cfg.train.model, cfg.data.vocab_size, cfg.train.seq_len,
-                             lay.micro_batch, lay.tensor, lay.pipeline, lay.data, 3 if fsdp2 else cfg.zero.stage,
-                             cfg.train.precision, cfg.fsdp.offload if fsdp2 else cfg.zero.offload_optimizer,
-                             cfg.fsdp.offload if fsdp2 else cfg.zero.offload_params,
-                             load_site(args.site).node.gpu_mem_gb, grad_accum=lay.grad_accum,
-                             bucket_size=cfg.zero.bucket_size, overlap_comm=cfg.zero.overlap_comm,
-                             gpus_per_node=plan.resources.gpus_per_node, parameters=cfg.train.parameters)
+        if train.engine == "fsdp2":  # validate refuses pipeline and context parallelism for FSDP2
+            memory = fsdp2_memory_plan(train.model, cfg.data.vocab_size, train.seq_len, lay.micro_batch,
+                                       lay.tensor, lay.data, train.precision, gpu_mem_gb, offload=cfg.fsdp.offload,
+                                       reshard_after_forward=cfg.fsdp.reshard_after_forward, **common)
+        else:
+            memory = memory_plan(train.model, cfg.data.vocab_size, train.seq_len, lay.micro_batch, lay.tensor,
+                                 lay.pipeline, lay.data, cfg.zero.stage, train.precision, cfg.zero.offload_optimizer,
+                                 cfg.zero.offload_params, gpu_mem_gb, bucket_size=cfg.zero.bucket_size,
+                                 overlap_comm=cfg.zero.overlap_comm, **common)
     except ValueError as error:
         where = "train.parameters" if "train.parameters" in str(error) or "parameters = " in str(error) else "--memory"
         raise ConfigError(where, str(error)) from None
@@ -98,7 +103,8 @@ def _memory(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"Memory per rank: {cfg.train.model} on {plan.site}", show_header=False,
+    engine = "FSDP2" if train.engine == "fsdp2" else "DeepSpeed"
+    table = Table(title=f"Memory per rank: {train.model} with {engine} on {plan.site}", show_header=False,
                   title_justify="left")
     for key, value in memory_rows(memory):
         table.add_row(key, value)

@@ -1,9 +1,11 @@
-"""The memory plan of a job: bytes per rank of parameters, gradients, optimizer state, activations and DeepSpeed's
-own buffers, and whether that fits the site's GPUs, computed before anything is submitted.
+"""The memory plan of a job: bytes per rank of parameters, gradients, optimizer state, activations and the
+engine's own buffers (DeepSpeed's, or FSDP2's), and whether that fits the site's GPUs, computed before anything is
+submitted.
 
 Why: an out-of-memory error costs a queue wait and a start-up before it shows; the arithmetic below costs
-nothing. ``python -m hpc_train validate CONFIG --memory`` prints :func:`memory_rows` of :func:`memory_plan`. This
-module is pure Python (no torch, deepspeed or numpy) because it runs on login nodes.
+nothing. ``python -m hpc_train validate CONFIG --memory`` prints :func:`memory_rows` of :func:`memory_plan` (of
+:func:`fsdp2_memory_plan` for FSDP2). This module is pure Python (no torch, deepspeed or numpy) because it runs
+on login nodes.
 
 Accounting. The base is the ZeRO paper (Rajbhandari et al. 2020, https://arxiv.org/abs/1910.02054): mixed
 precision Adam holds 2 bytes of 16-bit weights, 2 of 16-bit gradients and 12 of optimizer state (fp32 master
@@ -38,6 +40,11 @@ coexist, except ZeRO-3's permanent bucket. DeepSpeed also makes a 16-bit flat co
 for an instant before casting it to fp32; it is not counted (activations, which ``total`` includes, are freed by
 then). Offload figures (CPU Adam, parameters in CPU memory) follow the source and are not measured by the tests.
 
+FSDP2 (``train.engine = "fsdp2"``, :func:`fsdp2_memory_plan`) has its own accounting, explained and sourced in
+:mod:`hpc_train.train.memory_fsdp2`: fp32 shards of each tensor's dim 0 (padded), fp32 gradient shards, AdamW's m
+and v on them, no master copy; its buffers are the gathered groups (the root for the whole step), their flat
+all-gather buffers, the unsharded gradients and the fp32 reduce-scatter inputs.
+
 Activations are a rough estimate from Korthikanti et al. 2022 (https://arxiv.org/abs/2205.05198), equation 2:
 per layer ``s*b*h*(10 + 24/t)`` bytes in 16-bit for ``s`` tokens, micro batch ``b``, width ``h`` and tensor
 parallel size ``t``, without the ``5*a*s/(h*t)`` attention-score term because ``scaled_dot_product_attention``'s
@@ -56,14 +63,17 @@ last; the plan is the stage with the largest total. GiB are 2**30 bytes, and ``g
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from hpc_train.config.job import MODEL_PRESETS
+from hpc_train.train.memory_fsdp2 import fsdp2_held, fsdp2_rows
 from hpc_train.train.models import Param, model_spec
 from hpc_train.train.models.spec import require_positive
 
-__all__ = ["MemoryPlan", "Param", "assumed_precision", "memory_plan", "memory_rows", "stage_parameters"]
+__all__ = ["MemoryPlan", "Param", "assumed_precision", "fsdp2_memory_plan", "memory_plan", "memory_rows",
+           "stage_parameters"]
 
 GIB = 2**30
 #: DeepSpeed 0.19 defaults our ``deepspeed_config`` leaves alone.
@@ -95,6 +105,9 @@ class MemoryPlan:
     buckets, the ZeRO-0 all-reduce copy, ZeRO-3's bucket and gathered parameters) live in the backward pass and
     ``step_buffers`` (the fp32 gradient copy) in the optimizer step; ``activations`` is rough. ``total`` sums
     them; ``cpu`` is what offload puts in CPU memory. ``fits`` is None when the site gives no GPU memory size.
+    With ``engine`` "fsdp2" the figures are FSDP2's (:mod:`hpc_train.train.memory_fsdp2`): ``zero_stage`` is 3
+    (the layout it shares), both offload flags are ``fsdp.offload``, and ``gathered`` (part of
+    ``reduce_buffers``) is the peak of the all-gathered parameters.
     """
 
     preset: str
@@ -122,6 +135,9 @@ class MemoryPlan:
     gpu_bytes: int
     fits: bool | None
     notes: tuple[str, ...]
+    engine: str = "deepspeed"
+    reshard_after_forward: bool = True
+    gathered: int = 0
 
 
 def stage_parameters(preset: str, vocab_size: int, seq_len: int, tensor: int = 1,
@@ -196,7 +212,8 @@ def _activations(shape: dict[str, int], vocab_size: int, seq_len: int, micro_bat
 
 
 class _Working(NamedTuple):
-    """What DeepSpeed holds for one stage under one ZeRO stage, in bytes, and the notes that explain it."""
+    """What the engine holds for one stage (DeepSpeed under one ZeRO stage, or FSDP2), in bytes, and the notes
+    that explain it."""
 
     parameters: int
     gradients: int
@@ -206,6 +223,7 @@ class _Working(NamedTuple):
     buffers: int
     cpu: int
     notes: list[str]
+    gathered: int = 0
 
 
 def _zero0(params: list[Param], width: int) -> _Working:
@@ -280,18 +298,9 @@ def _zero3(params: list[Param], *, data: int, width: int, offload_optimizer: boo
                     bucket + max(gathered, step_buffers), cpu, notes)
 
 
-def _plan_stage(index: int, params: list[Param], *, shape: dict[str, int] | None, vocab_size: int, seq_len: int,
-                micro_batch: int, tensor: int, pipeline: int, data: int, zero_stage: int, width: int,
-                offload_optimizer: bool, offload_params: bool, grad_accum: int, bucket_size: int,
-                overlap_comm: bool) -> tuple[dict[str, int], list[str]]:
-    if zero_stage == 0:
-        held = _zero0(params, width)
-    elif zero_stage in (1, 2):
-        held = _zero12(params, data=data, zero_stage=zero_stage, width=width, offload_optimizer=offload_optimizer,
-                       grad_accum=grad_accum, bucket_size=bucket_size, overlap_comm=overlap_comm)
-    else:
-        held = _zero3(params, data=data, width=width, offload_optimizer=offload_optimizer,
-                      offload_params=offload_params, bucket_size=bucket_size)
+def _plan_stage(index: int, params: list[Param], held: _Working, *, shape: dict[str, int] | None,
+                vocab_size: int, seq_len: int, micro_batch: int, tensor: int, pipeline: int, width: int,
+                grad_accum: int) -> tuple[dict[str, int], list[str]]:
     in_flight = min(pipeline - index, grad_accum) if pipeline > 1 else 1
     layers = sum(1 for p in params if p.name.endswith(".ln1.weight"))
     activations = 0 if shape is None else _activations(shape, vocab_size, seq_len, micro_batch, tensor, width,
@@ -299,34 +308,20 @@ def _plan_stage(index: int, params: list[Param], *, shape: dict[str, int] | None
     figures = {"params_per_rank": sum(p.numel for p in params), "parameters": held.parameters,
                "gradients": held.gradients, "optimizer_state": held.optimizer, "activations": activations,
                "reduce_buffers": held.reduce_buffers, "step_buffers": held.step_buffers, "buffers": held.buffers,
-               "cpu": held.cpu,
+               "cpu": held.cpu, "gathered": held.gathered,
                "total": held.parameters + held.gradients + held.optimizer + activations + held.buffers}
     return figures, held.notes
 
 
-def memory_plan(preset: str, vocab_size: int, seq_len: int, micro_batch: int, tensor: int, pipeline: int, data: int,
-                zero_stage: int, precision: str, offload_optimizer: bool, offload_params: bool,
-                gpu_mem_gb: float = 0.0, *, grad_accum: int = 1, bucket_size: int = 50_000_000,
-                overlap_comm: bool = True, gpus_per_node: int = 0, parameters: int = 0) -> MemoryPlan:
-    """Bytes per rank of one layout (see the module docstring for the accounting).
-
-    ``preset`` may be a user model's entry point with its parameter count in ``parameters``: its weights,
-    gradients, optimizer state and DeepSpeed's buffers are planned as for any model, its activations are not.
-
-    ``bucket_size`` and ``overlap_comm`` are ``zero.bucket_size`` and ``zero.overlap_comm``; ``gpu_mem_gb`` is the
-    site's ``node.gpu_mem_gb`` (0: unknown, ``fits`` is None). Raises ValueError for a layout the model or
-    DeepSpeed cannot run. ``precision`` may be ``"auto"``: see :func:`assumed_precision` (``gpus_per_node``).
-    """
+def _plan(preset: str, vocab_size: int, seq_len: int, micro_batch: int, tensor: int, pipeline: int, data: int,
+          precision: str, gpu_mem_gb: float, *, grad_accum: int, gpus_per_node: int, parameters: int,
+          held: Callable[[list[Param], int], _Working], **engine: Any) -> MemoryPlan:
+    """The plan of either engine: ``held(params, width)`` is what it keeps of one stage, ``engine`` its own
+    :class:`MemoryPlan` fields; the stage with the largest total is the plan."""
     precision, assumption = assumed_precision(precision, gpus_per_node)
     if precision not in _PRECISION_BYTES:
         raise ValueError(f"precision {precision!r} is unknown; use one of {', '.join(_PRECISION_BYTES)}")
-    if zero_stage not in (0, 1, 2, 3):
-        raise ValueError(f"zero_stage = {zero_stage!r} is not a ZeRO stage; use 0, 1, 2 or 3")
-    require_positive(micro_batch=micro_batch, data=data, grad_accum=grad_accum, bucket_size=bucket_size)
-    if offload_optimizer and zero_stage == 0:
-        raise ValueError("offload_optimizer needs ZeRO stage 1-3, stage is 0; set zero.stage = 1 or more")
-    if offload_params and zero_stage != 3:
-        raise ValueError(f"offload_params needs ZeRO-3, stage is {zero_stage}; set zero.stage = 3")
+    require_positive(micro_batch=micro_batch, data=data, grad_accum=grad_accum)
     if gpu_mem_gb < 0 or math.isnan(gpu_mem_gb):
         raise ValueError(f"gpu_mem_gb = {gpu_mem_gb}: must be >= 0 (0: unknown)")
     user = ":" in preset  # an entry point; any other name is a preset (unknown ones are refused below)
@@ -336,10 +331,9 @@ def memory_plan(preset: str, vocab_size: int, seq_len: int, micro_batch: int, te
     stages = _user_stages(parameters, tensor, pipeline) if user else stage_parameters(preset, vocab_size, seq_len,
                                                                                         tensor, pipeline)
     width = _PRECISION_BYTES[precision]
-    plans = [_plan_stage(i, params, shape=MODEL_PRESETS.get(preset), vocab_size=vocab_size, seq_len=seq_len,
-                         micro_batch=micro_batch, tensor=tensor, pipeline=pipeline, data=data, zero_stage=zero_stage,
-                         width=width, offload_optimizer=offload_optimizer, offload_params=offload_params,
-                         grad_accum=grad_accum, bucket_size=bucket_size, overlap_comm=overlap_comm)
+    plans = [_plan_stage(i, params, held(params, width), shape=MODEL_PRESETS.get(preset), vocab_size=vocab_size,
+                         seq_len=seq_len, micro_batch=micro_batch, tensor=tensor, pipeline=pipeline, width=width,
+                         grad_accum=grad_accum)
              for i, params in enumerate(stages)]
     index = max(range(len(plans)), key=lambda i: plans[i][0]["total"])
     figures, notes = plans[index]
@@ -348,11 +342,69 @@ def memory_plan(preset: str, vocab_size: int, seq_len: int, micro_batch: int, te
         notes.append(f"your model is planned from train.parameters = {parameters:,}, split evenly over tensor x "
                      "pipeline; its activations are not counted")
     gpu_bytes = round(gpu_mem_gb * GIB)
-    return MemoryPlan(preset=preset, precision=precision, zero_stage=zero_stage, tensor=tensor, pipeline=pipeline,
-                      data=data, micro_batch=micro_batch, seq_len=seq_len, grad_accum=grad_accum,
-                      offload_optimizer=offload_optimizer, offload_params=offload_params, stage=index,
-                      gpu_bytes=gpu_bytes,
-                      fits=None if gpu_bytes == 0 else figures["total"] <= gpu_bytes, notes=tuple(notes), **figures)
+    return MemoryPlan(preset=preset, precision=precision, tensor=tensor, pipeline=pipeline, data=data,
+                      micro_batch=micro_batch, seq_len=seq_len, grad_accum=grad_accum, stage=index,
+                      gpu_bytes=gpu_bytes, fits=None if gpu_bytes == 0 else figures["total"] <= gpu_bytes,
+                      notes=tuple(notes), **engine, **figures)
+
+
+def memory_plan(preset: str, vocab_size: int, seq_len: int, micro_batch: int, tensor: int, pipeline: int, data: int,
+                zero_stage: int, precision: str, offload_optimizer: bool, offload_params: bool,
+                gpu_mem_gb: float = 0.0, *, grad_accum: int = 1, bucket_size: int = 50_000_000,
+                overlap_comm: bool = True, gpus_per_node: int = 0, parameters: int = 0) -> MemoryPlan:
+    """Bytes per rank of one DeepSpeed layout (see the module docstring for the accounting).
+
+    ``preset`` may be a user model's entry point with its parameter count in ``parameters``: its weights,
+    gradients, optimizer state and DeepSpeed's buffers are planned as for any model, its activations are not.
+
+    ``bucket_size`` and ``overlap_comm`` are ``zero.bucket_size`` and ``zero.overlap_comm``; ``gpu_mem_gb`` is the
+    site's ``node.gpu_mem_gb`` (0: unknown, ``fits`` is None). Raises ValueError for a layout the model or
+    DeepSpeed cannot run. ``precision`` may be ``"auto"``: see :func:`assumed_precision` (``gpus_per_node``).
+    """
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage = {zero_stage!r} is not a ZeRO stage; use 0, 1, 2 or 3")
+    require_positive(bucket_size=bucket_size)
+    if offload_optimizer and zero_stage == 0:
+        raise ValueError("offload_optimizer needs ZeRO stage 1-3, stage is 0; set zero.stage = 1 or more")
+    if offload_params and zero_stage != 3:
+        raise ValueError(f"offload_params needs ZeRO-3, stage is {zero_stage}; set zero.stage = 3")
+
+    def held(params: list[Param], width: int) -> _Working:
+        if zero_stage == 0:
+            return _zero0(params, width)
+        if zero_stage in (1, 2):
+            return _zero12(params, data=data, zero_stage=zero_stage, width=width,
+                           offload_optimizer=offload_optimizer, grad_accum=grad_accum, bucket_size=bucket_size,
+                           overlap_comm=overlap_comm)
+        return _zero3(params, data=data, width=width, offload_optimizer=offload_optimizer,
+                      offload_params=offload_params, bucket_size=bucket_size)
+
+    return _plan(preset, vocab_size, seq_len, micro_batch, tensor, pipeline, data, precision, gpu_mem_gb,
+                 grad_accum=grad_accum, gpus_per_node=gpus_per_node, parameters=parameters, held=held,
+                 zero_stage=zero_stage, offload_optimizer=offload_optimizer, offload_params=offload_params)
+
+
+def fsdp2_memory_plan(preset: str, vocab_size: int, seq_len: int, micro_batch: int, tensor: int, data: int,
+                      precision: str, gpu_mem_gb: float = 0.0, *, offload: bool = False,
+                      reshard_after_forward: bool = True, grad_accum: int = 1, gpus_per_node: int = 0,
+                      parameters: int = 0) -> MemoryPlan:
+    """Bytes per rank of one FSDP2 layout (``train.engine = "fsdp2"``; :mod:`hpc_train.train.memory_fsdp2`):
+    ``offload`` and ``reshard_after_forward`` are the ``[fsdp]`` keys, the rest as for :func:`memory_plan`.
+    Raises ValueError for fp16, which the FSDP2 engine does not train."""
+    if precision == "fp16":
+        raise ValueError('fp16 needs a loss scaler, which train.engine = "fsdp2" does not have; use bf16 or fp32')
+    hidden = MODEL_PRESETS.get(preset, {}).get("hidden", 0)
+
+    def held(params: list[Param], width: int) -> _Working:
+        f = fsdp2_held(params, data=data, width=width, hidden=hidden, offload=offload,
+                       reshard_after_forward=reshard_after_forward, tensor=tensor)
+        return _Working(f.parameters, f.gradients, f.optimizer, f.reduce_buffers, f.step_buffers,
+                        max(f.reduce_buffers, f.step_buffers), f.cpu, list(f.notes), f.gathered)
+
+    return _plan(preset, vocab_size, seq_len, micro_batch, tensor, 1, data, precision, gpu_mem_gb,
+                 grad_accum=grad_accum, gpus_per_node=gpus_per_node, parameters=parameters, held=held,
+                 zero_stage=3, offload_optimizer=offload, offload_params=offload, engine="fsdp2",
+                 reshard_after_forward=reshard_after_forward)
 
 
 def _size(nbytes: int) -> str:
@@ -365,20 +417,21 @@ def _size(nbytes: int) -> str:
 
 def _advice(plan: MemoryPlan) -> list[str]:
     """What would shrink the biggest figures, in the order worth trying."""
-    advice = []
+    fsdp2 = plan.engine == "fsdp2"  # zero_stage 3: no ZeRO advice; its one offload key
+    advice = ["fsdp.reshard_after_forward = true"] if fsdp2 and not plan.reshard_after_forward else []
     if plan.zero_stage < 3 and plan.data > 1:
         advice.append("zero.stage = 3")
     heads = MODEL_PRESETS.get(plan.preset, {}).get("heads", 1)
     if heads % (2 * plan.tensor) == 0:
         advice.append(f"more tensor parallel (parallel.tensor = {2 * plan.tensor})")
     if plan.zero_stage and not plan.offload_optimizer:
-        advice.append("zero.offload_optimizer = true")
-    if plan.zero_stage == 3 and not plan.offload_params:
+        advice.append("fsdp.offload = true" if fsdp2 else "zero.offload_optimizer = true")
+    if plan.zero_stage == 3 and not plan.offload_params and not fsdp2:
         advice.append("zero.offload_params = true")
     if plan.activations >= max(plan.parameters, plan.gradients, plan.optimizer_state):
         advice.append("a smaller train.micro_batch")
     if plan.data == 1 and plan.zero_stage:
-        advice.append("more data-parallel ranks (ZeRO shards over them)")
+        advice.append(f"more data-parallel ranks ({'FSDP2' if fsdp2 else 'ZeRO'} shards over them)")
     return advice or ["a smaller model"]
 
 
@@ -399,7 +452,7 @@ def _verdict(plan: MemoryPlan) -> str:
 
 
 def memory_rows(plan: MemoryPlan) -> list[tuple[str, str]]:
-    """Human rows ``(label, text)`` for ``validate --memory``: the figures, DeepSpeed's quirks that apply, and a
+    """Human rows ``(label, text)`` for ``validate --memory``: the figures, the engine's quirks that apply, and a
     verdict row last."""
     width = _PRECISION_BYTES[plan.precision]
     sharded = plan.zero_stage > 0 and plan.data > 1
@@ -421,9 +474,10 @@ def memory_rows(plan: MemoryPlan) -> list[tuple[str, str]]:
     tokens = f"micro batch {plan.micro_batch} x {plan.seq_len} tokens"
     if plan.pipeline > 1:
         tokens += f", up to {min(plan.pipeline, plan.grad_accum)} micro-batches in flight"
+    engine = "FSDP2" if plan.engine == "fsdp2" else f"ZeRO-{plan.zero_stage}"
     rows = [
         ("layout", f"{plan.preset}, tensor {plan.tensor} x pipeline {plan.pipeline} x data {plan.data}, "
-                   f"ZeRO-{plan.zero_stage}, {plan.precision}; {plan.params_per_rank:,} parameters per rank"
+                   f"{engine}, {plan.precision}; {plan.params_per_rank:,} parameters per rank"
                    + (f" (pipeline stage {plan.stage}, the largest)" if plan.pipeline > 1 else "")),
         ("parameters", f"{_size(plan.parameters)} per rank ({params})"),
         ("gradients", f"{_size(plan.gradients)} per rank ({grads})"),
@@ -436,6 +490,8 @@ def memory_rows(plan: MemoryPlan) -> list[tuple[str, str]]:
     ]
     if plan.cpu:
         rows.append(("CPU memory", f"{_size(plan.cpu)} per rank (offload)"))
+    if plan.engine == "fsdp2":
+        rows = fsdp2_rows(plan, rows, _size)
     rows += [("note", note) for note in plan.notes]
     rows.append(("verdict", _verdict(plan)))
     return rows

@@ -1,5 +1,5 @@
-"""The memory plan: its arithmetic by hand, its import (pure Python, for login nodes), and what DeepSpeed 0.19
-really holds on 2 and 4 data-parallel ranks with ZeRO 0-3 in fp32 and bf16.
+"""The memory plan: its arithmetic by hand, its import (pure Python, for login nodes), what DeepSpeed 0.19
+really holds on 2 and 4 data-parallel ranks with ZeRO 0-3 in fp32 and bf16, and what FSDP2 really holds on 2.
 
 The real check builds the engine the trainer builds (``build_engine`` on the tiny GPT), runs one step and adds up
 the bytes of the distinct storages behind what DeepSpeed keeps: parameters (module parameters; ZeRO-3: the
@@ -10,6 +10,15 @@ all-reduce copy, the ZeRO-1/2 buckets seen from a gradient hook, ZeRO-3's bucket
 the optimizer step. The plan describes the worst rank, so the largest measured rank must be within TOLERANCE of
 the plan and no rank above it by more. The plan models DeepSpeed's layout exactly, so the measured figures match
 to within a few bytes (AdamW's step counters); the 10 % is headroom for DeepSpeed releases that move padding.
+
+The FSDP2 check builds the trainer's FSDP2 engine (``Fsdp2Engine``, the GPT built on the meta device) on 2 gloo
+ranks on the CPU, with a vocabulary and sequence length of odd sizes so that dim 0 of the embeddings and the head
+is padded, runs a step and adds up the same way: the fp32 shards (``to_local``), the gradient shards after the
+backward pass, AdamW's m and v (not its step counters), and, sampled at every leaf module's forward and before
+its backward, the largest sum of the all-gathered parameters FSDP2 holds (its ``all_gather_outputs``). Each
+figure of the worst rank equals the plan's to the byte (rank 1 holds a little less optimizer state: its last
+chunk's padding is not stepped); the buffers beside the gathered parameters follow the source and are not
+measured (the CPU has no allocator statistics). About 7 s on 2 CPU cores.
 
 DeepSpeed's first start on a machine JIT-compiles its shared-memory op (about 33 s, then cached in
 ~/.cache/torch_extensions); later runs of this file take about 35 s on 2 CPU cores.
@@ -25,7 +34,7 @@ from typing import Any
 
 import pytest
 
-from hpc_train.train.memory import MemoryPlan, Param, memory_plan, memory_rows, stage_parameters
+from hpc_train.train.memory import MemoryPlan, Param, fsdp2_memory_plan, memory_plan, memory_rows, stage_parameters
 from tests.conftest import REPO
 from tests.distributed.multiproc import run_workers
 
@@ -44,7 +53,8 @@ FIGURES = ("parameters", "gradients", "optimizer_state", "reduce_buffers", "step
 
 def test_imports_no_torch_deepspeed_or_numpy() -> None:
     code = ("import sys, hpc_train.train.memory as m; m.memory_plan('7B', 32000, 4096, 1, 1, 1, 8, 3, 'bf16', "
-            "False, False, 80.0); print(sorted({'torch', 'deepspeed', 'numpy'} & set(sys.modules)))")
+            "False, False, 80.0); m.fsdp2_memory_plan('7B', 32000, 4096, 1, 1, 8, 'bf16', 80.0); "
+            "print(sorted({'torch', 'deepspeed', 'numpy'} & set(sys.modules)))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True,
                             cwd=REPO)
     assert result.stdout.strip() == "[]", result.stdout + result.stderr
@@ -205,6 +215,109 @@ def test_rows_and_verdicts() -> None:
 
 
 # ------------------------------------------------------------------------------------------------------------------
+# FSDP2, pure Python
+# ------------------------------------------------------------------------------------------------------------------
+
+def test_fsdp2_tiny_bf16_by_hand() -> None:
+    # tiny, V=256, S=64, data 2: no padding. Root (wte 32768, wpe 8192, ln_f 256, head 32768) = 73,984 elements,
+    # shard 36,992; a block 12h^2 + 13h = 198,272, shard 99,136; everything 470,528, shard 235,264.
+    plan = fsdp2_memory_plan("tiny", 256, 64, 2, 1, 2, "bf16")
+    assert (plan.engine, plan.zero_stage, plan.params_per_rank) == ("fsdp2", 3, 470_528)
+    assert plan.parameters == plan.gradients == 4 * 235_264  # fp32 shards and fp32 gradient shards
+    assert plan.optimizer_state == 8 * 235_264  # Adam m, v on the shards; no master copy
+    root, block = 2 * 2 * 36_992, 2 * 2 * 99_136  # gathered in bf16: every rank's shard
+    assert plan.gathered == root + block == 544_512  # the root stays gathered, one block at a time
+    # Peak of the passes: block 1's reduce in the backward pass. The root gathered, the head's and final
+    # LayerNorm's bf16 gradients (2 * 33,024), block 0 prefetched, block 1's bf16 gradients (2 * 198,272) and its
+    # fp32 reduce-scatter input (4 * 2 * 99,136); block 1's own parameters are freed by then.
+    assert plan.reduce_buffers == root + 66_048 + block + 396_544 + 793_088 == 1_800_192
+    assert plan.step_buffers == 4 * 466_944 // 2  # AdamW's foreach sqrt(v) of the matrices' shards
+    assert plan.buffers == plan.reduce_buffers and plan.cpu == 0
+    assert plan.activations == memory_plan("tiny", 256, 64, 2, 1, 1, 2, 3, "bf16", False, False).activations
+    assert plan.total == 4 * 235_264 * 4 + plan.activations + 1_800_192
+    assert any("root group" in note and "73,984 elements" in note for note in plan.notes)
+
+
+def test_fsdp2_pads_dim_0_to_a_multiple_of_data() -> None:
+    # V=255, S=63 over 2 ranks: wte and head (255 x 128) store 128 rows each rank, wpe (63 x 128) 32 rows: the
+    # shards are those of V=256, S=64, which has 3 x 128 parameters more.
+    odd, even = fsdp2_memory_plan("tiny", 255, 63, 2, 1, 2, "fp32"), fsdp2_memory_plan("tiny", 256, 64, 2, 1, 2, "fp32")
+    assert odd.params_per_rank == even.params_per_rank - 3 * 128
+    assert (odd.parameters, odd.gradients, odd.optimizer_state) == (4 * 235_264, 4 * 235_264, 8 * 235_264)
+    assert any("pads each tensor's dim 0 to a multiple of 2: 235,264 elements per rank for 470,144" in note
+               for note in odd.notes)
+    assert not any("pads" in note for note in even.notes)
+
+
+def test_fsdp2_tensor_parallel_shards_each_rank_s_piece_along_its_rows() -> None:
+    # tiny at tensor 2 over 3 data ranks, fp32. Rows per tensor-parallel piece, ceil(rows / 3) stored: wte and head
+    # (128 x 128) 43 x 128 = 5,504; wpe (64 x 128) 22 x 128 = 2,816; a block: qkv (192 x 128) 8,192 + 64, the
+    # row-parallel projections (128 x 64) 43 x 64 = 2,752 + 43 and (128 x 256) 43 x 256 = 11,008 + 43, fc
+    # (256 x 128) 86 x 128 = 11,008 + 86, four LayerNorm vectors 4 x 43 = 172: 33,368; ln_f 86.
+    plan = fsdp2_memory_plan("tiny", 256, 64, 2, 2, 3, "fp32")
+    shard = 5_504 + 2_816 + 2 * 33_368 + 86 + 5_504
+    assert plan.parameters == 4 * shard == 322_584
+    assert plan.step_buffers == 4 * 11_008  # with tensor > 1 AdamW steps one tensor at a time
+
+
+def test_fsdp2_reshard_after_forward_false_keeps_every_block_gathered() -> None:
+    # 1.3B over 8 ranks in bf16 (nothing padded): root 2*50304*2048 + 2048*2048 + 2*2048 = 210,243,584 elements,
+    # a block 12h^2 + 13h = 50,358,272; head + ln_f 103,026,688.
+    g_root, u_root, r_root = 2 * 210_243_584, 2 * 210_243_584, 4 * 210_243_584
+    g_block, u_block, r_block = 2 * 50_358_272, 2 * 50_358_272, 4 * 50_358_272
+    head = 2 * 103_026_688
+    kept = fsdp2_memory_plan("1.3B", 50304, 2048, 1, 1, 8, "bf16", reshard_after_forward=False)
+    freed = fsdp2_memory_plan("1.3B", 50304, 2048, 1, 1, 8, "bf16")
+    assert freed.gathered == g_root + g_block and kept.gathered == g_root + 24 * g_block
+    # kept: the backward pass of block 22 holds blocks 0-22 gathered, its gradients and block 23's input
+    assert kept.reduce_buffers == g_root + head + 23 * g_block + u_block + r_block
+    # freed: the root's own reduce at the end is the peak, its bf16 gradients beside its fp32 input
+    assert freed.reduce_buffers == u_root + r_root
+    assert kept.parameters == freed.parameters and kept.optimizer_state == freed.optimizer_state
+    assert any("keeps all 24 blocks gathered" in note for note in kept.notes)
+
+
+def test_fsdp2_offload_keeps_shards_gradients_and_state_in_cpu_memory() -> None:
+    offload = fsdp2_memory_plan("tiny", 256, 64, 2, 1, 2, "bf16", offload=True)
+    gpu = fsdp2_memory_plan("tiny", 256, 64, 2, 1, 2, "bf16")
+    assert offload.parameters == offload.gradients == offload.optimizer_state == offload.step_buffers == 0
+    assert offload.cpu == 16 * 235_264
+    assert (offload.gathered, offload.reduce_buffers) == (gpu.gathered, gpu.reduce_buffers)
+    assert offload.offload_params and offload.offload_optimizer
+
+
+def test_fsdp2_user_model_is_one_group_gathered_whole() -> None:
+    plan = fsdp2_memory_plan("lm.py:build", 256, 64, 2, 1, 4, "bf16", parameters=1_000_000)
+    assert plan.parameters == 4 * 250_000 and plan.gathered == 2 * 1_000_000 and plan.activations == 0
+    assert any("planned as one group" in note for note in plan.notes)
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (("tiny", 256, 64, 1, 1, 2, "fp16"), "loss scaler"),
+    (("tiny", 256, 64, 1, 1, 0, "bf16"), "data"),
+    (("tiny", 256, 64, 1, 3, 1, "bf16"), "attention heads"),
+    (("lm.py:build", 256, 64, 1, 1, 2, "bf16"), "parameters = N"),
+])
+def test_fsdp2_impossible_layouts_are_refused(args: tuple[Any, ...], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        fsdp2_memory_plan(*args)
+
+
+def test_fsdp2_rows_say_fsdp2_and_advise_its_keys() -> None:
+    rows = dict(memory_rows(fsdp2_memory_plan("tiny", 256, 64, 2, 1, 2, "bf16", 80.0)))
+    assert list(rows)[:7] == ["layout", "parameters", "gradients", "optimizer state", "activations",
+                              "FSDP2 buffers", "total"]
+    assert "FSDP2, bf16" in rows["layout"] and "ZeRO" not in rows["layout"]
+    assert "no master copy" in rows["optimizer state"] and "the bf16 parameters of the root" in rows["FSDP2 buffers"]
+    big = dict(memory_rows(fsdp2_memory_plan("7B", 32000, 4096, 4, 1, 8, "fp32", 40.0, reshard_after_forward=False)))
+    verdict = big["verdict"]
+    assert verdict.startswith("does not fit") and "zero." not in verdict, verdict
+    assert "fsdp.reshard_after_forward = true" in verdict and "fsdp.offload = true" in verdict
+    offload = dict(memory_rows(fsdp2_memory_plan("7B", 32000, 4096, 1, 1, 8, "bf16", 80.0, offload=True)))
+    assert "CPU memory" in offload and "in CPU memory" in offload["optimizer state"]
+
+
+# ------------------------------------------------------------------------------------------------------------------
 # What DeepSpeed really holds
 # ------------------------------------------------------------------------------------------------------------------
 
@@ -347,3 +460,112 @@ def test_plan_matches_what_deepspeed_holds(world: int) -> None:
 def test_tensor_parallel_shapes_match_the_model(world: int) -> None:
     for result in _run(world):
         assert [Param(*shape) for shape in result["shapes"]] == stage_parameters("tiny", VOCAB, SEQ, tensor=world)[0]
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# What FSDP2 really holds
+# ------------------------------------------------------------------------------------------------------------------
+
+FSDP2_VOCAB, FSDP2_SEQ = 255, 63  # odd: dim 0 of wte, wpe and head is padded over 2 ranks
+# (precision, reshard_after_forward, offload, grad_accum): bf16 gathers in bf16; without resharding every block
+# stays gathered; offload (CPUOffloadPolicy) keeps all the rest in CPU memory; accumulating adds no gradients.
+FSDP2_CASES = [("bf16", True, False, 1), ("fp32", False, False, 2), ("fp32", True, True, 1)]
+FSDP2_FIGURES = ("parameters", "gradients", "optimizer_state", "gathered")
+
+
+def _fsdp2_params(model: Any) -> list[Any]:
+    """The ``FSDPParam`` of every parameter (their ``all_gather_outputs`` are the gathered copies)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return [fsdp_param for module in model.modules() if isinstance(module, FSDPModule)
+            for group in module._get_fsdp_state()._fsdp_param_groups for fsdp_param in group.fsdp_params]
+
+
+def _watch_gathered(model: Any, seen: dict[str, int]) -> None:
+    """Keep in ``seen["gathered"]`` the most bytes of gathered parameters held at a leaf module's forward (before
+    and after) and just before its backward."""
+    import torch
+
+    fsdp_params = _fsdp2_params(model)
+
+    def sample(*_: Any) -> None:
+        live = sum(t.untyped_storage().nbytes() for p in fsdp_params for t in p.all_gather_outputs)
+        seen["gathered"] = max(seen["gathered"], live)
+
+    def after(module: Any, inputs: Any, output: Any) -> None:
+        sample()
+        if isinstance(output, torch.Tensor) and output.requires_grad:
+            output.register_hook(sample)
+
+    for module in model.modules():
+        if not list(module.children()):
+            module.register_forward_pre_hook(sample)
+            module.register_forward_hook(after)
+
+
+def _measure_fsdp2(case: tuple[str, bool, bool, int], groups: Any) -> dict[str, int]:
+    """The trainer's FSDP2 engine on the meta-built GPT, one optimizer step; the bytes it holds per category."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from hpc_train.config.job import JobConfig
+    from hpc_train.config.loader import build
+    from hpc_train.train.engine_fsdp2 import Fsdp2Engine
+    from hpc_train.train.model import GPT, GPTConfig
+
+    precision, reshard, offload, accum = case
+    config = build(JobConfig, {
+        "data": {"vocab_size": FSDP2_VOCAB}, "fsdp": {"reshard_after_forward": reshard, "offload": offload},
+        "train": {"engine": "fsdp2", "precision": precision, "seq_len": FSDP2_SEQ, "micro_batch": MICRO,
+                  "grad_accum": accum}})
+    with torch.device("meta"):
+        model = GPT(GPTConfig.from_preset("tiny", FSDP2_VOCAB, FSDP2_SEQ), groups.group("tp"), seed=1)
+    engine = Fsdp2Engine(model, SimpleNamespace(config=config), groups, torch.device("cpu"))
+    seen = {"gathered": 0, "gradients": 0}
+    _watch_gathered(model, seen)
+    params = list(model.parameters())
+    torch.manual_seed(7 + groups.rank)
+    for _ in range(accum):
+        tokens = torch.randint(0, FSDP2_VOCAB, (MICRO, FSDP2_SEQ))
+        engine.backward(engine(tokens, torch.roll(tokens, -1, 1)))
+        grads = [p.grad.to_local() for p in params if p.grad is not None]
+        seen["gradients"] = max(seen["gradients"], _storage_bytes(grads))
+        engine.step()  # clips, steps AdamW and sets the gradients to None on the last micro-batch
+    moments = [value.to_local() for state in engine.optimizer.state.values()
+               for key, value in state.items() if key in ("exp_avg", "exp_avg_sq")]
+    return {"parameters": _storage_bytes(p.to_local() for p in params), "gradients": seen["gradients"],
+            "optimizer_state": _storage_bytes(moments), "gathered": seen["gathered"]}
+
+
+def _fsdp2_worker(rank: int, world: int) -> list[dict[str, int]]:
+    from hpc_train.distributed.mesh import ParallelGroups
+    from hpc_train.distributed.topology import Topology
+
+    groups = ParallelGroups(Topology.build(world))
+    return [_measure_fsdp2(case, groups) for case in FSDP2_CASES]
+
+
+@pytest.mark.slow
+def test_plan_matches_what_fsdp2_holds() -> None:
+    results = run_workers(_fsdp2_worker, 2, timeout_s=120)
+    lines, failures = [], []
+    for index, (precision, reshard, offload, accum) in enumerate(FSDP2_CASES):
+        plan = fsdp2_memory_plan("tiny", FSDP2_VOCAB, FSDP2_SEQ, MICRO, 1, 2, precision, offload=offload,
+                                 reshard_after_forward=reshard, grad_accum=accum)
+        per_rank = [result[index] for result in results]
+        # offload: the plan's GPU figures are 0 and its CPU memory is their sum (4 + 4 + 8 bytes a shard element);
+        # on a CPU run both are in the same memory
+        planned = {figure: getattr(plan, figure) for figure in FSDP2_FIGURES}
+        if offload:
+            assert planned["parameters"] == planned["gradients"] == planned["optimizer_state"] == 0
+            planned = {**planned, "parameters": plan.cpu // 4, "gradients": plan.cpu // 4,
+                       "optimizer_state": plan.cpu // 2}
+        for figure in FSDP2_FIGURES:
+            measured = [rank[figure] for rank in per_rank]
+            lines.append(f"FSDP2 dp=2 {precision} reshard={reshard} offload={offload} accum={accum} {figure:16s} "
+                         f"planned {planned[figure]:>9,} measured {measured}")
+            if max(measured) != planned[figure]:
+                failures.append(lines[-1])
+    print("\n".join(lines))
+    assert not failures, "measured bytes differ from the plan:\n" + "\n".join(failures)
