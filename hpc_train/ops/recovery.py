@@ -28,6 +28,7 @@ from hpc_train.ops.evidence import Evidence, RankReport, collect_evidence
 from hpc_train.ops.policy import RetryPolicy, decide
 from hpc_train.ops.scheduler import SlurmRecord, parse_sacct, sacct_argv
 from hpc_train.run.attempts import AttemptLog
+from hpc_train.run.chain import REQUEUE_ENV, submit_successor
 from hpc_train.run.exclusions import add_exclusions, exclude_expression, read_exclusions
 from hpc_train.run.jobid import scontrol_job_id
 from hpc_train.run.paths import HEARTBEAT_DIR, recovery_claim_path
@@ -116,16 +117,40 @@ def _exclude_on_job(job_id: str, expression: str, run: Runner, attempts: int = 1
     return False
 
 
+def _chained() -> bool:
+    """Whether the site forbids requeue, so the next attempt is a new job after this one (``[slurm] requeue =
+    "dependency"``, :mod:`hpc_train.run.chain`)."""
+    return os.environ.get(REQUEUE_ENV) == "dependency"
+
+
+def _next_attempt(run_dir: Path, job_id: str, run: Runner) -> tuple[bool, str]:
+    """Ask Slurm for the next attempt: ``scontrol requeue``, or where requeue is forbidden the next job of the
+    chain (its ``--exclude`` the run's excluded nodes). (whether it was done, what was done or why not)."""
+    if not _chained():
+        if _run(run, ["scontrol", "requeue", scontrol_job_id(os.environ, job_id)]) is None:
+            return False, f"scontrol requeue {job_id} failed"
+        return True, "requeued"
+    if os.environ.get("SLURM_ARRAY_TASK_ID"):
+        return False, "a sweep's array task cannot go on as a new job ([slurm] requeue = \"dependency\")"
+    successor, said = submit_successor(run_dir, job_id, os.environ, run,
+                                       exclude=exclude_expression(read_exclusions(run_dir)))
+    return successor is not None, said
+
+
 def _requeue_avoiding(run_dir: Path, job_id: str, allocation: list[str], log: Callable[[str], None],
                       run: Runner) -> Recovery | None:
-    """When this attempt runs on a node the run excludes: requeue with the exclusion on the job."""
+    """When this attempt runs on a node the run excludes: requeue with the exclusion on the job (or, where
+    requeue is forbidden, submit the next job with it as ``--exclude``)."""
     excluded = read_exclusions(run_dir)
     bad = sorted(set(allocation) & {e.node for e in excluded})
     if not bad:
         return None
-    if _run(run, ["scontrol", "requeue", scontrol_job_id(os.environ, job_id)]) is None:
-        return Recovery("stop", f"this attempt runs on excluded node(s) {', '.join(bad)} and scontrol requeue "
-                                f"{job_id} failed")
+    done, said = _next_attempt(run_dir, job_id, run)
+    if not done:
+        return Recovery("stop", f"this attempt runs on excluded node(s) {', '.join(bad)} and {said}")
+    if _chained():
+        log(f"recovery: this attempt landed on excluded node(s) {', '.join(bad)}: {said}")
+        return Recovery("requeue", f"landed on excluded node(s) {', '.join(bad)}: {said}")
     expression = exclude_expression(excluded)
     placed = _exclude_on_job(job_id, expression, run)
     log(f"recovery: this attempt landed on excluded node(s) {', '.join(bad)}: requeued "
@@ -225,7 +250,8 @@ def requeue_after_error(run_dir: Path, job_id: str, restart: int, rank: int, hos
     classification = replace(classification, nodes=(host,) if own else ())
     recovery = _apply(run_dir, job_id, classification, policy, [host] if own else [], log, run)
     if recovery.action == "continue":  # retried without moving off this node: requeue all the same
-        if _run(run, ["scontrol", "requeue", scontrol_job_id(os.environ, job_id)]) is None:
-            return Recovery("stop", f"{recovery.message}; scontrol requeue {job_id} failed", "infrastructure")
-        recovery = Recovery("requeue", recovery.message, "infrastructure")
+        done, said = _next_attempt(run_dir, job_id, run)
+        if not done:
+            return Recovery("stop", f"{recovery.message}; {said}", "infrastructure")
+        recovery = Recovery("requeue", recovery.message + (f"; {said}" if _chained() else ""), "infrastructure")
     return recovery

@@ -137,6 +137,48 @@ def test_a_network_error_requeues_once_per_attempt_without_excluding(tmp_path: P
     assert read_exclusions(run_dir) == [] and len(slurm.called("scontrol", "requeue")) == 1
 
 
+class FakeChainSlurm(FakeSlurm):
+    """A site that forbids requeue: ``scontrol write batch_script`` gives the job's script, sbatch jobs 91, 92..."""
+
+    def __call__(self, argv: list[str], **_: object) -> subprocess.CompletedProcess[str]:
+        self.calls.append(argv)
+        name = Path(argv[0]).name
+        if name == "scontrol" and argv[1:3] == ["write", "batch_script"]:
+            return subprocess.CompletedProcess(argv, 0, "#!/bin/bash\nsrun true\n", "")
+        if name == "sbatch":
+            submitted = sum(1 for call in self.calls if Path(call[0]).name == "sbatch")
+            return subprocess.CompletedProcess(argv, 0, f"{90 + submitted}\n", "")
+        return subprocess.CompletedProcess(argv, 1, "", "Requeue of job is disabled")
+
+
+def test_where_requeue_is_forbidden_the_look_back_goes_on_as_the_next_job(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """``[slurm] requeue = "dependency"``: a network fault's retry and an attempt on an excluded node submit the
+    job's own script again after this one (the excluded nodes as ``--exclude``), never ``scontrol requeue``, and
+    the link goes into the chain, which status and the follower read."""
+    from hpc_train.run.chain import REQUEUE_ENV, successor_of
+
+    monkeypatch.setenv(REQUEUE_ENV, "dependency")
+    monkeypatch.delenv("SLURM_ARRAY_TASK_ID", raising=False)
+    run_dir = _run_dir(tmp_path)
+    slurm = FakeChainSlurm({})
+    result = requeue_after_error(run_dir, "77", 0, 0, "gpu01", "DistBackendError('NCCL error')", NCCL_SYSTEM_ERROR,
+                                 RetryPolicy(), lambda _: None, run=slurm)
+    assert result.action == "requeue" and "submitted job 91 to go on after job 77" in result.message, result
+    assert not slurm.called("requeue") and successor_of(run_dir, "77") == "91"
+    (sbatch,) = [argv for argv in slurm.calls if Path(argv[0]).name == "sbatch"]
+    assert "--dependency=afterany:77" in sbatch and not any(a.startswith("--exclude") for a in sbatch)
+    (run_dir / "excluded_nodes.json").write_text(json.dumps({"nodes": [{"node": "n2", "class": "node_failure"}]}))
+    moved = look_back(run_dir, "91", 0, RetryPolicy(), ["n2"], lambda _: None, run=slurm)
+    assert moved.action == "requeue", moved
+    assert "landed on excluded node(s) n2: submitted job 92 to go on after job 91" in moved.message
+    assert "--exclude=n2" in [argv for argv in slurm.calls if Path(argv[0]).name == "sbatch"][-1]
+    assert not slurm.called("update")  # no ExcNodeList on a job that never requeues
+    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "3")
+    stopped = look_back(run_dir, "92", 0, RetryPolicy(), ["n2"], lambda _: None, run=slurm)
+    assert stopped.action == "stop" and "a sweep's array task cannot go on as a new job" in stopped.message
+
+
 def test_a_node_that_died_before_its_attempt_was_written(tmp_path: Path) -> None:
     """The last line of attempts.jsonl belongs to an older job: it is not rewritten, the node still excluded."""
     run_dir = _run_dir(tmp_path, outcome="completed")  # job 77 restart 0 completed long ago...
