@@ -4,6 +4,7 @@
     .venv/bin/python benchmarks/checkpoint.py --ranks 4 --layers 5 --hidden 1024     # a 1 GB checkpoint
     .venv/bin/python benchmarks/checkpoint.py --smoke                                # tiny, once: CI runs it
     .venv/bin/python benchmarks/checkpoint.py --engine fsdp2                         # FSDP2's DCP shards
+    .venv/bin/python benchmarks/checkpoint.py --engine fsdp2 --profile               # where a save's time goes
 
 ``--ranks`` ranks on this machine (gloo), a GPT built as the trainer builds it (ZeRO-2, torch AdamW, the
 model-parallel unit) and ``hpc_train.train.checkpointing.Checkpointer``; with ``--engine fsdp2`` the FSDP2 engine and
@@ -21,6 +22,14 @@ untimed save:
 * async: saves with ``checkpoint.async_save``; the stall is the time the training loop waits in the save call
   (the staging copy), against a synchronous save; beside it, how much longer than a plain step the steps that run
   while the files are written take (the writer threads' CPU: on a machine whose every core trains, it shows).
+
+``--profile``: rank 0 runs one more synchronous save and one more load under ``cProfile`` (after the timed ones,
+so the figures above are not profiled) and the report lists, for each, the seconds spent in each part of the
+path: the engine's state dict, DCP's planning (with its collectives), the writes or reads of the bytes, hashing,
+serialization, putting the state into the engine, and the transaction's own work (folder, manifest, fsync,
+rename). The parts are cumulative times of named functions, so a part called inside another is counted in
+both. The profiles are kept as ``save.prof`` and ``load.prof`` in ``--dir``; without it they go with the temporary
+run folder.
 
 The last line with ``--json`` is one JSON object: ``save_ratio`` (raw seconds over save seconds: speed relative to
 raw), ``load_ratio`` (load seconds over raw seconds), ``async_stall_ratio`` (async stall over a synchronous save),
@@ -264,13 +273,80 @@ def worker(args: dict[str, Any]) -> None:
         step += args["steps_during"]
         durable_s = _timed_together(asynchronous.finish)
         stalls.append({"call_s": call_s, "during": during, "finish_s": durable_s})
+    profiles = _profiled(sync, engine, stream, sampler, step + 1, rank) if args["profile"] else {}
     if rank == 0:
         newest = sync.manager.list()[-1].manifest.files
         print(json.dumps({"parameters": count_parameters(shape), "world": world, "sizes": sizes,
                           "bytes": sum(e.size for e in newest), "files": len(newest), "saves": saves, "loads": loads,
-                          "cold": cold, "stalls": stalls, "plain": plain}), flush=True)
+                          "cold": cold, "stalls": stalls, "plain": plain, "profiles": profiles}), flush=True)
     dist.barrier()
     dist.destroy_process_group()
+
+
+# Where a save's and a load's time goes: (part, the functions whose cumulative seconds it sums), each named
+# "file:function" by the end of its file's path ("~" for Python's built-ins), so that a torch release that moves a
+# helper empties a row instead of breaking the report. Rows indented under another are inside it.
+PARTS: dict[str, list[tuple[str, tuple[str, ...]]]] = {
+    "save": [
+        ("engine state dict (get_state_dict)", ("state_dict.py:get_state_dict",)),
+        ("DCP planning (local and global plans, collectives)", ("state_dict_saver.py:local_step",
+                                                                "state_dict_saver.py:global_step")),
+        ("DCP write_data (serialize and write the shards)", ("state_dict_saver.py:write_data",)),
+        ("  torch.save of each tensor (one per item)", ("serialization.py:save",)),
+        ("    the writes (os.write)", ("~:<built-in method posix.write>",)),
+        ("    sha256 while written", ("~:<method 'update' of '_hashlib.HASH' objects>",)),
+        ("DCP finish_checkpoint (metadata)", ("state_dict_saver.py:finish_checkpoint",)),
+        ("the rank's own small file", ("rank_files.py:save",)),
+        ("transaction: wait for every rank, commit", ("checkpoints.py:finish",)),
+    ],
+    "load": [
+        ("engine state dict (get_state_dict)", ("state_dict.py:get_state_dict",)),
+        ("DCP planning (local and global plans, collectives)", ("state_dict_loader.py:local_step",
+                                                                "state_dict_loader.py:global_step")),
+        ("DCP read_data (read, check and load the shards)", ("state_dict_loader.py:read_data",)),
+        ("  read each shard once, sha256 in a thread", ("writer.py:read_file",)),
+        ("  torch.load of each tensor (one per item)", ("serialization.py:load",)),
+        ("  copy into the model's tensors", ("~:<method 'copy_' of 'torch._C.TensorBase' objects>",)),
+        ("put the state into the engine (set_state_dict)", ("state_dict.py:set_state_dict",)),
+        ("the rank's own small file", ("rank_files.py:load",)),
+    ],
+}
+
+
+def _part_seconds(stats: dict[Any, Any], names: tuple[str, ...]) -> float:
+    total = 0.0
+    for (file, _line, function), entry in stats.items():
+        for name in names:
+            where, _, what = name.partition(":")
+            if function == what and (file == where if where == "~" else file.endswith(where)):
+                total += entry[3]  # cumulative seconds
+    return total
+
+
+def _profiled(sync: Any, engine: Any, stream: Any, sampler: Any, step: int, rank: int) -> dict[str, Any]:
+    """One more synchronous save and load, rank 0 under cProfile: {kind: [[part, seconds], ...], the total}."""
+    import cProfile
+    import pstats
+
+    _train_step(engine, stream)
+    found: dict[str, Any] = {}
+    for kind, action in (("save", lambda: (sync.save(engine, step, sampler.state_dict()), sync.finish())),
+                         ("load", lambda: sync.resume(engine))):
+        profile = cProfile.Profile() if rank == 0 else None
+        start = time.perf_counter()
+        if profile is not None:
+            profile.enable()
+        _timed_together(action)
+        if profile is None:
+            continue
+        profile.disable()
+        total = time.perf_counter() - start
+        path = Path(os.environ.get("HPC_TRAIN_BENCH_PROFILE_DIR", ".")) / f"{kind}.prof"
+        profile.dump_stats(str(path))
+        stats = pstats.Stats(profile).stats  # type: ignore[attr-defined]
+        rows = [[part, _part_seconds(stats, names)] for part, names in PARTS[kind]]
+        found[kind] = {"total_s": total, "parts": rows, "file": str(path)}
+    return found
 
 
 # ----- the login side -----
@@ -286,13 +362,14 @@ def run_ranks(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
     spec = {"run_dir": str(run_dir), "saves": args.saves, "layers": args.layers, "heads": args.heads,
             "hidden": args.hidden, "seq_len": args.seq_len, "micro_batch": args.micro_batch,
             "precision": args.precision, "verify": args.verify, "steps_during": args.steps_during,
-            "engine": args.engine}
+            "engine": args.engine, "profile": args.profile}
     port = _free_port()
     procs = []
     for rank in range(args.ranks):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(args.ranks), "LOCAL_RANK": str(rank),
                "LOCAL_SIZE": str(args.ranks), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-               "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+               "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO),
+               "HPC_TRAIN_BENCH_PROFILE_DIR": str(args.dir.resolve() if args.dir else run_dir)}
         procs.append(subprocess.Popen([sys.executable, __file__, "--worker", json.dumps(spec)], env=env,
                                       cwd=run_dir.parent, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     outputs = [proc.communicate(timeout=1800) for proc in procs]
@@ -328,7 +405,7 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
         "plain_step_s": plain, "async_stall_s": _median(stalls, lambda s: s["call_s"]),
         "async_stall_ratio": _median(stalls, lambda s: s["call_s"]) / sync_save,
         "async_slowed_steps_s": slowed, "async_slowed_ratio": slowed / sync_save,
-        "async_durable_after_s": _median(stalls, lambda s: s["finish_s"]),
+        "async_durable_after_s": _median(stalls, lambda s: s["finish_s"]), "profiles": result.get("profiles", {}),
     }
 
 
@@ -354,6 +431,11 @@ def report(args: argparse.Namespace, figures: dict[str, Any]) -> None:
           f"{f['async_slowed_ratio']:6.3f}  (CPU the writer threads share with training)")
     print(f"{'  a plain training step':44} {f['plain_step_s']:8.3f}")
     print(f"{'  durable after the steps that followed':44} {f['async_durable_after_s']:8.3f}")
+    for kind, profile in f.get("profiles", {}).items():
+        print(f"profile of one more {kind} on rank 0 (cProfile, {profile['total_s']:.3f} s under it, warm cache; "
+              f"threads other than the main one are not profiled; {profile['file']}):")
+        for part, seconds in profile["parts"]:
+            print(f"  {part:50} {seconds:8.3f}")
 
 
 def main() -> None:
@@ -377,6 +459,8 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, one repetition: does it still run")
     parser.add_argument("--json", action="store_true", help="print the figures as one JSON object last")
     parser.add_argument("--dir", type=Path, default=None, help="where the run folder goes (default: a temp folder)")
+    parser.add_argument("--profile", action="store_true", help="one more save and load on rank 0 under cProfile: "
+                        "where their time goes")
     args = parser.parse_args()
     if args.smoke:
         args.saves, args.layers, args.hidden, args.heads, args.steps_during = 1, 1, 64, 2, 1
