@@ -183,10 +183,11 @@ def test_preempted_at_random_steps_it_ends_bitwise_where_the_uninterrupted_run_e
     assert not different, f"{different[:3]} differ after preemptions at {plan} (seed {seed})"
 
 
+@pytest.mark.parametrize(("ranks", "micro"), [(2, 8), (4, 4)])
 def test_a_hugging_face_gpt2_with_tied_weights_follows_zero3_and_exports_for_from_pretrained(
-        tmp_path: Path) -> None:
+        tmp_path: Path, ranks: int, micro: int) -> None:
     """The example's GPT-2 ties its embedding and head: both stay in the root's FSDP2 group (GPT2Block, from
-    ``_no_split_modules``, is each block)."""
+    ``_no_split_modules``, is each block). On 2 and on 4 ranks (the same global batch of 16)."""
     transformers = pytest.importorskip("transformers", reason="the hf extra (pip install 'hpc_train[hf]') is missing")
     tokens = tmp_path / "corpus.u16"
     subprocess.run([sys.executable, "-m", "hpc_train.train.prepare", str(REPO / "examples" / "corpus" /
@@ -197,7 +198,8 @@ def test_a_hugging_face_gpt2_with_tied_weights_follows_zero3_and_exports_for_fro
         work.mkdir()
         sets = ["--site", "local", "--set", "train.steps=12", "--set", "train.precision=fp32", "--set",
                 "monitor.log_every=1", "--set", "monitor.eval_every=0", "--set", "checkpoint.every_steps=6",
-                "--set", f"data.path={tokens}", "--set", extra, "--set", "job.cpus_per_task=1"]
+                "--set", f"data.path={tokens}", "--set", extra, "--set", "job.cpus_per_task=1", "--set",
+                f"job.tasks_per_node={ranks}", "--set", f"train.micro_batch={micro}"]
         result = subprocess.run([sys.executable, "-m", "hpc_train.submit", str(REPO / "examples" / "hf_gpt2" /
                                  "job.toml"), *sets], cwd=work, capture_output=True, text=True, timeout=400,
                                 check=False)
