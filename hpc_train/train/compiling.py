@@ -6,8 +6,9 @@ block (``inline_inbuilt_nn_modules``: parameters are inputs, not constants), the
 depth, and an engine's hooks on a block's boundary stay outside the graph (FSDP2's all-gather and reduce-scatter
 hooks are skipped by dynamo and run eagerly). ``Module.compile`` compiles in place, so the parameters' names,
 and with them checkpoints, exports and ``strict`` loads, are those of the eager model: a run can be resumed
-compiled from an eager checkpoint and the other way round. Applied after tensor parallelism and before sharding
-(the order of torchtitan's ``parallelize``)."""
+compiled from an eager checkpoint and the other way round. ``Module.compile`` is lazy: called before the engine
+wraps the model, it traces at the first step what the engine made of each block (tensor parallelism's DTensors,
+FSDP2's shards), which is the order torchtitan's ``parallelize`` applies them in."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from torch import nn
 
 from hpc_train.train.engine_fsdp2 import fsdp_blocks
 
-__all__ = ["compile_blocks"]
+__all__ = ["compile_blocks", "compile_report"]
 
 
 def compile_blocks(model: nn.Module, backend: str) -> int:
