@@ -43,6 +43,7 @@ from hpc_train.run.loglines import format_host_oom, rank_log_format
 from hpc_train.run.node import node_name
 from hpc_train.run.paths import LOGS_DIR, rank_error_path, rank_log_path
 from hpc_train.run.peer_errors import lost_its_peer
+from hpc_train.run.procs import descendants
 from hpc_train.run.stops import attempt_key
 
 __all__ = ["Agent", "AgentSetup", "Spares", "agent_setup", "main", "rank_command", "supervise"]
@@ -145,25 +146,6 @@ def _logger(run_dir: Path, rank: int, task: int | None = None) -> logging.Logger
             stream.setFormatter(logging.Formatter(rank_log_format(rank)))
             logger.addHandler(stream)
     return logger
-
-
-def _descendants(pid: int) -> list[int]:
-    """Every live process below ``pid`` (the agent is a subreaper: orphans of its rank come back to it)."""
-    parents: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text(encoding="utf-8")
-            parents.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry.name))
-        except (OSError, IndexError, ValueError):
-            continue
-    found, todo = [], [pid]
-    while todo:
-        children = parents.get(todo.pop(), [])
-        found += children
-        todo += children
-    return found
 
 
 class Agent:
@@ -284,13 +266,13 @@ class Agent:
             return ""
 
     def _kill(self, child: subprocess.Popen[Any]) -> None:
-        for pid in [child.pid, *_descendants(child.pid)]:
+        for pid in [child.pid, *descendants(child.pid)]:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
 
     def _end_everything_below(self) -> None:
         """No process the old rank started (a data loader worker, a checkpoint stager) outlives it."""
-        for pid in _descendants(os.getpid()):
+        for pid in descendants(os.getpid()):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         deadline = time.monotonic() + 10

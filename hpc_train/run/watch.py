@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 from hpc_train.run.paths import METRICS_FILE, SUBMITIT_DIR
+from hpc_train.run.procs import Process, command_line, environment, processes
 
 __all__ = ["last_logged_step", "local_rank_pid"]
 
@@ -41,19 +42,13 @@ def local_rank_pid(run_dir: Path, rank: int) -> int | None:
     attempt that just ended outlive it for a few seconds: the rank is the newest such process whose parent is
     not one of them (a signal sent to an old attempt's worker is lost)."""
     marker = str(Path(run_dir) / SUBMITIT_DIR).encode()
-    found: dict[int, tuple[int, int]] = {}  # pid: (parent, start time)
-    for entry in Path("/proc").iterdir():
-        if not (entry.name.isascii() and entry.name.isdigit()):
+    found: dict[int, Process] = {}
+    for process in processes():
+        cmdline = command_line(process.pid) or b""
+        if not process.alive or b"submitit.core._submit" not in cmdline or marker not in cmdline:
             continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes()
-            if b"submitit.core._submit" not in cmdline or marker not in cmdline:
-                continue
-            env = dict(item.split(b"=", 1) for item in (entry / "environ").read_bytes().split(b"\0") if b"=" in item)
-            stat = (entry / "stat").read_text(encoding="utf-8").rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if env.get(b"SUBMITIT_LOCAL_GLOBALID") == str(rank).encode() and stat[0] not in ("Z", "X"):
-            found[int(entry.name)] = (int(stat[1]), int(stat[19]))
-    ranks = [pid for pid, (parent, _) in found.items() if parent not in found]
-    return max(ranks, key=lambda pid: found[pid][1], default=None)
+        env = environment(process.pid) or {}
+        if env.get(b"SUBMITIT_LOCAL_GLOBALID") == str(rank).encode():
+            found[process.pid] = process
+    ranks = [pid for pid, process in found.items() if process.parent not in found]
+    return max(ranks, key=lambda pid: found[pid].start, default=None)

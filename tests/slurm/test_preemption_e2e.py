@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from hpc_train.run.procs import environment, processes
 from hpc_train.run.watch import last_logged_step
 from tests.conftest import REPO, exported
 from tests.runtime.wandb_records import read_offline_run
@@ -327,15 +328,10 @@ def _processes_of(job_id: str, node: str) -> list[int]:
     """The job's processes on ``node`` of the local cluster (every node is this machine): those whose
     environment says so (the agent, its rank, the rank's workers)."""
     found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            environ = (entry / "environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if f"SLURM_JOB_ID={job_id}".encode() in environ and f"SLURMD_NODENAME={node}".encode() in environ:
-            found.append(int(entry.name))
+    for process in processes():
+        env = environment(process.pid) or {}
+        if env.get(b"SLURM_JOB_ID") == job_id.encode() and env.get(b"SLURMD_NODENAME") == node.encode():
+            found.append(process.pid)
     return found
 
 

@@ -1,0 +1,73 @@
+"""The processes of this machine, read from ``/proc``: one reader for every question the run asks of them (the
+processes below an agent, a local rank's pid, a job's processes on a node).
+
+Why here: each question needs the same parsing (the state, parent and start time after the command name in
+``stat``, which may itself hold spaces and parentheses; the environment and command line as raw bytes), and a
+process can end between two reads, so every read may find it gone. Linux only, like Slurm's nodes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["Process", "command_line", "descendants", "environment", "processes"]
+
+_PROC = Path("/proc")
+
+
+@dataclass(frozen=True)
+class Process:
+    """One process: its pid, its parent's, its state letter (Z: a zombie) and its start in clock ticks since boot."""
+
+    pid: int
+    parent: int
+    state: str
+    start: int
+
+    @property
+    def alive(self) -> bool:
+        return self.state not in ("Z", "X")
+
+
+def processes() -> Iterator[Process]:
+    """Every process readable now; one that ends while it is read is left out."""
+    for entry in _PROC.iterdir():
+        if not (entry.name.isascii() and entry.name.isdigit()):
+            continue
+        try:
+            fields = (entry / "stat").read_text(encoding="utf-8").rsplit(")", 1)[1].split()
+            yield Process(int(entry.name), int(fields[1]), fields[0], int(fields[19]))
+        except (OSError, IndexError, ValueError):
+            continue
+
+
+def environment(pid: int) -> dict[bytes, bytes] | None:
+    """The environment ``pid`` started with, or None when it cannot be read (gone, or another user's)."""
+    try:
+        raw = (_PROC / str(pid) / "environ").read_bytes()
+    except OSError:
+        return None
+    return dict(item.split(b"=", 1) for item in raw.split(b"\0") if b"=" in item)
+
+
+def command_line(pid: int) -> bytes | None:
+    """``pid``'s command line (NUL-separated), or None when it cannot be read."""
+    try:
+        return (_PROC / str(pid) / "cmdline").read_bytes()
+    except OSError:
+        return None
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process below ``pid``, children first."""
+    children: dict[int, list[int]] = {}
+    for process in processes():
+        children.setdefault(process.parent, []).append(process.pid)
+    found, todo = [], [pid]
+    while todo:
+        below = children.get(todo.pop(), [])
+        found += below
+        todo += below
+    return found
