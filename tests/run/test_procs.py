@@ -17,18 +17,18 @@ def test_a_child_and_its_grandchild_are_found_below_us_with_their_environment() 
     child = subprocess.Popen([sys.executable, "-c", script], env={**os.environ, "HPC_TRAIN_PROCS_TEST": "tree"})
     try:
         deadline = time.monotonic() + 20
-        while len(below := descendants(os.getpid())) < 2 and time.monotonic() < deadline:
+        while not (below := descendants(child.pid)) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert child.pid in below and len(below) == 2, below
-        grandchild = next(pid for pid in below if pid != child.pid)
-        for pid in below:
+        (grandchild,) = below
+        assert child.pid in descendants(os.getpid()) and grandchild in descendants(os.getpid())
+        for pid in (child.pid, grandchild):
             assert (environment(pid) or {}).get(b"HPC_TRAIN_PROCS_TEST") == b"tree"
         assert b"time.sleep(30)" in (command_line(grandchild) or b"")
         mine = {process.pid: process for process in processes()}
         assert mine[child.pid].parent == os.getpid() and mine[grandchild].parent == child.pid
         assert mine[child.pid].alive and mine[grandchild].start >= mine[child.pid].start
     finally:
-        for pid in descendants(os.getpid()):
+        for pid in [*descendants(child.pid), child.pid]:  # this test's processes only, not the worker's others
             os.kill(pid, 9)
         child.wait()
     assert environment(child.pid) is None and command_line(child.pid) is None  # reaped: gone
