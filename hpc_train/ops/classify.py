@@ -49,7 +49,7 @@ from typing import Any
 from hpc_train.distributed.hostlist import expand
 from hpc_train.ops.evidence import SRUN_ERROR, Evidence, RankReport, srun_tasks
 from hpc_train.ops.scheduler import SlurmRecord
-from hpc_train.ops.signal_deaths import oom_peaks, signal_class, srun_signal
+from hpc_train.ops.signal_deaths import oom_peaks, signal_class, signal_death
 from hpc_train.run.exit_codes import (
     COMMAND_NOT_RUNNABLE,
     EXIT_HUNG,
@@ -330,11 +330,11 @@ def _cancelled(a: _Attempt) -> Classification | None:
 
 def _killed(a: _Attempt) -> Classification | None:
     """A rank that ended on a signal without a traceback: killed from outside, or crashed in native code."""
-    for task, (node, _tasks, message) in sorted(a.srun.items()):
-        if (signal := srun_signal(message)) is not None:
-            kind, words = signal_class(signal)
-            return a.result(kind, f"{words}: rank {task} on {node} ended without a traceback ({message.strip()})",
-                            [node], [task], [f"srun: {node}: task {task}: {message}"])
+    if (death := signal_death(a.srun, a.evidence.ranks)) is not None:
+        kind, words = signal_class(death.signal) if death.signal else ("killed", "killed: a signal srun did not name")
+        return a.result(kind, f"{words}: rank {death.task} on {death.node} ended without a traceback "
+                        f"({death.words.strip()})", [death.node], [death.task],
+                        [f"srun: {death.node}: task {death.task}: {death.words}"])
     signals = [sig for _rc, sig in a.statuses if sig and sig != 15]
     signals += [rc - 128 for rc in a.codes if 128 < rc < 160 and rc != LOCAL_REQUEUE_EXIT]
     if not signals:

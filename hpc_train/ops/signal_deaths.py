@@ -8,12 +8,14 @@ this, from Slurm and the cgroup) needs a change. ``unknown`` named none of these
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 
 from hpc_train.ops.evidence import RankReport
 from hpc_train.run.loglines import parse_host_oom
+from hpc_train.run.peer_errors import lost_its_peer
 
-__all__ = ["SIGNAL_NAMES", "oom_peaks", "signal_class", "srun_signal"]
+__all__ = ["SIGNAL_NAMES", "SignalDeath", "oom_peaks", "signal_class", "signal_death", "srun_signal"]
 
 SIGNAL_NAMES = {1: "SIGHUP", 2: "SIGINT", 4: "SIGILL", 6: "SIGABRT", 7: "SIGBUS", 8: "SIGFPE", 9: "SIGKILL",
                 11: "SIGSEGV", 15: "SIGTERM"}
@@ -55,3 +57,37 @@ def oom_peaks(reports: Iterable[RankReport]) -> str:
                             + (f", its cgroup at {cgroup:.2f}" + (f" of {limit:.2f}" if limit else "") + " GiB"
                                if cgroup is not None else ""))
     return "; ".join(dict.fromkeys(said))
+
+
+@dataclass(frozen=True)
+class SignalDeath:
+    """The rank that died on a signal: its task, node and srun's words for it, and the signal (None: unknown)."""
+
+    task: int
+    node: str
+    words: str
+    signal: int | None
+
+
+def signal_death(srun: Mapping[int, tuple[str, str, str]], reports: Iterable[RankReport]) -> SignalDeath | None:
+    """Which task died on a signal, from srun's lines (task: (node, tasks, words)) and the ranks' reports.
+
+    Once a task dies, srun terminates the others (``--kill-on-bad-exit``): their SIGTERM is a consequence, so any
+    other signal names the task first. Under load srun can be force-terminated before it writes the dead task's
+    line. Then its only line is a SIGTERM for a rank that merely lost its peer, and the rank that left no error at
+    all is the one that died, of a signal srun did not say."""
+    deaths = sorted((signal == 15, task, node, words) for task, (node, _tasks, words) in srun.items()
+                    if (signal := srun_signal(words)) is not None)
+    if not deaths:
+        return None
+    terminated, task, node, words = deaths[0]
+    if not terminated:
+        return SignalDeath(task, node, words, srun_signal(words))
+    by_rank = {report.rank: report for report in reports}
+    victim = by_rank.get(task)
+    silent = [r for r in by_rank.values() if r.rank != task and not r.error and not r.traceback]
+    if victim is not None and lost_its_peer(f"{victim.error}\n{victim.traceback}") and len(silent) == 1:
+        dead = silent[0]
+        return SignalDeath(dead.rank, dead.host or "?", f"no srun line for it; rank {task} on {node} only lost its "
+                           "peer and was terminated after it", None)
+    return SignalDeath(task, node, words, 15)

@@ -113,13 +113,18 @@ class Runs:
 
     def __init__(self, cases: list[Case]) -> None:
         self.before = _untracked()
+        # The environment as the module found it, given to every run: these threads start processes while other
+        # tests of the same worker may set variables (monkeypatch.setenv), and a process started from a thread
+        # with the live environment meets it half rewritten (execve once failed with EFAULT) or inherits a
+        # variable meant for another test.
+        self._env = dict(os.environ)
         self._procs: set[subprocess.Popen[str]] = set()
         self._lock = threading.Lock()
         self._pools = [ThreadPoolExecutor(LOCAL_LANES)]
         self.futures: dict[Case, Future[Result]] = {case: self._pools[0].submit(self._run, case) for case in cases}
 
     def _run(self, case: Case) -> Result:
-        return _run_case(case, self._track)
+        return _run_case(case, self._track, self._env)
 
     def _track(self, proc: subprocess.Popen[str], running: bool) -> None:
         with self._lock:
@@ -140,13 +145,14 @@ class Runs:
             pool.shutdown(wait=True)
 
 
-def _run_case(case: Case, track: Callable[[subprocess.Popen[str], bool], None] = lambda proc, running: None
-              ) -> Result:
+def _run_case(case: Case, track: Callable[[subprocess.Popen[str], bool], None] = lambda proc, running: None,
+              env: dict[str, str] | None = None) -> Result:
     """``benchmarks/SCRIPT --smoke``, in a session of its own: on a timeout the whole group goes (its ranks too),
     SIGINT first so that a benchmark cancels its Slurm jobs."""
     start = time.monotonic()
     proc = subprocess.Popen([PYTHON, f"benchmarks/{case.script}", "--smoke", *case.args], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env=env)
     track(proc, True)
     try:
         out, err = proc.communicate(timeout=case.timeout_s)

@@ -238,6 +238,27 @@ def test_a_rank_killed_from_outside_is_killed_and_named(tmp_path: Path) -> None:
     assert "Killed" in found.reason
 
 
+def test_the_sigterm_srun_sends_the_others_is_not_taken_for_the_death() -> None:
+    """srun terminates the other tasks once one dies: task 0's SIGTERM line is a consequence of task 1's kill."""
+    lost = RankReport(rank=0, host="n1", error=GLOO_CLOSED, traceback=comm_traceback("RuntimeError: x"))
+    both = Evidence(ranks=(lost, RankReport(rank=1, host="n2")),
+                    batch_log="srun: error: n1: task 0: Terminated\nsrun: error: n2: task 1: Killed\n")
+    found = classify(record("575", "FAILED", "0:9"), both)
+    assert found.ranks == (1,) and found.reason.startswith("killed: SIGKILL from outside the program"), found
+
+
+def test_when_srun_wrote_only_the_consequence_the_rank_that_left_nothing_is_named() -> None:
+    """Under load srun can be force-terminated before it writes the dead task's line: its only line is task 0's
+    SIGTERM, task 0 only lost its peer, and rank 1 left no error at all: rank 1 is named, its signal is not."""
+    lost = RankReport(rank=0, host="n1", error=GLOO_CLOSED, traceback=comm_traceback("RuntimeError: x"))
+    evidence = Evidence(ranks=(lost, RankReport(rank=1, host="n2")),
+                        batch_log="srun: error: n1: task 0: Terminated\n")
+    found = classify(record("576", "FAILED", "15:0"), evidence)
+    assert (found.failure_class, found.ranks, found.nodes) == ("killed", (1,), ("n2",)), found
+    assert found.reason.startswith("killed: a signal srun did not name: rank 1 on n2 ended without a traceback "
+                                   "(no srun line for it; rank 0 on n1 only lost its peer"), found.reason
+
+
 @pytest.mark.parametrize(("words", "signal"), [("Segmentation fault (core dumped)", "SIGSEGV"),
                                                ("Bus error", "SIGBUS"), ("Aborted (core dumped)", "SIGABRT")])
 def test_a_rank_that_crashed_in_native_code_is_crashed(tmp_path: Path, words: str, signal: str) -> None:

@@ -138,7 +138,10 @@ def test_a_rank_that_dies_on_a_signal_is_named_with_its_class(tmp_path: Path, nu
     assert status.returncode == 0, status.stderr
     failures = _failures(json.loads(status.stdout))
     assert failures and failures[-1]["class"] == kind, status.stdout
-    assert name in failures[-1]["reason"] and "rank 1" in failures[-1]["reason"], failures[-1]
+    reason = failures[-1]["reason"]
+    # Under load srun can be force-terminated before it writes rank 1's line: then the classifier still names
+    # rank 1 (the rank that left nothing while rank 0 lost its peer) but cannot know its signal, and says so.
+    assert "rank 1" in reason and (name in reason or "a signal srun did not name" in reason), failures[-1]
     assert not (run_dir / "excluded_nodes.json").exists()
 
 

@@ -12,12 +12,22 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import subprocess
 import time
 from pathlib import Path
 
 from hpc_train.run.watch import last_logged_step, local_rank_pid
+
+
+def two_signal_steps(seed: int, steps: int) -> list[int]:
+    """Two random steps to signal at, at least 3 apart and 7 before the end. The stop is agreed a step or two
+    after a signal, and the next attempt resumes after that: two steps close together, or a second one near the
+    end, would let an attempt finish before its signal is acted on."""
+    rng = random.Random(seed)  # noqa: S311 - not a secret
+    first = rng.randrange(3, steps // 2 - 1)
+    return [first, rng.randrange(first + 3, steps - 6)]
 
 
 def signal_at_steps(process: subprocess.Popen[str], run_dir: Path, plan: list[int]) -> None:

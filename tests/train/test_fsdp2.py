@@ -10,7 +10,6 @@ round in another order). One thread per rank (``job.cpus_per_task=1``), as tests
 from __future__ import annotations
 
 import json
-import random
 import shutil
 import subprocess
 import sys
@@ -23,7 +22,7 @@ import torch
 
 from hpc_train.train import load_exported
 from tests.conftest import REPO, exported
-from tests.train.signals import attempts, signal_at_steps
+from tests.train.signals import attempts, signal_at_steps, two_signal_steps
 
 pytestmark = pytest.mark.slow
 STEPS = 20
@@ -166,7 +165,7 @@ def test_tensor_2_by_data_2_follows_one_rank_exports_the_same_names_and_resumes_
 def test_preempted_at_random_steps_it_ends_bitwise_where_the_uninterrupted_run_ends(runs: SimpleNamespace,
                                                                                     tmp_path: Path) -> None:
     seed = int(time.time())  # printed on failure: the steps are reproducible
-    plan = sorted(random.Random(seed).sample(range(3, STEPS - 3), 2))  # noqa: S311 - not a secret
+    plan = two_signal_steps(seed, STEPS)
     run_dir = tmp_path / "runs" / "tiny-gpt"
     process = _start(tmp_path, "train.engine=fsdp2", "job.tasks_per_node=2")
     try:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -23,7 +22,7 @@ from hpc_train.run.watch import local_rank_pid
 from tests.conftest import REPO, exported
 from tests.train.signals import attempts as _attempts
 from tests.train.signals import running as _running
-from tests.train.signals import signal_at_steps
+from tests.train.signals import signal_at_steps, two_signal_steps
 
 transformers = pytest.importorskip("transformers", reason="the hf extra (pip install 'hpc_train[hf]') is missing")
 pytestmark = pytest.mark.slow
@@ -85,7 +84,7 @@ def test_preempted_at_random_steps_it_exports_the_uninterrupted_weights_loadable
         uninterrupted: SimpleNamespace, tokens: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "runs" / "hf-gpt2"
     seed = int(time.time())  # printed on failure: the steps are reproducible
-    plan = sorted(random.Random(seed).sample(range(3, STEPS - 4), 2))  # noqa: S311 - not a secret
+    plan = two_signal_steps(seed, STEPS)
     process = _submit(tmp_path, tokens)
     try:
         signal_at_steps(process, run_dir, plan)
