@@ -335,15 +335,14 @@ def _processes_of(job_id: str, node: str) -> list[int]:
     return found
 
 
-def test_a_lost_node_is_replaced_by_a_hot_spare_inside_the_same_job(uninterrupted: dict[str, torch.Tensor],
-                                                                   tmp_path: Path) -> None:
-    """A 2-node job with one spare (``job.spare_nodes = 1``, the 3-node ``spares`` partition), through the
-    rendered srun script. Mid-run node n2 is drained and every process of the job on it is killed, as when a
-    node is lost: rank 0's agent restarts in place, n2's agents never answer, and the spare n3 takes rank 1. The
-    job is never requeued, completes, excludes n2, and ends with the uninterrupted weights."""
+def _lose_n2_mid_run(tmp_path: Path, *settings: str) -> tuple[str, Path]:
+    """Submit the rendered srun script with ``settings``, and at step 15 lose node n2 the way a node is lost:
+    drained, and every process of the job on it killed. Returns the job id and the run folder once the job has
+    ended; n2 is resumed afterwards whatever happened."""
+    sets = [arg for setting in settings for arg in ("--set", setting)]
     rendered = subprocess.run([sys.executable, "-m", "hpc_train", "render", EXAMPLE, *BASE, "--set",
-                               f"train.steps={STEPS}", "--set", "job.spare_nodes=1", "--set", "job.partition=spares",
-                               "--set", "env.HPC_TRAIN_INJECT_FAULT=slow:0:60", "--template", "srun", "--json"],
+                               f"train.steps={STEPS}", *sets, "--set", "env.HPC_TRAIN_INJECT_FAULT=slow:0:60",
+                               "--template", "srun", "--json"],
                               cwd=tmp_path, capture_output=True, text=True, timeout=60, check=True)
     script = json.loads(rendered.stdout)["script"]
     job_id = subprocess.run(["sbatch", "--parsable", script], capture_output=True, text=True, check=True,
@@ -359,6 +358,16 @@ def test_a_lost_node_is_replaced_by_a_hot_spare_inside_the_same_job(uninterrupte
         _wait_until_completed(job_id, run_dir)
     finally:
         subprocess.run(["scontrol", "update", "NodeName=n2", "State=RESUME"], check=False, timeout=30)
+    return job_id, run_dir
+
+
+def test_a_lost_node_is_replaced_by_a_hot_spare_inside_the_same_job(uninterrupted: dict[str, torch.Tensor],
+                                                                   tmp_path: Path) -> None:
+    """A 2-node job with one spare (``job.spare_nodes = 1``, the 3-node ``spares`` partition), through the
+    rendered srun script. Mid-run node n2 is drained and every process of the job on it is killed, as when a
+    node is lost: rank 0's agent restarts in place, n2's agents never answer, and the spare n3 takes rank 1. The
+    job is never requeued, completes, excludes n2, and ends with the uninterrupted weights."""
+    job_id, run_dir = _lose_n2_mid_run(tmp_path, "job.spare_nodes=1", "job.partition=spares")
     first, second = _finished_run(run_dir, job_id)
     assert first["in_place"] == 0 and second["in_place"] == 1 and second["restart"] == 0, (first, second)
     assert "restarted in place (1 of retry.in_place = 2)" in str(first["note"]), first
@@ -381,24 +390,7 @@ def test_with_no_spare_left_a_lost_node_s_job_goes_on_at_half_the_size(uninterru
     accumulation (the same global batch), resumes the 2-rank checkpoint through DeepSpeed's universal checkpoint,
     and completes; the job is never requeued, n2 is excluded, and the weights follow the uninterrupted run's
     (sums over another number of ranks round in another order: not bitwise)."""
-    rendered = subprocess.run([sys.executable, "-m", "hpc_train", "render", EXAMPLE, *BASE, "--set",
-                               f"train.steps={STEPS}", "--set", "retry.shrink=true", "--set",
-                               "env.HPC_TRAIN_INJECT_FAULT=slow:0:60", "--template", "srun", "--json"],
-                              cwd=tmp_path, capture_output=True, text=True, timeout=60, check=True)
-    script = json.loads(rendered.stdout)["script"]
-    job_id = subprocess.run(["sbatch", "--parsable", script], capture_output=True, text=True, check=True,
-                            timeout=30).stdout.strip().split(";")[0]
-    run_dir = tmp_path / "runs" / "tiny-gpt"
-    try:
-        _wait_for_step(job_id, run_dir, 15)
-        subprocess.run(["scontrol", "update", "NodeName=n2", "State=DRAIN", "Reason=hpc_train-test-shrink"],
-                       check=True, timeout=30)
-        for pid in _processes_of(job_id, "n2"):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        _wait_until_completed(job_id, run_dir)
-    finally:
-        subprocess.run(["scontrol", "update", "NodeName=n2", "State=RESUME"], check=False, timeout=30)
+    job_id, run_dir = _lose_n2_mid_run(tmp_path, "retry.shrink=true")
     first, second = _finished_run(run_dir, job_id)
     assert first["in_place"] == 0 and second["in_place"] == 1 and second["restart"] == 0, (first, second)
     rows = subprocess.run(["sacct", "-n", "-P", "-X", "-D", "-j", job_id, "-o", "State"], capture_output=True,
