@@ -189,33 +189,39 @@ def make_source(source: str, path: str, vocab_size: int, seed: int) -> TokenSour
 
 
 class ResumableSampler:
-    """This data-parallel rank's micro-batches of sample indices, resumable at any global batch boundary.
+    """This data-parallel rank's micro-batches of sample indices, resumable at any optimizer step's boundary.
 
-    Each epoch is a permutation seeded by ``(seed, epoch)``, the same on every rank. The epoch is cut into global
-    batches of ``micro_batch * dp_size`` consecutive positions (the incomplete last one is dropped); rank ``r``
-    takes positions ``[r * micro_batch, (r + 1) * micro_batch)`` of each.
+    Each epoch is a permutation seeded by ``(seed, epoch)``, the same on every rank. An optimizer step takes the
+    next ``micro_batch * dp_size * grad_accum`` consecutive positions (the global batch), ``grad_accum``
+    micro-steps of ``micro_batch * dp_size`` positions each, of which rank ``r`` takes ``[r * micro_batch,
+    (r + 1) * micro_batch)``. An epoch ends where less than a global batch is left (the rest is dropped), so every
+    layout with the same global batch (another data-parallel size with the accumulation that keeps it, as
+    ``retry.shrink`` runs) gives each step the same samples, across epochs too.
     """
 
     def __init__(self, num_samples: int, dp_rank: int, dp_size: int, micro_batch: int, seed: int,
-                 shuffle: bool = True) -> None:
+                 shuffle: bool = True, grad_accum: int = 1) -> None:
         if dp_size < 1 or not 0 <= dp_rank < dp_size:
             raise ValueError(f"sampler: dp_rank {dp_rank} is outside 0..{dp_size - 1} (dp_size {dp_size})")
-        if micro_batch < 1:
-            raise ValueError(f"sampler: micro_batch {micro_batch} must be at least 1")
+        if micro_batch < 1 or grad_accum < 1:
+            raise ValueError(f"sampler: micro_batch {micro_batch} and grad_accum {grad_accum} must be at least 1")
         self.num_samples, self.dp_rank, self.dp_size = num_samples, dp_rank, dp_size
-        self.micro_batch, self.seed, self.shuffle = micro_batch, seed, shuffle
-        self.global_batch = micro_batch * dp_size
+        self.micro_batch, self.seed, self.shuffle, self.grad_accum = micro_batch, seed, shuffle, grad_accum
+        self.micro_step_batch = micro_batch * dp_size
+        self.global_batch = self.micro_step_batch * grad_accum
         if num_samples < self.global_batch:
+            accum = f" x grad_accum {grad_accum}" if grad_accum > 1 else ""
             raise ValueError(f"sampler: {num_samples} samples are fewer than one global batch of "
-                             f"{self.global_batch} = micro_batch {micro_batch} x dp_size {dp_size}; "
+                             f"{self.global_batch} = micro_batch {micro_batch} x dp_size {dp_size}{accum}; "
                              "use more data, a shorter seq_len or a smaller batch")
         self.epoch = 0
         self.offset = 0
+        self._micro_step = 0  # micro-batches taken of the current optimizer step
         self._order: tuple[int, np.ndarray] | None = None
 
     @property
     def batches_per_epoch(self) -> int:
-        """Global batches in one epoch at this data-parallel size."""
+        """Global batches (optimizer steps) in one epoch."""
         return self.num_samples // self.global_batch
 
     def _permutation(self) -> np.ndarray:
@@ -230,26 +236,28 @@ class ResumableSampler:
         return self._order[1]
 
     def _roll_over(self) -> None:
-        """Start the next epoch when the rest of this one is less than a global batch."""
-        if self.offset + self.global_batch > self.num_samples:
+        """At a step's boundary, start the next epoch when the rest of this one is less than a global batch."""
+        if self._micro_step == 0 and self.offset + self.global_batch > self.num_samples:
             self.epoch += 1
             self.offset = 0
 
     def next_indices(self) -> list[int]:
-        """Sample indices of this rank's next micro-batch; advances the global position by one global batch."""
+        """Sample indices of this rank's next micro-batch; advances the global position by one micro-step."""
         self._roll_over()
         start = self.offset + self.dp_rank * self.micro_batch
         indices = self._permutation()[start:start + self.micro_batch].tolist()
-        self.offset += self.global_batch
+        self.offset += self.micro_step_batch
+        self._micro_step = (self._micro_step + 1) % self.grad_accum
         self._roll_over()
         return indices
 
     def state_dict(self) -> dict[str, int]:
-        """The global position, the same on every data-parallel rank: save it from any one of them."""
+        """The global position, the same on every data-parallel rank: save it from any one of them (at a step's
+        boundary, where checkpoints are taken)."""
         return {"epoch": self.epoch, "offset": self.offset}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from a saved global position, also at a different ``dp_size`` when its global batch fits."""
+        """Continue from a saved global position, also at a different ``dp_size`` whose micro-step fits it."""
         try:
             epoch, offset = int(state["epoch"]), int(state["offset"])
         except (KeyError, TypeError, ValueError):
@@ -257,11 +265,11 @@ class ResumableSampler:
         if epoch < 0 or not 0 <= offset <= self.num_samples:
             raise ValueError(f"sampler state epoch {epoch}, offset {offset} is outside this data set of "
                              f"{self.num_samples} samples (did the data or seq_len change since the checkpoint?)")
-        if offset % self.global_batch:
-            raise ValueError(f"sampler state: offset {offset} samples into epoch {epoch} is not a multiple of the "
-                             f"global batch {self.global_batch} = micro_batch {self.micro_batch} x dp_size "
-                             f"{self.dp_size}; resume with a micro_batch x dp_size that divides {offset}")
-        self.epoch, self.offset = epoch, offset
+        if offset % self.micro_step_batch:
+            raise ValueError(f"sampler state: offset {offset} samples into epoch {epoch} is not a multiple of "
+                             f"micro_batch {self.micro_batch} x dp_size {self.dp_size} = {self.micro_step_batch}; "
+                             f"resume with a micro_batch x dp_size that divides {offset}")
+        self.epoch, self.offset, self._micro_step = epoch, offset, 0
         self._roll_over()
 
 

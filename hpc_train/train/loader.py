@@ -88,7 +88,7 @@ def checked_dataset(dataset: Any, said: str, global_batch: int) -> Any:
                             f"{type(error).__name__}: {error}", error) from error
     if length < global_batch:
         raise UserCodeError(f"{said} returned a dataset of {length} samples, fewer than one global batch of "
-                            f"{global_batch}; give it more samples, or lower train.micro_batch")
+                            f"{global_batch}; give it more samples, or lower train.micro_batch or train.grad_accum")
     return dataset
 
 

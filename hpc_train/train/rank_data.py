@@ -40,7 +40,8 @@ def _collate(entry: str) -> Callable[[list[Any]], Any] | None:
     return load_callable("data.collate", parse_entry_point("data.collate", entry, ("",)), ("samples",))
 
 
-def _user_datasets(ctx: RankContext, entry: str, global_batch: int) -> tuple[Any, Callable[[], Any]]:
+def _user_datasets(ctx: RankContext, entry: str, global_batch: int,
+                   eval_batch: int) -> tuple[Any, Callable[[], Any]]:
     """The user's training set, and a function that asks for the evaluation set once."""
     dataset = load_callable("data.source", parse_entry_point("data.source", entry, DATA_SOURCES), ("ctx", "split"))
 
@@ -50,7 +51,9 @@ def _user_datasets(ctx: RankContext, entry: str, global_batch: int) -> tuple[Any
             made = dataset(ctx, name)
         except Exception as error:
             raise UserCodeError(f"{said} raised {type(error).__name__}: {error}", error) from error
-        return None if made is None and name == "eval" else checked_dataset(made, said, global_batch)
+        if made is None and name == "eval":
+            return None
+        return checked_dataset(made, said, eval_batch if name == "eval" else global_batch)
 
     held: list[Any] = []
 
@@ -74,14 +77,16 @@ def build_data(ctx: RankContext, groups: ParallelGroups, device: Any,
         tokens = TokenDataset(make_source(data.source, data.path, data.vocab_size, train.seed), train.seq_len)
         training, evaluation = tokens, (lambda: tokens)
     else:
-        training, evaluation = _user_datasets(ctx, data.source, train.micro_batch * dp_size)
+        training, evaluation = _user_datasets(ctx, data.source, train.micro_batch * dp_size * train.grad_accum,
+                                              train.micro_batch * dp_size)
 
-    def stream(dataset: Any, seed: int) -> BatchStream:
-        sampler = ResumableSampler(len(dataset), dp_rank, dp_size, train.micro_batch, seed=seed)
+    def stream(dataset: Any, seed: int, grad_accum: int) -> BatchStream:
+        sampler = ResumableSampler(len(dataset), dp_rank, dp_size, train.micro_batch, seed=seed,
+                                   grad_accum=grad_accum)
         return BatchStream(dataset, sampler, settings, device, seed)
 
     def eval_stream() -> BatchStream | None:
         dataset = evaluation()
-        return None if dataset is None else stream(dataset, train.seed + EVAL_SEED_OFFSET)
+        return None if dataset is None else stream(dataset, train.seed + EVAL_SEED_OFFSET, 1)
 
-    return RankData(stream(training, train.seed), eval_stream)
+    return RankData(stream(training, train.seed, train.grad_accum), eval_stream)

@@ -20,14 +20,15 @@ CORPUS = REPO / "examples" / "corpus" / "hpc_train_docs.txt"
 
 
 def global_stream(num_samples: int, dp_size: int, micro_batch: int, steps: int, seed: int = 3,
-                  state: dict[str, int] | None = None) -> tuple[list[int], dict[str, int]]:
+                  state: dict[str, int] | None = None, grad_accum: int = 1) -> tuple[list[int], dict[str, int]]:
     """Run one sampler per data-parallel rank for ``steps`` global batches; the concatenated order and the state."""
-    samplers = [data.ResumableSampler(num_samples, rank, dp_size, micro_batch, seed) for rank in range(dp_size)]
+    samplers = [data.ResumableSampler(num_samples, rank, dp_size, micro_batch, seed, grad_accum=grad_accum)
+                for rank in range(dp_size)]
     if state is not None:
         for sampler in samplers:
             sampler.load_state_dict(state)
     stream: list[int] = []
-    for _ in range(steps):
+    for _ in range(steps * grad_accum):
         for sampler in samplers:
             stream += sampler.next_indices()
     states = {str(sampler.state_dict()) for sampler in samplers}
@@ -268,10 +269,33 @@ def test_sampler_resume_at_another_data_parallel_size_continues_the_global_order
     assert first + rest == reference
 
 
+@pytest.mark.parametrize(("old", "new"), [((4, 1), (2, 2)), ((4, 1), (1, 4)), ((1, 4), (2, 2)), ((2, 2), (4, 1))])
+def test_layouts_with_one_global_batch_take_the_same_samples_across_epochs_and_resume_in_each_other(
+        old: tuple[int, int], new: tuple[int, int]) -> None:
+    """(dp_size, grad_accum) with the same global batch of 4, 10 samples (2 steps an epoch, 2 dropped): as
+    ``retry.shrink`` changes the size inside a run, every step must see the same samples, past an epoch's end
+    too, and a position saved at one size must load at the other."""
+    reference, end = global_stream(10, old[0], 1, steps=7, grad_accum=old[1])
+    assert global_stream(10, new[0], 1, steps=7, grad_accum=new[1]) == (reference, end)
+    assert end == {"epoch": 3, "offset": 4}
+    first, saved = global_stream(10, old[0], 1, steps=3, grad_accum=old[1])
+    assert saved == {"epoch": 1, "offset": 4}
+    rest, resumed_end = global_stream(10, new[0], 1, steps=4, grad_accum=new[1], state=saved)
+    assert first + rest == reference and resumed_end == end
+
+
+def test_an_epoch_ends_only_at_a_step_s_boundary() -> None:
+    """10 samples, micro-steps of 2, 3 of them a step: the second step would run past the epoch, so the epoch ends
+    after the first step's 6 samples, never inside a step."""
+    sampler = data.ResumableSampler(10, 0, 1, 2, seed=0, shuffle=False, grad_accum=3)
+    assert [sampler.next_indices() for _ in range(6)] == [[0, 1], [2, 3], [4, 5]] * 2
+    assert sampler.batches_per_epoch == 1 and sampler.state_dict() == {"epoch": 2, "offset": 0}
+
+
 def test_sampler_resume_refuses_a_global_batch_that_does_not_divide_the_offset() -> None:
     _, saved = global_stream(48, 1, 2, steps=3)  # offset 6
     sampler = data.ResumableSampler(48, 0, 4, 1, seed=3)
-    with pytest.raises(ValueError, match=r"offset 6 .* global batch 4 = micro_batch 1 x dp_size 4"):
+    with pytest.raises(ValueError, match=r"offset 6 .* micro_batch 1 x dp_size 4 = 4"):
         sampler.load_state_dict(saved)
 
 
@@ -290,11 +314,14 @@ def test_sampler_refuses_broken_state(state: dict[str, object], message: str) ->
     ((10, 2, 2, 1), r"dp_rank 2 is outside 0..1"),
     ((10, 0, 0, 1), r"dp_rank 0 is outside"),
     ((10, 0, 1, 0), r"micro_batch 0"),
-    ((10, 0, 4, 3), r"10 samples are fewer than one global batch of 12 = micro_batch 3 x dp_size 4"),
+    ((10, 0, 4, 3), r"10 samples are fewer than one global batch of 12 = micro_batch 3 x dp_size 4;"),
+    ((10, 0, 2, 2, 3), r"fewer than one global batch of 12 = micro_batch 2 x dp_size 2 x grad_accum 3"),
+    ((10, 0, 1, 1, 0), r"grad_accum 0 must be at least 1"),
 ])
-def test_sampler_refuses_bad_sizes(args: tuple[int, int, int, int], message: str) -> None:
+def test_sampler_refuses_bad_sizes(args: tuple[int, ...], message: str) -> None:
+    num_samples, dp_rank, dp_size, micro_batch, *accum = args
     with pytest.raises(ValueError, match=message):
-        data.ResumableSampler(*args, seed=0)
+        data.ResumableSampler(num_samples, dp_rank, dp_size, micro_batch, seed=0, grad_accum=accum[0] if accum else 1)
 
 
 def test_sampler_state_at_the_end_of_an_epoch_resumes_in_the_next() -> None:
