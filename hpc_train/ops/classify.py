@@ -330,11 +330,10 @@ def _cancelled(a: _Attempt) -> Classification | None:
 
 def _killed(a: _Attempt) -> Classification | None:
     """A rank that ended on a signal without a traceback: killed from outside, or crashed in native code."""
-    if (death := signal_death(a.srun, a.evidence.ranks)) is not None:
+    if (death := signal_death(a.srun, a.evidence.ranks, a.node_of)) is not None:
         kind, words = signal_class(death.signal) if death.signal else ("killed", "killed: a signal srun did not name")
-        return a.result(kind, f"{words}: rank {death.task} on {death.node} ended without a traceback "
-                        f"({death.words.strip()})", [death.node], [death.task],
-                        [f"srun: {death.node}: task {death.task}: {death.words}"])
+        return a.result(kind, f"{words}: rank {death.task} on {death.where} ended without a traceback "
+                        f"({death.words.strip()})", [death.node] if death.node else [], [death.task], [death.line()])
     signals = [sig for _rc, sig in a.statuses if sig and sig != 15]
     signals += [rc - 128 for rc in a.codes if 128 < rc < 160 and rc != LOCAL_REQUEUE_EXIT]
     if not signals:

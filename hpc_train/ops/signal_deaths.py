@@ -8,7 +8,7 @@ this, from Slurm and the cgroup) needs a change. ``unknown`` named none of these
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from hpc_train.ops.evidence import RankReport
@@ -61,16 +61,28 @@ def oom_peaks(reports: Iterable[RankReport]) -> str:
 
 @dataclass(frozen=True)
 class SignalDeath:
-    """The rank that died on a signal: its task, node and srun's words for it, and the signal (None: unknown)."""
+    """The rank that died on a signal: its task, node ("" when unknown) and srun's words for it, and the signal
+    (None: unknown)."""
 
     task: int
     node: str
     words: str
     signal: int | None
 
+    @property
+    def where(self) -> str:
+        return self.node or "an unknown node"
 
-def signal_death(srun: Mapping[int, tuple[str, str, str]], reports: Iterable[RankReport]) -> SignalDeath | None:
-    """Which task died on a signal, from srun's lines (task: (node, tasks, words)) and the ranks' reports.
+    def line(self) -> str:
+        """srun's line for the death; where srun wrote none, what showed it instead (not dressed as srun's)."""
+        head = f"srun: {self.where}: task {self.task}: " if self.signal else f"rank {self.task} on {self.where}: "
+        return head + self.words
+
+
+def signal_death(srun: Mapping[int, tuple[str, str, str]], reports: Iterable[RankReport],
+                 node_of: Callable[[RankReport], str]) -> SignalDeath | None:
+    """Which task died on a signal, from srun's lines (task: (node, tasks, words)) and the ranks' reports;
+    ``node_of`` names a rank's node where srun did not (a rank that left no error record has no host of its own).
 
     Once a task dies, srun terminates the others (``--kill-on-bad-exit``): their SIGTERM is a consequence, so any
     other signal names the task first. Under load srun can be force-terminated before it writes the dead task's
@@ -88,6 +100,6 @@ def signal_death(srun: Mapping[int, tuple[str, str, str]], reports: Iterable[Ran
     silent = [r for r in by_rank.values() if r.rank != task and not r.error and not r.traceback]
     if victim is not None and lost_its_peer(f"{victim.error}\n{victim.traceback}") and len(silent) == 1:
         dead = silent[0]
-        return SignalDeath(dead.rank, dead.host or "?", f"no srun line for it; rank {task} on {node} only lost its "
-                           "peer and was terminated after it", None)
+        return SignalDeath(dead.rank, node_of(dead), f"no srun line for it; rank {task} on "
+                           f"{node} only lost its peer and was terminated after it", None)
     return SignalDeath(task, node, words, 15)

@@ -251,12 +251,14 @@ def test_when_srun_wrote_only_the_consequence_the_rank_that_left_nothing_is_name
     """Under load srun can be force-terminated before it writes the dead task's line: its only line is task 0's
     SIGTERM, task 0 only lost its peer, and rank 1 left no error at all: rank 1 is named, its signal is not."""
     lost = RankReport(rank=0, host="n1", error=GLOO_CLOSED, traceback=comm_traceback("RuntimeError: x"))
-    evidence = Evidence(ranks=(lost, RankReport(rank=1, host="n2")),
-                        batch_log="srun: error: n1: task 0: Terminated\n")
+    silent = RankReport(rank=1, node_index=1)  # no error record: no host of its own, only its log's node index
+    evidence = Evidence(ranks=(lost, silent), batch_log="srun: error: n1: task 0: Terminated\n")
     found = classify(record("576", "FAILED", "15:0"), evidence)
     assert (found.failure_class, found.ranks, found.nodes) == ("killed", (1,), ("n2",)), found
     assert found.reason.startswith("killed: a signal srun did not name: rank 1 on n2 ended without a traceback "
                                    "(no srun line for it; rank 0 on n1 only lost its peer"), found.reason
+    assert "rank 1 on n2: no srun line for it" in found.evidence[-1], found.evidence
+    assert not any(line.startswith("srun: n2") for line in found.evidence), found.evidence
 
 
 @pytest.mark.parametrize(("words", "signal"), [("Segmentation fault (core dumped)", "SIGSEGV"),
