@@ -27,6 +27,7 @@ from typing import Any
 
 from hpc_train.run.assignment import node_of
 from hpc_train.run.attempts import AttemptLog
+from hpc_train.run.chain import successor_of
 from hpc_train.run.exit_codes import EXIT_RESTART_IN_PLACE
 from hpc_train.run.files import read_record_text
 from hpc_train.run.host_memory import memory_peak, oom_kills
@@ -157,6 +158,7 @@ class Agent:
         self.attempt = attempt_key(setup.job_id, setup.restart)
         self.log = _logger(setup.run_dir, setup.rank, setup.spares.task if setup.spares else None)
         self.stopping: int | None = None  # a signal from Slurm (preemption, requeue, cancel): no more restarts
+        self._successor: str | None = None  # the next job of a chain this one handed the run to
 
     def logger_for(self, rank: int) -> logging.Logger:
         """The log of rank ``rank`` (with spares, the rank this agent runs in a life)."""
@@ -212,7 +214,7 @@ class Agent:
                 if notice is not None:
                     self._kill(child)
                     return child.wait(), notice
-        if code == 0 or not may_restart or self.stopping is not None:
+        if code == 0 or not may_restart or self.stopping is not None or self._handed_over():
             if code != 0 and not may_restart and self._cause(code, oom_before) is not None:
                 self.log.info("no in-place restart left (retry.in_place = %d): leaving with status %d for the "
                               "retry policy", self.setup.limit, code)
@@ -225,16 +227,28 @@ class Agent:
         run_dir = self.setup.run_dir
         if cause is None or cause[0] == "peer":  # maybe a consequence: wait for the cause's own notice
             deadline = time.monotonic() + (_PEER_CAUSE_WAIT_S if cause else _OWN_ERROR_WAIT_S)
-            while time.monotonic() < deadline and self.stopping is None:
+            while time.monotonic() < deadline and self.stopping is None and not self._handed_over():
                 notice = read_notice(run_dir, self.attempt, next_in_place)
                 if notice is not None:
                     return notice
                 time.sleep(_POLL_S)
-            if cause is None or self.stopping is not None:
+            if cause is None or self.stopping is not None or self._handed_over():
                 return None
             cause = ("infrastructure", cause[1])
         return request_restart(run_dir, self.attempt, RestartNotice(next_in_place, self.rank, node_name(),
                                                                     cause[0], cause[1], time.time()))
+
+    def _handed_over(self) -> bool:
+        """Whether this job already handed the run to the next job of a chain (``[slurm] requeue =
+        "dependency"``): a rank that failed submitted it, and this job must end rather than go on in place beside
+        it. Where requeue is allowed, ``scontrol requeue`` ends every rank of the job itself."""
+        if self._successor is not None:
+            return True
+        successor = self._successor = successor_of(self.setup.run_dir, self.setup.job_id)
+        if successor is not None:
+            self.log.info("job %s handed the run to job %s ([slurm] requeue = \"dependency\"): no restart in place",
+                          self.setup.job_id, successor)
+        return successor is not None
 
     def _cause(self, code: int, oom_before: int) -> tuple[str, str] | None:
         """(class, why) of a rank's end that a restart in place may mend; ("peer", why) when it only lost a

@@ -31,6 +31,11 @@ RANK = textwrap.dedent("""
         lives.write(f"{rank} {life} {os.environ['HPC_TRAIN_IN_PLACE_LEFT']}\\n")
     if mode == "user-error":
         sys.exit(1)
+    if mode == "handover":  # failed, and its recovery made the next job of a chain ([slurm] requeue = "dependency")
+        from hpc_train.run.chain import record_successor
+        from hpc_train.run.exit_codes import EXIT_RESTART_IN_PLACE
+        record_successor(run_dir, "7", "8")
+        sys.exit(EXIT_RESTART_IN_PLACE)
     if mode == "always-kill" or (mode == "kill-first" and life == "0"):
         time.sleep(0.5)
         os.kill(os.getpid(), signal.SIGKILL)
@@ -92,6 +97,19 @@ def test_the_programs_own_error_is_not_restarted(tmp_path: Path) -> None:
     assert only.returncode == 1, only.stderr
     assert _lives(tmp_path) == ["0 0 2"]
     assert read_notice(tmp_path, "7.0", 1) is None
+
+
+def test_a_job_that_handed_the_run_to_the_next_job_of_its_chain_is_not_restarted_in_place(tmp_path: Path) -> None:
+    """Where requeue is forbidden the next attempt is a new job: once this job has made it, a restart in place
+    would train beside it, so the agent leaves with its rank's status."""
+    from hpc_train.run.exit_codes import EXIT_RESTART_IN_PLACE
+
+    (only,) = _agents(tmp_path, ["handover"])
+    assert only.returncode == EXIT_RESTART_IN_PLACE, only.stderr
+    assert _lives(tmp_path) == ["0 0 2"]
+    assert read_notice(tmp_path, "7.0", 1) is None
+    log = (tmp_path / "logs" / "rank-0.log").read_text()
+    assert 'job 7 handed the run to job 8 ([slurm] requeue = "dependency"): no restart in place' in log, log
 
 
 def _planned(tmp_path: Path, *overrides: str) -> Path:
