@@ -15,6 +15,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from hpc_train.errors import ConfigError
+
 if TYPE_CHECKING:
     from hpc_train.config.plan import Plan
 
@@ -67,11 +69,16 @@ def shrunk_plan(plan: Plan, nodes: int) -> Plan:
 
 
 def plan_for_life(plan: Plan, env: Mapping[str, str]) -> Plan:
-    """The plan this rank runs under: the run's, or the smaller one the agents chose for this life."""
+    """The plan this rank runs under: the run's, or the smaller one the agents chose for this life. A
+    ConfigError (one line on the rank's stderr, exit 2) when the variable came from somewhere else."""
     value = env.get(SHRUNK_NODES_ENV, "")
     if not value:
         return plan
+    fix = f"unset {SHRUNK_NODES_ENV} in the job's environment; hpc_train's agent sets it for a life on fewer nodes"
     if not value.isdigit() or not plan.config.retry.shrink:
-        raise ValueError(f"{SHRUNK_NODES_ENV}={value!r} is set, but only hpc_train's agent sets it, to a node count, "
-                         "for a job with retry.shrink")
-    return shrunk_plan(plan, int(value))
+        raise ConfigError(f"{SHRUNK_NODES_ENV}={value!r}", "is set, but only hpc_train's agent sets it, to a node "
+                          "count, for a job with retry.shrink", fix)
+    try:
+        return shrunk_plan(plan, int(value))
+    except ValueError as error:
+        raise ConfigError(f"{SHRUNK_NODES_ENV}={value!r}", str(error), fix) from None

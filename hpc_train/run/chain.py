@@ -29,7 +29,7 @@ REQUEUE_ENV = "HPC_TRAIN_REQUEUE"  # "dependency" on ranks whose site forbids sc
 Runner = Callable[..., "subprocess.CompletedProcess[str]"]
 # What this job's Slurm, launcher and rank set, which the next job must not inherit through sbatch's --export.
 _JOB_PREFIXES = ("SLURM_", "SBATCH_", "SRUN_", "SALLOC_", "PMI_", "PMIX_", "OMPI_COMM_", "TORCHELASTIC_",
-                 "SUBMITIT_", "HPC_TRAIN_IN_PLACE")
+                 "SUBMITIT_", "HPC_TRAIN_IN_PLACE", "HPC_TRAIN_SHRUNK")  # the next job starts at the full size
 _RANK_NAMES = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
                "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK"}
 

@@ -13,6 +13,7 @@ from hpc_train.config.loader import build
 from hpc_train.config.plan import make_plan
 from hpc_train.config.shrink import SHRUNK_NODES_ENV, ShrunkSize, plan_for_life, shrunk_plan, smaller_size
 from hpc_train.config.sites import load_site
+from hpc_train.errors import ConfigError
 
 
 def test_the_largest_count_left_that_keeps_the_layout_and_the_global_batch() -> None:
@@ -36,5 +37,7 @@ def test_a_rank_of_the_smaller_life_plans_the_same_global_batch_with_more_accumu
     with pytest.raises(ValueError, match="only hpc_train's agent sets it"):
         plan_for_life(make_plan(build(JobConfig, {"job": {"nodes": 2}}), load_site("local-slurm"), "slurm",
                                 cwd=tmp_path), {SHRUNK_NODES_ENV: "1"})
-    with pytest.raises(ValueError, match="only hpc_train's agent sets it"):
+    with pytest.raises(ConfigError, match="only hpc_train's agent sets it"):
         plan_for_life(plan, {SHRUNK_NODES_ENV: "one"})
+    with pytest.raises(ConfigError, match=r"HPC_TRAIN_SHRUNK_NODES='3': 3 node\(s\) cannot keep .* Fix: unset"):
+        plan_for_life(plan, {SHRUNK_NODES_ENV: "3"})

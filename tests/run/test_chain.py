@@ -42,6 +42,7 @@ def test_a_link_that_loops_or_is_not_a_job_id_ends_the_chain(tmp_path: Path) -> 
 def test_the_next_job_does_not_inherit_this_jobs_slurm_launcher_or_rank() -> None:
     env = {"PATH": "/usr/bin", "HOME": "/root", "WANDB_PROJECT": "p", "SLURM_JOB_ID": "7", "SLURM_NTASKS": "2",
            "SBATCH_PARTITION": "x", "RANK": "0", "MASTER_PORT": "29500", "HPC_TRAIN_IN_PLACE": "1",
+           "HPC_TRAIN_SHRUNK_NODES": "1",
            "TORCHELASTIC_RUN_ID": "x", "OMPI_COMM_WORLD_RANK": "0", "HPC_TRAIN_REQUEUE": "dependency"}
     assert _job_environment(env) == {"PATH": "/usr/bin", "HOME": "/root", "WANDB_PROJECT": "p",
                                      "HPC_TRAIN_REQUEUE": "dependency"}
