@@ -286,7 +286,8 @@ def _check_spares(cfg: JobConfig, site: SiteConfig) -> None:
     if site.launch.launcher != "srun":
         raise ConfigError("job.spare_nodes", f"needs the srun launcher; site {site.name} launches with "
                           f"{site.launch.launcher}, whose ranks have no agent to move them",
-                          "use a site with [launch] launcher = \"srun\" (or submitit), or remove job.spare_nodes")
+                          "use a site with [launch] launcher = \"srun\" and the srun template, or remove "
+                          "job.spare_nodes")
     if cfg.job.program == "smoke":
         raise ConfigError("job.spare_nodes", "the smoke program restarts nothing", "remove job.spare_nodes")
 
@@ -302,7 +303,7 @@ def _check_shrink(cfg: JobConfig, site: SiteConfig) -> None:
     if site.launch.launcher != "srun":
         raise ConfigError("retry.shrink", f"needs the srun launcher; site {site.name} launches with "
                           f"{site.launch.launcher}, whose ranks have no agent to restart them",
-                          "use a site with [launch] launcher = \"srun\" (or submitit), or remove retry.shrink")
+                          "use a site with [launch] launcher = \"srun\" and the srun template, or remove retry.shrink")
     if cfg.job.program != "train":
         raise ConfigError("retry.shrink", f'is the built-in trainer\'s, and job.program = "{cfg.job.program}": a '
                           "program of your own would start again at a world size it did not plan for",

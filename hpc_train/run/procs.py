@@ -61,7 +61,7 @@ def command_line(pid: int) -> bytes | None:
 
 
 def descendants(pid: int) -> list[int]:
-    """Every live process below ``pid``, children first."""
+    """Every process below ``pid``, children first; zombies not yet reaped too (a kill of one is harmless)."""
     children: dict[int, list[int]] = {}
     for process in processes():
         children.setdefault(process.parent, []).append(process.pid)

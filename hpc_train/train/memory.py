@@ -107,7 +107,8 @@ class MemoryPlan:
     them; ``cpu`` is what offload puts in CPU memory. ``fits`` is None when the site gives no GPU memory size.
     With ``engine`` "fsdp2" the figures are FSDP2's (:mod:`hpc_train.train.memory_fsdp2`): ``zero_stage`` is 3
     (the layout it shares), both offload flags are ``fsdp.offload``, and ``gathered`` (part of
-    ``reduce_buffers``) is the peak of the all-gathered parameters.
+    ``reduce_buffers``) is the root with its largest block gathered (every block without resharding); the
+    backward pass's prefetch of the next block is counted in ``reduce_buffers`` beside it.
     """
 
     preset: str
