@@ -33,11 +33,18 @@ STEPS = 60
 BASE = ["--site", "local-slurm", "--set", "job.nodes=2", "--set", "job.tasks_per_node=1", "--set",
         "train.precision=fp32", "--set", "train.seq_len=64", "--set", "monitor.log_every=1", "--set",
         "monitor.eval_every=0", "--set", "train.warmup_steps=2", "--set", "checkpoint.every_steps=10"]
+# 56 samples of 64 byte tokens (the first 3,585 bytes of examples/corpus/hpc_train_docs.txt through
+# hpc_train.train.prepare): 3 global batches of 16 an epoch and 8 left over, so every run here crosses an epoch's
+# end every 3 steps, and a smaller life's 8-sample micro-steps would take the left-over 8 if the sampler cut epochs
+# by micro-step (the shrink test's weights would then leave the uninterrupted run's).
+TOKENS = REPO / "tests" / "slurm" / "data" / "short-epochs.u16"
+TINY = [*BASE, "--set", "data.source=tokens", "--set", f"data.path={TOKENS}"]  # BASE for the tiny GPT
 BAD_STATES = {"FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
 
 
 def _submit(cwd: Path, steps: int, *extra: str, follow: bool = False, example: str = EXAMPLE) -> str:
-    args = [sys.executable, "-m", "hpc_train.submit", example, *BASE, "--set", f"train.steps={steps}", *extra]
+    args = [sys.executable, "-m", "hpc_train.submit", example, *(TINY if example == EXAMPLE else BASE), "--set",
+            f"train.steps={steps}", *extra]
     result = subprocess.run([*args, *([] if follow else ["--no-follow"])], cwd=cwd, capture_output=True, text=True,
                             timeout=300, check=False)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -213,7 +220,7 @@ def test_a_rank_killed_under_the_srun_template_restarts_inside_the_same_job(
         uninterrupted: dict[str, torch.Tensor], tmp_path: Path) -> None:
     """The same kill through a rendered srun script (``python -m hpc_train.agent`` on every task, no submitit):
     the agents start both ranks again inside the job and the run ends with the uninterrupted weights."""
-    rendered = subprocess.run([sys.executable, "-m", "hpc_train", "render", EXAMPLE, *BASE, "--set",
+    rendered = subprocess.run([sys.executable, "-m", "hpc_train", "render", EXAMPLE, *TINY, "--set",
                                f"train.steps={STEPS}", "--template", "srun", "--set",
                                "env.HPC_TRAIN_INJECT_FAULT=signal:1:9", "--set", "env.HPC_TRAIN_INJECT_FAULT_STEP=23",
                                "--set", "env.HPC_TRAIN_INJECT_FAULT_IN_PLACE=0", "--json"], cwd=tmp_path,
@@ -263,7 +270,7 @@ def test_rendered_sbatch_script_requeues_itself(uninterrupted: dict[str, torch.T
     Under torchrun the signal reaches the agent too, which must survive it (it ignores it) for the ranks to save.
     (The srun template runs the same ranks without the agent: tests/slurm/test_user_code_e2e.py runs it.)"""
     template = "torchrun"
-    rendered = subprocess.run([sys.executable, "-m", "hpc_train", "render", EXAMPLE, *BASE, "--set",
+    rendered = subprocess.run([sys.executable, "-m", "hpc_train", "render", EXAMPLE, *TINY, "--set",
                                f"train.steps={STEPS}", "--template", template, "--json"], cwd=tmp_path,
                               capture_output=True, text=True, timeout=60, check=True)
     script = json.loads(rendered.stdout)["script"]
@@ -289,7 +296,7 @@ def test_where_requeue_is_forbidden_a_preempted_job_goes_on_as_a_new_job(uninter
                     .replace('name = "local-slurm"', 'name = "norequeue"')
                     .replace("[slurm]\n", '[slurm]\nrequeue = "dependency"\n', 1))
     run_dir = tmp_path / "runs" / "tiny-gpt"
-    args = [sys.executable, "-m", "hpc_train.submit", EXAMPLE, *BASE, "--site", str(site), "--set",
+    args = [sys.executable, "-m", "hpc_train.submit", EXAMPLE, *TINY, "--site", str(site), "--set",
             f"train.steps={STEPS}", "--set", "env.HPC_TRAIN_INJECT_FAULT=slow:0:60"]
     follower = subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -340,7 +347,7 @@ def _lose_n2_mid_run(tmp_path: Path, *settings: str) -> tuple[str, Path]:
     drained, and every process of the job on it killed. Returns the job id and the run folder once the job has
     ended; n2 is resumed afterwards whatever happened."""
     sets = [arg for setting in settings for arg in ("--set", setting)]
-    rendered = subprocess.run([sys.executable, "-m", "hpc_train", "render", EXAMPLE, *BASE, "--set",
+    rendered = subprocess.run([sys.executable, "-m", "hpc_train", "render", EXAMPLE, *TINY, "--set",
                                f"train.steps={STEPS}", *sets, "--set", "env.HPC_TRAIN_INJECT_FAULT=slow:0:60",
                                "--template", "srun", "--json"],
                               cwd=tmp_path, capture_output=True, text=True, timeout=60, check=True)
