@@ -52,6 +52,7 @@ __all__ = ["Agent", "AgentSetup", "Spares", "agent_setup", "main", "rank_command
 _POLL_S = 0.2
 _PEER_CAUSE_WAIT_S = 10.0  # a rank that only lost its peer waits this long for the peer's own cause
 _OWN_ERROR_WAIT_S = 3.0  # a rank that failed on its own waits this long for a restart it may have caused
+_HANDOVER_GRACE_S = 10.0  # a rank still running this long after its job handed the run to the next job is ended
 _BARRIER_S = 180.0  # every agent ends its rank within this; past it, the step is left to Slurm
 _PR_SET_CHILD_SUBREAPER = 36
 
@@ -159,6 +160,7 @@ class Agent:
         self.log = _logger(setup.run_dir, setup.rank, setup.spares.task if setup.spares else None)
         self.stopping: int | None = None  # a signal from Slurm (preemption, requeue, cancel): no more restarts
         self._successor: str | None = None  # the next job of a chain this one handed the run to
+        self._handed_at = 0.0  # when this agent first saw that (monotonic)
 
     def logger_for(self, rank: int) -> logging.Logger:
         """The log of rank ``rank`` (with spares, the rank this agent runs in a life)."""
@@ -214,6 +216,10 @@ class Agent:
                 if notice is not None:
                     self._kill(child)
                     return child.wait(), notice
+            if self.stopping is None and self._handed_over_for(_HANDOVER_GRACE_S):
+                self.log.info("ending rank %d: this job's run goes on as job %s", self.rank, self._successor)
+                self._kill(child)  # as scontrol requeue would: no rank waits out its rendezvous for a peer gone
+                return child.wait(), None
         if code == 0 or not may_restart or self.stopping is not None or self._handed_over():
             if code != 0 and not may_restart and self._cause(code, oom_before) is not None:
                 self.log.info("no in-place restart left (retry.in_place = %d): leaving with status %d for the "
@@ -246,9 +252,15 @@ class Agent:
             return True
         successor = self._successor = successor_of(self.setup.run_dir, self.setup.job_id)
         if successor is not None:
+            self._handed_at = time.monotonic()
             self.log.info("job %s handed the run to job %s ([slurm] requeue = \"dependency\"): no restart in place",
                           self.setup.job_id, successor)
         return successor is not None
+
+    def _handed_over_for(self, seconds: float) -> bool:
+        """Whether this job handed the run on at least ``seconds`` ago (the rank that handed it over is let
+        finish its own records first)."""
+        return self._handed_over() and time.monotonic() - self._handed_at >= seconds
 
     def _cause(self, code: int, oom_before: int) -> tuple[str, str] | None:
         """(class, why) of a rank's end that a restart in place may mend; ("peer", why) when it only lost a

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 from hpc_train.agent import agent_setup
@@ -110,6 +111,23 @@ def test_a_job_that_handed_the_run_to_the_next_job_of_its_chain_is_not_restarted
     assert read_notice(tmp_path, "7.0", 1) is None
     log = (tmp_path / "logs" / "rank-0.log").read_text()
     assert 'job 7 handed the run to job 8 ([slurm] requeue = "dependency"): no restart in place' in log, log
+
+
+def test_once_the_run_goes_on_as_the_next_job_the_other_ranks_are_ended_not_left_waiting(tmp_path: Path) -> None:
+    """Rank 0 hands the run to the next job (as its look-back does on an excluded node) and leaves; rank 1 is
+    blocked waiting for it (its rendezvous would time out only after dist.init_timeout_s). Its agent ends it, and
+    what it started, soon after, as ``scontrol requeue`` would, and restarts nothing."""
+    from hpc_train.run.exit_codes import EXIT_RESTART_IN_PLACE
+
+    start = time.monotonic()
+    rank0, rank1 = _agents(tmp_path, ["handover", "wait-first"])
+    assert time.monotonic() - start < 60, "rank 1 was left waiting"
+    assert rank0.returncode == EXIT_RESTART_IN_PLACE and rank1.returncode == -9, rank0.stderr + rank1.stderr
+    assert _lives(tmp_path) == ["0 0 2", "1 0 2"]
+    worker = int((tmp_path / "worker.pid").read_text())
+    assert not Path(f"/proc/{worker}").exists() or "Z" in Path(f"/proc/{worker}/stat").read_text().split(")")[1][:3]
+    log = (tmp_path / "logs" / "rank-1.log").read_text()
+    assert "ending rank 1: this job's run goes on as job 8" in log, log
 
 
 def _planned(tmp_path: Path, *overrides: str) -> Path:
