@@ -285,16 +285,22 @@ def test_rendered_sbatch_script_requeues_itself(uninterrupted: dict[str, torch.T
     _assert_same(_exported(run_dir, tmp_path / "weights.pt"), uninterrupted, run_dir)
 
 
+def _norequeue_site(tmp_path: Path) -> Path:
+    """The local site as one that forbids requeue: the next attempt is a new job (``[slurm] requeue``)."""
+    site = tmp_path / "norequeue.toml"
+    site.write_text((REPO / "site_configs" / "local-slurm.toml").read_text()
+                    .replace('name = "local-slurm"', 'name = "norequeue"')
+                    .replace("[slurm]\n", '[slurm]\nrequeue = "dependency"\n', 1))
+    return site
+
+
 def test_where_requeue_is_forbidden_a_preempted_job_goes_on_as_a_new_job(uninterrupted: dict[str, torch.Tensor],
                                                                          tmp_path: Path) -> None:
     """A site with ``[slurm] requeue = "dependency"`` (its jobs are submitted ``--no-requeue``, as where the
     partition disables requeue): after USR2, rank 0 submits the job's own batch script again with
     ``--dependency=afterany``. The follower goes on with the new job id, which resumes from the saved step, and
     the run ends with the uninterrupted weights. ``status`` shows one run with both job ids."""
-    site = tmp_path / "norequeue.toml"
-    site.write_text((REPO / "site_configs" / "local-slurm.toml").read_text()
-                    .replace('name = "local-slurm"', 'name = "norequeue"')
-                    .replace("[slurm]\n", '[slurm]\nrequeue = "dependency"\n', 1))
+    site = _norequeue_site(tmp_path)
     run_dir = tmp_path / "runs" / "tiny-gpt"
     args = [sys.executable, "-m", "hpc_train.submit", EXAMPLE, *TINY, "--site", str(site), "--set",
             f"train.steps={STEPS}", "--set", "env.HPC_TRAIN_INJECT_FAULT=slow:0:60"]
@@ -329,6 +335,46 @@ def test_where_requeue_is_forbidden_a_preempted_job_goes_on_as_a_new_job(uninter
     (run,) = json.loads(status.stdout)["runs"]
     assert run["job_ids"] == [first_job, second_job] and run["job_id"] == second_job, run
     _assert_same(_exported(run_dir, tmp_path / "weights.pt"), uninterrupted, run_dir)
+
+
+def test_where_requeue_is_forbidden_a_job_that_landed_on_an_excluded_node_hands_the_run_on_and_ends(
+        tmp_path: Path) -> None:
+    """A ``retry.shrink`` job (its srun does not kill the other tasks when one leaves) held on n1,n2 while n1 is
+    excluded, then released: rank 0's look-back submits the next job with ``--exclude`` and leaves. Rank 1,
+    waiting in its rendezvous for rank 0, is ended by its agent, not left to hold both nodes; the next job runs on
+    n2,n3 and completes, and ``status`` shows one run with both job ids."""
+    from hpc_train.run.chain import successor_of
+    from hpc_train.run.exclusions import add_exclusions
+
+    rendered = subprocess.run([sys.executable, "-m", "hpc_train", "render", EXAMPLE, *TINY, "--site",
+                               str(_norequeue_site(tmp_path)), "--set", "train.steps=20", "--set", "retry.shrink=true",
+                               "--set", "job.partition=spares", "--template", "srun", "--json"],
+                              cwd=tmp_path, capture_output=True, text=True, timeout=60, check=True)
+    script = json.loads(rendered.stdout)["script"]
+    first = subprocess.run(["sbatch", "--parsable", "--hold", "--nodelist=n1,n2", script], capture_output=True,
+                           text=True, check=True, timeout=30).stdout.strip().split(";")[0]
+    run_dir = tmp_path / "runs" / "tiny-gpt"
+    add_exclusions(run_dir, ["n1"], "node_failure", "0", "excluded before this job started (test)")
+    subprocess.run(["scontrol", "release", first], check=True, timeout=30)
+    deadline = time.monotonic() + 90
+    while _state(first) in ("", "PENDING", "RUNNING", "COMPLETING"):
+        if time.monotonic() > deadline:
+            subprocess.run(["scancel", first], check=False)
+            raise AssertionError(f"job {first} still holds its nodes\n{_logs(run_dir)}")
+        time.sleep(0.5)
+    second = successor_of(run_dir, first)
+    assert second is not None, _logs(run_dir)
+    _wait_until_completed(second, run_dir, timeout_s=240)
+    nodes = subprocess.run(["sacct", "-n", "-P", "-X", "-j", second, "-o", "NodeList"], capture_output=True,
+                           text=True, timeout=30, check=True).stdout.split()
+    assert nodes == ["n[2-3]"], nodes
+    rank1 = (run_dir / "logs" / "rank-1.log").read_text()
+    assert f"ending rank 1: this job's run goes on as job {second}" in rank1, rank1[-3000:]
+    assert f"landed on excluded node(s) n1: submitted job {second}" in (run_dir / "logs" / "rank-0.log").read_text()
+    status = subprocess.run([sys.executable, "-m", "hpc_train", "status", str(run_dir), "--json"], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=60, check=True)
+    (run,) = json.loads(status.stdout)["runs"]
+    assert run["job_ids"] == [first, second] and run["job_id"] == second, run
 
 
 def _processes_of(job_id: str, node: str) -> list[int]:
