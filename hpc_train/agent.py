@@ -25,6 +25,8 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from hpc_train.agent_control import AgentLink
+from hpc_train.control.client import ControlError
 from hpc_train.run.assignment import node_of
 from hpc_train.run.attempts import AttemptLog
 from hpc_train.run.chain import successor_of
@@ -161,6 +163,7 @@ class Agent:
         self.stopping: int | None = None  # a signal from Slurm (preemption, requeue, cancel): no more restarts
         self._successor: str | None = None  # the next job of a chain this one handed the run to
         self._handed_at = 0.0  # when this agent first saw that (monotonic)
+        self.link: AgentLink | None = None  # the job's coordinator; None: the run folder's files (spares too)
 
     def logger_for(self, rank: int) -> logging.Logger:
         """The log of rank ``rank`` (with spares, the rank this agent runs in a life)."""
@@ -186,8 +189,11 @@ class Agent:
 
             return run_with_spares(self, argv)
         in_place = 0
+        self.link = AgentLink.open(self.setup.run_dir, self.attempt, self.setup.job_id, self.rank, self.log)
+        coordinator = self.link.environment() if self.link else {}
         while True:
-            env = {**os.environ, IN_PLACE_ENV: str(in_place), IN_PLACE_LEFT_ENV: str(self.setup.limit - in_place)}
+            env = {**os.environ, **coordinator, IN_PLACE_ENV: str(in_place),
+                   IN_PLACE_LEFT_ENV: str(self.setup.limit - in_place)}
             code, notice = self._run_once(argv, env, in_place)
             self._end_everything_below()
             if notice is None:
@@ -212,7 +218,7 @@ class Agent:
             except subprocess.TimeoutExpired:
                 pass
             if may_restart and self.stopping is None:
-                notice = read_notice(self.setup.run_dir, self.attempt, in_place + 1)
+                notice = self._notice(in_place + 1)
                 if notice is not None:
                     self._kill(child)
                     return child.wait(), notice
@@ -234,15 +240,25 @@ class Agent:
         if cause is None or cause[0] == "peer":  # maybe a consequence: wait for the cause's own notice
             deadline = time.monotonic() + (_PEER_CAUSE_WAIT_S if cause else _OWN_ERROR_WAIT_S)
             while time.monotonic() < deadline and self.stopping is None and not self._handed_over():
-                notice = read_notice(run_dir, self.attempt, next_in_place)
+                notice = self._notice(next_in_place)
                 if notice is not None:
                     return notice
                 time.sleep(_POLL_S)
             if cause is None or self.stopping is not None or self._handed_over():
                 return None
             cause = ("infrastructure", cause[1])
-        return request_restart(run_dir, self.attempt, RestartNotice(next_in_place, self.rank, node_name(),
-                                                                    cause[0], cause[1], time.time()))
+        notice = RestartNotice(next_in_place, self.rank, node_name(), cause[0], cause[1], time.time())
+        if self.link is not None and self.link.usable:
+            with contextlib.suppress(ControlError):
+                return self.link.request(run_dir, notice)
+        return request_restart(run_dir, self.attempt, notice)
+
+    def _notice(self, in_place: int) -> RestartNotice | None:
+        """Restart ``in_place``'s notice: pushed by the coordinator (no file read), or from the run folder when
+        there is no coordinator (a job with spares) or it went away."""
+        if self.link is not None and self.link.usable:
+            return self.link.notice(in_place)
+        return read_notice(self.setup.run_dir, self.attempt, in_place)
 
     def _handed_over(self) -> bool:
         """Whether this job already handed the run to the next job of a chain (``[slurm] requeue =
@@ -250,7 +266,10 @@ class Agent:
         it. Where requeue is allowed, ``scontrol requeue`` ends every rank of the job itself."""
         if self._successor is not None:
             return True
-        successor = self._successor = successor_of(self.setup.run_dir, self.setup.job_id)
+        if self.link is not None and self.link.usable:
+            successor = self._successor = self.link.successor()
+        else:
+            successor = self._successor = successor_of(self.setup.run_dir, self.setup.job_id)
         if successor is not None:
             self._handed_at = time.monotonic()
             self.log.info("job %s handed the run to job %s ([slurm] requeue = \"dependency\"): no restart in place",
@@ -311,6 +330,15 @@ class Agent:
 
     def _wait_for_every_rank(self, notice: RestartNotice) -> None:
         setup = self.setup
+        if self.link is not None and self.link.usable:
+            with contextlib.suppress(ControlError):
+                why = self.link.barrier(notice.in_place, setup.rank, setup.world_size, _BARRIER_S,
+                                        lambda: self.stopping is not None)
+                if why is None:
+                    return
+                self.log.error("in-place restart %d: %s; leaving the job to Slurm and the retry policy",
+                               notice.in_place, why)
+                raise SystemExit(1)
         mark_ready(setup.run_dir, self.attempt, notice.in_place, setup.rank)
         deadline = time.monotonic() + _BARRIER_S
         while ready_count(setup.run_dir, self.attempt, notice.in_place, setup.world_size) < setup.world_size:
@@ -355,7 +383,12 @@ def supervise(setup: AgentSetup, argv: list[str] | None = None) -> int:
     """Run the rank of ``setup.run_dir`` (or ``argv``) under an agent; the status to leave with."""
     agent = Agent(setup)
     agent.take_signals()
-    return _leave_like(agent.run(argv or rank_command(setup.run_dir)))
+    try:
+        code = agent.run(argv or rank_command(setup.run_dir))
+    finally:
+        if agent.link is not None:
+            agent.link.close()  # says bye: the coordinator does not take this agent for lost
+    return _leave_like(code)
 
 
 def settle(run_dir: Path, code: int, job_id: str) -> int:

@@ -83,6 +83,11 @@ def test_a_killed_rank_restarts_every_rank_and_nothing_of_the_old_life_is_left(t
     assert first.outcome == "killed" and "restarted in place (1 of retry.in_place = 2)" in first.note, first
     log = (tmp_path / "logs" / "rank-0.log").read_text()
     assert "in-place restart 1 of 2 (retry.in_place): killed" in log, log
+    # rank 0's agent hosted the coordinator: the barrier went over the network, not through per-rank markers
+    address = tmp_path / "heartbeats" / "control-7.0.json"
+    assert address.stat().st_mode & 0o777 == 0o600, oct(address.stat().st_mode)
+    assert not list((tmp_path / "heartbeats").glob("restart-7.0.1.ready-*"))
+    assert "coordinate through the run folder" not in log + (tmp_path / "logs" / "rank-1.log").read_text()
 
 
 def test_once_retry_in_place_is_spent_the_agent_dies_as_its_rank_did(tmp_path: Path) -> None:

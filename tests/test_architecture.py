@@ -24,6 +24,7 @@ LOGIN_ROOMS = ("hpc_train", "hpc_train.__main__", "hpc_train.submit", "hpc_train
                "hpc_train.config", "hpc_train.run", "hpc_train.slurm", "hpc_train.cli", "hpc_train.ops",
                "hpc_train.doctor", "hpc_train.fabric", "hpc_train.ckpt.cli", "hpc_train.ckpt.manifest",
                "hpc_train.bench.cli", "hpc_train.bench.report", "hpc_train.launch", "hpc_train.agent",
+               "hpc_train.agent_control", "hpc_train.control",
                "hpc_train.integrations")
 MAX_FILE_LINES = 500
 MAX_FUNCTION_LINES = 60
@@ -179,6 +180,7 @@ def test_config_imports_nothing_above_it() -> None:
 ROOMS = {  # room: module prefixes, longest match wins
     "base": ("hpc_train", "hpc_train.errors", "hpc_train.resources"),
     "run": ("hpc_train.run",),
+    "control": ("hpc_train.control",),
     "pure": ("hpc_train.distributed.hostlist", "hpc_train.distributed.topology", "hpc_train.terminal"),
     "fabric": ("hpc_train.fabric",),
     "config": ("hpc_train.config",),
@@ -186,7 +188,7 @@ ROOMS = {  # room: module prefixes, longest match wins
     "slurm": ("hpc_train.slurm",),
     "doctor": ("hpc_train.doctor",),
     "commands": ("hpc_train.cli", "hpc_train.submit", "hpc_train.__main__", "hpc_train.ckpt.cli"),
-    "launch": ("hpc_train.launch", "hpc_train.agent", "hpc_train.agent_spares"),
+    "launch": ("hpc_train.launch", "hpc_train.agent", "hpc_train.agent_spares", "hpc_train.agent_control"),
     "distributed": ("hpc_train.distributed",),
     "runtime": ("hpc_train.runtime",),
     "train": ("hpc_train.train",),
@@ -196,10 +198,10 @@ ROOMS = {  # room: module prefixes, longest match wins
     "bench": ("hpc_train.bench",),
     "integrations": ("hpc_train.integrations",),
 }
-_LOW = {"base", "run", "pure", "fabric"}
+_LOW = {"base", "run", "pure", "fabric", "control"}
 ALLOWED = {
     "base": {"program"},  # hpc_train.context(), inside the function: import hpc_train stays light
-    "pure": {"base"}, "fabric": {"base"}, "run": {"base", "pure"},
+    "pure": {"base"}, "fabric": {"base"}, "run": {"base", "pure", "control"}, "control": set(),
     "config": {"base", "run", "pure"},
     "ops": _LOW | {"config"},
     "slurm": _LOW | {"config", "launch"},  # launch: the callable submitit pickles (RankEntry)

@@ -18,10 +18,11 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+from hpc_train.control.publish import publish
 from hpc_train.run.files import atomic_write, read_json_object
 from hpc_train.run.paths import SUBMITIT_DIR
 
-__all__ = ["CHAIN_DIR", "REQUEUE_ENV", "chain_of", "jobs_before", "links_before", "record_successor",
+__all__ = ["CHAIN_DIR", "REQUEUE_ENV", "chain_of", "handover_key", "jobs_before", "links_before", "record_successor",
            "submit_successor", "successor_of"]
 
 CHAIN_DIR = "chain"
@@ -29,7 +30,8 @@ REQUEUE_ENV = "HPC_TRAIN_REQUEUE"  # "dependency" on ranks whose site forbids sc
 Runner = Callable[..., "subprocess.CompletedProcess[str]"]
 # What this job's Slurm, launcher and rank set, which the next job must not inherit through sbatch's --export.
 _JOB_PREFIXES = ("SLURM_", "SBATCH_", "SRUN_", "SALLOC_", "PMI_", "PMIX_", "OMPI_COMM_", "TORCHELASTIC_",
-                 "SUBMITIT_", "HPC_TRAIN_IN_PLACE", "HPC_TRAIN_SHRUNK")  # the next job starts at the full size
+                 "SUBMITIT_", "HPC_TRAIN_IN_PLACE", "HPC_TRAIN_SHRUNK",  # the next job starts at the full size
+                 "HPC_TRAIN_CONTROL")  # and has a coordinator of its own
 _RANK_NAMES = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
                "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK"}
 
@@ -38,11 +40,17 @@ def _record(run_dir: Path, job_id: str) -> Path:
     return Path(run_dir) / CHAIN_DIR / f"{job_id}.json"
 
 
+def handover_key(job_id: str) -> str:
+    """The coordinator's key that says job ``job_id`` handed the run on (:mod:`hpc_train.control`)."""
+    return f"handover/{job_id}"
+
+
 def record_successor(run_dir: Path, job_id: str, successor: str) -> None:
     """Job ``job_id`` of this run goes on as job ``successor``."""
     folder = Path(run_dir) / CHAIN_DIR
     folder.mkdir(mode=0o700, exist_ok=True)
     atomic_write(_record(run_dir, job_id), json.dumps({"job": job_id, "successor": successor, "time": time.time()}))
+    publish(handover_key(job_id), successor)  # the job's agents hear it at once, and end what still runs
 
 
 def successor_of(run_dir: Path, job_id: str) -> str | None:

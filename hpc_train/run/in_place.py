@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from hpc_train.control.publish import publish
 from hpc_train.run.files import read_record_text
 from hpc_train.run.paths import HEARTBEAT_DIR, restart_notice_path, restart_ready_path
 
@@ -25,9 +26,12 @@ __all__ = [
     "in_place_index",
     "in_place_left",
     "mark_ready",
+    "notice_from",
     "read_notice",
     "ready_count",
+    "ready_key",
     "request_restart",
+    "restart_key",
 ]
 
 IN_PLACE_ENV = "HPC_TRAIN_IN_PLACE"  # which in-place restart of the Slurm attempt a rank belongs to (0: the first)
@@ -58,8 +62,35 @@ def in_place_left(env: Mapping[str, str]) -> int:
     return int(value) if value.isdigit() else 0
 
 
-def request_restart(run_dir: Path, attempt: str, notice: RestartNotice) -> RestartNotice:
-    """Write the notice for restart ``notice.in_place`` unless another rank did first; the notice that holds."""
+def restart_key(attempt: str, in_place: int) -> str:
+    """The coordinator's key for restart ``in_place`` of ``attempt`` (:mod:`hpc_train.control`)."""
+    return f"{attempt}/restart/{in_place}"
+
+
+def ready_key(attempt: str, in_place: int) -> str:
+    """The coordinator's barrier of restart ``in_place``: set once every rank's agent ended its rank."""
+    return f"{attempt}/ready/{in_place}"
+
+
+def notice_from(value: object, in_place: int) -> RestartNotice | None:
+    """A notice as the coordinator carries it (a JSON object), or None when it is not one."""
+    if not isinstance(value, dict):
+        return None
+    try:
+        fields = {k: value[k] for k in RestartNotice.__dataclass_fields__}
+        return RestartNotice(**{**fields, "in_place": in_place})
+    except (KeyError, TypeError):
+        return None
+
+
+def request_restart(run_dir: Path, attempt: str, notice: RestartNotice, publish_it: bool = True) -> RestartNotice:
+    """Write the notice for restart ``notice.in_place`` unless another rank did first; the notice that holds.
+    With ``publish_it``, a rank whose agent named a coordinator sets it there first (the agents hear it at once,
+    and the coordinator says which notice holds); the file is the durable record, and the agents' fallback."""
+    if publish_it:
+        held = notice_from(publish(restart_key(attempt, notice.in_place), asdict(notice)), notice.in_place)
+        if held is not None and held != notice:
+            return held
     path = restart_notice_path(run_dir, attempt, notice.in_place)
     path.parent.mkdir(mode=0o700, exist_ok=True)
     try:

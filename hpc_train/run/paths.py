@@ -27,11 +27,11 @@ __all__ = [
     "STACKS_GLOB",
     "SUBMITIT_DIR",
     "TRAIN_FILE",
+    "control_address_path",
     "fabric_report_path",
     "follower_cancel_path",
     "hang_decision_path",
     "hang_marker_path",
-    "heartbeat_path",
     "rank_consequence_path",
     "rank_error_path",
     "rank_log_path",
@@ -58,7 +58,7 @@ WANDB_STATE_FILE = "wandb.json"  # the W&B run id and the last step sent, kept a
 MODEL_FILE = "model.json"  # what export needs to know of a trained model (a Hugging Face config), by rank 0
 LOGS_DIR = "logs"  # rank logs, error files, stacks, fabric reports, Slurm's batch output
 CHECKPOINTS_DIR = "checkpoints"
-HEARTBEAT_DIR = "heartbeats"  # the watchdog's heartbeats and hang markers
+HEARTBEAT_DIR = "heartbeats"  # the ranks' and agents' notices to each other: hang markers, stops, restarts
 SUBMITIT_DIR = "submitit"  # submitit's pickles and the local executor's output
 FLIGHT_RECORDER_DIR = f"{LOGS_DIR}/nccl-trace"  # made with the run folder: torch writes into it, never creates it
 RANK_LOG_GLOB = "rank-*.log"
@@ -92,11 +92,6 @@ def fabric_report_path(run_dir: Path, host: str) -> Path:
     return Path(run_dir) / LOGS_DIR / f"fabric-{host}.json"
 
 
-def heartbeat_path(run_dir: Path, rank: int) -> Path:
-    """A rank's watchdog heartbeat (phase, step, age), for ``status``."""
-    return Path(run_dir) / HEARTBEAT_DIR / f"rank-{rank}.json"
-
-
 def hang_marker_path(run_dir: Path, attempt: str) -> Path:
     """The marker the first rank to see a hang publishes; every rank's watchdog looks for it."""
     return Path(run_dir) / HEARTBEAT_DIR / f"hang-{attempt}.json"
@@ -105,6 +100,11 @@ def hang_marker_path(run_dir: Path, attempt: str) -> Path:
 def hang_decision_path(run_dir: Path, attempt: str) -> Path:
     """Rank 0's decision about a hang (exit status and why), which the other ranks wait for."""
     return Path(run_dir) / HEARTBEAT_DIR / f"hang-{attempt}.decided.json"
+
+
+def control_address_path(run_dir: Path, attempt: str) -> Path:
+    """Where rank 0's agent says how to reach attempt ``attempt``'s coordinator (host, port, token; 0600)."""
+    return Path(run_dir) / HEARTBEAT_DIR / f"control-{attempt}.json"
 
 
 def restart_notice_path(run_dir: Path, attempt: str, in_place: int) -> Path:

@@ -1,0 +1,120 @@
+"""The agents' side of the control plane (:mod:`hpc_train.control`): rank 0's agent hosts the coordinator, every
+agent holds one connection to it for the Slurm attempt.
+
+What goes over it instead of the run folder: the restart notice (set once, first writer wins, pushed to every
+agent), the restart barrier (each agent arrives once; the coordinator sets the barrier's key when all did, so
+the decision is made within a message's time of the last report), a member that vanished (its connection
+dropped: its node is lost, and the barrier will not complete), and the hand-over to the next job of a chain.
+The files stay as the durable record, written at each event, and as the fallback when the coordinator cannot be
+reached (``link`` is None or broken): the agent then reads them as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from hpc_train.control.client import ControlClient, ControlError
+from hpc_train.control.discovery import Address, find_address, new_token, publish_address
+from hpc_train.control.server import ControlServer
+from hpc_train.run.chain import handover_key
+from hpc_train.run.in_place import RestartNotice, notice_from, ready_key, request_restart, restart_key
+from hpc_train.run.paths import control_address_path
+
+__all__ = ["AgentLink"]
+
+_FIND_S = 60.0  # how long an agent looks for the coordinator's address before it falls back to the files
+
+
+class AgentLink:
+    """One agent's connection (and, on rank 0's agent, the coordinator itself)."""
+
+    def __init__(self, client: ControlClient, address: Address, server: ControlServer | None, attempt: str,
+                 job_id: str) -> None:
+        self.client, self.address, self.server = client, address, server
+        self.attempt, self.job_id = attempt, job_id
+
+    @classmethod
+    def open(cls, run_dir: Path, attempt: str, job_id: str, rank: int, log: logging.Logger,
+             host: bool | None = None) -> AgentLink | None:
+        """Host (rank 0's agent, or ``host``) and connect; None (the files are used) when that fails."""
+        path = control_address_path(run_dir, attempt)
+        server = None
+        try:
+            if host if host is not None else rank == 0:
+                server = ControlServer(new_token()).start()
+                address = Address(socket.gethostname(), server.port, server.token)
+                publish_address(path, address)
+            else:
+                found = find_address(path, _FIND_S)
+                if found is None:
+                    log.warning("no coordinator for attempt %s within %.0f s: the agents coordinate through the "
+                                "run folder", attempt, _FIND_S)
+                    return None
+                address = found
+            client = ControlClient.connect(address.host, address.port, address.token, f"rank-{rank}",
+                                           agent=True)
+            for prefix in (f"{attempt}/", "lost/", "left/", handover_key(job_id)):
+                client.watch(prefix)
+        except (ControlError, OSError) as error:
+            log.warning("the coordinator of attempt %s cannot be used (%s): the agents coordinate through the "
+                        "run folder", attempt, error)
+            if server is not None:
+                server.stop()
+            return None
+        return cls(client, address, server, attempt, job_id)
+
+    @property
+    def usable(self) -> bool:
+        return not self.client.broken
+
+    def environment(self) -> dict[str, str]:
+        return self.address.environment()
+
+    def notice(self, in_place: int) -> RestartNotice | None:
+        """The restart notice the coordinator pushed, from memory: no file and no message."""
+        value = self.client.known.get(restart_key(self.attempt, in_place))
+        return notice_from(value, in_place) if value is not None else None
+
+    def successor(self) -> str | None:
+        value = self.client.known.get(handover_key(self.job_id))
+        return str(value) if isinstance(value, str) and value.isdigit() else None
+
+    def gone(self) -> list[str]:
+        """The agents that left (``left/``) or vanished (``lost/``: their node lost) during this attempt."""
+        return sorted(str(key).partition("/")[2] for key in list(self.client.known)
+                      if key.startswith(("lost/", "left/")))
+
+    def request(self, run_dir: Path, notice: RestartNotice) -> RestartNotice:
+        """Set the notice unless another agent did first; the one that holds is recorded in the run folder."""
+        held = self.client.set(restart_key(self.attempt, notice.in_place), asdict(notice), first=True)
+        holding = notice_from(held, notice.in_place) or notice
+        if holding == notice:
+            request_restart(run_dir, self.attempt, notice, publish_it=False)
+        return holding
+
+    def barrier(self, in_place: int, rank: int, world: int, timeout_s: float, stopping: Any) -> str | None:
+        """Arrive at restart ``in_place``'s barrier and wait for every rank's agent; None once all arrived, else
+        why not (a member lost, the coordinator gone, the time out, a signal: ``stopping()`` true)."""
+        key = ready_key(self.attempt, in_place)
+        self.client.arrive(key, f"rank-{rank}", world)
+        deadline = time.monotonic() + timeout_s
+        while self.client.wait_for(key, 0.2) is None:
+            if gone := self.gone():
+                return f"the agent of {', '.join(gone[:8])} is gone (its node lost, or its rank ended for good)"
+            if self.client.broken:
+                return "the coordinator is gone (rank 0's node lost?)"
+            if time.monotonic() > deadline or stopping():
+                return f"not every rank's agent ended its rank within {timeout_s:.0f} s (a node lost?)"
+        return None
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.client.close()
+        if self.server is not None:
+            self.server.stop()

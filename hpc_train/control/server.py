@@ -1,0 +1,238 @@
+"""The coordinator: a small key-value server one agent of a job hosts, which every agent of the job talks to.
+
+Why not the run folder: agents that poll shared files cost the metadata server work per rank per second, and a
+barrier made of per-rank marker files costs every agent N stats a scan (O(N^2) in all). Here an agent says
+ready once and hears "all ready" once (O(N) messages in all), hears a restart notice the moment one is set, and
+its node is known lost the moment its connection drops (TCP keep-alive catches a dead host), not when a file is
+late. One thread, one ``selectors`` loop: the messages are few and small, so one thread serves thousands of
+agents; a client that sends what is not a bounded JSON line, or no token, is disconnected.
+
+Operations (see :mod:`hpc_train.control.client`): ``hello`` (the job's token and a member name), ``set`` (with
+``first``: the first value set holds, as an ``O_EXCL`` file did), ``get``, ``arrive`` (a barrier: once
+``expected`` distinct members arrived, its key is set), ``watch`` (every key with a prefix, now and later, is
+pushed), ``bye``. An agent (a hello with ``agent``) that leaves gets ``left/MEMBER`` set, or ``lost/MEMBER``
+when it vanished without ``bye``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import resource
+import selectors
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from hpc_train.control.wire import LineBuffer, WireError, decode, encode
+
+__all__ = ["ControlServer", "keep_alive"]
+
+_MAX_PENDING = 4 * 1024 * 1024  # bytes queued for one client that does not read: it is dropped
+_KEEPALIVE_S = 5  # idle seconds before the first probe, and between probes (torchelastic: 5 s)
+_KEEPALIVE_PROBES = 3
+
+
+def keep_alive(sock: socket.socket) -> None:
+    """A peer whose host died is noticed within about 20 s even when nothing is being sent."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (("TCP_KEEPIDLE", _KEEPALIVE_S), ("TCP_KEEPINTVL", _KEEPALIVE_S),
+                        ("TCP_KEEPCNT", _KEEPALIVE_PROBES)):
+        if hasattr(socket, name):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+@dataclass
+class _Conn:
+    sock: socket.socket
+    buffer: LineBuffer = field(default_factory=LineBuffer)
+    pending: bytearray = field(default_factory=bytearray)
+    member: str | None = None
+    agent: bool = False  # a member of the job (lost or left is news), not a rank's one-off publisher
+    said_bye: bool = False
+    prefixes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _Barrier:
+    expected: int
+    members: set[str] = field(default_factory=set)
+
+
+def _more_descriptors() -> None:
+    """One socket per agent: a job of thousands of agents needs more than the usual soft limit of 1,024."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    with contextlib.suppress(ValueError, OSError):
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else max(soft, 65536),
+                                                    hard))
+
+
+class ControlServer:
+    """Serve one job's agents from a thread: ``start()``, then ``address``; ``stop()`` at the end."""
+
+    def __init__(self, token: str, host: str = "0.0.0.0", port: int = 0) -> None:  # noqa: S104 (every node)
+        self.token = token
+        self.values: dict[str, Any] = {}
+        self._barriers: dict[str, _Barrier] = {}
+        self._conns: dict[int, _Conn] = {}
+        self._selector = selectors.DefaultSelector()
+        _more_descriptors()
+        self._listener = socket.create_server((host, port), backlog=4096, reuse_port=False)
+        self._listener.setblocking(False)
+        self._selector.register(self._listener, selectors.EVENT_READ)
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._selector.register(self._wake_r, selectors.EVENT_READ)
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="hpc_train-control", daemon=True)
+        self.messages = 0  # requests served: what the protocol's tests count
+
+    @property
+    def port(self) -> int:
+        return int(self._listener.getsockname()[1])
+
+    def start(self) -> ControlServer:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stopped.set()
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"x")
+        self._thread.join(timeout=5)
+        for conn in list(self._conns.values()):
+            self._close(conn, lost=False)
+        for sock in (self._listener, self._wake_r, self._wake_w):
+            sock.close()
+        self._selector.close()
+
+    # --- the loop --------------------------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while not self._stopped.is_set():
+            for key, events in self._selector.select(timeout=1.0):
+                if key.fileobj is self._listener:
+                    self._accept()
+                elif key.fileobj is self._wake_r:
+                    return
+                else:
+                    conn = self._conns.get(key.fd)
+                    if conn is not None and events & selectors.EVENT_WRITE:
+                        self._flush(conn)
+                    if conn is not None and events & selectors.EVENT_READ and conn.sock.fileno() >= 0:
+                        self._read(conn)
+
+    def _accept(self) -> None:
+        with contextlib.suppress(BlockingIOError, InterruptedError, ConnectionAbortedError):
+            while True:
+                sock, _peer = self._listener.accept()
+                sock.setblocking(False)
+                keep_alive(sock)
+                conn = _Conn(sock)
+                self._conns[sock.fileno()] = conn
+                self._selector.register(sock, selectors.EVENT_READ)
+
+    def _read(self, conn: _Conn) -> None:
+        try:
+            chunk = conn.sock.recv(65536)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            chunk = b""
+        if not chunk:
+            self._close(conn, lost=not conn.said_bye)
+            return
+        try:
+            for line in conn.buffer.feed(chunk):
+                if conn.sock.fileno() < 0:
+                    return
+                self._handle(conn, decode(line))
+        except (WireError, ValueError, TypeError):
+            self._close(conn, lost=conn.member is not None and not conn.said_bye)
+
+    def _send(self, conn: _Conn, message: dict[str, Any]) -> None:
+        if conn.sock.fileno() < 0:
+            return
+        conn.pending += encode(message)
+        if len(conn.pending) > _MAX_PENDING:
+            self._close(conn, lost=True)
+            return
+        self._flush(conn)
+
+    def _flush(self, conn: _Conn) -> None:
+        try:
+            sent = conn.sock.send(conn.pending) if conn.pending else 0
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        except OSError:
+            self._close(conn, lost=not conn.said_bye)
+            return
+        del conn.pending[:sent]
+        events = selectors.EVENT_READ | (selectors.EVENT_WRITE if conn.pending else 0)
+        with contextlib.suppress(KeyError, ValueError):
+            self._selector.modify(conn.sock, events)
+
+    def _close(self, conn: _Conn, lost: bool) -> None:
+        fd = conn.sock.fileno()
+        if fd < 0:
+            return
+        with contextlib.suppress(KeyError, ValueError):
+            self._selector.unregister(conn.sock)
+        self._conns.pop(fd, None)
+        conn.sock.close()
+        if conn.agent and conn.member is not None:  # a barrier that waits for it will not complete
+            state = "lost" if lost else "left"
+            self._set(f"{state}/{conn.member}", {"member": conn.member, "time": time.time()}, first=True)
+
+    # --- the operations --------------------------------------------------------------------------------------
+
+    def _handle(self, conn: _Conn, message: dict[str, Any]) -> None:
+        op, reply = message.get("op"), {"re": message.get("id")}
+        self.messages += 1
+        if conn.member is None:
+            token, member = message.get("token"), message.get("member")
+            if op != "hello" or not isinstance(token, str) or not isinstance(member, str) or len(member) > 128 \
+                    or not hmac.compare_digest(token.encode(), self.token.encode()):
+                raise WireError("the first message is a hello with the job's token")
+            conn.member, conn.agent = member, message.get("agent") is True
+            self._send(conn, {**reply, "ok": True})
+            return
+        key = message.get("key")
+        if op == "set" and isinstance(key, str):
+            reply["value"] = self._set(key, message.get("value"), first=bool(message.get("first")))
+        elif op == "get" and isinstance(key, str):
+            reply.update(found=key in self.values, value=self.values.get(key))
+        elif op == "arrive" and isinstance(key, str):
+            reply["count"] = self._arrive(key, str(message.get("member")), message.get("expected"))
+        elif op == "watch" and isinstance(message.get("prefix"), str):
+            conn.prefixes.append(message["prefix"])
+            for name, value in list(self.values.items()):
+                if name.startswith(message["prefix"]):
+                    self._send(conn, {"event": "set", "key": name, "value": value})
+        elif op == "bye":
+            conn.said_bye = True
+        elif op != "ping":
+            raise WireError(f"unknown operation {op!r}")
+        self._send(conn, {**reply, "ok": True})
+
+    def _set(self, key: str, value: Any, first: bool) -> Any:
+        if first and key in self.values:
+            return self.values[key]
+        if self.values.get(key, object()) == value:
+            return value
+        self.values[key] = value
+        for conn in list(self._conns.values()):
+            if any(key.startswith(prefix) for prefix in conn.prefixes):
+                self._send(conn, {"event": "set", "key": key, "value": value})
+        return value
+
+    def _arrive(self, key: str, member: str, expected: Any) -> int:
+        if not isinstance(expected, int) or isinstance(expected, bool) or not 0 < expected <= 10_000_000:
+            raise WireError("a barrier's expected count is a positive integer")
+        barrier = self._barriers.setdefault(key, _Barrier(expected))
+        barrier.members.add(member)
+        if len(barrier.members) >= barrier.expected:
+            self._set(key, {"members": len(barrier.members), "time": time.time()}, first=True)
+        return len(barrier.members)

@@ -1,0 +1,120 @@
+"""The coordinator's protocol (hpc_train.control) with real sockets on the loopback and agents as threads: the
+restart barrier, the first restart notice holding, a lost agent, a late one, duplicated messages, and clients
+that are not the job's."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from hpc_train.control.client import ControlClient, ControlError
+from hpc_train.control.server import ControlServer
+from hpc_train.control.wire import MAX_LINE
+
+TOKEN = "t0ken"
+
+
+@pytest.fixture
+def server() -> Iterator[ControlServer]:
+    served = ControlServer(TOKEN, host="127.0.0.1").start()
+    yield served
+    served.stop()
+
+
+def _agent(server: ControlServer, name: str, prefix: str = "a/") -> ControlClient:
+    client = ControlClient.connect("127.0.0.1", server.port, TOKEN, name, agent=True)
+    client.watch(prefix)
+    client.watch("lost/")
+    client.watch("left/")
+    return client
+
+
+def test_the_barrier_is_decided_once_every_agent_arrived_and_costs_o_n_messages(server: ControlServer) -> None:
+    agents = [_agent(server, f"rank-{rank}") for rank in range(64)]
+    before = server.messages
+    results: list[object] = []
+
+    def arrive(client: ControlClient, rank: int) -> None:
+        client.arrive("a/ready/1", f"rank-{rank}", len(agents))
+        results.append(client.wait_for("a/ready/1", 10.0))
+
+    threads = [threading.Thread(target=arrive, args=(c, r)) for r, c in enumerate(agents)]
+    for thread in threads[:-1]:
+        thread.start()
+    time.sleep(0.3)
+    assert all(c.known.get("a/ready/1") is None for c in agents), "decided before the last agent arrived"
+    threads[-1].start()
+    for thread in threads:
+        thread.join(timeout=10)
+    assert len(results) == 64 and all(isinstance(r, dict) and r["members"] == 64 for r in results)
+    assert server.messages - before == 64  # one request per agent: O(N) in all, no polling
+    for client in agents:
+        client.close()
+
+
+def test_the_first_restart_notice_holds_and_every_agent_hears_it(server: ControlServer) -> None:
+    agents = [_agent(server, f"rank-{rank}") for rank in range(3)]
+    first = agents[1].set("a/restart/1", {"rank": 1, "why": "SIGKILL"}, first=True)
+    second = agents[0].set("a/restart/1", {"rank": 0, "why": "lost its peer"}, first=True)
+    assert first == second == {"rank": 1, "why": "SIGKILL"}
+    assert all(c.wait_for("a/restart/1", 5.0) == first for c in agents)
+    late = _agent(server, "rank-3")  # an agent that watches after the fact is told what is already set
+    assert late.wait_for("a/restart/1", 5.0) == first
+    for client in [*agents, late]:
+        client.close()
+
+
+def test_a_duplicated_message_changes_nothing(server: ControlServer) -> None:
+    client = _agent(server, "rank-0")
+    assert client.arrive("a/ready/1", "rank-0", 2) == 1
+    assert client.arrive("a/ready/1", "rank-0", 2) == 1  # the same agent twice is still one
+    assert client.wait_for("a/ready/1", 0.3) is None
+    other = _agent(server, "rank-1")
+    assert other.arrive("a/ready/1", "rank-1", 2) == 2
+    assert client.wait_for("a/ready/1", 5.0)["members"] == 2
+    client.close()
+    other.close()
+
+
+def test_an_agent_that_vanishes_is_lost_and_one_that_says_bye_has_left(server: ControlServer) -> None:
+    watcher = _agent(server, "rank-0")
+    leaving, vanishing = _agent(server, "rank-1"), _agent(server, "rank-2")
+    leaving.close()
+    vanishing._sock.close()  # its host died: no bye  # noqa: SLF001
+    assert watcher.wait_for("left/rank-1", 5.0)["member"] == "rank-1"
+    assert watcher.wait_for("lost/rank-2", 5.0)["member"] == "rank-2"
+    publisher = ControlClient.connect("127.0.0.1", server.port, TOKEN, "pid-5")  # a rank's one-off word
+    publisher.set("a/x", 1)
+    publisher._sock.close()  # noqa: SLF001
+    time.sleep(0.3)
+    assert not [k for k in watcher.known if k.endswith("pid-5")], "a publisher is no member of the job"
+    watcher.close()
+
+
+def test_a_lost_coordinator_breaks_the_link_at_once(server: ControlServer) -> None:
+    client = _agent(server, "rank-1")
+    server.stop()
+    assert client.wait_for("a/restart/1", 5.0) is None and client.broken
+    with pytest.raises(ControlError):
+        client.get("a/restart/1")
+
+
+def test_clients_that_are_not_the_jobs_are_disconnected(server: ControlServer) -> None:
+    with pytest.raises(ControlError):
+        ControlClient.connect("127.0.0.1", server.port, "wrong", "rank-9", agent=True)
+    for junk in (b"not json\n", b"[1, 2]\n", b"x" * (MAX_LINE + 10), b'{"op": "set", "key": "a/b"}\n'):
+        with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
+            sock.sendall(junk)
+            sock.settimeout(5)
+            try:
+                answer = sock.recv(100)
+            except ConnectionResetError:  # closed while bytes were still unread: also no answer
+                answer = b""
+            assert answer == b"", junk[:20]  # closed, no answer
+    watcher = _agent(server, "rank-0")
+    assert watcher.get("a/b") is None and not [k for k in watcher.known if k.startswith("lost/")]
+    watcher.close()
