@@ -20,6 +20,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from hpc_train.control.events import rank_events, stop_key, stop_request_key
+from hpc_train.control.publish import publish
 from hpc_train.run.files import atomic_write, read_record_text
 from hpc_train.run.paths import HEARTBEAT_DIR, stop_notice_path, stop_request_path
 
@@ -70,17 +72,33 @@ class StopConsequence(Exception):  # noqa: N818 - it is not an error of the prog
 
 
 def publish_notice(run_dir: Path, notice: StopNotice) -> None:
+    """The run folder's record, then the coordinator's push to every rank (where an agent named one)."""
     (Path(run_dir) / HEARTBEAT_DIR).mkdir(mode=0o700, exist_ok=True)
     atomic_write(stop_notice_path(run_dir, notice.attempt), json.dumps(asdict(notice)) + "\n")
+    publish(stop_key(notice.attempt), asdict(notice), first=False)
 
 
-def read_notice(run_dir: Path, attempt: str, since: float = 0.0) -> StopNotice | None:
+def read_notice(run_dir: Path, attempt: str, since: float = 0.0, heard_only: bool = True) -> StopNotice | None:
     """This attempt's notice, if rank 0 has published one at or after ``since`` (a restart of the local
-    executor reuses the attempt's name: an older notice belongs to an earlier run of it). Read as every record
-    is: never through a link, never from a FIFO."""
+    executor reuses the attempt's name: an older notice belongs to an earlier run of it). On a rank whose agent
+    named a coordinator, as it pushed the notice (no file read: ranks ask every second); elsewhere, or with
+    ``heard_only`` false, the run folder's record too, read as every record is: never through a link, never from
+    a FIFO."""
+    events = rank_events()
+    if events is not None:
+        notice = _notice_of(json.dumps(events.seen(stop_key(attempt))), attempt, since)
+        if notice is not None or heard_only:
+            return notice
     try:
-        notice = StopNotice.from_json(read_record_text(stop_notice_path(run_dir, attempt)))
-    except (OSError, ValueError, KeyError, TypeError):
+        return _notice_of(read_record_text(stop_notice_path(run_dir, attempt)), attempt, since)
+    except OSError:
+        return None
+
+
+def _notice_of(text: str, attempt: str, since: float) -> StopNotice | None:
+    try:
+        notice = StopNotice.from_json(text)
+    except (ValueError, KeyError, TypeError):
         return None
     return notice if notice.attempt == attempt and notice.time >= since - 1 else None
 
@@ -90,7 +108,7 @@ def wait_for_done(run_dir: Path, attempt: str, since: float, timeout_s: float,
     """The ``done`` notice once rank 0 has published it, or None after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
     while True:
-        notice = read_notice(run_dir, attempt, since)
+        notice = read_notice(run_dir, attempt, since, heard_only=False)  # a stop under way: the file too
         if notice is not None and notice.phase == "done":
             return notice
         if time.monotonic() >= deadline:
@@ -101,14 +119,20 @@ def wait_for_done(run_dir: Path, attempt: str, since: float, timeout_s: float,
 def request_stop(run_dir: Path, attempt: str, rank: int, signal: str) -> None:
     """A rank other than 0 with the signal: ask rank 0 to stop the attempt (rank 0 may not have the signal)."""
     (Path(run_dir) / HEARTBEAT_DIR).mkdir(mode=0o700, exist_ok=True)
-    atomic_write(stop_request_path(run_dir, attempt),
-                 json.dumps({"attempt": attempt, "rank": rank, "signal": signal, "time": time.time()}) + "\n")
+    request = {"attempt": attempt, "rank": rank, "signal": signal, "time": time.time()}
+    atomic_write(stop_request_path(run_dir, attempt), json.dumps(request) + "\n")
+    publish(stop_request_key(attempt), request, first=False)
 
 
 def read_request(run_dir: Path, attempt: str, since: float = 0.0) -> str | None:
-    """The signal another rank asked rank 0 to stop for, if it asked at or after ``since``."""
+    """The signal another rank asked rank 0 to stop for, if it asked at or after ``since``: as the coordinator
+    pushed it where there is one (rank 0 asks every second), else from the run folder."""
+    events = rank_events()
     try:
-        data = json.loads(read_record_text(stop_request_path(run_dir, attempt)))
+        if events is not None:
+            data = events.seen(stop_request_key(attempt))
+        else:
+            data = json.loads(read_record_text(stop_request_path(run_dir, attempt)))
         if data["attempt"] == attempt and float(data["time"]) >= since - 1:
             return str(data["signal"])
     except (OSError, ValueError, KeyError, TypeError):

@@ -15,7 +15,7 @@ from hpc_train.control.client import ControlClient, ControlError
 from hpc_train.control.server import ControlServer
 from hpc_train.control.wire import MAX_LINE
 
-TOKEN = "t0ken"
+TOKEN = "t0ken"  # noqa: S105 (a test's token)
 
 
 @pytest.fixture
@@ -84,12 +84,12 @@ def test_an_agent_that_vanishes_is_lost_and_one_that_says_bye_has_left(server: C
     watcher = _agent(server, "rank-0")
     leaving, vanishing = _agent(server, "rank-1"), _agent(server, "rank-2")
     leaving.close()
-    vanishing._sock.close()  # its host died: no bye  # noqa: SLF001
+    vanishing._sock.close()  # its host died: no bye
     assert watcher.wait_for("left/rank-1", 5.0)["member"] == "rank-1"
     assert watcher.wait_for("lost/rank-2", 5.0)["member"] == "rank-2"
     publisher = ControlClient.connect("127.0.0.1", server.port, TOKEN, "pid-5")  # a rank's one-off word
     publisher.set("a/x", 1)
-    publisher._sock.close()  # noqa: SLF001
+    publisher._sock.close()
     time.sleep(0.3)
     assert not [k for k in watcher.known if k.endswith("pid-5")], "a publisher is no member of the job"
     watcher.close()

@@ -1,0 +1,57 @@
+"""A rank hears the stop notice and a peer's stop request from its job's coordinator (no run-folder read in its
+once-a-second check), and reads the run folder as before where no agent named a coordinator."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from hpc_train.control.discovery import Address
+from hpc_train.control.server import ControlServer
+from hpc_train.run.paths import stop_notice_path, stop_request_path
+from hpc_train.run.stops import StopNotice, publish_notice, read_notice, read_request, request_stop
+
+
+@pytest.fixture
+def coordinator(monkeypatch: pytest.MonkeyPatch) -> Iterator[ControlServer]:
+    server = ControlServer("secret-of-this-test", host="127.0.0.1").start()
+    for name, value in Address("127.0.0.1", server.port, server.token).environment().items():
+        monkeypatch.setenv(name, value)
+    yield server
+    server.stop()
+
+
+def _until(check, timeout_s: float = 5.0):  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while not (value := check()) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return value
+
+
+def test_a_rank_hears_the_stop_notice_from_the_coordinator_not_the_file(tmp_path: Path,
+                                                                       coordinator: ControlServer) -> None:
+    assert read_notice(tmp_path, "42.0") is None  # opens this process's connection, watching rank/ keys
+    notice = StopNotice("42.0", "stopping", time.time(), "SIGUSR2", "scontrol", 0, "preempted", 7)
+    publish_notice(tmp_path, notice)
+    assert stop_notice_path(tmp_path, "42.0").exists()  # the durable record is written all the same
+    stop_notice_path(tmp_path, "42.0").unlink()
+    assert _until(lambda: read_notice(tmp_path, "42.0")) == notice  # from memory: the file is gone
+
+
+def test_rank_0_hears_a_peers_stop_request_from_the_coordinator(tmp_path: Path,
+                                                                coordinator: ControlServer) -> None:
+    assert read_request(tmp_path, "42.0") is None
+    request_stop(tmp_path, "42.0", 3, "SIGTERM")
+    stop_request_path(tmp_path, "42.0").unlink()
+    assert _until(lambda: read_request(tmp_path, "42.0")) == "SIGTERM"
+
+
+def test_without_a_coordinator_the_run_folder_is_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("HPC_TRAIN_CONTROL", raising=False)
+    notice = StopNotice("43.0", "done", time.time(), "SIGUSR2", "none", 0, "done", 3)
+    publish_notice(tmp_path, notice)
+    request_stop(tmp_path, "43.0", 1, "SIGUSR2")
+    assert read_notice(tmp_path, "43.0") == notice and read_request(tmp_path, "43.0") == "SIGUSR2"
