@@ -10,8 +10,9 @@ or the time limit would burn the allocation. Each rank's main loop tells the wat
 3. rank 0 records the attempt as ``hang`` and decides (``[retry] hang``): requeue, or fail;
 4. every rank exits with the status rank 0 chose (:data:`EXIT_HUNG` unless it requeues on the local executor).
 
-The thread also writes ``heartbeats/rank-N.json`` every few seconds (phase, step, age) for ``status``. It never
-touches torch: it must keep running while the main thread is stuck inside a collective.
+The thread never touches torch: it must keep running while the main thread is stuck inside a collective. It
+writes nothing while the rank makes progress (no heartbeat files: on a shared file system every rank's periodic
+write is a metadata operation, and nothing read them).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from hpc_train.control.events import hang_key, rank_events
 from hpc_train.run.exit_codes import EXIT_HUNG
 from hpc_train.run.files import atomic_write
 from hpc_train.run.loglines import format_not_in_collective
@@ -37,7 +39,6 @@ from hpc_train.run.paths import (
     HEARTBEAT_DIR,
     hang_decision_path,
     hang_marker_path,
-    heartbeat_path,
     stacks_path,
 )
 from hpc_train.run.stacks import COLLECTIVE_FRAMES, DUMP_SEPARATOR, main_thread_frames
@@ -109,16 +110,16 @@ class Watchdog:
 
     def __init__(self, run_dir: Path, rank: int, world_size: int, attempt: str, timeouts: Timeouts,
                  decide: Decide | None, log: Callable[[str], None], *, poll_s: float = 1.0,
-                 heartbeat_s: float = 10.0, grace_s: float = 90.0, exit: Callable[[int], None] = os._exit) -> None:
+                 grace_s: float = 90.0, exit: Callable[[int], None] = os._exit) -> None:
         self.run_dir, self.rank, self.world_size, self.timeouts = run_dir, rank, world_size, timeouts
         self.decide, self.log = decide, log
-        self.poll_s, self.heartbeat_s = poll_s, heartbeat_s
+        self.poll_s = poll_s
         self.grace_s = grace_s  # rank 0 may wait 10 s for the dumps and 60 s for scontrol: others wait longer
         self._exit = exit
         self.host = node_name()  # Slurm's name: what the hang's record and --exclude name
+        self.attempt = attempt
         self.marker = hang_marker_path(run_dir, attempt)
         self.decision = hang_decision_path(run_dir, attempt)
-        self.heartbeat = heartbeat_path(run_dir, rank)
         # A restart of the local executor reuses the attempt's name: anything older than this start is history.
         self.started = time.time()
         self._progress = ("startup", 0, time.monotonic())  # one tuple: the thread never pairs a phase with a
@@ -150,7 +151,6 @@ class Watchdog:
     # --- the thread ------------------------------------------------------------------------------------------
 
     def _run(self) -> None:
-        last_beat = 0.0
         while not self._stop.wait(self.poll_s):
             phase, step, since = self._progress
             now = time.monotonic()
@@ -163,34 +163,48 @@ class Watchdog:
             if seen is not None:
                 self._on_hang(seen, first=False)
                 return
-            if now - last_beat >= self.heartbeat_s:
-                last_beat = now
-                self._write_heartbeat(phase, step, now - since)
-
-    def _write_heartbeat(self, phase: str, step: int, waited: float) -> None:
-        beat = {"rank": self.rank, "host": self.host, "pid": os.getpid(), "phase": phase, "step": step,
-                "since_progress_s": round(waited, 1), "time": time.time()}
-        with contextlib.suppress(OSError):  # a full or flaky file system must not take the watchdog down
-            atomic_write(self.heartbeat, json.dumps(beat) + "\n")
 
     def _current_marker(self) -> Hang | None:
-        """This attempt's marker, once it is complete: a marker is written whole (link of a full file), and one
-        from before this watchdog started belongs to an earlier run of the same attempt name."""
+        """This attempt's marker, once it is complete: as the job's coordinator pushed it where the agent named
+        one (no file read in this once-a-second check), else the run folder's file."""
+        events = rank_events()
+        if events is not None:
+            return self._fresh(events.seen(hang_key(self.attempt)))
+        return self._marker_file()
+
+    def _marker_file(self) -> Hang | None:
+        """The marker file: written whole (link of a full file), so never read half."""
         try:
-            hang = Hang(**json.loads(self.marker.read_text(encoding="utf-8")))
-        except (OSError, ValueError, TypeError):
+            return self._fresh(json.loads(self.marker.read_text(encoding="utf-8")))
+        except (OSError, ValueError):
+            return None
+
+    def _fresh(self, data: object) -> Hang | None:
+        """``data`` as a hang of this run: one from before this watchdog started belongs to an earlier run of
+        the same attempt name."""
+        try:
+            hang = Hang(**data)  # type: ignore[arg-type]
+        except TypeError:
             return None
         return hang if hang.time >= self.started - 1 else None
 
     def _claim_marker(self, hang: Hang) -> Hang:
-        """The first rank to notice publishes the marker; a later one takes what the first saw. The file is
-        written under a private name and linked into place, so no rank ever reads half of it."""
+        """The first rank to notice publishes the marker; a later one takes what the first saw. The run folder
+        keeps the record; the coordinator, where there is one, says which hang holds and tells every rank."""
+        held = self._claim_marker_file(hang)
+        events = rank_events()
+        if events is not None:
+            return self._fresh(events.set(hang_key(self.attempt), asdict(held), first=True)) or held
+        return held
+
+    def _claim_marker_file(self, hang: Hang) -> Hang:
+        """The file is written under a private name and linked into place, so no rank ever reads half of it."""
         private = self.marker.with_name(f"{self.marker.name}.{self.rank}.{os.getpid()}")
         private.write_text(json.dumps(asdict(hang)) + "\n", encoding="utf-8")
         try:
             os.link(private, self.marker)
         except FileExistsError:
-            earlier = self._current_marker()
+            earlier = self._marker_file()
             if earlier is not None:
                 return earlier
             os.replace(private, self.marker)  # a stale marker of an earlier run: this hang replaces it

@@ -55,3 +55,20 @@ def test_without_a_coordinator_the_run_folder_is_read(tmp_path: Path, monkeypatc
     publish_notice(tmp_path, notice)
     request_stop(tmp_path, "43.0", 1, "SIGUSR2")
     assert read_notice(tmp_path, "43.0") == notice and read_request(tmp_path, "43.0") == "SIGUSR2"
+
+
+def test_every_watchdog_hears_the_first_hang_from_the_coordinator(tmp_path: Path, coordinator: ControlServer) -> None:
+    from hpc_train.run.paths import HEARTBEAT_DIR, hang_marker_path
+    from hpc_train.runtime.watchdog import Hang, Timeouts, Watchdog
+
+    (tmp_path / HEARTBEAT_DIR).mkdir(mode=0o700)
+    long = Timeouts(startup=60, step=60, checkpoint=60)
+    first, other = (Watchdog(tmp_path, rank, 2, "9.0", long, None, lambda _: None) for rank in (1, 0))
+    assert other._current_marker() is None
+    hang = Hang(1, "n2", "step", 12, 61.0, 60.0, time.time())
+    assert first._claim_marker(hang) == hang
+    assert hang_marker_path(tmp_path, "9.0").exists()  # the record
+    hang_marker_path(tmp_path, "9.0").unlink()
+    assert _until(other._current_marker) == hang
+    later = Hang(0, "n1", "step", 12, 62.0, 60.0, time.time())
+    assert other._claim_marker(later) == hang
