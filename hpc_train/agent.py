@@ -189,7 +189,8 @@ class Agent:
 
             return run_with_spares(self, argv)
         in_place = 0
-        self.link = AgentLink.open(self.setup.run_dir, self.attempt, self.setup.job_id, self.rank, self.log)
+        self.link = AgentLink.open(self.setup.run_dir, self.attempt, self.setup.job_id, f"rank-{self.rank}",
+                                   self.log, host=self.rank == 0)
         coordinator = self.link.environment() if self.link else {}
         while True:
             env = {**os.environ, **coordinator, IN_PLACE_ENV: str(in_place),
@@ -243,6 +244,8 @@ class Agent:
                 notice = self._notice(next_in_place)
                 if notice is not None:
                     return notice
+                if self.link is not None and self.link.usable and self.link.gone():
+                    break  # the peer's agent is gone with its node: no notice of its own will come
                 time.sleep(_POLL_S)
             if cause is None or self.stopping is not None or self._handed_over():
                 return None

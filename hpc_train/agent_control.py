@@ -22,6 +22,7 @@ from typing import Any
 from hpc_train.control.client import ControlClient, ControlError
 from hpc_train.control.discovery import Address, find_address, new_token, publish_address
 from hpc_train.control.server import ControlServer
+from hpc_train.run.assignment import assignment_key, left_key
 from hpc_train.run.chain import handover_key
 from hpc_train.run.in_place import RestartNotice, notice_from, ready_key, request_restart, restart_key
 from hpc_train.run.paths import control_address_path
@@ -40,13 +41,14 @@ class AgentLink:
         self.attempt, self.job_id = attempt, job_id
 
     @classmethod
-    def open(cls, run_dir: Path, attempt: str, job_id: str, rank: int, log: logging.Logger,
-             host: bool | None = None) -> AgentLink | None:
-        """Host (rank 0's agent, or ``host``) and connect; None (the files are used) when that fails."""
+    def open(cls, run_dir: Path, attempt: str, job_id: str, member: str, log: logging.Logger,
+             host: bool) -> AgentLink | None:
+        """Host the coordinator (``host``: rank 0's agent, or task 0's in a job with spares) and connect as
+        ``member``; None (the files are used) when that fails."""
         path = control_address_path(run_dir, attempt)
         server = None
         try:
-            if host if host is not None else rank == 0:
+            if host:
                 server = ControlServer(new_token()).start()
                 address = Address(socket.gethostname(), server.port, server.token)
                 publish_address(path, address)
@@ -57,8 +59,7 @@ class AgentLink:
                                 "run folder", attempt, _FIND_S)
                     return None
                 address = found
-            client = ControlClient.connect(address.host, address.port, address.token, f"rank-{rank}",
-                                           agent=True)
+            client = ControlClient.connect(address.host, address.port, address.token, member, agent=True)
             for prefix in (f"{attempt}/", "lost/", "left/", handover_key(job_id)):
                 client.watch(prefix)
         except (ControlError, OSError) as error:
@@ -98,20 +99,43 @@ class AgentLink:
             request_restart(run_dir, self.attempt, notice, publish_it=False)
         return holding
 
-    def barrier(self, in_place: int, rank: int, world: int, timeout_s: float, stopping: Any) -> str | None:
-        """Arrive at restart ``in_place``'s barrier and wait for every rank's agent; None once all arrived, else
-        why not (a member lost, the coordinator gone, the time out, a signal: ``stopping()`` true)."""
-        key = ready_key(self.attempt, in_place)
-        self.client.arrive(key, f"rank-{rank}", world)
+    def meet(self, key: str, member: str, expected: int, timeout_s: float, stopping: Any) -> dict[str, Any] | None:
+        """Arrive at barrier ``key`` and wait until every expected agent arrived or is gone; the barrier's value
+        (``arrived``, ``gone``), or None when the coordinator went away, the time ran out or ``stopping()``."""
+        self.client.arrive(key, member, expected)
         deadline = time.monotonic() + timeout_s
-        while self.client.wait_for(key, 0.2) is None:
-            if gone := self.gone():
-                return f"the agent of {', '.join(gone[:8])} is gone (its node lost, or its rank ended for good)"
-            if self.client.broken:
-                return "the coordinator is gone (rank 0's node lost?)"
-            if time.monotonic() > deadline or stopping():
-                return f"not every rank's agent ended its rank within {timeout_s:.0f} s (a node lost?)"
+        while (value := self.client.wait_for(key, 0.2)) is None:
+            if self.client.broken or time.monotonic() > deadline or stopping():
+                return None
+        return value if isinstance(value, dict) else None
+
+    def barrier(self, in_place: int, rank: int, world: int, timeout_s: float, stopping: Any) -> str | None:
+        """Restart ``in_place``'s barrier of a job without spares: None once every rank's agent ended its rank,
+        else why the ranks cannot start again here (an agent gone, the coordinator gone, the time out)."""
+        value = self.meet(ready_key(self.attempt, in_place), f"rank-{rank}", world, timeout_s, stopping)
+        if value is None:
+            return ("the coordinator is gone (rank 0's node lost?)" if self.client.broken else
+                    f"not every rank's agent ended its rank within {timeout_s:.0f} s (a node lost?)")
+        gone = [str(name) for name in value.get("gone", [])]
+        if gone:
+            return f"the agent of {', '.join(gone[:8])} is gone (its node lost, or its rank ended for good)"
         return None
+
+    def assignment(self, in_place: int) -> Any:
+        """Life ``in_place``'s assignment of ranks to nodes (a job with spares), as pushed; None until made."""
+        return self.client.known.get(assignment_key(self.attempt, in_place))
+
+    def propose(self, in_place: int, assignment: dict[str, Any]) -> Any:
+        """Make life ``in_place``'s assignment unless another agent did first; the one that holds."""
+        return self.client.set(assignment_key(self.attempt, in_place), assignment, first=True)
+
+    def ranks_left(self) -> bool:
+        """Whether the ranks left for good (a job with spares: the spares leave with them)."""
+        return self.client.known.get(left_key(self.attempt)) is not None
+
+    def say_left(self) -> None:
+        with contextlib.suppress(ControlError):
+            self.client.set(left_key(self.attempt), {"time": time.time()})
 
     def close(self) -> None:
         with contextlib.suppress(OSError):

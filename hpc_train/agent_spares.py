@@ -12,13 +12,18 @@ without spares.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
+from dataclasses import asdict
 from typing import Any
 
+from hpc_train.agent_control import AgentLink
 from hpc_train.config.shrink import SHRUNK_NODES_ENV
+from hpc_train.control.client import ControlError
 from hpc_train.run.assignment import (
     Assignment,
+    assignment_from,
     first_assignment,
     mark_left,
     mark_task_ready,
@@ -30,12 +35,14 @@ from hpc_train.run.assignment import (
     ready_nodes,
 )
 from hpc_train.run.exclusions import add_exclusions, read_exclusions
-from hpc_train.run.in_place import IN_PLACE_ENV, IN_PLACE_LEFT_ENV, RestartNotice, read_notice
+from hpc_train.run.in_place import IN_PLACE_ENV, IN_PLACE_LEFT_ENV, RestartNotice, ready_key
 
 __all__ = ["run_with_spares"]
 
 _POLL_S = 0.2
-_LOST_AFTER_S = 15.0  # an agent that has not said it is ready by then is on a lost node
+_LOST_AFTER_S = 15.0  # without a coordinator: an agent that has not said it is ready by then is on a lost node
+_MEET_S = 120.0  # with one: a node is lost when its agents' connections drop; an agent alive but silent this long
+# (stuck ending its rank) leaves the job to Slurm
 
 
 def run_with_spares(agent: Any, argv: list[str]) -> int:
@@ -46,6 +53,9 @@ def run_with_spares(agent: Any, argv: list[str]) -> int:
         raise RuntimeError("run_with_spares needs an agent of a job with spare nodes")
     excluded = [entry.node for entry in read_exclusions(setup.run_dir)]
     assignment, in_place = first_assignment(spares.allocated, spares.nodes, excluded), 0
+    agent.link = AgentLink.open(setup.run_dir, agent.attempt, setup.job_id, _member(spares), agent.log,
+                                host=spares.task == 0)
+    coordinator = agent.link.environment() if agent.link else {}
     while True:
         place = rank_environment(assignment, spares.node, spares.local, spares.tasks_per_node)
         if place is None:
@@ -54,7 +64,8 @@ def run_with_spares(agent: Any, argv: list[str]) -> int:
         else:
             agent.rank = int(place["SLURM_PROCID"])
             agent.log = agent.logger_for(agent.rank)
-            env = {**os.environ, **place, IN_PLACE_ENV: str(in_place), IN_PLACE_LEFT_ENV: str(setup.limit - in_place)}
+            env = {**os.environ, **coordinator, **place, IN_PLACE_ENV: str(in_place),
+                   IN_PLACE_LEFT_ENV: str(setup.limit - in_place)}
             env.pop(SHRUNK_NODES_ENV, None)
             if len(assignment.nodes) < spares.nodes:  # retry.shrink: the rank plans for the nodes left
                 env[SHRUNK_NODES_ENV] = str(len(assignment.nodes))
@@ -62,14 +73,14 @@ def run_with_spares(agent: Any, argv: list[str]) -> int:
         agent._end_everything_below()
         if notice is None:
             if place is not None:
-                mark_left(setup.run_dir, agent.attempt)  # the spares leave with the ranks
+                _say_left(agent)  # the spares leave with the ranks
             return code
         decided, won = _next_life(agent, notice, assignment)
         if decided is None or not decided.nodes:
             agent.log.error("in-place restart %d: too few healthy nodes for the layout (%d needed, lost: %s); "
                             "leaving the job to Slurm and the retry policy", notice.in_place, spares.nodes,
                             ", ".join(decided.lost) if decided else "?")
-            mark_left(setup.run_dir, agent.attempt)
+            _say_left(agent)
             return 1 if place is not None else 0
         if won:
             agent._record(notice)
@@ -102,9 +113,9 @@ def _change(spares: Any, before: Assignment, after: Assignment, moved: list[str]
 def _wait_as_spare(agent: Any, in_place: int) -> RestartNotice | None:
     """A spare waits for the next restart notice; None once the ranks have left for good, or Slurm stops it."""
     setup = agent.setup
-    while agent.stopping is None and not ranks_left(setup.run_dir, agent.attempt):
+    while agent.stopping is None and not _ranks_left(agent):
         if in_place < setup.limit:
-            notice = read_notice(setup.run_dir, agent.attempt, in_place + 1)
+            notice = agent._notice(in_place + 1)
             if notice is not None:
                 return notice
         time.sleep(_POLL_S)
@@ -117,6 +128,9 @@ def _next_life(agent: Any, notice: RestartNotice, previous: Assignment) -> tuple
     if spares is None:
         raise RuntimeError("a restart with spares needs an agent of a job with spare nodes")
     life, tasks = notice.in_place, len(spares.allocated) * spares.tasks_per_node
+    if agent.link is not None and agent.link.usable:
+        with contextlib.suppress(ControlError):
+            return _next_life_over_link(agent, life, tasks, previous)
     mark_task_ready(setup.run_dir, agent.attempt, life, spares.task, spares.node)
     deadline = time.monotonic() + _LOST_AFTER_S
     while agent.stopping is None:
@@ -136,3 +150,45 @@ def _next_life(agent: Any, notice: RestartNotice, previous: Assignment) -> tuple
             return decided, won
         time.sleep(0.1)
     return None, False
+
+
+def _member(spares: Any) -> str:
+    """A task's name on the coordinator: the node it runs on is in it, so a gone agent names a lost node."""
+    return f"task-{spares.task}@{spares.node}"
+
+
+def _ranks_left(agent: Any) -> bool:
+    if agent.link is not None and agent.link.usable:
+        return bool(agent.link.ranks_left())
+    return ranks_left(agent.setup.run_dir, agent.attempt)
+
+
+def _say_left(agent: Any) -> None:
+    mark_left(agent.setup.run_dir, agent.attempt)  # the record, and the word for agents without a coordinator
+    if agent.link is not None and agent.link.usable:
+        agent.link.say_left()
+
+
+def _next_life_over_link(agent: Any, life: int, tasks: int, previous: Assignment) -> tuple[Assignment | None, bool]:
+    """The barrier over the coordinator: decided once every task's agent said ready or is gone (its connection
+    dropped: its node is lost), one message each way per agent; the first agent's assignment holds."""
+    setup, spares, link = agent.setup, agent.setup.spares, agent.link
+    decided = link.meet(ready_key(agent.attempt, life), _member(spares), tasks, _MEET_S,
+                        lambda: agent.stopping is not None)
+    if decided is None:
+        agent.log.error("in-place restart %d: not every agent answered within %.0f s, and none is known lost",
+                        life, _MEET_S)
+        return None, False
+    gone = {str(name).partition("@")[2] for name in decided.get("gone", [])}
+    healthy = [node for node in spares.allocated if node not in gone]
+    lost = [node for node in previous.nodes if node not in healthy]
+    made = next_assignment(previous, healthy, spares.allocated, life, spares.smaller) or Assignment(life, [], lost)
+    held = link.propose(life, {**asdict(made), "by": _member(spares)})
+    won = isinstance(held, dict) and held.get("by") == _member(spares)
+    assignment = assignment_from(held, life) or made
+    if won:
+        publish_assignment(setup.run_dir, agent.attempt, assignment)  # the record
+        if lost:
+            add_exclusions(setup.run_dir, lost, "node_failure", setup.job_id,
+                           f"its agents left the job's coordinator at in-place restart {life}")
+    return assignment, won

@@ -9,9 +9,9 @@ agents; a client that sends what is not a bounded JSON line, or no token, is dis
 
 Operations (see :mod:`hpc_train.control.client`): ``hello`` (the job's token and a member name), ``set`` (with
 ``first``: the first value set holds, as an ``O_EXCL`` file did), ``get``, ``arrive`` (a barrier: once
-``expected`` distinct members arrived, its key is set), ``watch`` (every key with a prefix, now and later, is
-pushed), ``bye``. An agent (a hello with ``agent``) that leaves gets ``left/MEMBER`` set, or ``lost/MEMBER``
-when it vanished without ``bye``.
+``expected`` distinct members arrived or are gone, its key is set, naming the gone), ``watch`` (every key with
+a prefix, now and later, is pushed), ``bye``. An agent (a hello with ``agent``) that leaves gets
+``left/MEMBER`` set, or ``lost/MEMBER`` when it vanished without ``bye``.
 """
 
 from __future__ import annotations
@@ -77,6 +77,7 @@ class ControlServer:
         self.token = token
         self.values: dict[str, Any] = {}
         self._barriers: dict[str, _Barrier] = {}
+        self._gone: set[str] = set()  # agents that left or were lost
         self._conns: dict[int, _Conn] = {}
         self._selector = selectors.DefaultSelector()
         _more_descriptors()
@@ -182,9 +183,12 @@ class ControlServer:
             self._selector.unregister(conn.sock)
         self._conns.pop(fd, None)
         conn.sock.close()
-        if conn.agent and conn.member is not None:  # a barrier that waits for it will not complete
+        if conn.agent and conn.member is not None:  # a barrier that waits for it counts it as gone
             state = "lost" if lost else "left"
+            self._gone.add(conn.member)
             self._set(f"{state}/{conn.member}", {"member": conn.member, "time": time.time()}, first=True)
+            for key, barrier in list(self._barriers.items()):
+                self._complete(key, barrier)
 
     # --- the operations --------------------------------------------------------------------------------------
 
@@ -233,6 +237,14 @@ class ControlServer:
             raise WireError("a barrier's expected count is a positive integer")
         barrier = self._barriers.setdefault(key, _Barrier(expected))
         barrier.members.add(member)
-        if len(barrier.members) >= barrier.expected:
-            self._set(key, {"members": len(barrier.members), "time": time.time()}, first=True)
+        self._complete(key, barrier)
         return len(barrier.members)
+
+    def _complete(self, key: str, barrier: _Barrier) -> None:
+        """A barrier is decided once every expected agent arrived or is gone: its value names the gone ones
+        (few), so a lost node is known within a message's time of its connection dropping."""
+        if key in self.values:
+            return
+        gone = self._gone - barrier.members
+        if len(barrier.members) + len(gone) >= barrier.expected:
+            self._set(key, {"arrived": len(barrier.members), "gone": sorted(gone), "time": time.time()}, first=True)

@@ -23,8 +23,23 @@ from hpc_train.distributed.hostlist import compress
 from hpc_train.run.files import read_json_object, read_record_text
 from hpc_train.run.paths import HEARTBEAT_DIR
 
-__all__ = ["Assignment", "assignment_path", "first_assignment", "mark_left", "mark_task_ready", "next_assignment",
-           "node_of", "publish_assignment", "rank_environment", "ranks_left", "read_assignment", "ready_nodes"]
+__all__ = [
+    "Assignment",
+    "assignment_from",
+    "assignment_key",
+    "assignment_path",
+    "first_assignment",
+    "left_key",
+    "mark_left",
+    "mark_task_ready",
+    "next_assignment",
+    "node_of",
+    "publish_assignment",
+    "rank_environment",
+    "ranks_left",
+    "read_assignment",
+    "ready_nodes",
+]
 
 
 @dataclass(frozen=True)
@@ -68,6 +83,16 @@ def next_assignment(previous: Assignment, healthy: Iterable[str], allocated: Seq
     return Assignment(in_place, nodes[:count], lost) if count else None
 
 
+def assignment_key(attempt: str, in_place: int) -> str:
+    """The coordinator's key of life ``in_place``'s assignment (:mod:`hpc_train.control`)."""
+    return f"{attempt}/assign/{in_place}"
+
+
+def left_key(attempt: str) -> str:
+    """The coordinator's key that says the ranks of ``attempt`` left for good."""
+    return f"{attempt}/left"
+
+
 def assignment_path(run_dir: Path, attempt: str, in_place: int) -> Path:
     return Path(run_dir) / HEARTBEAT_DIR / f"assign-{attempt}.{in_place}.json"
 
@@ -92,7 +117,13 @@ def publish_assignment(run_dir: Path, attempt: str, assignment: Assignment) -> t
 
 
 def read_assignment(run_dir: Path, attempt: str, in_place: int) -> Assignment | None:
-    data = read_json_object(assignment_path(run_dir, attempt, in_place))
+    return assignment_from(read_json_object(assignment_path(run_dir, attempt, in_place)), in_place)
+
+
+def assignment_from(data: object, in_place: int) -> Assignment | None:
+    """An assignment as a file or the coordinator carries it (a JSON object), or None when it is not one."""
+    if not isinstance(data, dict):
+        return None
     nodes, lost = data.get("nodes"), data.get("lost", [])
     if not isinstance(nodes, list) or not all(isinstance(n, str) for n in [*nodes, *lost]):
         return None

@@ -50,7 +50,7 @@ def test_the_barrier_is_decided_once_every_agent_arrived_and_costs_o_n_messages(
     threads[-1].start()
     for thread in threads:
         thread.join(timeout=10)
-    assert len(results) == 64 and all(isinstance(r, dict) and r["members"] == 64 for r in results)
+    assert len(results) == 64 and all(isinstance(r, dict) and (r["arrived"], r["gone"]) == (64, []) for r in results)
     assert server.messages - before == 64  # one request per agent: O(N) in all, no polling
     for client in agents:
         client.close()
@@ -75,7 +75,7 @@ def test_a_duplicated_message_changes_nothing(server: ControlServer) -> None:
     assert client.wait_for("a/ready/1", 0.3) is None
     other = _agent(server, "rank-1")
     assert other.arrive("a/ready/1", "rank-1", 2) == 2
-    assert client.wait_for("a/ready/1", 5.0)["members"] == 2
+    assert client.wait_for("a/ready/1", 5.0)["arrived"] == 2
     client.close()
     other.close()
 
@@ -84,12 +84,12 @@ def test_an_agent_that_vanishes_is_lost_and_one_that_says_bye_has_left(server: C
     watcher = _agent(server, "rank-0")
     leaving, vanishing = _agent(server, "rank-1"), _agent(server, "rank-2")
     leaving.close()
-    vanishing._sock.close()  # its host died: no bye
+    vanishing._sock.shutdown(socket.SHUT_RDWR)  # its host died: no bye
     assert watcher.wait_for("left/rank-1", 5.0)["member"] == "rank-1"
     assert watcher.wait_for("lost/rank-2", 5.0)["member"] == "rank-2"
     publisher = ControlClient.connect("127.0.0.1", server.port, TOKEN, "pid-5")  # a rank's one-off word
     publisher.set("a/x", 1)
-    publisher._sock.close()
+    publisher._sock.shutdown(socket.SHUT_RDWR)
     time.sleep(0.3)
     assert not [k for k in watcher.known if k.endswith("pid-5")], "a publisher is no member of the job"
     watcher.close()
@@ -118,3 +118,16 @@ def test_clients_that_are_not_the_jobs_are_disconnected(server: ControlServer) -
     watcher = _agent(server, "rank-0")
     assert watcher.get("a/b") is None and not [k for k in watcher.known if k.startswith("lost/")]
     watcher.close()
+
+
+def test_a_barrier_that_waits_for_a_lost_agent_is_decided_at_once_and_names_it(server: ControlServer) -> None:
+    agents = [_agent(server, f"task-{task}@n{task // 2 + 1}") for task in range(6)]
+    for task, client in enumerate(agents[:4]):
+        client.arrive("a/ready/1", f"task-{task}@n{task // 2 + 1}", 6)
+    assert agents[0].wait_for("a/ready/1", 0.3) is None
+    agents[4]._sock.shutdown(socket.SHUT_RDWR)  # node n3 is lost: both its agents vanish
+    agents[5]._sock.shutdown(socket.SHUT_RDWR)
+    decided = agents[0].wait_for("a/ready/1", 5.0)
+    assert decided["arrived"] == 4 and decided["gone"] == ["task-4@n3", "task-5@n3"], decided
+    for client in agents[:4]:
+        client.close()
