@@ -13,6 +13,11 @@ if [ "$(id -u)" = 0 ]; then
         apt-get install -y -qq openmpi-bin >/dev/null 2>&1 \
             || { apt-get update -qq && apt-get install -y -qq openmpi-bin >/dev/null; }
     fi
+    if ! command -v strace >/dev/null; then  # tests/runtime/test_run_folder_ops.py traces the ranks with it
+        export DEBIAN_FRONTEND=noninteractive
+        apt-get install -y -qq strace >/dev/null 2>&1 \
+            || { apt-get update -qq && apt-get install -y -qq strace >/dev/null; }
+    fi
     if ! scripts/local_slurm.sh status >/dev/null 2>&1; then
         trap 'scripts/local_slurm.sh down' EXIT
     fi

@@ -26,7 +26,10 @@ from hpc_train.run.paths import HEALTH_FILE
 __all__ = ["HEALTH_CHECKS", "PrometheusExporter", "exposition"]
 
 HEALTH_CHECKS = ("data_wait", "comm", "loss", "memory_growth", "straggler", "gpu_utilisation", "gpu_memory")
-_MIN_INTERVAL_S = 1.0  # a fast ctx.log loop rewrites the file at most this often; close() writes the last values
+# The file is rewritten at most this often (and at close, with the last values): each rewrite is 4 metadata operations
+# (create, chmod, rename, the folder's fsync) and a read of health.json, on a shared file system when the folder is
+# the run folder; node_exporter is scraped every 15-60 s, so a faster rewrite shows nothing more.
+_MIN_INTERVAL_S = 15.0
 
 # metrics.jsonl key -> (metric name, help)
 _KNOWN = {
@@ -94,7 +97,7 @@ def exposition(labels: Mapping[str, str], values: Mapping[str, float], health: M
 
 
 class PrometheusExporter:
-    """Rank 0's ``.prom`` file for one run, rewritten as records come (at most once a second) and at close."""
+    """Rank 0's ``.prom`` file for one run, rewritten as records come (at most every 15 s) and at close."""
 
     def __init__(self, folder: Path, run_dir: Path, labels: Mapping[str, str], log: Callable[[str], None]) -> None:
         self.folder, self.run_dir, self.labels, self.log = Path(folder), Path(run_dir), dict(labels), log

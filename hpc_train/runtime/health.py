@@ -14,6 +14,12 @@ it clears, and the run folder keeps the current state in ``health.json`` (writte
 - ``straggler``: a rank whose forward pass is ``watchdog.straggler_factor`` times the median (named by the
   straggler check, which is folded in here).
 
+Why health.json is not rewritten at every change: a figure that hovers around its threshold trips and clears the
+check at one logged step after another (gloo's communication share on CPU ranks does), and each rewrite is four
+metadata operations on the shared file system (create, chmod, rename, the folder's fsync). A check's first trip
+in an attempt is written at once; later changes at most every :data:`_MIN_WRITE_S` (10 s), at the first logged
+step after it, and before the rank leaves (``quick_exit.on_leave``); the log says each change as it comes.
+
 Plain Python, no torch; ``status`` on the login node reads the same file (``hpc_train.ops.status``).
 """
 
@@ -31,11 +37,13 @@ from typing import Any
 
 from hpc_train.run.files import atomic_write
 from hpc_train.run.paths import HEALTH_FILE
+from hpc_train.run.quick_exit import on_leave
 
 __all__ = ["Finding", "HealthCheck", "RecordHealth", "Thresholds"]
 
 _WINDOW = 5
 _REFRESH_S = 60.0  # a tripped finding's figures are rewritten at most this often (each write is fsynced)
+_MIN_WRITE_S = 10.0  # changes after a check's first trip are written at most this often (module note)
 
 
 @dataclass(frozen=True)
@@ -71,7 +79,8 @@ class Finding:
 class HealthCheck:
     """Rank 0's checks; on other ranks (``writer`` False) it keeps no state and writes nothing."""
 
-    def __init__(self, run_dir: Path, thresholds: Thresholds, log: Callable[[str], None], writer: bool = True) -> None:
+    def __init__(self, run_dir: Path, thresholds: Thresholds, log: Callable[[str], None], writer: bool = True,
+                 min_write_s: float = _MIN_WRITE_S) -> None:
         self.path = Path(run_dir) / HEALTH_FILE
         self.limits, self.log, self.writer = thresholds, log, writer
         self.active: dict[str, Finding] = {}
@@ -86,8 +95,14 @@ class HealthCheck:
             ("gpu_memory", "gpu_memory_share", self._gpu_memory),
             ("memory_growth", "memory_bytes", lambda step, record: self._memory_growth(step, record["memory_bytes"])))
         self._written = 0.0
+        self._min_write_s = min_write_s
+        self._seen: set[str] = set()  # checks that tripped in this attempt: their first trip is written at once
+        self._unwritten = False  # a change health.json does not hold yet
+        self._urgent = False  # among them a check's first trip
         if writer and self.path.exists():  # an earlier attempt's findings are history: this one starts clear
             self._write()
+        if writer:
+            on_leave(self.flush)  # a change still waiting its turn when the rank ends or stops
 
     def observe(self, step: int, record: Mapping[str, Any]) -> None:
         """A logged step's metrics record (``loss``, ``memory_bytes``, ``data_share``, ...)."""
@@ -99,8 +114,7 @@ class HealthCheck:
                 changed |= self._set(check, step, verdict(step, record))
             elif check in self.active and key != "loss":
                 changed |= self._set(check, step, None)
-        if changed or (self.active and time.monotonic() - self._written > _REFRESH_S):
-            self._write()
+        self._write_when_due(changed)
 
     def straggler(self, step: int, found: tuple[int, str, float] | None, factor: float) -> None:
         """The straggler check's verdict on a logged step (None: no rank stands out)."""
@@ -113,8 +127,7 @@ class HealthCheck:
                               f"{factor:g}x", "a slow or throttled node (thermals, a noisy neighbour, a failing GPU)",
                               f"python -m hpc_train doctor on {host}; if it stays slow, exclude it "
                               "(docs/operations.md: the retry policy and the exclusion list)")
-        if self._set("straggler", step, finding):
-            self._write()
+        self._write_when_due(self._set("straggler", step, finding))
 
     # -- the checks -------------------------------------------------------------------------------------------
 
@@ -217,6 +230,8 @@ class HealthCheck:
         if finding is not None:
             self.active[check] = finding
             if before is None:
+                self._urgent |= check not in self._seen
+                self._seen.add(check)
                 self.log(finding.line())
                 self.history.append({"check": check, "step": step, "event": "tripped", "time": time.time()})
             return before is None
@@ -227,7 +242,19 @@ class HealthCheck:
         self.history.append({"check": check, "step": step, "event": "cleared", "time": time.time()})
         return True
 
+    def flush(self) -> None:
+        """Write a change that waits for its turn (at the end of a run: the log said it, health.json too now)."""
+        if self.writer and self._unwritten:
+            self._write()
+
+    def _write_when_due(self, changed: bool) -> None:
+        self._unwritten |= changed
+        since = time.monotonic() - self._written
+        if (self._unwritten and (self._urgent or since >= self._min_write_s)) or (self.active and since > _REFRESH_S):
+            self._write()
+
     def _write(self) -> None:
+        self._unwritten = self._urgent = False
         data = {"updated": time.time(), "findings": [asdict(f) for f in self.active.values()],
                 "history": self.history[-100:]}
         atomic_write(self.path, json.dumps(data, indent=2) + "\n")
@@ -260,4 +287,5 @@ class RecordHealth:
             self.health.observe(step, seen)
 
     def close(self) -> None:
-        """Nothing to close (health.json is written as findings change)."""
+        """Write what health.json does not hold yet (a change that came within 10 s of the last write)."""
+        self.health.flush()

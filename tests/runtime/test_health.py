@@ -7,12 +7,15 @@ import json
 import math
 from pathlib import Path
 
+import pytest
+
 from hpc_train.runtime.health import HealthCheck, Thresholds
 
 
 def _check(tmp_path: Path, **limits: float) -> tuple[HealthCheck, list[str]]:
     lines: list[str] = []
-    return HealthCheck(tmp_path, Thresholds(**limits, num_workers=0), lines.append), lines  # type: ignore[arg-type]
+    return HealthCheck(tmp_path, Thresholds(**limits, num_workers=0), lines.append,  # type: ignore[arg-type]
+                       min_write_s=0), lines
 
 
 def _findings(tmp_path: Path) -> list[dict[str, object]]:
@@ -140,3 +143,48 @@ def test_a_program_logging_every_step_is_checked_at_its_logged_steps_and_at_once
     assert lines[-1].startswith("health: data_wait at step 10: 90% of the step waits for data")
     checks.record({"step": 13, "loss": None})
     assert lines[-1].startswith("health: loss at step 13: the loss is NaN or infinite")
+
+
+def test_a_check_that_flaps_around_its_threshold_rewrites_health_json_at_most_every_10_s(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """gloo's communication share on CPU ranks trips and clears the comm check at one logged step after another:
+    the log says each change, health.json (four metadata operations a write) is rewritten at most every 10 s
+    after the check's first trip, and a change still unwritten at the end is written by flush."""
+    from hpc_train.runtime import health as module
+
+    now = [1000.0]
+    monkeypatch.setattr(module.time, "monotonic", lambda: now[0])
+    writes: list[list[str]] = []
+    lines: list[str] = []
+    health = HealthCheck(tmp_path, Thresholds(num_workers=0), lines.append)
+    real_write = health._write
+    monkeypatch.setattr(health, "_write", lambda: (writes.append(sorted(health.active)), real_write())[1])
+    for step in range(1, 42):  # 4 logged steps a second, the share above and below 20 % in turn
+        now[0] += 0.25
+        health.observe(step, {"loss": 3.0, "comm_share": 0.3 if step % 2 else 0.1})
+    assert len(lines) == 41 and lines[0].startswith("health: comm at step 1") and lines[1] == \
+        "health: comm cleared at step 2"
+    assert writes == [["comm"], ["comm"]]  # the first trip at once; 10 s later the state then (step 41)
+    health.observe(42, {"loss": 3.0, "comm_share": 0.1})
+    assert len(writes) == 2 and [f["check"] for f in _findings(tmp_path)] == ["comm"]  # cleared 0.25 s after
+    health.flush()
+    assert _findings(tmp_path) == []
+    history = json.loads((tmp_path / "health.json").read_text())["history"]
+    assert len(history) == 42
+
+
+def test_a_change_waiting_its_turn_is_written_when_the_rank_leaves(tmp_path: Path) -> None:
+    """The data wait trips (written at once) and clears a moment later (waits its turn): a rank that leaves then,
+    through quick_exit (a finished rank's exit, a stop's ``leave_now``), writes the clear first."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom pathlib import Path\nfrom hpc_train.run.quick_exit import leave_now\n"
+            "from hpc_train.runtime.health import HealthCheck, Thresholds\n"
+            "health = HealthCheck(Path(sys.argv[1]), Thresholds(), print)\n"
+            "health.observe(10, {'loss': 3.0, 'data_share': 0.9})\n"
+            "health.observe(20, {'loss': 3.0, 'data_share': 0.1})\nleave_now(0)\n")
+    result = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=60,
+                            check=False)
+    assert result.returncode == 0, result.stderr
+    assert "health: data_wait cleared at step 20" in result.stdout and _findings(tmp_path) == []

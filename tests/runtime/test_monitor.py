@@ -207,6 +207,31 @@ def test_tensorboard_scalars_histograms_and_resume_purge(tmp_path: Path) -> None
     assert histogram[0].histogram_value.num == 12
 
 
+def test_tensorboard_opens_its_events_file_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """tensorboard's file layer opens the events file again for each record it appends (an open per scalar, each
+    a metadata operation on a shared file system): the monitor's writer appends to one open file instead, and
+    every record is there after close (docs/performance.md, run-folder operations)."""
+    pytest.importorskip("tensorboard")
+    pytest.importorskip("torch")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.compat.tensorflow_stub.io import gfile
+
+    reopened: list[str] = []
+    for name in ("append", "write"):
+        original = getattr(gfile.LocalFileSystem, name)
+        monkeypatch.setattr(gfile.LocalFileSystem, name, lambda self, filename, *rest, _original=original:
+                            (reopened.append(filename), _original(self, filename, *rest))[1])
+    with Monitor(tmp_path, total_steps=40, log_every=1, tensorboard=True, console=plain_console()[0]) as monitor:
+        reopened.clear()  # the file's creation: its header and the purge events
+        run_steps(monitor, range(1, 41))
+        monitor.eval(40, 1.5)
+    assert reopened == []
+    events = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == list(range(1, 41))
+    assert [(e.step, e.value) for e in events.Scalars("eval/loss")] == [(40, 1.5)]
+
+
 def test_ctx_log_records_are_kept_until_the_log_interval_and_hold_the_values_of_their_call(tmp_path: Path) -> None:
     import torch
 

@@ -46,8 +46,8 @@ def test_progress_keeps_the_watchdog_quiet(tmp_path: Path) -> None:
             time.sleep(0.1)
             dog.enter("step", step)
     assert exits.codes == [] and not stacks_path(tmp_path, 0).exists()
-    beat = json.loads((tmp_path / "heartbeats" / "rank-0.json").read_text())
-    assert beat["rank"] == 0 and beat["phase"] in ("startup", "step")
+    # No heartbeat files: a rank making progress writes nothing into the run folder (docs/performance.md).
+    assert list(tmp_path.glob("heartbeats/*")) == []
 
 
 def test_a_hang_dumps_every_rank_and_rank_0_decides_for_all(tmp_path: Path) -> None:
