@@ -43,11 +43,14 @@ from __future__ import annotations
 import re
 from collections.abc import Collection, Iterable
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 from hpc_train.distributed.hostlist import expand
 from hpc_train.ops.evidence import SRUN_ERROR, Evidence, RankReport, srun_tasks
+from hpc_train.ops.records import line_time
+from hpc_train.ops.records import ranges as _ranges
 from hpc_train.ops.scheduler import SlurmRecord
 from hpc_train.ops.signal_deaths import oom_peaks, signal_class, signal_death
 from hpc_train.run.exit_codes import (
@@ -57,7 +60,7 @@ from hpc_train.run.exit_codes import (
     EXIT_STOPPED,
     LOCAL_REQUEUE_EXIT,
 )
-from hpc_train.run.loglines import LAUNCH_ERROR_PREFIX, NOT_IN_COLLECTIVE, RANK_LINE, parse_stop, rank_line_time
+from hpc_train.run.loglines import LAUNCH_ERROR_PREFIX, NOT_IN_COLLECTIVE, RANK_LINE, parse_stop
 from hpc_train.run.peer_errors import PEER_LOST
 from hpc_train.run.stacks import in_collective
 
@@ -113,15 +116,31 @@ class Classification:
 # -- classification ------------------------------------------------------------------------------------------
 
 
-@dataclass
 class _Finding:
-    """One rank's own diagnosis: primary (``out_of_memory``, ``infrastructure``, ``user_error``: its own
-    failure), secondary (``timeout``, ``comms``: a symptom of another rank's), or ``none``."""
+    """One rank's own diagnosis: primary (``out_of_memory``, ``infrastructure``, ``user_error``: its own failure),
+    secondary (``timeout``, ``comms``: a symptom of another rank's), or ``none``; worked out when a rule first
+    asks (the earliest primary decides: at 16,384 failed ranks the others' patterns never run)."""
 
-    report: RankReport
-    kind: str
-    text: str
-    when: float = float("inf")
+    def __init__(self, report: RankReport) -> None:
+        self.report = report
+        self.when = report.error_time if report.error_time is not None else _first_error_time(report.log_tail)
+
+    @cached_property
+    def _found(self) -> tuple[str, str]:
+        return _diagnose(self.report)
+
+    @property
+    def kind(self) -> str:
+        return self._found[0]
+
+    @property
+    def text(self) -> str:
+        return self._found[1]
+
+    @property
+    def said(self) -> bool:
+        """``kind != "none"``; an error record's own exception decides it without the patterns."""
+        return bool(self.report.error and not _NOT_PRIMARY.match(self.report.error)) or self.kind != "none"
 
 
 _PRIMARY = ("out_of_memory", "infrastructure", "user_error")
@@ -148,7 +167,8 @@ class _Attempt:
         self.srun = srun_tasks(batch) if tasks_are_ranks else {}
         self.srun_lines = [m[0] for m in SRUN_ERROR.finditer(batch)]
         self.due = [(m[1], (m[2] or "").strip()) for m in _SLURM_DUE.finditer(batch)]
-        self.findings = [_finding(report) for report in self.evidence.ranks]
+        self.findings = [_Finding(report) for report in self.evidence.ranks]
+        self.by_rank = {report.rank: report for report in self.evidence.ranks}
         self.stop = _stop_line(self.evidence)
         if record is not None:
             self.facts.append(_describe(record))
@@ -166,15 +186,14 @@ class _Attempt:
         return short
 
     def rank_node(self, rank: int) -> str:
-        report = next((r for r in self.evidence.ranks if r.rank == rank), RankReport(rank))
-        return self.node_of(report)
+        return self.node_of(self.by_rank.get(rank) or RankReport(rank))
 
     def silent_nodes(self) -> list[str]:
         """Nodes whose ranks said nothing while others reported errors: where a dead node's ranks were."""
-        if not any(f.kind != "none" for f in self.findings):
+        if not any(said := [f.said for f in self.findings]):
             return []
-        loud = {self.node_of(f.report) for f in self.findings if f.kind != "none"}
-        silent = [self.node_of(f.report) for f in self.findings if f.kind == "none"]
+        loud = {self.node_of(f.report) for f, loud in zip(self.findings, said, strict=True) if loud}
+        silent = [self.node_of(f.report) for f, loud in zip(self.findings, said, strict=True) if not loud]
         return list(dict.fromkeys(n for n in silent if n and n not in loud))
 
     def _stop_words(self) -> str:
@@ -252,13 +271,13 @@ def _host_oom(a: _Attempt) -> Classification | None:
 
 def _first_rank_error(a: _Attempt) -> Classification | None:
     """The earliest rank with an error of its own; everything the other ranks reported follows from it."""
-    primary = sorted((f for f in a.findings if f.kind in _PRIMARY), key=lambda f: (f.when, f.report.rank))
-    if not primary:
+    ordered = sorted(a.findings, key=lambda f: (f.when, f.report.rank))  # the patterns run up to the first
+    first = next((f for f in ordered if f.kind in _PRIMARY), None)
+    if first is None:
         return None
-    first = primary[0]
     report = first.report
     node = a.node_of(report)
-    others = [f.report.rank for f in a.findings if f is not first and f.kind != "none"]
+    others = [f.report.rank for f in a.findings if f is not first and f.said]
     extra = [f"rank {report.rank} ({node or '?'}): {_short(first.text)}"]
     if others:
         extra.append(f"rank {_ranges(others)} failed after it")
@@ -287,7 +306,7 @@ def _hang(a: _Attempt) -> Classification | None:
         return None
     named = sorted({int(m[1]) for f in a.findings for line in f.report.log_tail
                     if (m := NOT_IN_COLLECTIVE.search(line))})
-    silent = [f.report.rank for f in a.findings if f.kind == "none"] if timeouts else []
+    silent = [f.report.rank for f in a.findings if not f.said] if timeouts else []
     suspects = named or _stack_suspects(stacks) or silent
     nodes = list(dict.fromkeys(n for rank in suspects if (n := a.rank_node(rank))))
     if EXIT_SAVE_HUNG in a.codes and not watchdog:
@@ -371,20 +390,19 @@ _RULES = (_completed, _node_failure, _scheduler_stop, _host_oom, _first_rank_err
           _cancelled, _killed, _could_not_start)
 
 
-def _finding(report: RankReport) -> _Finding:
-    """Sort one rank's evidence into primary (its own failure) or secondary (a symptom of another's). Only
-    error records of its log count: info lines (the fabric report, say) name NCCL things without anything
-    being wrong."""
+def _diagnose(report: RankReport) -> tuple[str, str]:
+    """Sort one rank's evidence into primary (its own failure) or secondary (a symptom of another's): (kind, the
+    line that says it). Only error records of its log count: info lines (the fabric report, say) name NCCL things
+    without anything being wrong."""
     text = "\n".join([report.error, report.traceback, *_error_records(report.log_tail), *report.stderr])
     error_line = report.error or _last_exception(report.traceback or text)
-    when = report.error_time if report.error_time is not None else _first_error_time(report.log_tail)
     for kind, pattern in (("out_of_memory", _GPU_OOM), ("out_of_memory", _PY_OOM), ("infrastructure", _HARDWARE),
                           ("timeout", _TIMEOUT), ("infrastructure", _NETWORK), ("comms", _SECONDARY)):
         if pattern.search(text):
-            return _Finding(report, kind, _matching_line(text, pattern) or error_line, when)
+            return kind, _matching_line(text, pattern) or error_line
     if error_line and not _NOT_PRIMARY.match(error_line):
-        return _Finding(report, "user_error", error_line, when)
-    return _Finding(report, "none", error_line, when)
+        return "user_error", error_line
+    return "none", error_line
 
 
 def _error_records(lines: Iterable[str], lowest: str = "ERROR") -> list[str]:
@@ -427,15 +445,14 @@ def _nodes(record: SlurmRecord | None) -> list[str]:
 def _stop_line(evidence: Evidence) -> tuple[int | None, str] | None:
     for report in evidence.ranks:
         for line in reversed(report.log_tail):
-            if (stop := parse_stop(line)) is not None:
+            if ("saved step " in line or "stopped " in line) and (stop := parse_stop(line)) is not None:
                 return stop
     return None
 
 
 def _near_limit(record: SlurmRecord | None) -> bool:
-    if record is None or record.elapsed_s is None or record.limit_s is None:
-        return False
-    return record.limit_s - record.elapsed_s <= min(_NEAR_LIMIT, 0.1 * record.limit_s)
+    return record is not None and record.elapsed_s is not None and record.limit_s is not None and \
+        record.limit_s - record.elapsed_s <= min(_NEAR_LIMIT, 0.1 * record.limit_s)
 
 
 def _stack_suspects(stacks: list[RankReport]) -> list[int]:
@@ -461,8 +478,7 @@ def _first_error_time(lines: Iterable[str]) -> float:
     for line in lines:
         m = RANK_LINE.match(line)
         if m and m[2] in ("ERROR", "CRITICAL"):
-            stamp = rank_line_time(line)
-            return float("inf") if stamp is None else stamp
+            return float("inf") if (stamp := line_time(line)) is None else stamp
     return float("inf")
 
 
@@ -475,25 +491,9 @@ def _location(traceback_text: str) -> str:
     frames = _FRAME.findall(traceback_text)
     if not frames:
         return ""
-    path, line, _function = frames[-1]
-    return f"{'/'.join(Path(path).parts[-2:])}:{line}"
+    return f"{'/'.join(Path(frames[-1][0]).parts[-2:])}:{frames[-1][1]}"
 
 
 def _short(text: str, limit: int = 160) -> str:
     text = " ".join(text.split())
     return text if len(text) <= limit else text[:limit - 3] + "..."
-
-
-def _ranges(numbers: Iterable[int]) -> str:
-    """``[0, 1, 2, 5]`` -> ``0-2,5``."""
-    values = sorted(set(numbers))
-    parts: list[str] = []
-    start = prev = None
-    for value in [*values, None]:
-        if value is not None and prev is not None and value == prev + 1:
-            prev = value
-            continue
-        if start is not None:
-            parts.append(str(start) if start == prev else f"{start}-{prev}")
-        start = prev = value
-    return ",".join(parts)

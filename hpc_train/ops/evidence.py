@@ -8,18 +8,28 @@ Nothing here judges the evidence: :func:`hpc_train.ops.classify.classify` does, 
 from __future__ import annotations
 
 import glob
+import os
 import re
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
+from hpc_train.ops.records import RankFiles, line_time, read_json, read_tail
 from hpc_train.run.attempts import AttemptLog
-from hpc_train.run.files import open_record, read_json_object
-from hpc_train.run.loglines import BATCH_START, parse_start, rank_line_time
-from hpc_train.run.paths import LOGS_DIR, follower_cancel_path, rank_error_path, rank_log_path, stacks_path
+from hpc_train.run.files import read_json_object
+from hpc_train.run.loglines import BATCH_START, parse_start
+from hpc_train.run.paths import (
+    LOGS_DIR,
+    follower_cancel_path,
+    rank_error_path,
+    rank_log_path,
+    stacks_path,
+)
 
 __all__ = ["SRUN_ERROR", "Evidence", "RankReport", "collect_evidence", "srun_tasks"]
 
 _TAIL_BYTES = 1 << 20
+_RANK_FILE = re.compile(r"(stacks-)?rank-([0-9]+)\.")  # a rank's log, error record, stacks (logs/ holds them)
 SRUN_ERROR = re.compile(r"srun: error: (\S+): tasks? ([0-9,\-]+): (.+)")  # srun on a task that failed
 
 
@@ -51,43 +61,69 @@ class Evidence:
 
 
 def collect_evidence(run_dir: Path, job_id: str | None = None, restart: int | None = None,
-                     tail_lines: int = 200) -> Evidence:
+                     tail_lines: int = 200, ranks: Collection[int] | None = None) -> Evidence:
     """What the ranks of one attempt left in ``run_dir``: error files, the attempt's log lines, dumped stacks and
     the batch output of ``job_id`` (Slurm's ``logs/slurm-JOB.*``, submitit's ``submitit/JOB_*_log.err``).
 
     A rank log holds every attempt (it is appended to); the attempt's part starts at its "start: ... job J restart
     R" line. Without ``job_id`` the newest part of each log is read. Error and stack files are per rank, rewritten
-    by each attempt, so they count only when the attempt asked for is that rank's newest one.
+    by each attempt, so they count only when the attempt asked for is that rank's newest one. ``ranks``: read only
+    these ranks' files and those of the ranks the batch output names (srun's failed tasks, ``[rankN]:`` lines),
+    not every rank's: the look-back of a requeued attempt reads the ranks that left an error record.
     """
     run_dir = Path(run_dir)
-    logs = run_dir / LOGS_DIR
     batch = _batch_log(run_dir, job_id, restart, tail_lines)
     stderr: dict[int, list[str]] = {}
     for line in batch.splitlines():
         if m := re.match(r"\[rank([0-9]+)\]:(.*)", line):
             stderr.setdefault(int(m[1]), []).append(m[2])
-    names = [p.name for p in logs.glob("*rank-*")] if logs.is_dir() else []
-    ranks = sorted({int(m[1]) for name in names if (m := re.match(r"(?:stacks-)?rank-([0-9]+)\.", name))} | set(stderr))
-    reports = []
-    for rank in ranks:
-        lines = _read_tail(rank_log_path(run_dir, rank)).splitlines()
-        part = _segment(lines, job_id, restart)
-        error = read_json_object(rank_error_path(run_dir, rank)) if part.newest else {}
-        stacks_file = stacks_path(run_dir, rank)
-        stacks = _read_tail(stacks_file) if part.newest and _after(stacks_file, part.started) else ""
-        if not part.lines and not error and not stacks and rank not in stderr:
-            continue
-        when = error.get("time")
-        reports.append(RankReport(
-            rank=rank, host=str(error.get("host", "")), node_index=part.node_index, error=str(error.get("error", "")),
-            error_time=float(when) if isinstance(when, int | float) else None,
-            traceback=str(error.get("traceback", "")), log_tail=tuple(part.lines[-tail_lines:]), stacks=stacks,
-            stderr=tuple(stderr.get(rank, ())[-tail_lines:]), launcher=part.launcher))
+    names = (RankFiles(run_dir, rank_log_path), RankFiles(run_dir, rank_error_path), RankFiles(run_dir, stacks_path))
+    files = _rank_files(run_dir / LOGS_DIR, names[1], names[2])
+    chosen = set(files) if ranks is None else set(files) & {*ranks, *srun_tasks(batch)}
+    reports = [report for rank in sorted(chosen | set(stderr))
+               if (report := _rank_report(rank, files.get(rank, ""), names, stderr.get(rank, []), job_id, restart,
+                                          tail_lines)) is not None]
     attempts = [a for a in AttemptLog(run_dir).read()
                 if job_id is None or (a.job_id == job_id and (restart is None or a.restart == restart))]
     last = attempts[-1] if attempts else None
     return Evidence(tuple(reports), batch, last.outcome if last else "", last.note if last else "",
                     _follower_cancel(run_dir, job_id))
+
+
+def _rank_files(logs: Path, errors: RankFiles, stacks: RankFiles) -> dict[int, str]:
+    """``{rank: its kinds of file}`` from one listing of ``logs/``: "e" its error record, "s" its dumped stacks,
+    "l" any other file of the rank (its log)."""
+    try:
+        names = os.listdir(logs)
+    except OSError:
+        return {}
+    found: dict[int, str] = {}
+    for name in names:
+        if "rank-" in name and (m := _RANK_FILE.match(name)):
+            rank = int(m[2])
+            kind = "e" if name == errors.name(rank) else "s" if name == stacks.name(rank) else "l"
+            found[rank] = found.get(rank, "") + kind
+    return found
+
+
+def _rank_report(rank: int, kinds: str, names: tuple[RankFiles, RankFiles, RankFiles], stderr: list[str],
+                 job_id: str | None, restart: int | None, tail_lines: int) -> RankReport | None:
+    """One rank's part of the attempt, or None when it left nothing of it. Files the listing did not show are
+    not opened (an error record or stacks written since belong to the next poll)."""
+    log, error_file, stacks_file = (name(rank) for name in names)
+    part = _segment(read_tail(log, _TAIL_BYTES).splitlines(), job_id, restart)
+    error = read_json(error_file) if part.newest and "e" in kinds else {}
+    stacks = ""
+    if part.newest and "s" in kinds and _after(stacks_file, part.started()):
+        stacks = read_tail(stacks_file, _TAIL_BYTES)
+    if not part.lines and not error and not stacks and not stderr:
+        return None
+    when = error.get("time")
+    return RankReport(
+        rank=rank, host=str(error.get("host", "")), node_index=part.node_index, error=str(error.get("error", "")),
+        error_time=float(when) if isinstance(when, int | float) else None,
+        traceback=str(error.get("traceback", "")), log_tail=tuple(part.lines[-tail_lines:]), stacks=stacks,
+        stderr=tuple(stderr[-tail_lines:]), launcher=part.launcher)
 
 
 def _follower_cancel(run_dir: Path, job_id: str | None) -> str:
@@ -103,13 +139,16 @@ class _Segment:
     lines: list[str]
     newest: bool
     node_index: int | None = None
-    started: float | None = None
     launcher: str = ""
+
+    def started(self) -> float | None:
+        """When the attempt's start line was logged (read only where stacks need it)."""
+        return line_time(self.lines[0]) if self.node_index is not None and self.lines else None
 
 
 def _segment(lines: list[str], job_id: str | None, restart: int | None) -> _Segment:
     """One attempt's lines of a rank log (from its start line to the next one), and what the start line says."""
-    starts = [(i, s) for i, line in enumerate(lines) if (s := parse_start(line)) is not None]
+    starts = [(i, s) for i, line in enumerate(lines) if "start: " in line and (s := parse_start(line)) is not None]
     if not starts:
         return _Segment(lines, True)
     chosen = len(starts) - 1
@@ -121,13 +160,12 @@ def _segment(lines: list[str], job_id: str | None, restart: int | None) -> _Segm
         chosen = matching[-1]
     first, start = starts[chosen]
     end = starts[chosen + 1][0] if chosen + 1 < len(starts) else len(lines)
-    return _Segment(lines[first:end], chosen == len(starts) - 1, start.node_rank, rank_line_time(lines[first]),
-                    start.launcher)
+    return _Segment(lines[first:end], chosen == len(starts) - 1, start.node_rank, start.launcher)
 
 
-def _after(path: Path, started: float | None) -> bool:
+def _after(path: str | Path, started: float | None) -> bool:
     try:
-        return started is None or path.stat().st_mtime >= started - 1
+        return started is None or os.stat(path, follow_symlinks=False).st_mtime >= started - 1
     except OSError:
         return False
 
@@ -165,15 +203,7 @@ def _file_job(name: str) -> str:
 
 
 def _read_tail(path: Path, limit: int = _TAIL_BYTES) -> str:
-    try:
-        with open_record(path) as handle:
-            size = handle.seek(0, 2)
-            handle.seek(max(0, size - limit))
-            data = handle.read()
-    except OSError:
-        return ""
-    text = data.decode("utf-8", errors="replace")
-    return text if len(data) < limit else text.partition("\n")[2]
+    return read_tail(path, limit)
 
 
 def srun_tasks(batch: str) -> dict[int, tuple[str, str, str]]:

@@ -16,16 +16,19 @@ traceback lines) are dropped: the rank's own log and error file hold them.
 from __future__ import annotations
 
 import json
+import os
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime
+from fnmatch import fnmatchcase
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 from hpc_train.errors import ConfigError
-from hpc_train.run.files import open_record, read_record_text
+from hpc_train.ops.records import open_bytes, ranges, read_text
 from hpc_train.run.loglines import RANK_RECORD
-from hpc_train.run.paths import LOGS_DIR, RANK_ERROR_GLOB, RANK_LOG_GLOB, SUBMITIT_DIR, rank_error_path
+from hpc_train.run.paths import LOGS_DIR, RANK_ERROR_GLOB, SUBMITIT_DIR, rank_error_path
 
 __all__ = ["LogRecord", "MergedLogs", "RankError", "format_text", "merged_view", "read_records"]
 
@@ -39,6 +42,9 @@ _NOTICE = re.compile(r"(hang|straggler)\b|SIG[A-Z0-9]+ received|saved step [0-9]
 # Slurm's own word that it ended a step to requeue or preempt the job (slurmstepd writes it as "error:"): the
 # requeue that hpc_train or the scheduler asked for, worth seeing, never a failure
 _SCHEDULER_NOTICE = re.compile(r"CANCELLED AT \S+ DUE TO (JOB REQUEUE|PREEMPTION)")
+_DIGITS = re.compile(r"[0-9]+")
+_RANK_LOG = re.compile(r"rank-([0-9]+)\.log")  # paths.RANK_LOG_GLOB's files with a rank number
+_FRAME = re.compile(r'File "([^"]+)", line ([0-9]+), in (\S+)')
 _MAX_BYTES = 64 << 20  # per file: a longer log is read from its last 64 MiB (and the view says so)
 
 
@@ -59,17 +65,7 @@ class LogRecord:
     def severity(self) -> str:
         """``error`` (an ERROR record, a traceback, an error line of Slurm's), ``warning`` (a WARNING record, the
         watchdog's "hang:" lines, the straggler check's, a preemption signal and its save), or ``""``."""
-        if self.level in ("ERROR", "CRITICAL"):
-            return "error"
-        if any("Traceback (most recent call last)" in line for line in (self.text, *self.more)):
-            return "error"
-        if self.rank is None:
-            if _SCHEDULER_NOTICE.search(self.text):
-                return "warning"
-            return "error" if _ERROR_TEXT.search(self.text) else ""
-        if self.level == "WARNING" or _NOTICE.match(self.text):
-            return "warning"
-        return ""
+        return _severity(self.level, self.text, self.more, self.rank)
 
     def lines(self) -> list[str]:
         head = " ".join(part for part in (self.stamp, self.level, self.text) if part)
@@ -78,6 +74,21 @@ class LogRecord:
     def to_dict(self) -> dict[str, Any]:
         return {"time": self.time, "stamp": self.stamp, "source": self.source, "rank": self.rank,
                 "level": self.level, "severity": self.severity, "text": "\n".join([self.text, *self.more])}
+
+
+def _severity(level: str, text: str, more: tuple[str, ...] | list[str], rank: int | None) -> str:
+    if level in ("ERROR", "CRITICAL"):
+        return "error"
+    if "Traceback (most recent call last)" in text or (more and any("Traceback (most recent call last)" in line
+                                                                    for line in more)):
+        return "error"
+    if rank is None:
+        if _SCHEDULER_NOTICE.search(text):
+            return "warning"
+        return "error" if _ERROR_TEXT.search(text) else ""
+    if level == "WARNING" or _NOTICE.match(text):
+        return "warning"
+    return ""
 
 
 @dataclass(frozen=True)
@@ -110,33 +121,40 @@ class MergedLogs:
 
 
 def _epoch(date: str, clock: str, fraction: str | None) -> float | None:
+    moment = _second(date, clock)
+    return None if moment is None else moment + (float(f"0.{fraction}") if fraction else 0.0)
+
+
+@lru_cache(maxsize=4096)
+def _second(date: str, clock: str) -> float | None:
+    """Once per second of the clock: 16,384 ranks log their records within a few seconds of each other."""
     try:
-        moment = datetime.strptime(f"{date} {clock}", "%Y-%m-%d %H:%M:%S")
+        return datetime.strptime(f"{date} {clock}", "%Y-%m-%d %H:%M:%S").timestamp()
     except ValueError:
         return None
-    return moment.timestamp() + (float(f"0.{fraction}") if fraction else 0.0)
 
 
-def _read(path: Path, notes: list[str]) -> str:
+def _read(path: Path | str, notes: list[str]) -> str:
     try:
-        with open_record(path) as handle:
-            size = handle.seek(0, 2)
-            handle.seek(max(0, size - _MAX_BYTES))
-            data = handle.read()
+        data, size = open_bytes(path, _MAX_BYTES, tail=True)
     except OSError as error:
-        notes.append(f"{path.name}: not read ({error.strerror or error})")
+        notes.append(f"{os.path.basename(path)}: not read ({error.strerror or error})")
         return ""
     text = data.decode("utf-8", errors="replace")
     if size > _MAX_BYTES:
-        notes.append(f"{path.name} is {size >> 20} MiB: only its last {_MAX_BYTES >> 20} MiB are shown")
+        notes.append(f"{os.path.basename(path)} is {size >> 20} MiB: only its last {_MAX_BYTES >> 20} MiB are shown")
         text = text.partition("\n")[2]
     return text
 
 
-def read_records(path: Path, source: str, rank: int | None, notes: list[str] | None = None) -> list[LogRecord]:
+def read_records(path: Path | str, source: str, rank: int | None, notes: list[str] | None = None,
+                 notable_only: bool = False) -> list[LogRecord]:
     """The records of one file. A rank log's records start at timestamped lines; in other files every line that
-    does not start with white space is a record, timed by the last timestamp seen in the file."""
+    does not start with white space is a record, timed by the last timestamp seen in the file. ``notable_only``:
+    only a rank log's records with a severity (the rest is never built)."""
     text = _read(path, notes if notes is not None else [])
+    if rank is not None:
+        return _rank_records(text, source, rank, notable_only)
     records: list[LogRecord] = []
     last_time: float | None = None
     head: dict[str, Any] | None = None
@@ -148,17 +166,6 @@ def read_records(path: Path, source: str, rank: int | None, notes: list[str] | N
 
     for line in text.splitlines():
         m = _RANK_RECORD.match(line)
-        if rank is not None:
-            if m:
-                close()
-                last_time = _stamp_time(m[1])
-                head, more = {"time": last_time, "source": source, "rank": int(m[2]), "level": m[3],
-                              "text": m[4], "stamp": m[1]}, []
-            elif head is None:
-                head, more = {"time": None, "source": source, "rank": rank, "level": "", "text": line}, []
-            else:
-                more.append(line)
-            continue
         if m or _RANK_PREFIX.match(line):  # copies of a rank's log or traceback: its own files have them
             last_time = _stamp_time(m[1]) if m else last_time  # ... but their time still tells when lines came
             if head is not None and head["time"] is None:
@@ -173,13 +180,32 @@ def read_records(path: Path, source: str, rank: int | None, notes: list[str] | N
             last_time = _epoch(found[1], found[2], found[3])
         head, more = {"time": last_time, "source": source, "rank": None, "level": "", "text": line}, []
     close()
-    if rank is None:  # lines before the file's first timestamp take that one
-        first = next((r.time for r in records if r.time is not None), None)
-        records = [r if r.time is not None else LogRecord(**{**asdict(r), "time": first, "more": r.more})
-                   for r in records]
+    first = next((r.time for r in records if r.time is not None), None)  # lines before the first timestamp
+    return [r if r.time is not None else replace(r, time=first) for r in records]
+
+
+def _rank_records(text: str, source: str, rank: int, notable_only: bool) -> list[LogRecord]:
+    """A rank log's records: each starts at a timestamped line, the lines after it (a traceback) belong to it."""
+    records: list[LogRecord] = []
+    head: tuple[float | None, int, str, str, str] | None = None  # time, rank, level, text, stamp
+    more: list[str] = []
+    count = 0
+    match = _RANK_RECORD.match
+    for line in [*text.splitlines(), None]:
+        m = match(line) if line is not None and line[:1].isdigit() else None  # a record starts with its date
+        if line is not None and not m and head is not None:
+            more.append(line)
+            continue
+        if head is not None:
+            if not notable_only or _severity(head[2], head[3], more, head[1]):
+                records.append(LogRecord(head[0], source, head[1], head[2], head[3], tuple(more), head[4], count))
+            count += 1
+        if line is not None:
+            head, more = ((_stamp_time(m[1]), int(m[2]), m[3], m[4], m[1]) if m else (None, rank, "", line, "")), []
     return records
 
 
+@lru_cache(maxsize=65536)
 def _stamp_time(stamp: str) -> float | None:
     date, _, rest = stamp.partition(" ")
     clock, _, fraction = rest.partition(",")
@@ -187,11 +213,13 @@ def _stamp_time(stamp: str) -> float | None:
 
 
 def _rank_errors(logs: Path, rank: int | None) -> list[RankError]:
-    """Every ``rank-N.error.json``, earliest first, identical errors (digits aside) folded into the first."""
+    """Every ``rank-N.error.json``, earliest first, identical errors (digits aside) folded into the first: one
+    record and the list of the other ranks, however many ranks failed alike (built once, not copied per rank)."""
     found = []
-    for path in logs.glob(RANK_ERROR_GLOB):
+    names = [name for name in _listing(logs) if fnmatchcase(name, RANK_ERROR_GLOB)]
+    for name in names if rank is None else [rank_error_path(logs.parent, rank).name]:
         try:
-            data = json.loads(read_record_text(path))
+            data = json.loads(read_text(os.path.join(logs, name)))
         except (ValueError, RecursionError):
             continue
         if not isinstance(data, dict) or not isinstance(data.get("rank"), int):
@@ -200,29 +228,50 @@ def _rank_errors(logs: Path, rank: int | None) -> list[RankError]:
             continue
         when = data.get("time")
         tb = str(data.get("traceback", ""))
-        frames = re.findall(r'File "([^"]+)", line ([0-9]+), in (\S+)', tb)
-        where = f"{'/'.join(Path(frames[-1][0]).parts[-2:])}:{frames[-1][1]} in {frames[-1][2]}" if frames else ""
+        frames = _FRAME.findall(tb)
+        where = f"{_last_parts(frames[-1][0])}:{frames[-1][1]} in {frames[-1][2]}" if frames else ""
         found.append(RankError(data["rank"], str(data.get("host", "")), float(when) if isinstance(
             when, int | float) else None, str(data.get("error", "")), where, tb))
     found.sort(key=lambda e: (e.time if e.time is not None else float("inf"), e.rank))
-    folded: dict[str, RankError] = {}
+    folded: dict[str, tuple[RankError, list[int]]] = {}
     for error in found:
-        key = re.sub(r"[0-9]+", "#", error.error)
+        key = _DIGITS.sub("#", error.error)
         if key in folded:
-            first = folded[key]
-            folded[key] = RankError(**{**asdict(first), "same_ranks": (*first.same_ranks, error.rank)})
+            folded[key][1].append(error.rank)
         else:
-            folded[key] = error
-    return list(folded.values())
+            folded[key] = (error, [])
+    return [replace(first, same_ranks=tuple(same)) if same else first for first, same in folded.values()]
+
+
+@lru_cache(maxsize=1024)
+def _last_parts(path: str) -> str:
+    """``distributed/faults.py`` of a frame's file: once per file, not per rank (a ``Path`` costs 10 us)."""
+    return "/".join(Path(path).parts[-2:])
+
+
+def _listing(folder: Path) -> list[str]:
+    try:
+        return os.listdir(folder)
+    except OSError:
+        return []
 
 
 def _fold(records: list[LogRecord]) -> list[tuple[LogRecord, list[str]]]:
     """Rank records that differ only in numbers (ports, ranks, times) shown once, naming the other ranks; other
     records only when their text is the same (srun's "n1: task 0" and "n2: task 1" are two facts)."""
     folded: dict[str, tuple[LogRecord, list[str]]] = {}
+    lines: dict[str, str] = {}  # each distinct line with its digits folded, once: ranks' tracebacks share most
+
+    def fold(line: str) -> str:
+        if (key := lines.get(line)) is None:
+            key = lines[line] = _DIGITS.sub("#", line)
+        return key
+
     for record in records:
-        text = "\n".join([record.level, record.text, *record.more])
-        key = re.sub(r"[0-9]+", "#", text) if record.rank is not None else "batch\0" + _ANY_STAMP.sub("", text)
+        if record.rank is not None:  # digits never span lines: the same key as folding the joined text
+            key = "\n".join([fold(record.level), fold(record.text), *map(fold, record.more)])
+        else:
+            key = "batch\0" + _ANY_STAMP.sub("", "\n".join([record.level, record.text, *record.more]))
         if key in folded:
             folded[key][1].append(record.source)
         else:
@@ -230,9 +279,10 @@ def _fold(records: list[LogRecord]) -> list[tuple[LogRecord, list[str]]]:
     return list(folded.values())
 
 
-def _rank_of(path: Path) -> int | None:
-    m = re.fullmatch(r"rank-([0-9]+)\.log", path.name)
-    return int(m[1]) if m else None
+def _rank_logs(logs: Path) -> list[tuple[int, str]]:
+    """(rank, name) of every ``rank-N.log``, by rank, from one listing (a ``Path`` per file costs more than
+    reading it)."""
+    return sorted((int(m[1]), name) for name in _listing(logs) if (m := _RANK_LOG.fullmatch(name)))
 
 
 def merged_view(run_dir: Path, rank: int | None = None, errors_only: bool = False,
@@ -249,22 +299,22 @@ def merged_view(run_dir: Path, rank: int | None = None, errors_only: bool = Fals
     if tail is not None and tail < 0:
         raise ConfigError("--tail", f"{tail} is negative", "give the number of records to show, like --tail 50")
     view = MergedLogs(run_dir)
-    files = sorted((p for p in logs.glob(RANK_LOG_GLOB) if _rank_of(p) is not None), key=lambda p: _rank_of(p) or 0)
-    if rank is not None:
-        files = [p for p in files if _rank_of(p) == rank]
-        if not files and not rank_error_path(run_dir, rank).exists():
-            ranks = ", ".join(str(_rank_of(p)) for p in sorted(logs.glob(RANK_LOG_GLOB), key=lambda p: p.name))
-            raise ConfigError("--rank", f"{run_dir} has no log of rank {rank}", f"pick one of: {ranks or 'none'}")
-    else:
-        files += sorted(p for p in logs.glob("slurm-*") if p.suffix in (".out", ".err"))
-        files += sorted((run_dir / SUBMITIT_DIR).glob("*_log.err"))
+    rank_logs = [(number, name) for number, name in _rank_logs(logs) if rank is None or number == rank]
+    if rank is not None and not rank_logs and not rank_error_path(run_dir, rank).exists():
+        ranks = ", ".join(str(number) for number, _ in sorted(_rank_logs(logs), key=lambda item: item[1]))
+        raise ConfigError("--rank", f"{run_dir} has no log of rank {rank}", f"pick one of: {ranks or 'none'}")
+    # (path, rank, source of its records, its name among the sources)
+    files: list[tuple[Path | str, int | None, str, str]] = [
+        (os.path.join(logs, name), number, f"rank{number}", name) for number, name in rank_logs]
+    if rank is None:
+        files += [(p, None, p.name, p.name) for p in sorted(logs.glob("slurm-*")) if p.suffix in (".out", ".err")]
+        files += [(p, None, name, name) for p in sorted((run_dir / SUBMITIT_DIR).glob("*_log.err"))
+                  for name in [f"submitit/{p.name.removesuffix('_log.err')}.err"]]
     records: list[LogRecord] = []
-    for path in files:
-        number = _rank_of(path)
-        source = f"rank{number}" if number is not None else (
-            path.name if path.parent == logs else f"submitit/{path.name.removesuffix('_log.err')}.err")
-        records += read_records(path, source, number, view.notes)
-        view.sources.append(source if number is None else path.name)
+    for path, number, source, listed in files:
+        found = read_records(path, source, number, view.notes, notable_only=errors_only)
+        records += [r for r in found if r.severity] if errors_only and number is None else found
+        view.sources.append(listed)
     view.errors = _rank_errors(logs, rank)
     notable = sorted((r for r in records if r.severity), key=lambda r: (r.time if r.time is not None else
                                                                         float("-inf"), r.source))
@@ -295,19 +345,28 @@ def format_text(view: MergedLogs) -> str:
         if error.where:
             out.append(f"    at {error.where}")
         if error.same_ranks:
-            out.append(f"    the same error on rank {', '.join(map(str, error.same_ranks))}")
+            out.append(f"    the same error on rank {ranges(error.same_ranks)}")
     width = max((len(r.source) for r in [*(r for r, _ in view.error_records), *view.timeline]), default=5)
     if view.error_records:
         out.append("-- error and warning records, earliest first --")
         for record, same in view.error_records:
             out += _prefixed([record], width)
             if same:
-                out.append(f"{'':>{width}} | (the same in {', '.join(same)})")
+                out.append(f"{'':>{width}} | (the same in {_sources(same)})")
     if view.timeline:
         out.append(f"== timeline: {len(view.timeline)} records from {', '.join(view.sources)} ==")
         out += _prefixed(view.timeline, width)
     out += [f"note: {note}" for note in view.notes]
     return "\n".join(out)
+
+
+def _sources(names: list[str]) -> str:
+    """``rank0, rank1, rank2, rank7, slurm-12.err`` as ``ranks 0-2,7, slurm-12.err``: 16,384 ranks in a few
+    characters when they failed alike."""
+    ranks = [int(name[4:]) for name in names if name.startswith("rank") and name[4:].isdigit()]
+    others = [name for name in names if not (name.startswith("rank") and name[4:].isdigit())]
+    said = [f"rank{ranks[0]}" if len(ranks) == 1 else f"ranks {ranges(ranks)}"] if ranks else []
+    return ", ".join([*said, *others])
 
 
 def _prefixed(records: list[LogRecord], width: int) -> list[str]:

@@ -191,10 +191,11 @@ def look_back(run_dir: Path, job_id: str, restart: int, policy: RetryPolicy, all
     previous = [a for a in attempts.read() if a.job_id == job_id and a.restart == restart - 1][-1:] or [None]
     if record is None or (previous[0] is not None and previous[0].outcome in ("hang", "completed")):
         return _requeue_avoiding(run_dir, job_id, allocation, log, run) or Recovery("continue")
+    # Every rank's log, not only the ranks with an error record: the ranks of this attempt remove their records
+    # of the last one as they start, while rank 0 looks back (docs/performance.md, "Login side at 16,384 ranks").
     evidence = collect_evidence(run_dir, job_id, restart - 1)
     classification = classify(record, evidence, down_nodes(record, run))
-    errors = "\n".join(f"{r.error}\n{r.traceback}" for r in evidence.ranks)
-    if classification.failure_class == "infrastructure" and not is_hardware_fault(errors):
+    if classification.failure_class == "infrastructure" and not _hardware_fault(evidence):
         classification = replace(classification, nodes=())  # a network error shows on both ends: no node is bad
     if classification.failure_class not in RETRIED_CLASSES:
         moved = _requeue_avoiding(run_dir, job_id, allocation, log, run)
@@ -204,6 +205,13 @@ def look_back(run_dir: Path, job_id: str, restart: int, policy: RetryPolicy, all
         attempts.finish(previous[0], outcome=classification.failure_class,
                         note=f"{classification.reason}; {recovery.message}"[:500])
     return recovery
+
+
+def _hardware_fault(evidence: Evidence) -> bool:
+    """:func:`is_hardware_fault` of every rank's error and traceback, each distinct line once: its words never span
+    a line, and 16,384 ranks' tracebacks share most of theirs (the joined text was 32 MB to search)."""
+    lines = {line for r in evidence.ranks for text in (r.error, r.traceback) for line in text.splitlines()}
+    return any(is_hardware_fault(line) for line in lines)
 
 
 def mended_in_place(rank: int, host: str, error: str, traceback: str) -> bool:

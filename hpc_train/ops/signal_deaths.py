@@ -19,6 +19,7 @@ __all__ = ["SIGNAL_NAMES", "SignalDeath", "oom_peaks", "signal_class", "signal_d
 
 SIGNAL_NAMES = {1: "SIGHUP", 2: "SIGINT", 4: "SIGILL", 6: "SIGABRT", 7: "SIGBUS", 8: "SIGFPE", 9: "SIGKILL",
                 11: "SIGSEGV", 15: "SIGTERM"}
+_OOM_WORDS = "out of memory: rank "  # how the agent's line begins (run.loglines.HOST_OOM): most lines skip the pattern
 _CRASH_SIGNALS = frozenset({4, 6, 7, 8, 11})
 # srun's words for a task that ended on a signal, and the signal each names
 _SRUN_SIGNAL_WORDS = ((re.compile(r"Segmentation fault"), 11), (re.compile(r"Bus error"), 7),
@@ -51,7 +52,7 @@ def oom_peaks(reports: Iterable[RankReport]) -> str:
     said = []
     for report in reports:
         for line in report.log_tail:
-            if (found := parse_host_oom(line)) is not None:
+            if _OOM_WORDS in line and (found := parse_host_oom(line)) is not None:
                 rank, process, cgroup, limit = found
                 said.append(f"rank {rank} peaked at {process:.2f} GiB"
                             + (f", its cgroup at {cgroup:.2f}" + (f" of {limit:.2f}" if limit else "") + " GiB"

@@ -312,13 +312,15 @@ def build_status(folder: RunFolder, answer: scheduler.SchedulerAnswer) -> RunSta
     if state not in ("RUNNING", "COMPLETING"):
         info.eta_s = None
     failure = None
+    read: dict[Any, Any] = {}  # the newest attempt's evidence and class, worked out once for both uses
     if state in _ENDED_BADLY:
         restart = last.restart if last is not None and last.job_id == job_id else None
-        failure = classify(record, collect_evidence(folder.path, job_id or None, restart))
+        read[(job_id or None, restart)] = evidence = collect_evidence(folder.path, job_id or None, restart)
+        failure = read[(job_id or None, restart, record)] = classify(record, evidence)
         if failure.failure_class == "completed":
             failure = None
     failed = [a.attempt for a in folder.attempts if a.outcome in _FAILED_OUTCOMES][-_CLASSIFIED_ATTEMPTS:]
-    views = [_attempt_view(folder, a, answer, a.attempt in failed) for a in folder.attempts]
+    views = [_attempt_view(folder, a, answer, a.attempt in failed, read) for a in folder.attempts]
     return RunStatus(str(folder.path), folder.name, folder.executor or "?", state, job_id, nodes, reason, info,
                      folder.checkpoint, views, failure, folder.excluded, ids, notes, read_findings(folder.path))
 
@@ -368,16 +370,19 @@ def _alive(attempt: Attempt) -> bool:
     return True
 
 
-def _attempt_view(folder: RunFolder, attempt: Attempt, answer: scheduler.SchedulerAnswer,
-                  explain: bool) -> AttemptView:
-    """One attempt; ``explain``: classify it (the newest failed attempts only: each reads the rank logs)."""
+def _attempt_view(folder: RunFolder, attempt: Attempt, answer: scheduler.SchedulerAnswer, explain: bool,
+                  read: dict[Any, Any] | None = None) -> AttemptView:
+    """One attempt; ``explain``: classify it (the newest failed attempts only: each reads the rank logs, unless
+    ``read`` holds its evidence already)."""
     failure = None
     if "restarted in place" in attempt.note:  # the agent recorded why (Slurm's record is the whole allocation's)
         failure = {"class": attempt.outcome, "reason": attempt.note}
     elif explain:
         records = answer.history.get(attempt.job_id, [])
         record = records[attempt.restart] if attempt.restart < len(records) else None
-        found = classify(record, collect_evidence(folder.path, attempt.job_id, attempt.restart))
+        read = read or {}
+        found = read.get((attempt.job_id, attempt.restart, record)) or classify(record, read.get(
+            (attempt.job_id, attempt.restart)) or collect_evidence(folder.path, attempt.job_id, attempt.restart))
         failure = found.to_dict()
     return AttemptView(attempt.attempt, attempt.job_id, attempt.restart, attempt.started, attempt.ended,
                        attempt.outcome, attempt.start_step, attempt.end_step, attempt.note, failure,

@@ -18,6 +18,7 @@ Only a failure the retry policy does not retry, with none of the above, is cance
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -116,13 +117,15 @@ def read_failures(run_dir: Path, since: float = 0.0) -> list[dict[str, Any]]:
     return sorted(errors, key=lambda error: (error.get("time", 0.0), error.get("rank", 0)))
 
 
-def read_facts(run_dir: Path, job_id: str, state: str, since: float = 0.0, waited_s: float = 0.0) -> CancelFacts:
+def read_facts(run_dir: Path, job_id: str, state: str, since: float = 0.0, waited_s: float = 0.0,
+               failures: Sequence[dict[str, Any]] | None = None) -> CancelFacts:
     """The facts :func:`decide_cancel` takes, from the run folder (attempts, stop notice, recovery claim) as
     this submission (made at ``since``) left it: a run folder is followed by one job at a time, and an array
-    task's attempts carry Slurm's own job id, not the task's."""
+    task's attempts carry Slurm's own job id, not the task's. ``failures``: the error records since ``since``
+    as the caller read them already (the follower keeps them between polls), else they are read here."""
     attempts = [a for a in AttemptLog(run_dir).read() if a.started >= since - 1]
     attempt = attempts[-1] if attempts else None
-    failures = tuple(read_failures(run_dir, since))
+    failures = tuple(read_failures(run_dir, since) if failures is None else failures)
     stop_phase = deciding = restarting = None
     if attempt is not None:
         failures = tuple(f for f in failures if f.get("in_place", 0) >= attempt.in_place)  # earlier lives': history

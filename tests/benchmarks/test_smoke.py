@@ -78,6 +78,11 @@ CASES = [  # the costliest first (CPU seconds here: 57, 52, 25, 23, 22, 14, 4, 0
                           rf"2\s+fsdp2\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}")),
     Case("rank_start.py", (), (r"run 1: trainer start to first step [\d.]+ s; imports [\d.]+ s",
                                 rf"\(b\) trainer start to first step: median {NUMBER} s; import floor {NUMBER} s; .*")),
+    Case("control_plane.py", ("--section", "login"), (
+        r"section\s+ranks\s+what\s+wall s\s+CPU s\s+peak MiB\s+x smallest\s+\(ranks x\)\s+target",
+        rf"login\s+256\s+status --json\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}\s+4\s+\w+",
+        rf"login\s+256\s+logs --errors-only --tail 20\s+{NUMBER}\s+.*", rf"login\s+256\s+classifier\s+{NUMBER}\s+.*",
+        rf"login\s+256\s+follower's poll\s+{NUMBER}\s+.*", rf"login\s+256\s+look-back \(rank 0\)\s+{NUMBER}\s+.*")),
     Case("topology.py", (), (r"layout\s+hpc_train s\s+brute force s\s+ratio\s+target",
                              rf"64 ranks \(tp 2, pp 4, dp 8\)\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}\s+\w+")),
     Case("submit_latency.py", (), (r"hpc_train\.submit\s+.*", r"hand-written sbatch\s+.*\s+1\.00\s+.*\s+1\.00"),
