@@ -259,7 +259,13 @@ def login_section(args: argparse.Namespace) -> list[Row]:
     return rows
 
 
-SECTIONS: dict[str, Callable[[argparse.Namespace], list[Row]]] = {"login": login_section}
+def _coordinator(args: argparse.Namespace) -> list[Row]:
+    from control_plane_coordinator import coordinator_section  # beside this script
+
+    return coordinator_section(args)
+
+
+SECTIONS: dict[str, Callable[[argparse.Namespace], list[Row]]] = {"login": login_section, "coordinator": _coordinator}
 
 
 def report(rows: list[Row]) -> None:
@@ -278,6 +284,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--section", choices=[*SECTIONS, "all"], default="all")
     parser.add_argument("--ranks", type=int, nargs="+", default=[1024, 4096, 16384])
+    parser.add_argument("--nodes", type=int, nargs="+", default=[8, 32, 64],
+                        help="emulated nodes of 4 agents each (the coordinator section)")
     parser.add_argument("--runs", type=int, default=3, help="runs of each command; the median is shown")
     parser.add_argument("--dir", help="where the run folders are built (default /dev/shm, else the temp folder)")
     parser.add_argument("--verbose", action="store_true", help="print each command's answer (its first line)")
@@ -285,7 +293,7 @@ def main() -> None:
                         "end in seconds (CI), its figures mean nothing")
     args = parser.parse_args()
     if args.smoke:
-        args.ranks, args.runs = [64, 256], 1
+        args.ranks, args.runs, args.nodes = [64, 256], 1, [2, 4]
     sections = list(SECTIONS) if args.section == "all" else [args.section]
     rows = [row for name in sections for row in SECTIONS[name](args)]
     report(rows)
