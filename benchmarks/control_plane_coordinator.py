@@ -45,7 +45,7 @@ class Figures:
 
 def _agent(port: int, name: str, attempt: str, expected: int, heard: list[tuple[int, float]]) -> None:
     client = ControlClient.connect("127.0.0.1", port, TOKEN, name, timeout_s=60, agent=True)
-    for prefix in (f"{attempt}/", "lost/", "left/"):
+    for prefix in (f"{attempt}/", "gone"):
         client.watch(prefix)
     client.arrive(f"{attempt}/start", name, expected)
     for life in (1, 2):

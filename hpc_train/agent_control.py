@@ -21,7 +21,7 @@ from typing import Any
 
 from hpc_train.control.client import ControlClient, ControlError
 from hpc_train.control.discovery import Address, find_address, new_token, publish_address
-from hpc_train.control.server import ControlServer
+from hpc_train.control.server import GONE_KEY, ControlServer
 from hpc_train.run.assignment import assignment_key, left_key
 from hpc_train.run.chain import handover_key
 from hpc_train.run.in_place import RestartNotice, notice_from, ready_key, request_restart, restart_key
@@ -60,7 +60,7 @@ class AgentLink:
                     return None
                 address = found
             client = ControlClient.connect(address.host, address.port, address.token, member, agent=True)
-            for prefix in (f"{attempt}/", "lost/", "left/", handover_key(job_id)):
+            for prefix in (f"{attempt}/", GONE_KEY, handover_key(job_id)):
                 client.watch(prefix)
         except (ControlError, OSError) as error:
             log.warning("the coordinator of attempt %s cannot be used (%s): the agents coordinate through the "
@@ -86,10 +86,12 @@ class AgentLink:
         value = self.client.known.get(handover_key(self.job_id))
         return str(value) if isinstance(value, str) and value.isdigit() else None
 
-    def gone(self) -> list[str]:
-        """The agents that left (``left/``) or vanished (``lost/``: their node lost) during this attempt."""
-        return sorted(str(key).partition("/")[2] for key in list(self.client.known)
-                      if key.startswith(("lost/", "left/")))
+    def gone(self) -> int:
+        """How many agents left or vanished (their node lost) during this attempt: one key, pushed once a round
+        however many went; the barrier's value names them."""
+        value = self.client.known.get(GONE_KEY)
+        count = value.get("count") if isinstance(value, dict) else 0
+        return count if isinstance(count, int) else 0
 
     def request(self, run_dir: Path, notice: RestartNotice) -> RestartNotice:
         """Set the notice unless another agent did first; the one that holds is recorded in the run folder."""

@@ -11,7 +11,7 @@ Operations (see :mod:`hpc_train.control.client`): ``hello`` (the job's token and
 ``first``: the first value set holds, as an ``O_EXCL`` file did), ``get``, ``arrive`` (a barrier: once
 ``expected`` distinct members arrived or are gone, its key is set, naming the gone), ``watch`` (every key with
 a prefix, now and later, is pushed), ``bye``. An agent (a hello with ``agent``) that leaves gets
-``left/MEMBER`` set, or ``lost/MEMBER`` when it vanished without ``bye``.
+``left/MEMBER`` set, or ``lost/MEMBER`` when it vanished without ``bye``, and ``gone`` counts them.
 """
 
 from __future__ import annotations
@@ -23,13 +23,15 @@ import selectors
 import socket
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
 from hpc_train.control.wire import LineBuffer, WireError, decode, encode
 
-__all__ = ["ControlServer", "keep_alive"]
+__all__ = ["GONE_KEY", "ControlServer", "keep_alive"]
 
+GONE_KEY = "gone"  # how many agents left or vanished: one push a round, for agents that wait on a peer
 _MAX_PENDING = 4 * 1024 * 1024  # bytes queued for one client that does not read: it is dropped
 _KEEPALIVE_S = 5  # idle seconds before the first probe, and between probes (torchelastic: 5 s)
 _KEEPALIVE_PROBES = 3
@@ -78,6 +80,7 @@ class ControlServer:
         self.values: dict[str, Any] = {}
         self._barriers: dict[str, _Barrier] = {}
         self._gone: set[str] = set()  # agents that left or were lost
+        self._departed: deque[tuple[str, str]] = deque()  # ... and not yet announced
         self._conns: dict[int, _Conn] = {}
         self._selector = selectors.DefaultSelector()
         _more_descriptors()
@@ -119,11 +122,34 @@ class ControlServer:
                 elif key.fileobj is self._wake_r:
                     return
                 else:
-                    conn = self._conns.get(key.fd)
-                    if conn is not None and events & selectors.EVENT_WRITE:
-                        self._flush(conn)
-                    if conn is not None and events & selectors.EVENT_READ and conn.sock.fileno() >= 0:
-                        self._read(conn)
+                    self._serve(key.fd, events)
+            self._announce_departures()
+
+    def _serve(self, fd: int, events: int) -> None:
+        conn = self._conns.get(fd)
+        if conn is None:
+            return
+        try:
+            if events & selectors.EVENT_WRITE:
+                self._flush(conn)
+            if events & selectors.EVENT_READ and conn.sock.fileno() >= 0:
+                self._read(conn)
+        except Exception:  # one client's surprise must not end the coordinator of every agent
+            self._close(conn, lost=not conn.said_bye)
+
+    def _announce_departures(self) -> None:
+        """The agents that left or vanished since the last round, announced together: a send that fails while
+        announcing one finds another gone, which joins the queue (never a nested close), and the agents hear
+        one ``gone`` push per round however many went (a node's worth of agents is one push each, not eight)."""
+        if not self._departed:
+            return
+        while self._departed:
+            state, member = self._departed.popleft()
+            self._gone.add(member)
+            self._set(f"{state}/{member}", {"member": member, "time": time.time()}, first=True)
+        self._set(GONE_KEY, {"count": len(self._gone), "time": time.time()}, first=False)
+        for key, barrier in list(self._barriers.items()):
+            self._complete(key, barrier)
 
     def _accept(self) -> None:
         with contextlib.suppress(BlockingIOError, InterruptedError, ConnectionAbortedError):
@@ -183,12 +209,8 @@ class ControlServer:
             self._selector.unregister(conn.sock)
         self._conns.pop(fd, None)
         conn.sock.close()
-        if conn.agent and conn.member is not None:  # a barrier that waits for it counts it as gone
-            state = "lost" if lost else "left"
-            self._gone.add(conn.member)
-            self._set(f"{state}/{conn.member}", {"member": conn.member, "time": time.time()}, first=True)
-            for key, barrier in list(self._barriers.items()):
-                self._complete(key, barrier)
+        if conn.agent and conn.member is not None:  # announced by the loop: a barrier counts it as gone
+            self._departed.append(("lost" if lost else "left", conn.member))
 
     # --- the operations --------------------------------------------------------------------------------------
 

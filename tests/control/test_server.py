@@ -131,3 +131,32 @@ def test_a_barrier_that_waits_for_a_lost_agent_is_decided_at_once_and_names_it(s
     assert decided["arrived"] == 4 and decided["gone"] == ["task-4@n3", "task-5@n3"], decided
     for client in agents[:4]:
         client.close()
+
+
+def test_many_agents_gone_at_once_are_announced_in_one_round_and_the_coordinator_lives_on(
+        server: ControlServer) -> None:
+    """A node of many agents lost at once: every send to a dead agent fails while the others are announced; none
+    of it may nest (it once ended the coordinator's thread in a RecursionError) and the watchers hear one count."""
+    watcher = ControlClient.connect("127.0.0.1", server.port, TOKEN, "rank-0", agent=True)
+    watcher.watch("gone")
+    doomed = [_agent(server, f"task-{task}@n9") for task in range(300)]
+    for client in doomed:  # their pushes of each other's departure fail: the peers are gone too
+        client._sock.shutdown(socket.SHUT_RDWR)
+    assert _until_count(watcher, 300)
+    assert watcher.get("lost/task-299@n9")["member"] == "task-299@n9"  # the record of each, for a get
+    survivor = _agent(server, "rank-1")  # the coordinator still serves
+    assert survivor.arrive("a/ready/1", "rank-1", 302)  # 300 gone + 2 here: decided with rank-0's arrival
+    watcher.arrive("a/ready/1", "rank-0", 302)
+    assert sorted(survivor.wait_for("a/ready/1", 5.0)["gone"])[:1] == ["task-0@n9"]
+    watcher.close()
+    survivor.close()
+
+
+def _until_count(client: ControlClient, count: int, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = client.known.get("gone")
+        if isinstance(value, dict) and value.get("count") == count:
+            return True
+        time.sleep(0.02)
+    return False
