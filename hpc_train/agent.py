@@ -163,7 +163,8 @@ class Agent:
         self.stopping: int | None = None  # a signal from Slurm (preemption, requeue, cancel): no more restarts
         self._successor: str | None = None  # the next job of a chain this one handed the run to
         self._handed_at = 0.0  # when this agent first saw that (monotonic)
-        self.link: AgentLink | None = None  # the job's coordinator; None: the run folder's files (spares too)
+        self.link: AgentLink | None = None  # the job's coordinator; None: the run folder's files
+        self.holding_nodes: set[str] | None = None  # with spares: the nodes that hold this life's ranks
 
     def logger_for(self, rank: int) -> logging.Logger:
         """The log of rank ``rank`` (with spares, the rank this agent runs in a life)."""
@@ -212,6 +213,7 @@ class Agent:
         oom_before = oom_kills()
         child = subprocess.Popen(argv, env=env)
         may_restart = in_place < self.setup.limit
+        lost_before = set(self.link.lost()[1]) if self.link is not None else set()
         while True:
             try:
                 code = child.wait(timeout=_POLL_S)
@@ -219,7 +221,7 @@ class Agent:
             except subprocess.TimeoutExpired:
                 pass
             if may_restart and self.stopping is None:
-                notice = self._notice(in_place + 1)
+                notice = self._notice(in_place + 1) or self._restart_for_lost(in_place + 1, lost_before)
                 if notice is not None:
                     self._kill(child)
                     return child.wait(), notice
@@ -255,6 +257,24 @@ class Agent:
             with contextlib.suppress(ControlError):
                 return self.link.request(run_dir, notice)
         return request_restart(run_dir, self.attempt, notice)
+
+    def _restart_for_lost(self, next_in_place: int, seen: set[str]) -> RestartNotice | None:
+        """The restart that an agent's vanishing calls for (its node lost: its connection dropped, or TCP
+        keep-alive found its host dead), decided now rather than when a collective on the dead peer fails or
+        times out (NCCL's default: 10 minutes); None while no agent that holds ranks vanished in this life (a
+        spare's node lost costs the ranks nothing). ``seen``: the vanished agents known already."""
+        if self.link is None or not self.link.usable:
+            return None
+        new = [name for name in self.link.lost()[1] if name not in seen]
+        seen.update(new)
+        holding = [name for name in new if self.holding_nodes is None or name.partition("@")[2] in self.holding_nodes]
+        if not holding:
+            return None
+        why = f"the agent of {', '.join(holding[:3])} vanished from the job's coordinator (its node lost?)"
+        notice = RestartNotice(next_in_place, self.rank, node_name(), "infrastructure", why, time.time())
+        with contextlib.suppress(ControlError):
+            return self.link.request(self.setup.run_dir, notice)
+        return None
 
     def _notice(self, in_place: int) -> RestartNotice | None:
         """Restart ``in_place``'s notice: pushed by the coordinator (no file read), or from the run folder when

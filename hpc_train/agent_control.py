@@ -86,6 +86,14 @@ class AgentLink:
         value = self.client.known.get(handover_key(self.job_id))
         return str(value) if isinstance(value, str) and value.isdigit() else None
 
+    def lost(self) -> tuple[int, list[str]]:
+        """How many agents vanished without a bye (their node lost, or killed), and the last eight of them."""
+        value = self.client.known.get(GONE_KEY)
+        if not isinstance(value, dict):
+            return 0, []
+        count, names = value.get("lost"), value.get("names")
+        return (count if isinstance(count, int) else 0), [str(n) for n in names] if isinstance(names, list) else []
+
     def gone(self) -> int:
         """How many agents left or vanished (their node lost) during this attempt: one key, pushed once a round
         however many went; the barrier's value names them."""

@@ -64,6 +64,7 @@ def run_with_spares(agent: Any, argv: list[str]) -> int:
         else:
             agent.rank = int(place["SLURM_PROCID"])
             agent.log = agent.logger_for(agent.rank)
+            agent.holding_nodes = set(assignment.nodes)  # a lost spare does not restart the ranks
             env = {**os.environ, **coordinator, **place, IN_PLACE_ENV: str(in_place),
                    IN_PLACE_LEFT_ENV: str(setup.limit - in_place)}
             env.pop(SHRUNK_NODES_ENV, None)

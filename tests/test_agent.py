@@ -37,6 +37,10 @@ RANK = textwrap.dedent("""
         from hpc_train.run.exit_codes import EXIT_RESTART_IN_PLACE
         record_successor(run_dir, "7", "8")
         sys.exit(EXIT_RESTART_IN_PLACE)
+    if mode == "kill-agent":  # its node is lost: the agent vanishes without a word (and the rank with it)
+        time.sleep(0.5)
+        os.kill(os.getppid(), signal.SIGKILL)
+        sys.exit(0)
     if mode == "always-kill" or (mode == "kill-first" and life == "0"):
         time.sleep(0.5)
         os.kill(os.getpid(), signal.SIGKILL)
@@ -169,3 +173,21 @@ def test_there_is_no_agent_off_slurm_on_the_local_executor_or_inside_one(tmp_pat
     assert agent_setup(tmp_path, slurm) is None  # no plan here: the rank itself says what is wrong
     (tmp_path / "plan.json").write_text(json.dumps({"not": "a plan"}))
     assert agent_setup(tmp_path, slurm) is None
+
+
+def test_an_agent_that_vanishes_restarts_the_others_at_once_and_without_spares_they_leave_to_slurm(
+        tmp_path: Path) -> None:
+    """Rank 1's node is lost (its agent killed): rank 0's agent hears it from the coordinator, does not wait for a
+    collective on the dead peer to fail (NCCL's default timeout is 10 minutes), restarts, and at the barrier
+    finds rank 1's agent gone: without spares the job is left to Slurm and the retry policy."""
+    start = time.monotonic()
+    rank0, _rank1 = _agents(tmp_path, ["wait-first", "kill-agent"])
+    assert time.monotonic() - start < 30, "rank 0 was left waiting for its dead peer"
+    assert rank0.returncode == 1, rank0.stderr
+    notice = read_notice(tmp_path, "7.0", 1)
+    assert notice is not None and notice.failure_class == "infrastructure", notice
+    assert "the agent of rank-1 vanished from the job's coordinator" in notice.reason, notice
+    log = (tmp_path / "logs" / "rank-0.log").read_text()
+    assert "the agent of rank-1 is gone" in log, log
+    worker = int((tmp_path / "worker.pid").read_text())  # what rank 0 started went with it
+    assert not Path(f"/proc/{worker}").exists() or "Z" in Path(f"/proc/{worker}/stat").read_text().split(")")[1][:3]

@@ -81,6 +81,7 @@ class ControlServer:
         self._barriers: dict[str, _Barrier] = {}
         self._gone: set[str] = set()  # agents that left or were lost
         self._departed: deque[tuple[str, str]] = deque()  # ... and not yet announced
+        self._lost: list[str] = []  # the agents that vanished without a bye, in order
         self._conns: dict[int, _Conn] = {}
         self._selector = selectors.DefaultSelector()
         _more_descriptors()
@@ -146,8 +147,11 @@ class ControlServer:
         while self._departed:
             state, member = self._departed.popleft()
             self._gone.add(member)
+            if state == "lost":
+                self._lost.append(member)
             self._set(f"{state}/{member}", {"member": member, "time": time.time()}, first=True)
-        self._set(GONE_KEY, {"count": len(self._gone), "time": time.time()}, first=False)
+        self._set(GONE_KEY, {"count": len(self._gone), "lost": len(self._lost), "names": self._lost[-8:],
+                             "time": time.time()}, first=False)
         for key, barrier in list(self._barriers.items()):
             self._complete(key, barrier)
 
