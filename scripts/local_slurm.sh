@@ -35,7 +35,7 @@ readonly DB_PORT=3316
 readonly NODE_PORT_BASE=6830
 readonly NODE_CPUS=4
 readonly NODE_MEM=4000
-readonly MAX_NODES=4
+readonly MAX_NODES=80  # the scale lane (scripts/scale_lane.sh) runs 65; Slurm's own FAQ example runs 100
 readonly DEFAULT_NODES=3
 readonly PKGS=(slurm-wlm slurmctld slurmd slurm-client munge mariadb-server slurmdbd)
 
