@@ -265,7 +265,14 @@ def _coordinator(args: argparse.Namespace) -> list[Row]:
     return coordinator_section(args)
 
 
-SECTIONS: dict[str, Callable[[argparse.Namespace], list[Row]]] = {"login": login_section, "coordinator": _coordinator}
+def _cluster(args: argparse.Namespace) -> list[Row]:
+    from control_plane_cluster import cluster_section  # beside this script; needs the local cluster and strace
+
+    return cluster_section(args)
+
+
+SECTIONS: dict[str, Callable[[argparse.Namespace], list[Row]]] = {"login": login_section, "coordinator": _coordinator,
+                                                                   "cluster": _cluster}
 
 
 def report(rows: list[Row]) -> None:
@@ -294,7 +301,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.smoke:
         args.ranks, args.runs, args.nodes = [64, 256], 1, [2, 4]
-    sections = list(SECTIONS) if args.section == "all" else [args.section]
+    sections = ["login", "coordinator"] if args.section == "all" else [args.section]  # cluster: by name only
     rows = [row for name in sections for row in SECTIONS[name](args)]
     report(rows)
 
