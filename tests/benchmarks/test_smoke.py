@@ -90,6 +90,10 @@ CASES = [  # the costliest first (CPU seconds here: 57, 52, 25, 23, 22, 14, 4, 0
                              rf"64 ranks \(tp 2, pp 4, dp 8\)\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}\s+\w+")),
     Case("submit_latency.py", (), (r"hpc_train\.submit\s+.*", r"hand-written sbatch\s+.*\s+1\.00\s+.*\s+1\.00"),
          slurm=True),
+    Case("control_plane.py", ("--section", "cluster"), (
+        r"cluster: steady training: [\d.]+ run-folder operations per rank per second",
+        r"cluster: a restart in place \(rank 1 killed\): [\d.]+ run-folder operations per rank per second",
+        r"cluster: files per node outside checkpoints/, saving job: [\d.]+"), slurm=True),
 ]
 # Run in the Slurm lane by their own test (tests/conftest.py puts a test that asks for slurm_cluster there): their
 # jobs take the nodes, and started beside the Slurm lane's tests they left another test's job pending.
