@@ -9,12 +9,13 @@ markup (a crash, or a link that shows other text). Every value a command shows g
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from rich.text import Text
 
-__all__ = ["UNSAFE_IN_LINE", "UNSAFE_IN_TEXT", "plain", "shown"]
+__all__ = ["UNSAFE_IN_LINE", "UNSAFE_IN_TEXT", "plain", "ranges", "shown"]
 
 # The one definition of what never reaches a terminal, a script or a file unescaped: C0 control characters (but
 # tab and newline), DEL, C1, the Unicode line and paragraph separators, the direction marks, the bidirectional
@@ -35,3 +36,19 @@ def shown(value: object) -> Text:
     from rich.text import Text
 
     return Text(plain(value))
+
+
+def ranges(numbers: Iterable[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``0-2,5``: 16,384 failed ranks are a line no one reads (and rich takes a second to lay
+    out); the same ranks as ranges are a few characters."""
+    values = sorted(set(numbers))
+    parts: list[str] = []
+    start = prev = None
+    for value in [*values, None]:
+        if value is not None and prev is not None and value == prev + 1:
+            prev = value
+            continue
+        if start is not None:
+            parts.append(str(start) if start == prev else f"{start}-{prev}")
+        start = prev = value
+    return ",".join(parts)

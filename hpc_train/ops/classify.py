@@ -50,7 +50,6 @@ from typing import Any
 from hpc_train.distributed.hostlist import expand
 from hpc_train.ops.evidence import SRUN_ERROR, Evidence, RankReport, srun_tasks
 from hpc_train.ops.records import line_time
-from hpc_train.ops.records import ranges as _ranges
 from hpc_train.ops.scheduler import SlurmRecord
 from hpc_train.ops.signal_deaths import oom_peaks, signal_class, signal_death
 from hpc_train.run.exit_codes import (
@@ -63,6 +62,7 @@ from hpc_train.run.exit_codes import (
 from hpc_train.run.loglines import LAUNCH_ERROR_PREFIX, NOT_IN_COLLECTIVE, RANK_LINE, parse_stop
 from hpc_train.run.peer_errors import PEER_LOST
 from hpc_train.run.stacks import in_collective
+from hpc_train.terminal import ranges as _ranges
 
 __all__ = ["CLASSES", "Classification", "classify", "is_hardware_fault"]
 

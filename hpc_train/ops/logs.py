@@ -26,9 +26,10 @@ from pathlib import Path
 from typing import Any
 
 from hpc_train.errors import ConfigError
-from hpc_train.ops.records import open_bytes, ranges, read_text
+from hpc_train.ops.records import open_bytes, read_text
 from hpc_train.run.loglines import RANK_RECORD
 from hpc_train.run.paths import LOGS_DIR, RANK_ERROR_GLOB, SUBMITIT_DIR, rank_error_path
+from hpc_train.terminal import ranges
 
 __all__ = ["LogRecord", "MergedLogs", "RankError", "format_text", "merged_view", "read_records"]
 

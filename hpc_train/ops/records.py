@@ -4,8 +4,7 @@ calls rather than a buffered file object and a read of :data:`~hpc_train.run.fil
 
 Why: at 16,384 ranks every rank's error record and log is read by ``status``, ``logs``, the failure classes and the
 follower; a buffered ``read(16 MiB)`` costs about 28 us a file, these reads about 7 us (issue 38). Also here: the
-rank log's time stamp read once per second of the clock rather than by ``strptime`` per line, and rank lists
-written as ranges.
+rank log's time stamp read once per second of the clock rather than by ``strptime`` per line.
 """
 
 from __future__ import annotations
@@ -14,7 +13,7 @@ import errno
 import json
 import os
 import stat
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
@@ -23,8 +22,7 @@ from typing import Any
 from hpc_train.run.files import MAX_RECORD_FILE
 from hpc_train.run.loglines import RANK_LINE
 
-__all__ = ["RankFiles", "line_time", "open_bytes", "ranges", "read_bytes", "read_json", "read_tail", "read_text",
-           "stamp_time"]
+__all__ = ["RankFiles", "line_time", "open_bytes", "read_bytes", "read_json", "read_tail", "read_text", "stamp_time"]
 
 _FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
 _SENTINEL = 987654321
@@ -125,18 +123,3 @@ class RankFiles:
     def name(self, rank: int) -> str:
         """The file's name without its folder."""
         return f"{self.base}{rank}{self.tail}"
-
-
-def ranges(numbers: Iterable[int]) -> str:
-    """``[0, 1, 2, 5]`` -> ``0-2,5``."""
-    values = sorted(set(numbers))
-    parts: list[str] = []
-    start = prev = None
-    for value in [*values, None]:
-        if value is not None and prev is not None and value == prev + 1:
-            prev = value
-            continue
-        if start is not None:
-            parts.append(str(start) if start == prev else f"{start}-{prev}")
-        start = prev = value
-    return ",".join(parts)

@@ -32,6 +32,7 @@ from hpc_train.run.paths import (
 )
 from hpc_train.slurm.cancel_policy import CancelDecision, decide_cancel, read_facts
 from hpc_train.slurm.jobstate import SlurmQueryError, query_states
+from hpc_train.terminal import ranges
 
 __all__ = ["FollowedJob", "LogTail", "follow"]
 
@@ -247,18 +248,11 @@ def _report_failure(console: Console, job: FollowedJob) -> None:
 
 
 def _ranks(errors: list[dict[str, Any]]) -> str:
-    """The failed ranks as ranges (``0-85, 87-16383``: 16,384 numbers are a line no one reads, and rich takes a
-    second to lay it out); a rank that is not a number is named as it is."""
-    numbers = sorted({rank for e in errors if isinstance(rank := e.get("rank"), int) and not isinstance(rank, bool)})
-    runs: list[list[int]] = []
-    for number in numbers:
-        if runs and number == runs[-1][-1] + 1:
-            runs[-1].append(number)
-        else:
-            runs.append([number])
-    said = [str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}" for run in runs]
-    return ", ".join([*said, *(str(e.get("rank")) for e in errors if not isinstance(e.get("rank"), int)
-                               or isinstance(e.get("rank"), bool))])
+    """The failed ranks as ranges (``0-85,87-16383``); a rank that is not a number is named as it is."""
+    said = [error.get("rank") for error in errors]
+    numbers = [rank for rank in said if isinstance(rank, int) and not isinstance(rank, bool)]
+    others = [str(rank) for rank in said if not isinstance(rank, int) or isinstance(rank, bool)]
+    return ", ".join(part for part in (ranges(numbers), *others) if part)
 
 
 def _cancel_or_keep(console: Console, job: FollowedJob) -> None:

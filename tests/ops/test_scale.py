@@ -20,11 +20,12 @@ from hpc_train.ops import logs as logs_module
 from hpc_train.ops import status
 from hpc_train.ops.classify import classify
 from hpc_train.ops.evidence import collect_evidence
-from hpc_train.ops.records import open_bytes, ranges, read_tail, stamp_time
+from hpc_train.ops.records import open_bytes, read_tail, stamp_time
 from hpc_train.ops.scheduler import SchedulerAnswer
 from hpc_train.run.files import read_record_text
 from hpc_train.slurm import follow
 from hpc_train.slurm.cancel_policy import read_facts, read_failures
+from hpc_train.terminal import ranges
 from tests.ops.fixtures import T0, Rank, comm_traceback, record, traceback_text, write_attempts, write_plan, write_rank
 
 ROOT = "RuntimeError('NCCL error: unhandled system error, NCCL version 2.21.5 NET/IB : Got completion from peer')"
