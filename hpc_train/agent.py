@@ -165,6 +165,7 @@ class Agent:
         self._handed_at = 0.0  # when this agent first saw that (monotonic)
         self.link: AgentLink | None = None  # the job's coordinator; None: the run folder's files
         self.holding_nodes: set[str] | None = None  # with spares: the nodes that hold this life's ranks
+        self._gone_before = 0  # agents gone when this life began (the coordinator counts them per attempt)
 
     def logger_for(self, rank: int) -> logging.Logger:
         """The log of rank ``rank`` (with spares, the rank this agent runs in a life)."""
@@ -213,7 +214,8 @@ class Agent:
         oom_before = oom_kills()
         child = subprocess.Popen(argv, env=env)
         may_restart = in_place < self.setup.limit
-        lost_before = set(self.link.lost()[1]) if self.link is not None else set()
+        lost_before = self.link.lost() if self.link is not None else (0, [], [])
+        self._gone_before = self.link.gone() if self.link is not None else 0
         while True:
             try:
                 code = child.wait(timeout=_POLL_S)
@@ -246,7 +248,7 @@ class Agent:
                 notice = self._notice(next_in_place)
                 if notice is not None:
                     return notice
-                if self.link is not None and self.link.usable and self.link.gone():
+                if self.link is not None and self.link.usable and self.link.gone() > self._gone_before:
                     break  # the peer's agent is gone with its node: no notice of its own will come
                 time.sleep(_POLL_S)
             if cause is None or self.stopping is not None or self._handed_over():
@@ -258,19 +260,22 @@ class Agent:
                 return self.link.request(run_dir, notice)
         return request_restart(run_dir, self.attempt, notice)
 
-    def _restart_for_lost(self, next_in_place: int, seen: set[str]) -> RestartNotice | None:
+    def _restart_for_lost(self, next_in_place: int, before: tuple[int, list[str], list[str]]) -> RestartNotice | None:
         """The restart that an agent's vanishing calls for (its node lost: its connection dropped, or TCP
         keep-alive found its host dead), decided now rather than when a collective on the dead peer fails or
         times out (NCCL's default: 10 minutes); None while no agent that holds ranks vanished in this life (a
-        spare's node lost costs the ranks nothing). ``seen``: the vanished agents known already."""
+        spare's node lost costs the ranks nothing). ``before``: :meth:`AgentLink.lost` when this life began."""
         if self.link is None or not self.link.usable:
             return None
-        new = [name for name in self.link.lost()[1] if name not in seen]
-        seen.update(new)
-        holding = [name for name in new if self.holding_nodes is None or name.partition("@")[2] in self.holding_nodes]
-        if not holding:
+        count, names, nodes = self.link.lost()
+        if count <= before[0]:
             return None
-        why = f"the agent of {', '.join(holding[:3])} vanished from the job's coordinator (its node lost?)"
+        if self.holding_nodes is not None:  # with spares: only a node that holds ranks matters
+            new = [node for node in nodes if node not in before[2] and node in self.holding_nodes]
+            if not new:
+                return None
+            names = [f"node {node}" for node in new]
+        why = f"the agent of {', '.join(names[-3:]) or '?'} vanished from the job's coordinator (its node lost?)"
         notice = RestartNotice(next_in_place, self.rank, node_name(), "infrastructure", why, time.time())
         with contextlib.suppress(ControlError):
             return self.link.request(self.setup.run_dir, notice)

@@ -32,6 +32,20 @@ __all__ = ["AgentLink"]
 _FIND_S = 60.0  # how long an agent looks for the coordinator's address before it falls back to the files
 
 
+def _connect(address: Address, member: str, deadline: float) -> ControlClient:
+    """Connect, trying again until ``deadline``: thousands of agents connecting at once may overflow the listen
+    backlog, and an agent that gave up at the first refusal would coordinate through the files alone."""
+    delay = 0.1
+    while True:
+        try:
+            return ControlClient.connect(address.host, address.port, address.token, member, agent=True)
+        except ControlError:
+            if time.monotonic() + delay > deadline:
+                raise
+            time.sleep(delay)
+            delay = min(2.0, delay * 2)
+
+
 class AgentLink:
     """One agent's connection (and, on rank 0's agent, the coordinator itself)."""
 
@@ -59,7 +73,7 @@ class AgentLink:
                                 "run folder", attempt, _FIND_S)
                     return None
                 address = found
-            client = ControlClient.connect(address.host, address.port, address.token, member, agent=True)
+            client = _connect(address, member, time.monotonic() + _FIND_S)
             for prefix in (f"{attempt}/", GONE_KEY, handover_key(job_id)):
                 client.watch(prefix)
         except (ControlError, OSError) as error:
@@ -86,13 +100,15 @@ class AgentLink:
         value = self.client.known.get(handover_key(self.job_id))
         return str(value) if isinstance(value, str) and value.isdigit() else None
 
-    def lost(self) -> tuple[int, list[str]]:
-        """How many agents vanished without a bye (their node lost, or killed), and the last eight of them."""
+    def lost(self) -> tuple[int, list[str], list[str]]:
+        """How many agents vanished without a bye (their node lost, or killed), the last eight of them, and the
+        nodes of every one (members named ``task-T@NODE``, in jobs with spares)."""
         value = self.client.known.get(GONE_KEY)
         if not isinstance(value, dict):
-            return 0, []
-        count, names = value.get("lost"), value.get("names")
-        return (count if isinstance(count, int) else 0), [str(n) for n in names] if isinstance(names, list) else []
+            return 0, [], []
+        count, names, nodes = value.get("lost"), value.get("names"), value.get("nodes")
+        return ((count if isinstance(count, int) else 0), [str(n) for n in names] if isinstance(names, list) else [],
+                [str(n) for n in nodes] if isinstance(nodes, list) else [])
 
     def gone(self) -> int:
         """How many agents left or vanished (their node lost) during this attempt: one key, pushed once a round
@@ -115,17 +131,21 @@ class AgentLink:
         self.client.arrive(key, member, expected)
         deadline = time.monotonic() + timeout_s
         while (value := self.client.wait_for(key, 0.2)) is None:
-            if self.client.broken or time.monotonic() > deadline or stopping():
+            if self.client.broken:  # every agent lost it with rank 0's node: all go on through the files
+                raise ControlError("the coordinator went away during a barrier")
+            if time.monotonic() > deadline or stopping():
                 return None
         return value if isinstance(value, dict) else None
 
     def barrier(self, in_place: int, rank: int, world: int, timeout_s: float, stopping: Any) -> str | None:
         """Restart ``in_place``'s barrier of a job without spares: None once every rank's agent ended its rank,
         else why the ranks cannot start again here (an agent gone, the coordinator gone, the time out)."""
-        value = self.meet(ready_key(self.attempt, in_place), f"rank-{rank}", world, timeout_s, stopping)
+        try:
+            value = self.meet(ready_key(self.attempt, in_place), f"rank-{rank}", world, timeout_s, stopping)
+        except ControlError:
+            return "the coordinator is gone (rank 0's node lost?)"
         if value is None:
-            return ("the coordinator is gone (rank 0's node lost?)" if self.client.broken else
-                    f"not every rank's agent ended its rank within {timeout_s:.0f} s (a node lost?)")
+            return f"not every rank's agent ended its rank within {timeout_s:.0f} s (a node lost?)"
         gone = [str(name) for name in value.get("gone", [])]
         if gone:
             return f"the agent of {', '.join(gone[:8])} is gone (its node lost, or its rank ended for good)"

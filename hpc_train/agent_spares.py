@@ -180,6 +180,9 @@ def _next_life_over_link(agent: Any, life: int, tasks: int, previous: Assignment
         agent.log.error("in-place restart %d: not every agent answered within %.0f s, and none is known lost",
                         life, _MEET_S)
         return None, False
+    if decided.get("gone_count", 0) > len(decided.get("gone", [])):
+        agent.log.error("in-place restart %d: %s agents gone, more than the barrier names", life, decided["gone_count"])
+        return None, False
     gone = {str(name).partition("@")[2] for name in decided.get("gone", [])}
     healthy = [node for node in spares.allocated if node not in gone]
     lost = [node for node in previous.nodes if node not in healthy]

@@ -31,8 +31,9 @@ class ControlClient:
     """``ControlClient.connect(host, port, token, member)``; then ``set``, ``get``, ``arrive``, ``watch`` and
     ``wait_for``; ``close()`` says bye (a member that vanishes without it is reported lost)."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, reply_s: float = _REPLY_S) -> None:
         self._sock = sock
+        self.reply_s = reply_s
         self._ids = itertools.count(1)
         self._lock = threading.Lock()  # one request at a time on the socket
         self._changed = threading.Condition()
@@ -44,14 +45,14 @@ class ControlClient:
 
     @classmethod
     def connect(cls, host: str, port: int, token: str, member: str, timeout_s: float = 10.0,
-                agent: bool = False) -> ControlClient:
+                agent: bool = False, reply_s: float = _REPLY_S) -> ControlClient:
         try:
             sock = socket.create_connection((host, port), timeout=timeout_s)
         except OSError as error:
             raise ControlError(f"the coordinator at {host}:{port} cannot be reached: {error}") from None
         sock.settimeout(None)
         keep_alive(sock)
-        client = cls(sock)
+        client = cls(sock, reply_s)
         client._request({"op": "hello", "token": token, "member": member, "agent": agent})
         return client
 
@@ -92,7 +93,8 @@ class ControlClient:
             self._sock.shutdown(socket.SHUT_RDWR)
         self._sock.close()
 
-    def _request(self, message: dict[str, Any], timeout_s: float = _REPLY_S) -> dict[str, Any]:
+    def _request(self, message: dict[str, Any], timeout_s: float | None = None) -> dict[str, Any]:
+        timeout_s = self.reply_s if timeout_s is None else timeout_s
         with self._lock:
             ident = next(self._ids)
             try:
@@ -105,6 +107,8 @@ class ControlClient:
                 while ident not in self._replies:
                     left = deadline - time.monotonic()
                     if self.broken or left <= 0:
+                        self.broken = True  # no answer in time is a coordinator gone: the caller reads the files
+                        self._changed.notify_all()
                         raise ControlError("the coordinator stopped answering")
                     self._changed.wait(left)
                 return self._replies.pop(ident)

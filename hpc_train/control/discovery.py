@@ -15,7 +15,7 @@ import os
 import secrets
 import stat
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 __all__ = ["CONTROL_ENV", "CONTROL_TOKEN_ENV", "Address", "find_address", "from_env", "new_token",
@@ -30,7 +30,7 @@ _MAX_BYTES = 4096
 class Address:
     host: str
     port: int
-    token: str
+    token: str = field(repr=False)  # never in a log line, however the address is printed
 
     def environment(self) -> dict[str, str]:
         """What a rank needs to publish an event to the coordinator."""
@@ -55,7 +55,7 @@ def publish_address(path: Path, address: Address) -> None:
 
 def _read(path: Path) -> Address | None:
     try:
-        descriptor = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        descriptor = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)  # a FIFO planted there never blocks
     except OSError:
         return None
     with contextlib.closing(os.fdopen(descriptor, "rb")) as handle:

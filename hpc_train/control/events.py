@@ -56,23 +56,40 @@ class RankEvents:
 
 
 _lock = threading.Lock()
-_opened: dict[tuple[int, Address], RankEvents | None] = {}  # one per process and coordinator (a fork makes anew)
+_opened: dict[tuple[int, Address], RankEvents | None] = {}  # one per process and coordinator, made once
+_CONNECT_S = 5.0  # a coordinator that does not answer within this is taken for gone: the files are read
+
+
+def _forget_after_fork() -> None:
+    """A forked child (a data loader worker) has no connection of its own, and must not inherit a held lock."""
+    global _lock
+    _lock = threading.Lock()
+    _opened.clear()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
 
 
 def rank_events(env: dict[str, str] | None = None) -> RankEvents | None:
     """This process's connection to the coordinator its agent named, opened on first use; None without one (or
-    once it broke: then the run folder's files are read)."""
+    once it broke: then the run folder's files are read). The connection is made outside the lock, so a watcher
+    never waits on another's connect; two that race make one each and keep the first."""
     address = from_env(os.environ if env is None else env)
     if address is None:
         return None
     key = (os.getpid(), address)
     with _lock:
-        if key not in _opened:
-            _opened[key] = None
-            with contextlib.suppress(ControlError):
-                client = ControlClient.connect(address.host, address.port, address.token, f"pid-{os.getpid()}",
-                                               timeout_s=5.0)
-                client.watch(PREFIX)
-                _opened[key] = RankEvents(client)
-        events = _opened[key]
+        known = key in _opened
+        events = _opened.get(key)
+    if not known:
+        events = None
+        with contextlib.suppress(ControlError, OSError):
+            client = ControlClient.connect(address.host, address.port, address.token, f"pid-{os.getpid()}",
+                                           timeout_s=_CONNECT_S, reply_s=2 * _CONNECT_S)
+            client.watch(PREFIX)
+            events = RankEvents(client)
+        with _lock:
+            if key in _opened and events is not None:
+                events.client.close()  # another watcher was first
+            events = _opened.setdefault(key, events)
     return events if events is not None and events.usable else None

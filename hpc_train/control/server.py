@@ -35,6 +35,9 @@ GONE_KEY = "gone"  # how many agents left or vanished: one push a round, for age
 _MAX_PENDING = 4 * 1024 * 1024  # bytes queued for one client that does not read: it is dropped
 _KEEPALIVE_S = 5  # idle seconds before the first probe, and between probes (torchelastic: 5 s)
 _KEEPALIVE_PROBES = 3
+_HELLO_S = 5.0  # a connection's first line, the hello with the job's token, comes within this
+_HELLO_BYTES = 1024  # ... and within this many bytes
+_MAX_GONE_NAMED = 2000  # gone agents a barrier's value names (its line stays under MAX_LINE)
 
 
 def keep_alive(sock: socket.socket) -> None:
@@ -50,6 +53,7 @@ def keep_alive(sock: socket.socket) -> None:
 @dataclass
 class _Conn:
     sock: socket.socket
+    opened: float = 0.0  # monotonic: a connection that says no hello within _HELLO_S is closed
     buffer: LineBuffer = field(default_factory=LineBuffer)
     pending: bytearray = field(default_factory=bytearray)
     member: str | None = None
@@ -82,6 +86,8 @@ class ControlServer:
         self._gone: set[str] = set()  # agents that left or were lost
         self._departed: deque[tuple[str, str]] = deque()  # ... and not yet announced
         self._lost: list[str] = []  # the agents that vanished without a bye, in order
+        self._accept_paused_until = 0.0
+        self._swept = 0.0
         self._conns: dict[int, _Conn] = {}
         self._selector = selectors.DefaultSelector()
         _more_descriptors()
@@ -116,15 +122,37 @@ class ControlServer:
     # --- the loop --------------------------------------------------------------------------------------------
 
     def _loop(self) -> None:
-        while not self._stopped.is_set():
-            for key, events in self._selector.select(timeout=1.0):
-                if key.fileobj is self._listener:
-                    self._accept()
-                elif key.fileobj is self._wake_r:
-                    return
-                else:
-                    self._serve(key.fd, events)
-            self._announce_departures()
+        try:
+            while not self._stopped.is_set():
+                for key, events in self._selector.select(timeout=1.0):
+                    if key.fileobj is self._listener:
+                        self._accept()
+                    elif key.fileobj is self._wake_r:
+                        return
+                    else:
+                        self._serve(key.fd, events)
+                self._announce_departures()
+                self._sweep()
+        except Exception:  # a coordinator that cannot go on says so the one way every client hears: it hangs up
+            for conn in list(self._conns.values()):
+                with contextlib.suppress(OSError):
+                    conn.sock.close()
+            self._conns.clear()
+            raise
+
+    def _sweep(self) -> None:
+        """Once a second: close connections that said no hello within :data:`_HELLO_S` (a stranger's sockets
+        cost descriptors), and listen again after a pause for want of them."""
+        now = time.monotonic()
+        if self._accept_paused_until and now >= self._accept_paused_until:
+            self._accept_paused_until = 0.0
+            with contextlib.suppress(KeyError, ValueError):
+                self._selector.register(self._listener, selectors.EVENT_READ)
+        if now - self._swept < 1.0:
+            return
+        self._swept = now
+        for conn in [c for c in self._conns.values() if c.member is None and now - c.opened > _HELLO_S]:
+            self._close(conn, lost=False)
 
     def _serve(self, fd: int, events: int) -> None:
         conn = self._conns.get(fd)
@@ -150,20 +178,27 @@ class ControlServer:
             if state == "lost":
                 self._lost.append(member)
             self._set(f"{state}/{member}", {"member": member, "time": time.time()}, first=True)
+        hosts = sorted({name.partition("@")[2] for name in self._lost if "@" in name})  # MEMBER@NODE: the nodes
         self._set(GONE_KEY, {"count": len(self._gone), "lost": len(self._lost), "names": self._lost[-8:],
-                             "time": time.time()}, first=False)
+                             "nodes": hosts[:_MAX_GONE_NAMED], "time": time.time()}, first=False)
         for key, barrier in list(self._barriers.items()):
             self._complete(key, barrier)
 
     def _accept(self) -> None:
-        with contextlib.suppress(BlockingIOError, InterruptedError, ConnectionAbortedError):
+        try:
             while True:
                 sock, _peer = self._listener.accept()
                 sock.setblocking(False)
                 keep_alive(sock)
-                conn = _Conn(sock)
+                conn = _Conn(sock, opened=time.monotonic())
                 self._conns[sock.fileno()] = conn
                 self._selector.register(sock, selectors.EVENT_READ)
+        except (BlockingIOError, InterruptedError, ConnectionAbortedError):
+            return
+        except OSError:  # out of descriptors (EMFILE, ENFILE) or memory: stop listening for a second
+            with contextlib.suppress(KeyError, ValueError):
+                self._selector.unregister(self._listener)
+            self._accept_paused_until = time.monotonic() + 1.0
 
     def _read(self, conn: _Conn) -> None:
         try:
@@ -174,6 +209,9 @@ class ControlServer:
             chunk = b""
         if not chunk:
             self._close(conn, lost=not conn.said_bye)
+            return
+        if conn.member is None and len(chunk) + len(conn.buffer) > _HELLO_BYTES:
+            self._close(conn, lost=False)  # a hello is a few dozen bytes: a stranger gets no 64 KiB buffer
             return
         try:
             for line in conn.buffer.feed(chunk):
@@ -273,4 +311,6 @@ class ControlServer:
             return
         gone = self._gone - barrier.members
         if len(barrier.members) + len(gone) >= barrier.expected:
-            self._set(key, {"arrived": len(barrier.members), "gone": sorted(gone), "time": time.time()}, first=True)
+            named = sorted(gone)[:_MAX_GONE_NAMED]
+            self._set(key, {"arrived": len(barrier.members), "gone": named, "gone_count": len(gone),
+                            "time": time.time()}, first=True)

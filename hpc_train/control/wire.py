@@ -53,6 +53,9 @@ class LineBuffer:
     def __init__(self) -> None:
         self._data = bytearray()
 
+    def __len__(self) -> int:
+        return len(self._data)
+
     def feed(self, chunk: bytes) -> list[bytes]:
         self._data += chunk
         lines = []

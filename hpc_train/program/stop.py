@@ -159,7 +159,7 @@ class UnaskedStop:
         """``error``, raised by the program while this attempt stops, as a consequence of the stop (None when
         no stop is under way: then it is the program's own failure). Waits for rank 0's ``done`` notice, whose
         exit status the rank leaves with."""
-        notice = read_notice(self.run_dir, self.attempt, self.started)
+        notice = read_notice(self.run_dir, self.attempt, self.started, heard_only=False)  # once: the file too
         if notice is None and not self.stopping.is_set():
             return None
         done = wait_for_done(self.run_dir, self.attempt, self.started, self.done_timeout_s)
@@ -170,7 +170,7 @@ class UnaskedStop:
         """The program returned by itself while this attempt stops (a library that ends its loop on the SIGTERM
         of the requeue): the stop's ``done`` notice, which the rank leaves with; None when no stop is under way
         (or the program asked ``should_stop()``: then it stopped by itself, and ``_finish`` records it)."""
-        if self._program_asks() or (read_notice(self.run_dir, self.attempt, self.started) is None
+        if self._program_asks() or (read_notice(self.run_dir, self.attempt, self.started, heard_only=False) is None
                                     and not self.stopping.is_set()):
             return None
         return wait_for_done(self.run_dir, self.attempt, self.started, self.done_timeout_s)

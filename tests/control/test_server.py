@@ -160,3 +160,31 @@ def _until_count(client: ControlClient, count: int, timeout_s: float = 10.0) -> 
             return True
         time.sleep(0.02)
     return False
+
+
+STRANGERS = """
+import resource, socket, sys, time
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))  # the coordinator's node runs out of descriptors
+from hpc_train.control.client import ControlClient
+from hpc_train.control.server import ControlServer
+server = ControlServer("tok", host="127.0.0.1").start()
+strangers = []
+for _ in range(80):  # no token, no hello: they hold descriptors until the coordinator closes them
+    try:
+        strangers.append(socket.create_connection(("127.0.0.1", server.port), timeout=2))
+    except OSError:
+        break
+time.sleep(7)  # a connection that says no hello within 5 s is closed, and listening resumes
+client = ControlClient.connect("127.0.0.1", server.port, "tok", "rank-0", agent=True, reply_s=5)
+print("served", client.set("a/b", 1), server._thread.is_alive())
+"""
+
+
+def test_strangers_that_never_say_hello_are_closed_and_cannot_end_the_coordinator() -> None:
+    """Any user of the cluster can connect to the port: connections without the token's hello are closed after
+    5 s, and running out of descriptors pauses listening instead of ending the coordinator's thread."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", STRANGERS], capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0 and "served 1 True" in done.stdout, done.stdout + done.stderr
