@@ -73,5 +73,6 @@ def test_a_two_node_job_in_steady_training_leaves_the_run_folder_alone(tmp_path:
     assert trained > 0, "no step was trained while traced"
     assert (run_dir / "heartbeats" / f"control-{job_id}.0.json").exists(), "no coordinator was started"
     rate = ops.per_process_second(processes=RANKS)
+    print(f"traced {trained} steps: {rate:.3f} per rank per second\n{ops.describe()}")  # shown with pytest -s
     assert rate <= LIMIT, (f"{rate:.3f} run-folder metadata operations per rank per second in steady training "
                            f"(limit {LIMIT}; {trained} steps traced):\n{ops.describe()}")
