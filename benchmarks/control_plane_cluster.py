@@ -43,6 +43,18 @@ def _submit(cwd: Path, every_steps: int) -> tuple[str, Path]:
     return job_id, (cwd / "runs" / "tiny-gpt").resolve()
 
 
+def _cancel(job_id: str, timeout_s: float = 120) -> None:
+    """Cancel the job and wait until it has left the queue: its ranks write into the run folder until then."""
+    subprocess.run(["scancel", job_id], check=False, timeout=60)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        queued = subprocess.run(["squeue", "-h", "-j", job_id], capture_output=True, text=True, timeout=30,
+                                check=False).stdout.strip()
+        if not queued:
+            return
+        time.sleep(0.5)
+
+
 def _until_step(run_dir: Path, step: int, timeout_s: float = 300) -> None:
     deadline = time.monotonic() + timeout_s
     while last_logged_step(run_dir) < step:
@@ -80,7 +92,7 @@ def measure(tmp: Path, seconds: float) -> dict[str, Any]:
         threading.Timer(1.0, _kill_rank, (job_id, 1)).start()  # a restart in place inside the window
         results["a restart in place (rank 1 killed)"] = _trace(job_id, run_dir, seconds, ("checkpoints",))
     finally:
-        subprocess.run(["scancel", job_id], check=False, timeout=60)
+        _cancel(job_id)
     results["files per node, steady job"] = sum(len(n) for _, _, n in os.walk(run_dir)) / NODES
     job_id, run_dir = _submit(saving_dir, every_steps=20)
     try:
@@ -88,7 +100,7 @@ def measure(tmp: Path, seconds: float) -> dict[str, Any]:
         results["saving every 20 steps, checkpoints/ aside"] = _trace(job_id, run_dir, seconds, ("checkpoints",))
         results["saving every 20 steps, all"] = _trace(job_id, run_dir, seconds, ())
     finally:
-        subprocess.run(["scancel", job_id], check=False, timeout=60)
+        _cancel(job_id)
     outside = [n for p, _, names in os.walk(run_dir) for n in names if "checkpoints" not in Path(p).parts]
     results["files per node outside checkpoints/, saving job"] = len(outside) / NODES
     return results
@@ -98,7 +110,7 @@ def cluster_section(args: argparse.Namespace) -> list[Any]:
     """Prints its own lines (its figures are rates and counts, not the login section's seconds): no rows."""
     import tempfile
 
-    with tempfile.TemporaryDirectory(prefix="control-plane-cluster-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="control-plane-cluster-", ignore_cleanup_errors=True) as tmp:
         results = measure(Path(tmp), 4.0 if args.smoke else 10.0)
     for what, value in results.items():
         if isinstance(value, tuple):

@@ -4,6 +4,7 @@ that are not the job's."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
@@ -163,20 +164,13 @@ def _until_count(client: ControlClient, count: int, timeout_s: float = 10.0) -> 
 
 
 STRANGERS = """
-import resource, socket, sys, time
+import resource, sys, time
 resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))  # the coordinator's node runs out of descriptors
-from hpc_train.control.client import ControlClient
 from hpc_train.control.server import ControlServer
 server = ControlServer("tok", host="127.0.0.1").start()
-strangers = []
-for _ in range(80):  # no token, no hello: they hold descriptors until the coordinator closes them
-    try:
-        strangers.append(socket.create_connection(("127.0.0.1", server.port), timeout=2))
-    except OSError:
-        break
-time.sleep(7)  # a connection that says no hello within 5 s is closed, and listening resumes
-client = ControlClient.connect("127.0.0.1", server.port, "tok", "rank-0", agent=True, reply_s=5)
-print("served", client.set("a/b", 1), server._thread.is_alive())
+print(server.port, flush=True)
+time.sleep(float(sys.argv[1]))
+print("alive", server._thread.is_alive(), flush=True)
 """
 
 
@@ -186,5 +180,20 @@ def test_strangers_that_never_say_hello_are_closed_and_cannot_end_the_coordinato
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-c", STRANGERS], capture_output=True, text=True, timeout=60, check=False)
-    assert done.returncode == 0 and "served 1 True" in done.stdout, done.stdout + done.stderr
+    coordinator = subprocess.Popen([sys.executable, "-c", STRANGERS, "15"], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(coordinator.stdout.readline())  # type: ignore[union-attr]
+        strangers = []
+        for _ in range(100):  # no token, no hello: more than the coordinator has descriptors for
+            with contextlib.suppress(OSError):
+                strangers.append(socket.create_connection(("127.0.0.1", port), timeout=2))
+        time.sleep(8)  # closed after 5 s without a hello; listening resumes
+        client = ControlClient.connect("127.0.0.1", port, "tok", "rank-0", agent=True, timeout_s=10, reply_s=10)
+        assert client.set("a/b", 1) == 1
+        client.close()
+        for sock in strangers:
+            sock.close()
+        out, _ = coordinator.communicate(timeout=30)
+        assert "alive True" in out, out
+    finally:
+        coordinator.kill()
