@@ -101,8 +101,8 @@ class HealthCheck:
         self._urgent = False  # among them a check's first trip
         if writer and self.path.exists():  # an earlier attempt's findings are history: this one starts clear
             self._write()
-        if writer:
-            on_leave(self.flush)  # a change still waiting its turn when the rank ends or stops
+        # a change still waiting its turn when the rank leaves through quick_exit; close() takes the hook off
+        self._off_leave = on_leave(self.flush) if writer else None
 
     def observe(self, step: int, record: Mapping[str, Any]) -> None:
         """A logged step's metrics record (``loss``, ``memory_bytes``, ``data_share``, ...)."""
@@ -247,6 +247,14 @@ class HealthCheck:
         if self.writer and self._unwritten:
             self._write()
 
+    def close(self) -> None:
+        """The end of this check's run: what waits is written, and the leave hook goes (a process that trains
+        again, through the Python API or a test, keeps no earlier check alive)."""
+        self.flush()
+        if self._off_leave is not None:
+            self._off_leave()
+            self._off_leave = None
+
     def _write_when_due(self, changed: bool) -> None:
         self._unwritten |= changed
         since = time.monotonic() - self._written
@@ -288,4 +296,4 @@ class RecordHealth:
 
     def close(self) -> None:
         """Write what health.json does not hold yet (a change that came within 10 s of the last write)."""
-        self.health.flush()
+        self.health.close()

@@ -455,7 +455,7 @@ def _after_step(rank: _Rank, parts: _Parts, monitor: Monitor, progress: _Progres
 
 def _finish(rank: _Rank, parts: _Parts, recorder: AttemptRecorder, progress: _Progress) -> dict[str, Any]:
     """Record the attempt as completed, leave the process group, and return this rank's summary."""
-    parts.health.flush()  # a change still waiting its turn (health.json is written at most every 10 s)
+    parts.health.close()  # a change still waiting its turn (health.json is written at most every 10 s)
     recorder.completed(progress.step)
     shutdown()
     info, config = rank.info, rank.plan.config

@@ -188,3 +188,15 @@ def test_a_change_waiting_its_turn_is_written_when_the_rank_leaves(tmp_path: Pat
                             check=False)
     assert result.returncode == 0, result.stderr
     assert "health: data_wait cleared at step 20" in result.stdout and _findings(tmp_path) == []
+
+
+def test_a_closed_check_leaves_no_hook_behind(tmp_path: Path) -> None:
+    """A process that trains twice (the Python API, a test) keeps no earlier check alive for its quick exit."""
+    from hpc_train.run import quick_exit
+
+    before = len(quick_exit._ON_LEAVE)
+    check = HealthCheck(tmp_path, Thresholds(), lambda _line: None)
+    assert len(quick_exit._ON_LEAVE) == before + 1
+    check.close()
+    check.close()
+    assert len(quick_exit._ON_LEAVE) == before
