@@ -182,7 +182,8 @@ class SubmititRun:
             events.write("step", step=step, loss=loss.item(), attempt=self.attempt)
             if pause:
                 time.sleep(pause)
-        dist.destroy_process_group()
+        del net  # the DDP wrapper holds the group
+        leave_group()
         return self.step
 
     def save(self) -> None:
@@ -208,10 +209,22 @@ def torchrun_main(events_path: str, steps: int, hidden: int = 64, batch: int = 3
     events = Events(events_path, rank)
     events.write("enter")
     dist.init_process_group("gloo")
+    _train_steps(events, rank, steps, hidden, batch)
+    leave_group()
+
+
+def _train_steps(events: Events, rank: int, steps: int, hidden: int, batch: int) -> None:
+    """The steps in their own frame, so the DDP wrapper (which holds the process group) is gone when it ends."""
     _, net, optimizer = build(hidden)
     for step in range(1, steps + 1):
         loss = step_once(net, optimizer, step, rank, batch)
         events.write("step", step=step, loss=loss.item())
+
+
+def leave_group() -> None:
+    """A barrier, then destroy the group: a rank that leaves while its peer's gloo threads still talk to it can
+    end that peer in ``terminate called without an active exception`` (SIGABRT) after its last step."""
+    dist.barrier()
     dist.destroy_process_group()
 
 
