@@ -14,7 +14,9 @@ resident memory (the child's own ``ru_maxrss`` from ``wait4``):
 - the failure classifier (``ops.evidence.collect_evidence`` then ``ops.classify.classify``, with sacct's record);
 - the follower's poll of a failed job (``slurm.follow``: ``FollowedJob.rank_errors``, ``cancel_decision``,
   ``_report_failure``);
-- rank 0's look-back on the requeued attempt (``ops.recovery.look_back``; sacct answered by a stand-in).
+- rank 0's look-back on the requeued attempt (``ops.recovery.look_back``; sacct answered by a stand-in): it
+  reads the ranks that left an error record (one listing), here every rank, and with ``4 failed`` only the
+  first node's ranks' records (as when one node's ranks failed and the rest were ended by srun).
 
 Slurm's commands are left off PATH for the commands (no scheduler knows these synthetic jobs): ``status`` shows
 what the run folder says, as it does without Slurm. Targets (issue 38): each at most 1 s and 200 MiB at 16,384
@@ -196,14 +198,17 @@ import subprocess, sys
 from pathlib import Path
 from hpc_train.ops import recovery
 from hpc_train.ops.policy import RetryPolicy
-run, job, nodes = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+from hpc_train.run.error_records import ranks_with_records
+run, job, nodes, failed = Path(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4])
 rows = [f"{job}|{job}|{state}|1:0|{nodes}|None|2026-11-30T03:15:03|2026-11-30T03:25:03|00:10:00|10:00:00"
         for state in ("FAILED", "RUNNING")]
 answers = {"sacct": "\\n".join(rows) + "\\n"}
 def stand_in(argv, **kwargs):
     return subprocess.CompletedProcess(argv, 0, answers.get(argv[0], ""), "")
 recovery.shutil.which = lambda name: "/usr/bin/" + name  # the stand-in answers for Slurm
-print(recovery.look_back(run, job, 1, RetryPolicy(), ["m00001"], lambda line: None, stand_in))
+recorded = ranks_with_records(run)  # as rank 0 lists them; then only the first FAILED ranks' records count
+print(recovery.look_back(run, job, 1, RetryPolicy(), ["m00001"], lambda line: None, stand_in,
+                         failed_ranks=recorded[:failed] if failed else recorded))
 """
 
 
@@ -213,7 +218,8 @@ def _commands(run_dir: Path, world: int) -> dict[str, list[str]]:
             "logs --errors-only --tail 20": ["-m", "hpc_train", "logs", str(run_dir), "--errors-only", "--tail", "20"],
             "classifier": ["-c", _CLASSIFY, str(run_dir), JOB, nodes],
             "follower's poll": ["-c", _FOLLOW, str(run_dir), JOB],
-            "look-back (rank 0)": ["-c", _LOOK_BACK, str(run_dir), JOB, nodes]}  # last: it records the verdict
+            "look-back, 4 failed (rank 0)": ["-c", _LOOK_BACK, str(run_dir), JOB, nodes, str(TASKS_PER_NODE)],
+            "look-back (rank 0)": ["-c", _LOOK_BACK, str(run_dir), JOB, nodes, "0"]}  # last: they record verdicts
 
 
 def _path_without_slurm() -> str:

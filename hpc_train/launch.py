@@ -6,12 +6,14 @@ It reads ``plan.json`` from the run folder (plain JSON, no pickles), finds its r
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import os
 import socket
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -76,15 +78,19 @@ def _run_rank(run_dir: Path, plan: Plan, watch: PreemptionWatch | None) -> dict[
 
     info = detect_launch(expected_world=plan.layout.world)
     logger = _rank_logger(run_dir, info.rank)
-    rank_error_path(run_dir, info.rank).unlink(missing_ok=True)  # from an earlier attempt
+    on_slurm = bool(os.environ.get("SLURM_JOB_ID")) and os.environ.get("SUBMITIT_EXECUTOR") != "local"
+    program = plan.config.job.program
+    looks_back = on_slurm and program != "smoke" and not info.in_place  # in place: the agent looked at a restart
+    if not (looks_back and info.restart > 0):  # else rank 0 reads the last attempt's records, then clears them
+        rank_error_path(run_dir, info.rank).unlink(missing_ok=True)  # from an earlier attempt
     rank_consequence_path(run_dir, info.rank).unlink(missing_ok=True)
     logger.info("%s", format_start(info.launcher, info.rank, info.world_size, info.local_rank, info.local_world_size,
                                    info.node_rank, info.num_nodes, info.job_id, info.restart, node_name()))
+    looking = LookBack.start(run_dir, plan, info, logger) if looks_back and info.rank == 0 else None
     _prepare_fabric(run_dir, plan, info.local_rank, logger)
-    on_slurm = bool(os.environ.get("SLURM_JOB_ID")) and os.environ.get("SUBMITIT_EXECUTOR") != "local"
-    program = plan.config.job.program
-    if on_slurm and info.rank == 0 and program != "smoke" and not info.in_place:  # the agent looked at a restart
-        _look_back(run_dir, plan, info, logger)
+    if looking is not None:  # the look-back runs while this rank imports torch (the other ranks wait for rank 0's
+        _import_quietly(program)  # store either way); its verdict is carried out before any process group
+        looking.settle()
     try:
         check_geometry(info, Geometry(plan.resources.nodes, plan.resources.tasks_per_node,
                                       plan.resources.gpus_per_node))  # before any process group
@@ -153,7 +159,8 @@ def _record_failure(run_dir: Path, plan: Plan, info: Any, error: BaseException, 
         in_place = in_place_left(os.environ) > 0 and mended_in_place(info.rank, node_name(), repr(error), text)
         if not in_place:
             requeued = _requeue_after_error(run_dir, plan, info, repr(error), text, logger)
-    report = {"rank": info.rank, "host": node_name(), "time": time.time(), "error": repr(error),
+    report = {"rank": info.rank, "host": node_name(), "time": time.time(), "job_id": info.job_id,
+              "restart": info.restart, "error": repr(error),
               "traceback": text, "requeued": requeued, "restart_in_place": in_place, "in_place": info.in_place}
     atomic_write(rank_error_path(run_dir, info.rank), json.dumps(report, indent=2) + "\n")
     if in_place:
@@ -183,24 +190,70 @@ def _traceback_text(error: BaseException) -> str:
     return own + f"{type(error).__name__}: {error}\n"
 
 
-def _look_back(run_dir: Path, plan: Plan, info: Any, logger: logging.Logger) -> None:
-    """A requeued attempt: act on why the previous one ended (node failure, infrastructure) before training."""
+def _import_quietly(program: str) -> None:
+    """Import the module that runs ``program`` (torch, DeepSpeed: seconds); a failure shows again where the rank
+    imports it for real, and is recorded there as the rank's error."""
+    import importlib
+
+    with contextlib.suppress(Exception):
+        importlib.import_module("hpc_train.train.trainer" if program == "train" else "hpc_train.program.runner")
+
+
+class LookBack:
+    """A requeued attempt's rank 0 acting on why the previous attempt ended (node failure, infrastructure), in a
+    thread beside the rank's own start-up: off the start-up path while it takes less than the imports do."""
+
+    def __init__(self, run_dir: Path, plan: Plan, info: Any, logger: logging.Logger) -> None:
+        self._args = (run_dir, plan, info, logger)
+        self._exit: int | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="hpc_train-look-back", daemon=True)
+
+    @classmethod
+    def start(cls, run_dir: Path, plan: Plan, info: Any, logger: logging.Logger) -> LookBack:
+        looking = cls(run_dir, plan, info, logger)
+        looking._thread.start()
+        return looking
+
+    def settle(self) -> None:
+        """Wait for the verdict: go on, or leave with the status it chose (SystemExit), or its own error."""
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        if self._exit is not None:
+            raise SystemExit(self._exit)
+
+    def _run(self) -> None:
+        try:
+            self._exit = _look_back(*self._args)
+        except BaseException as error:  # carried to the rank's main thread by settle()
+            self._error = error
+
+
+def _look_back(run_dir: Path, plan: Plan, info: Any, logger: logging.Logger) -> int | None:
+    """A requeued attempt: act on why the previous one ended (node failure, infrastructure) before training; the
+    exit status to leave with, or None to go on (then the previous attempt's error records are cleared)."""
     from hpc_train.distributed.hostlist import expand
     from hpc_train.ops.policy import RetryPolicy
     from hpc_train.ops.recovery import look_back
+    from hpc_train.run.error_records import clear_stale_records, ranks_with_records
 
+    recorded = ranks_with_records(run_dir) if info.restart > 0 else []
     recovery = look_back(run_dir, info.job_id, info.restart, RetryPolicy.from_section(plan.config.retry),
-                         expand(info.nodelist) if info.nodelist else [socket.gethostname()], logger.info)
+                         expand(info.nodelist) if info.nodelist else [socket.gethostname()], logger.info,
+                         failed_ranks=recorded)
     if recovery.failure_class:  # the message may already begin with the class ("preempted: the run was ...")
         said = recovery.message if recovery.message.startswith(f"{recovery.failure_class}:") else \
             f"{recovery.failure_class}: {recovery.message}"
         logger.info("previous attempt: %s", said)
     if recovery.action == "stop":
         logger.error("not retried: %s", recovery.message)
-        raise SystemExit(EXIT_NOT_RETRIED)
+        return EXIT_NOT_RETRIED  # the records stay: they say why the run stopped
     if recovery.action == "requeue":
         logger.info("%s", recovery.message)
-        raise SystemExit(EXIT_STOPPED)
+        return EXIT_STOPPED
+    clear_stale_records(run_dir, recorded, info.job_id, info.restart)
+    return None
 
 
 def _requeue_after_error(run_dir: Path, plan: Plan, info: Any, error: str, text: str,

@@ -17,7 +17,7 @@ import os
 import shutil
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -176,11 +176,14 @@ def _apply(run_dir: Path, job_id: str, classification: Classification, policy: R
 
 
 def look_back(run_dir: Path, job_id: str, restart: int, policy: RetryPolicy, allocation: list[str],
-              log: Callable[[str], None], run: Runner = subprocess.run) -> Recovery:
+              log: Callable[[str], None], run: Runner = subprocess.run,
+              failed_ranks: Collection[int] | None = None) -> Recovery:
     """Rank 0, before training, in an attempt with ``restart`` > 0: classify the job's previous attempt and act.
 
     Only node failures and infrastructure faults are decided here: a hang was decided by the watchdog, and a
-    preemption or time limit by the preemption path, before their attempts ended."""
+    preemption or time limit by the preemption path, before their attempts ended. ``failed_ranks``: the ranks
+    that left an error record (:func:`hpc_train.run.error_records.ranks_with_records`, listed before this
+    attempt's ranks could clear theirs); only theirs, and those srun named, are read. None: every rank's."""
     if not job_id:
         return Recovery("continue")
     if restart <= 0:  # a new submission already got the exclusions as --exclude (plan); a requeue may not have
@@ -191,9 +194,8 @@ def look_back(run_dir: Path, job_id: str, restart: int, policy: RetryPolicy, all
     previous = [a for a in attempts.read() if a.job_id == job_id and a.restart == restart - 1][-1:] or [None]
     if record is None or (previous[0] is not None and previous[0].outcome in ("hang", "completed")):
         return _requeue_avoiding(run_dir, job_id, allocation, log, run) or Recovery("continue")
-    # Every rank's log, not only the ranks with an error record: the ranks of this attempt remove their records
-    # of the last one as they start, while rank 0 looks back (docs/performance.md, "Login side at 16,384 ranks").
-    evidence = collect_evidence(run_dir, job_id, restart - 1)
+    # O(failed ranks): the ranks of this attempt leave their records of the last one for rank 0 to clear.
+    evidence = collect_evidence(run_dir, job_id, restart - 1, ranks=failed_ranks)
     classification = classify(record, evidence, down_nodes(record, run))
     if classification.failure_class == "infrastructure" and not _hardware_fault(evidence):
         classification = replace(classification, nodes=())  # a network error shows on both ends: no node is bad
