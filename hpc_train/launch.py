@@ -81,16 +81,13 @@ def _run_rank(run_dir: Path, plan: Plan, watch: PreemptionWatch | None) -> dict[
     on_slurm = bool(os.environ.get("SLURM_JOB_ID")) and os.environ.get("SUBMITIT_EXECUTOR") != "local"
     program = plan.config.job.program
     looks_back = on_slurm and program != "smoke" and not info.in_place  # in place: the agent looked at a restart
-    if not (looks_back and info.restart > 0):  # else rank 0 reads the last attempt's records, then clears them
-        rank_error_path(run_dir, info.rank).unlink(missing_ok=True)  # from an earlier attempt
-    rank_consequence_path(run_dir, info.rank).unlink(missing_ok=True)
+    _clear_own_records(run_dir, info.rank, keep_error=looks_back and info.restart > 0)
     logger.info("%s", format_start(info.launcher, info.rank, info.world_size, info.local_rank, info.local_world_size,
                                    info.node_rank, info.num_nodes, info.job_id, info.restart, node_name()))
     looking = LookBack.start(run_dir, plan, info, logger) if looks_back and info.rank == 0 else None
     _prepare_fabric(run_dir, plan, info.local_rank, logger)
     if looking is not None:  # the look-back runs while this rank imports torch (the other ranks wait for rank 0's
-        _import_quietly(program)  # store either way); its verdict is carried out before any process group
-        looking.settle()
+        looking.settle(while_importing=program)  # store either way); its verdict is carried out before any group
     try:
         check_geometry(info, Geometry(plan.resources.nodes, plan.resources.tasks_per_node,
                                       plan.resources.gpus_per_node))  # before any process group
@@ -190,6 +187,14 @@ def _traceback_text(error: BaseException) -> str:
     return own + f"{type(error).__name__}: {error}\n"
 
 
+def _clear_own_records(run_dir: Path, rank: int, keep_error: bool) -> None:
+    """Remove this rank's records of an earlier attempt; with ``keep_error`` (a requeued attempt) its error record
+    stays for rank 0's look-back, which clears it once read (:mod:`hpc_train.run.error_records`)."""
+    if not keep_error:
+        rank_error_path(run_dir, rank).unlink(missing_ok=True)
+    rank_consequence_path(run_dir, rank).unlink(missing_ok=True)
+
+
 def _import_quietly(program: str) -> None:
     """Import the module that runs ``program`` (torch, DeepSpeed: seconds); a failure shows again where the rank
     imports it for real, and is recorded there as the rank's error."""
@@ -215,8 +220,11 @@ class LookBack:
         looking._thread.start()
         return looking
 
-    def settle(self) -> None:
-        """Wait for the verdict: go on, or leave with the status it chose (SystemExit), or its own error."""
+    def settle(self, while_importing: str | None = None) -> None:
+        """Wait for the verdict (after importing what runs ``while_importing``, a program kind): go on, or leave
+        with the status it chose (SystemExit), or its own error."""
+        if while_importing is not None:
+            _import_quietly(while_importing)
         self._thread.join()
         if self._error is not None:
             raise self._error
