@@ -22,6 +22,7 @@ from hpc_train.doctor.cli import add_parser as add_doctor_parser
 from hpc_train.ops.cli import add_logs_parser, add_plot_parser, add_status_parser
 from hpc_train.submit import SUMMARY as SUBMIT_SUMMARY
 from hpc_train.submit import add_submit_arguments
+from hpc_train.terminal import plain, print_json, shown
 
 __all__ = ["main"]
 
@@ -49,12 +50,13 @@ def _layout_for_world(args: argparse.Namespace) -> int:
     rows = [*topology.summary(), ("global batch", f"{batch} = micro {cfg.train.micro_batch} x accum "
                                                    f"{cfg.train.grad_accum} x data {topology.sizes['dp']}")]
     if args.json:
-        print(json.dumps({"sizes": topology.sizes, "order": list(topology.order), "global_batch": batch}))
+        print_json({"sizes": topology.sizes, "order": list(topology.order), "global_batch": batch}, indent=None)
         return 0
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"Layout of {args.config} at {args.world} ranks", show_header=False, title_justify="left")
+    table = Table(title=shown(f"Layout of {args.config} at {args.world} ranks"), show_header=False,
+                  title_justify="left")
     for key, value in rows:
         table.add_row(key, value)
     Console().print(table)
@@ -98,13 +100,13 @@ def _memory(args: argparse.Namespace) -> int:
         where = "train.parameters" if "train.parameters" in str(error) or "parameters = " in str(error) else "--memory"
         raise ConfigError(where, str(error)) from None
     if args.json:
-        print(json.dumps(dataclasses.asdict(memory), default=str, indent=2))
+        print_json(dataclasses.asdict(memory), default=str)
         return 0
     from rich.console import Console
     from rich.table import Table
 
     engine = "FSDP2" if train.engine == "fsdp2" else "DeepSpeed"
-    table = Table(title=f"Memory per rank: {train.model} with {engine} on {plan.site}", show_header=False,
+    table = Table(title=shown(f"Memory per rank: {train.model} with {engine} on {plan.site}"), show_header=False,
                   title_justify="left")
     for key, value in memory_rows(memory):
         table.add_row(key, value)
@@ -121,35 +123,40 @@ def _validate(args: argparse.Namespace) -> int:
     if args.json:  # the plan, and what it trains under "training" (Plan.from_json reads the rest)
         from hpc_train.cli.training import training_summary
 
-        print(json.dumps({**json.loads(plan.to_json()), "training": training_summary(plan).to_dict()}, indent=2,
-                         sort_keys=True))
+        print_json({**json.loads(plan.to_json()), "training": training_summary(plan).to_dict()}, sort_keys=True)
         return 0
     from rich.console import Console
 
     from hpc_train.cli.summary import print_summary
 
     print_summary(Console(), plan)
-    print(f"{args.config}: valid for site {plan.site}")
+    print(plain(f"{args.config}: valid for site {plan.site}"))
     return 0
 
 
 def _render(args: argparse.Namespace) -> int:
+    """The script into ``--out`` or the run folder. ``--out`` is checked first (:func:`check_output`): a path
+    that cannot take the script is refused before the run folder is made."""
+    from hpc_train.run.outputs import check_output
     from hpc_train.slurm.render import render_script, write_script
 
+    if args.out is not None:
+        check_output(args.out, example="job.sbatch")
     plan = plan_from_args(args, executor="slurm")
     script = render_script(plan, args.template)
     if args.stdout:
         print(script.text, end="")
         return 0
-    from hpc_train.errors import ConfigError
-
-    if args.out is not None and args.out.is_dir():
-        raise ConfigError("--out", f"{args.out} is a folder", "give a file name, like job.sbatch")
     run_dir = prepare_plan_folder(plan)
     out = args.out or run_dir / f"job-{script.template}.sbatch"
     write_script(script, out)
-    print(json.dumps({"script": str(out), "run_dir": str(run_dir)}) if args.json else
-          f"wrote {out}\nsubmit it with: sbatch {out}")
+    if args.json:
+        print_json({"script": str(out), "run_dir": str(run_dir)}, indent=None)
+    else:
+        import shlex
+
+        print(plain(f"wrote {out}", one_line=True))
+        print(plain(f"submit it with: sbatch {shlex.quote(str(out))}", one_line=True))
     return 0
 
 

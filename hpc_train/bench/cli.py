@@ -17,7 +17,6 @@ Exit status: 0 done; 1 a failure at run time (a rank died, a wrong collective re
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import shutil
@@ -29,6 +28,7 @@ from typing import Any
 
 from hpc_train.bench.collectives import OPS, BenchError, Result
 from hpc_train.errors import ConfigError, did_you_mean
+from hpc_train.terminal import json_text, plain
 
 __all__ = ["add_parser", "format_size", "format_table", "parse_size", "parse_sizes"]
 
@@ -124,12 +124,12 @@ def _launch_rank() -> int:
 
 
 def _check_out(path: Path) -> None:
-    """The report file must be writable where rank 0 runs: refuse a missing folder or a folder given as file."""
-    if path.is_dir():
-        raise ConfigError("--out", f'"{path}" is a folder', f"name a file in it, e.g. {path / 'bench.json'}")
-    if not path.parent.resolve().is_dir():
-        raise ConfigError("--out", f'the folder of "{path}" does not exist',
-                          f"create it first (mkdir -p {path.parent}) or write into an existing one")
+    """The report file must be writable where rank 0 runs, checked before torch is imported: the one check of
+    outputs (:func:`check_output`: a regular file or a new name in an existing folder, never a link, a FIFO, a
+    device or a folder)."""
+    from hpc_train.run.outputs import check_output
+
+    check_output(path, example="bench.json")
 
 
 def _in_job_results(args: argparse.Namespace, sizes: list[int]) -> tuple[list[Result], dict[str, Any], bool]:
@@ -204,12 +204,12 @@ def _speak(args: argparse.Namespace, results: list[Result], about: dict[str, Any
     """Rank 0's output: the table or JSON on stdout, the JSON report in ``--out``, a fall-back on stderr."""
     report = _report(args, results, about)
     if args.out is not None:
-        from hpc_train.run.files import atomic_write
+        from hpc_train.run.outputs import write_output
 
-        atomic_write(Path(args.out), json.dumps(report, indent=2) + "\n", 0o644)
-    print(json.dumps(report, indent=2) if args.json else _table(args, results, about), flush=True)
+        write_output(Path(args.out), json_text(report) + "\n", 0o644)
+    print(json_text(report) if args.json else _table(args, results, about), flush=True)
     if about.get("socket_fallback"):
-        print(f"warning: bench {args.op}: {about['transport']}", file=sys.stderr)
+        print(plain(f"warning: bench {args.op}: {about['transport']}", one_line=True), file=sys.stderr)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -223,13 +223,14 @@ def _run(args: argparse.Namespace) -> int:
         else:
             results, about, speaks = _local_results(args, sizes)
     except (BenchError, LaunchError, RendezvousError) as error:
-        print(f"error: bench {args.op}: {error}", file=sys.stderr)
+        print(plain(f"error: bench {args.op}: {error}", one_line=True), file=sys.stderr)
         return 1
     if speaks:
         try:
             _speak(args, results, about)
         except OSError as error:
-            print(f"error: bench {args.op}: cannot write the report {args.out}: {error}", file=sys.stderr)
+            print(plain(f"error: bench {args.op}: cannot write the report {args.out}: {error}", one_line=True),
+                  file=sys.stderr)
             return 1
     wrong = [format_size(r.size) for r in results if not r.correct]
     if wrong:

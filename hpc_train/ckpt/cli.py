@@ -12,7 +12,6 @@ Exit status: 0 done; 1 ``verify`` found no checkpoint resume could use; 2 bad in
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 from dataclasses import dataclass, replace
@@ -21,8 +20,9 @@ from typing import Any
 
 from hpc_train.ckpt.manager import LATEST_NAME, CheckpointInfo, CheckpointManager, VerifyLevel, inspect_checkpoint
 from hpc_train.errors import ConfigError
+from hpc_train.run.outputs import check_output
 from hpc_train.run.paths import CHECKPOINTS_DIR, PLAN_FILE
-from hpc_train.terminal import plain, shown
+from hpc_train.terminal import json_text, plain, print_json, shown
 
 __all__ = ["Listing", "Target", "add_parser", "collect", "resolve_target"]
 
@@ -136,7 +136,7 @@ def _as_json(listing: Listing) -> str:
             "latest": listing.latest.path.name if listing.latest else None,
             "resume": listing.resume.path.name if listing.resume else None,
             "checkpoints": [_row(info, listing) for info in listing.infos]}
-    return json.dumps(data, indent=2)
+    return json_text(data)
 
 
 def _layout_cell(row: dict[str, Any]) -> str:
@@ -227,14 +227,25 @@ def _export_source(target: Target) -> CheckpointInfo:
                       "problem; train further, or export a step folder that verifies")
 
 
+def _check_export_out(args: argparse.Namespace) -> None:
+    """``--out`` (and with pt its ``FILE.json``) through the one check of outputs (:func:`check_output`), then
+    the exporter's own (which writes by rename, refusing a file that appeared since without ``--force``)."""
+    from hpc_train.ckpt.export import check_out_folder, check_out_path, sidecar_path
+
+    if args.format == "hf":
+        check_output(args.out, example="model-hf", replace=args.force, folder=True)
+        check_out_folder(args.out, args.force)
+        return
+    for path in (args.out, sidecar_path(args.out)) if args.format == "pt" else (args.out,):
+        check_output(path, example="model.safetensors", replace=args.force)
+    check_out_path(args.out, args.force, sidecar=args.format == "pt")
+
+
 def _export(args: argparse.Namespace) -> int:
-    from hpc_train.ckpt.export import check_out_folder, check_out_path, export_checkpoint, export_hf
+    from hpc_train.ckpt.export import export_checkpoint, export_hf
 
     target = resolve_target(args.path)
-    if args.format == "hf":  # before hashing gigabytes
-        check_out_folder(args.out, args.force)
-    else:
-        check_out_path(args.out, args.force, sidecar=args.format == "pt")
+    _check_export_out(args)  # before hashing gigabytes
     info = _export_source(target)
     if info.manifest is None:  # a verified folder always has one
         raise ConfigError(str(info.path), "has no manifest", "export another step")
@@ -246,8 +257,10 @@ def _export(args: argparse.Namespace) -> int:
     summary = {"out": str(result.out), "source": str(result.source), "step": result.step, "tensors": result.tensors,
                "parameters": result.parameters, "bytes": result.bytes, "file_bytes": result.file_bytes,
                "format": result.format, "dtype": result.dtype}
-    print(json.dumps(summary) if args.json else
-          plain(f"wrote {result.out} ({result.format}) from {result.source.name}: {result.tensors} tensors, "
+    if args.json:
+        print_json(summary, indent=None)
+        return 0
+    print(plain(f"wrote {result.out} ({result.format}) from {result.source.name}: {result.tensors} tensors, "
                 f"{result.parameters:,} parameters, {result.bytes:,} bytes of {result.dtype} "
                 f"({_human_bytes(result.file_bytes)} on disk)"))
     return 0

@@ -6,7 +6,6 @@ Separate from :mod:`hpc_train.doctor.cli` so that registering the command costs 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -32,6 +31,7 @@ from hpc_train.doctor.slurm_checks import (
 )
 from hpc_train.errors import ConfigError
 from hpc_train.fabric.sysfs import Fabric, read_fabric
+from hpc_train.terminal import print_json
 
 __all__ = ["run_doctor"]
 
@@ -200,10 +200,10 @@ def run_doctor(args: argparse.Namespace) -> int:
     findings += check_nccl(env, fabric, interconnect)
     shown = nccl_env(env)
     if args.json:
-        print(json.dumps({"findings": [f.to_dict() for f in findings], "fabric": fabric.to_dict(),
-                          "nccl_env": shown, "nccl_detect": detect,
-                          "probe": outcome.to_dict() if outcome is not None else None,
-                          "summary": summary(findings)}, indent=2))
+        print_json({"findings": [f.to_dict() for f in findings], "fabric": fabric.to_dict(),
+                    "nccl_env": shown, "nccl_detect": detect,
+                    "probe": outcome.to_dict() if outcome is not None else None,
+                    "summary": summary(findings)})
     else:
         _print(fabric, shown, detect, findings)
     return exit_status(findings)

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from hpc_train.errors import ConfigError
+from hpc_train.terminal import plain, print_json
 
 __all__ = ["add_logs_parser", "add_plot_parser", "add_status_parser"]
 
@@ -27,11 +28,10 @@ _STATUS_ABOUT = ("Where runs stand: the scheduler's state and nodes (one squeue 
 
 def _logs(args: argparse.Namespace) -> int:
     from hpc_train.ops.logs import format_text, merged_view
-    from hpc_train.terminal import plain
 
     view = merged_view(args.run_dir, rank=args.rank, errors_only=args.errors_only, tail=args.tail)
     if args.json:
-        print(json.dumps(view.to_dict(), indent=2))
+        print_json(view.to_dict())
     else:
         print(plain(format_text(view)))
     return 0
@@ -46,7 +46,8 @@ def _status(args: argparse.Namespace) -> int:
     if args.json:
         while True:
             statuses, answer = collect(run_dirs)
-            print(to_json(statuses, answer, indent=None if args.watch else 2), flush=True)
+            # to_json's text read back and printed strictly: a NaN a damaged record carried becomes null
+            print_json(json.loads(to_json(statuses, answer)), indent=None if args.watch else 2, flush=True)
             if args.watch is None:
                 return 0
             try:
@@ -80,19 +81,21 @@ _PLOT_ABOUT = ("A picture of runs (no port to forward): loss and eval loss, lr, 
 
 
 def _plot(args: argparse.Namespace) -> int:
-    from hpc_train.ops.plot import choose_panels, draw
+    """``--out`` is checked before any run folder is read (:func:`check_plot_out`), then the picture drawn."""
+    from hpc_train.ops.plot import check_plot_out, choose_panels, draw
     from hpc_train.ops.plot_data import read_run
 
+    out = check_plot_out(args.out or Path("plot.png"))
     runs = [read_run(run_dir) for run_dir in args.run_dirs]
     panels = choose_panels(runs, args.metric)
-    out = args.out or Path("plot.png")
     draw(runs, panels, out)
     if args.json:
-        print(json.dumps({"out": str(out), "panels": [list(panel) for panel in panels],
-                          "runs": [run.summary() for run in runs]}, indent=2))
+        print_json({"out": str(out), "panels": [list(panel) for panel in panels],
+                    "runs": [run.summary() for run in runs]})
     else:
         marks = sum(len(run.marks) for run in runs)
-        print(f"wrote {out}: {len(panels)} panel(s), {len(runs)} run(s), {marks} attempt mark(s)")
+        print(plain(f"wrote {out}: {len(panels)} panel(s), {len(runs)} run(s), {marks} attempt mark(s)",
+                    one_line=True))
     return 0
 
 

@@ -13,8 +13,9 @@ from typing import Any
 
 from hpc_train.errors import ConfigError
 from hpc_train.ops.plot_data import DEFAULT_PANELS, RunSeries
+from hpc_train.run.outputs import check_output, open_output
 
-__all__ = ["FORMATS", "choose_panels", "draw"]
+__all__ = ["FORMATS", "check_plot_out", "choose_panels", "draw"]
 
 FORMATS = (".png", ".svg", ".pdf")
 _MARK_STYLE = {"start": ("tab:green", ":"), "preempted": ("tab:orange", "--"), "failed": ("tab:red", "-"),
@@ -49,12 +50,18 @@ def _matplotlib() -> Any:
     return plt
 
 
-def draw(runs: list[RunSeries], panels: list[tuple[str, ...]], out: Path) -> None:
-    """One figure, a panel per row, every run in its own colour, the attempt marks on every panel."""
+def check_plot_out(out: Path) -> Path:
+    """``out`` as a picture's path: a .png, .svg or .pdf name that :func:`check_output` accepts (a regular file
+    or a new name in an existing folder; never a FIFO, which hung the command, a device, a link or a folder)."""
     if out.suffix.lower() not in FORMATS:
         raise ConfigError("--out", f"{out} is not one of {', '.join(FORMATS)}", "name a .png, .svg or .pdf file")
-    if not out.parent.is_dir():
-        raise ConfigError("--out", f"{out.parent} is not a folder", "write the picture into an existing folder")
+    return check_output(out, example="plot.png")
+
+
+def draw(runs: list[RunSeries], panels: list[tuple[str, ...]], out: Path) -> None:
+    """One figure, a panel per row, every run in its own colour, the attempt marks on every panel, written
+    through :func:`open_output` (matplotlib never opens ``out`` itself: the format is named, not guessed)."""
+    check_plot_out(out)
     plt = _matplotlib()
     figure, axes = plt.subplots(len(panels), 1, sharex=True, figsize=(10, 2.6 * len(panels) + 0.6), squeeze=False)
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
@@ -80,5 +87,8 @@ def draw(runs: list[RunSeries], panels: list[tuple[str, ...]], out: Path) -> Non
     axes[-1, 0].set_xlabel("step")
     figure.suptitle(", ".join(run.name for run in runs), fontsize=10)
     figure.tight_layout()
-    figure.savefig(out, dpi=110)
-    plt.close(figure)
+    try:
+        with open_output(out) as handle:
+            figure.savefig(handle, format=out.suffix.lower()[1:], dpi=110)
+    finally:
+        plt.close(figure)

@@ -94,14 +94,14 @@ def render_script(plan: Plan, template: str | None = None) -> RenderedScript:
 
 
 def write_script(script: RenderedScript, path: Path) -> None:
-    """Write the script atomically (never through a symlink at ``path``), readable by its owner only."""
-    from hpc_train.run.files import atomic_write
+    """Write the script through the one writer of outputs (:mod:`hpc_train.run.outputs`): checked (never a
+    link, a FIFO, a device or a folder; its folder must exist), written beside it and renamed into place,
+    executable and readable by its owner only."""
+    from hpc_train.run.outputs import check_output, write_output
 
-    if path.is_dir():
-        raise ConfigError("--out", f"{path} is a folder", "give a file name, like job.sbatch")
+    check_output(path, example="job.sbatch")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write(path, script.text, mode=0o700)
+        write_output(path, script.text, mode=0o700)
     except OSError as error:
         raise ConfigError("--out", f"cannot write {path} ({error.strerror or error})",
                           "give a path in a folder you can write to") from None

@@ -203,8 +203,9 @@ BAD = [
     (["bench", "allreduce", "--ranks", "0"], "--ranks: 0 local processes cannot run a collective. Fix: give 1"),
     (["bench", "allreduce", "--sizes", "4M..1K"], "write the smaller size first: 1K..4M"),
     (["bench", "allreduce", "--iters", "0"], "--iters: 0 timed calls"),
-    (["bench", "allreduce", "--out", "no/such/folder/bench.json"], "--out: the folder of"),
-    (["bench", "allreduce", "--out", "."], '--out: "." is a folder'),
+    (["bench", "allreduce", "--out", "no/such/folder/bench.json"],
+     "--out: the folder no/such/folder does not exist"),
+    (["bench", "allreduce", "--out", "."], "--out: . is a folder"),
 ]
 
 

@@ -96,7 +96,8 @@ def test_a_metric_no_run_logged_or_an_output_it_cannot_write_exits_2(tmp_path: P
     assert result.returncode == 2
     assert "--metric: mfu is in no run's metrics.jsonl" in result.stderr and "pick from: eval_loss, loss, lr" in \
         result.stderr
-    for out, words in (("plot.jpg", "is not one of .png, .svg, .pdf"), ("nowhere/plot.png", "is not a folder")):
+    for out, words in (("plot.jpg", "is not one of .png, .svg, .pdf"),
+                       ("nowhere/plot.png", "the folder nowhere does not exist")):
         result = _plot(str(run_dir), "--out", out, cwd=tmp_path)
         assert result.returncode == 2 and words in result.stderr, result.stderr
 

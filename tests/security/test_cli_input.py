@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 
 import pytest
 
@@ -139,7 +140,47 @@ def _set_cases() -> list[Case]:
     return cases
 
 
-CASES = [*_entry_cases(), *_sweep_cases(), *_set_cases()]
+def _fifo(name: str) -> Callable[[World], None]:
+    return lambda world: os.mkfifo(world.work / name)
+
+
+def _export_target(world: World) -> None:
+    world.run_dir.mkdir(parents=True, mode=0o700)
+    (world.run_dir / "plan.json").write_text("{}")
+    os.mkfifo(world.work / "model.pt")
+
+
+def _out_cases() -> list[Case]:
+    """Outputs that are not plain files (issue 39): refused before anything is written, the run folder included."""
+    return [
+        on("render", "out-fifo", "", "--out", "@WORK@/out.sbatch", says=("--out", "FIFO"), setup=_fifo("out.sbatch")),
+        on("render", "out-missing-folder", "", "--out", "@WORK@/no/out.sbatch", says=("--out", "does not exist")),
+        on("render", "out-device", "", "--out", "/dev/null", says=("--out", "device")),
+        on("render", "out-under-a-file", "", "--out", "@JOB@/out.sbatch", says=("--out",)),
+        command("plot-out-fifo-svg", "plot", "@RUN@", "--out", "@WORK@/p.svg", says=("--out", "FIFO"),
+                setup=_fifo("p.svg"), isolated=True),
+        command("plot-out-fifo-png", "plot", "@RUN@", "--out", "@WORK@/p.png", says=("--out", "FIFO"),
+                setup=_fifo("p.png"), isolated=True),
+        command("bench-out-fifo", "bench", "allreduce", "--out", "@WORK@/b.json", says=("--out", "FIFO"),
+                setup=_fifo("b.json")),
+        command("ckpt-export-out-fifo", "ckpt", "export", "@RUN@", "--out", "@WORK@/model.pt", "--force",
+                says=("--out", "FIFO"), setup=_export_target),
+    ]
+
+
+def _echo_cases() -> list[Case]:
+    """Text typed on the command line is echoed escaped, on one line (issue 39)."""
+    return [
+        command("unknown-argument-esc", "validate", "@JOB@", "--x\x1b]0;pwned\x07", job="", no_escapes=True,
+                says=("unrecognized arguments", "\\x1b")),
+        command("unknown-command-csi", "\x9b2J", no_escapes=True),
+        command("config-path-esc", "validate", "@WORK@/job\x1b[2J.toml", no_escapes=True, says=("\\x1b",)),
+        command("config-path-newline", "validate", "@WORK@/job.toml\nerror: fake", says=("\\n",)),
+        command("set-newline-esc", "validate", "@JOB@", "--set", "job.name=a\n\x1b[2J", job="", no_escapes=True),
+    ]
+
+
+CASES = [*_entry_cases(), *_sweep_cases(), *_set_cases(), *_out_cases(), *_echo_cases()]
 
 
 @pytest.mark.parametrize("case", CASES, ids=cases_ids(CASES))
