@@ -17,13 +17,17 @@ from typing import Any
 from hpc_train.control.client import ControlClient, ControlError
 from hpc_train.control.discovery import Address, from_env
 
-__all__ = ["RankEvents", "hang_key", "rank_events", "stop_key", "stop_request_key"]
+__all__ = ["RankEvents", "hang_decision_key", "hang_key", "rank_events", "stop_key", "stop_request_key"]
 
 PREFIX = "rank/"
 
 
 def hang_key(attempt: str) -> str:
     return f"{PREFIX}hang/{attempt}"
+
+
+def hang_decision_key(attempt: str) -> str:
+    return f"{PREFIX}hang-decision/{attempt}"
 
 
 def stop_key(attempt: str) -> str:

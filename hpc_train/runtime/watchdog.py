@@ -28,8 +28,9 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
-from hpc_train.control.events import hang_key, rank_events
+from hpc_train.control.events import hang_decision_key, hang_key, rank_events
 from hpc_train.run.exit_codes import EXIT_HUNG
 from hpc_train.run.files import atomic_write
 from hpc_train.run.loglines import format_not_in_collective
@@ -253,31 +254,53 @@ class Watchdog:
             where = "; ".join(f"rank {rank} in {frame}" for rank, frame in culprits.items())
             hang = dataclasses.replace(hang, suspects=where)
         code, why = self.decide(hang) if self.decide is not None else (EXIT_HUNG, "no decision")
-        atomic_write(self.decision, json.dumps({"hang": hang.time, "exit_code": code, "reason": why}) + "\n")
+        decision = {"hang": hang.time, "exit_code": code, "reason": why}
+        atomic_write(self.decision, json.dumps(decision) + "\n")  # the record; the coordinator tells the ranks
+        events = rank_events()
+        if events is not None:
+            events.set(hang_decision_key(self.attempt), decision)
         return code, why
 
     def _wait_for_stacks(self, hang: Hang, wait_s: float = 10.0) -> None:
-        """Give every rank's watchdog a moment to see the marker and dump this hang (they poll every second)."""
+        """Give every rank's watchdog a moment to see the marker and dump this hang (they poll every second).
+        A rank's dump once found is not read again: each look reads only the ranks still missing."""
         deadline = time.monotonic() + wait_s
         token = f"# hang-id {hang.time!r}"
+        missing = list(range(self.world_size))
         while time.monotonic() < deadline:
-            if all(_has_dump(stacks_path(self.run_dir, r), token) for r in range(self.world_size)):
+            missing = [r for r in missing if not _has_dump(stacks_path(self.run_dir, r), token)]
+            if not missing:
                 return
             time.sleep(0.2)
 
     def _wait_for_decision(self, hang: Hang) -> tuple[int, str]:
         """Other ranks leave only after rank 0 has recorded and requeued: an early exit would break rank 0's
-        collective and turn the hang into an ordinary failure."""
+        collective and turn the hang into an ordinary failure. The decision is pushed by the job's coordinator
+        where there is one (no file read by 16,384 ranks five times a second), else read from the run folder."""
         deadline = time.monotonic() + self.grace_s
         while time.monotonic() < deadline:
-            try:
-                data = json.loads(self.decision.read_text(encoding="utf-8"))
-                if data.get("hang") == hang.time:
-                    return int(data["exit_code"]), str(data["reason"])
-            except (OSError, ValueError, KeyError, TypeError):
-                pass
+            decided = self._decision_for(hang)
+            if decided is not None:
+                return decided
             time.sleep(0.2)
         return EXIT_HUNG, f"rank 0 decided nothing within {self.grace_s:.0f} s"
+
+    def _decision_for(self, hang: Hang) -> tuple[int, str] | None:
+        """Rank 0's decision on ``hang``: from the coordinator's push, or the file without one (or once it broke)."""
+        events = rank_events()
+        if events is not None:
+            data: Any = events.seen(hang_decision_key(self.attempt))
+        else:
+            try:
+                data = json.loads(self.decision.read_text(encoding="utf-8"))
+            except (OSError, ValueError):
+                return None
+        try:
+            if data.get("hang") == hang.time:
+                return int(data["exit_code"]), str(data["reason"])
+        except (AttributeError, KeyError, TypeError, ValueError):
+            pass
+        return None
 
 
 def _has_dump(path: Path, token: str) -> bool:

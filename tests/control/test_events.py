@@ -72,3 +72,25 @@ def test_every_watchdog_hears_the_first_hang_from_the_coordinator(tmp_path: Path
     assert _until(other._current_marker) == hang
     later = Hang(0, "n1", "step", 12, 62.0, 60.0, time.time())
     assert other._claim_marker(later) == hang
+
+
+def test_every_rank_hears_rank_0_s_hang_decision_from_the_coordinator(tmp_path: Path,
+                                                                     coordinator: ControlServer) -> None:
+    """The decision file is the record; the ranks waiting for it hear it pushed (16,384 of them would otherwise
+    read the file five times a second each)."""
+    from hpc_train.run.paths import HEARTBEAT_DIR, hang_decision_path
+    from hpc_train.runtime.watchdog import Hang, Timeouts, Watchdog
+
+    (tmp_path / HEARTBEAT_DIR).mkdir(mode=0o700)
+    long = Timeouts(startup=60, step=60, checkpoint=60)
+    rank0 = Watchdog(tmp_path, 0, 2, "9.1", long, lambda _: (144, "requeued"), lambda _: None)
+    rank1 = Watchdog(tmp_path, 1, 2, "9.1", long, None, lambda _: None)
+    hang = Hang(1, "n2", "step", 12, 61.0, 60.0, time.time())
+    assert rank1._decision_for(hang) is None  # opens the watching connection
+    rank0._wait_for_stacks = lambda _hang: None  # type: ignore[method-assign]  # no ranks dump here
+    assert rank0._decide(hang) == (144, "requeued")
+    assert hang_decision_path(tmp_path, "9.1").exists()  # the record
+    hang_decision_path(tmp_path, "9.1").unlink()
+    assert _until(lambda: rank1._decision_for(hang)) == (144, "requeued")
+    other = Hang(0, "n1", "step", 12, 62.0, 60.0, time.time() + 5)
+    assert rank1._decision_for(other) is None  # a decision on another hang is not this one's
