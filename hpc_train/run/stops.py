@@ -71,6 +71,9 @@ class StopConsequence(Exception):  # noqa: N818 - it is not an error of the prog
         self.error, self.notice = error, notice
 
 
+_DONE_FILE_EVERY_S = 2.0  # a rank waiting for rank 0's done notice reads the record this often besides the push
+
+
 def publish_notice(run_dir: Path, notice: StopNotice) -> None:
     """The run folder's record, then the coordinator's push to every rank (where an agent named one)."""
     (Path(run_dir) / HEARTBEAT_DIR).mkdir(mode=0o700, exist_ok=True)
@@ -105,10 +108,17 @@ def _notice_of(text: str, attempt: str, since: float) -> StopNotice | None:
 
 def wait_for_done(run_dir: Path, attempt: str, since: float, timeout_s: float,
                   poll_s: float = 0.1) -> StopNotice | None:
-    """The ``done`` notice once rank 0 has published it, or None after ``timeout_s``."""
+    """The ``done`` notice once rank 0 has published it, or None after ``timeout_s``. Where the coordinator
+    pushes it, each look reads memory and only every :data:`_DONE_FILE_EVERY_S` the run folder's record too (a
+    notice rank 0 could only write there); every rank of the job waits here at once."""
     deadline = time.monotonic() + timeout_s
+    file_due = 0.0
     while True:
-        notice = read_notice(run_dir, attempt, since, heard_only=False)  # a stop under way: the file too
+        now = time.monotonic()
+        with_file = now >= file_due
+        if with_file:
+            file_due = now + _DONE_FILE_EVERY_S
+        notice = read_notice(run_dir, attempt, since, heard_only=not with_file)
         if notice is not None and notice.phase == "done":
             return notice
         if time.monotonic() >= deadline:
