@@ -59,6 +59,7 @@ from hpc_train.run.exit_codes import (
     EXIT_STOPPED,
     LOCAL_REQUEUE_EXIT,
 )
+from hpc_train.run.files import small_int
 from hpc_train.run.loglines import LAUNCH_ERROR_PREFIX, NOT_IN_COLLECTIVE, RANK_LINE, parse_stop
 from hpc_train.run.peer_errors import PEER_LOST
 from hpc_train.run.stacks import in_collective
@@ -304,8 +305,8 @@ def _hang(a: _Attempt) -> Classification | None:
     watchdog = EXIT_HUNG in a.codes or bool(stacks) or a.evidence.outcome == "hang"
     if not (watchdog or EXIT_SAVE_HUNG in a.codes or timeouts):
         return None
-    named = sorted({int(m[1]) for f in a.findings for line in f.report.log_tail
-                    if (m := NOT_IN_COLLECTIVE.search(line))})
+    named = sorted({rank for f in a.findings for line in f.report.log_tail
+                    if (m := NOT_IN_COLLECTIVE.search(line)) and (rank := small_int(m[1])) is not None})
     silent = [f.report.rank for f in a.findings if not f.said] if timeouts else []
     suspects = named or _stack_suspects(stacks) or silent
     nodes = list(dict.fromkeys(n for rank in suspects if (n := a.rank_node(rank))))

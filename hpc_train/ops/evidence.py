@@ -8,18 +8,19 @@ Nothing here judges the evidence: :func:`hpc_train.ops.classify.classify` does, 
 from __future__ import annotations
 
 import glob
-import os
 import re
 from collections.abc import Collection
 from dataclasses import dataclass
+from fnmatch import fnmatchcase
 from pathlib import Path
 
 from hpc_train.ops.records import RankFiles, line_time, read_json, read_tail
 from hpc_train.run.attempts import AttemptLog
-from hpc_train.run.files import read_json_object
+from hpc_train.run.files import folder_names, read_json_object, run_file_stat, small_int, time_value
 from hpc_train.run.loglines import BATCH_START, parse_start
 from hpc_train.run.paths import (
     LOGS_DIR,
+    SUBMITIT_DIR,
     follower_cancel_path,
     rank_error_path,
     rank_log_path,
@@ -29,8 +30,9 @@ from hpc_train.run.paths import (
 __all__ = ["SRUN_ERROR", "Evidence", "RankReport", "collect_evidence", "srun_tasks"]
 
 _TAIL_BYTES = 1 << 20
-_RANK_FILE = re.compile(r"(stacks-)?rank-([0-9]+)\.")  # a rank's log, error record, stacks (logs/ holds them)
+_RANK_FILE = re.compile(r"(stacks-)?rank-([0-9]{1,9})\.")  # a rank's log, error record, stacks (logs/ holds them)
 SRUN_ERROR = re.compile(r"srun: error: (\S+): tasks? ([0-9,\-]+): (.+)")  # srun on a task that failed
+_MAX_TASKS = 1 << 18  # hpc_train's largest world: srun's "tasks 0-99999999999" is damage, not a range to walk
 
 
 @dataclass(frozen=True)
@@ -75,7 +77,7 @@ def collect_evidence(run_dir: Path, job_id: str | None = None, restart: int | No
     batch = _batch_log(run_dir, job_id, restart, tail_lines)
     stderr: dict[int, list[str]] = {}
     for line in batch.splitlines():
-        if m := re.match(r"\[rank([0-9]+)\]:(.*)", line):
+        if m := re.match(r"\[rank([0-9]{1,9})\]:(.*)", line):
             stderr.setdefault(int(m[1]), []).append(m[2])
     names = (RankFiles(run_dir, rank_log_path), RankFiles(run_dir, rank_error_path), RankFiles(run_dir, stacks_path))
     files = _rank_files(run_dir / LOGS_DIR, names[1], names[2])
@@ -93,12 +95,8 @@ def collect_evidence(run_dir: Path, job_id: str | None = None, restart: int | No
 def _rank_files(logs: Path, errors: RankFiles, stacks: RankFiles) -> dict[int, str]:
     """``{rank: its kinds of file}`` from one listing of ``logs/``: "e" its error record, "s" its dumped stacks,
     "l" any other file of the rank (its log)."""
-    try:
-        names = os.listdir(logs)
-    except OSError:
-        return {}
     found: dict[int, str] = {}
-    for name in names:
+    for name in folder_names(logs):  # never through a link: logs/ a link lists nothing
         if "rank-" in name and (m := _RANK_FILE.match(name)):
             rank = int(m[2])
             kind = "e" if name == errors.name(rank) else "s" if name == stacks.name(rank) else "l"
@@ -121,7 +119,7 @@ def _rank_report(rank: int, kinds: str, names: tuple[RankFiles, RankFiles, RankF
     when = error.get("time")
     return RankReport(
         rank=rank, host=str(error.get("host", "")), node_index=part.node_index, error=str(error.get("error", "")),
-        error_time=float(when) if isinstance(when, int | float) else None,
+        error_time=time_value(when),
         traceback=str(error.get("traceback", "")), log_tail=tuple(part.lines[-tail_lines:]), stacks=stacks,
         stderr=tuple(stderr[-tail_lines:]), launcher=part.launcher)
 
@@ -164,10 +162,8 @@ def _segment(lines: list[str], job_id: str | None, restart: int | None) -> _Segm
 
 
 def _after(path: str | Path, started: float | None) -> bool:
-    try:
-        return started is None or os.stat(path, follow_symlinks=False).st_mtime >= started - 1
-    except OSError:
-        return False
+    info = run_file_stat(path)
+    return info is not None and (started is None or info.st_mtime >= started - 1)
 
 
 def _batch_log(run_dir: Path, job_id: str | None, restart: int | None, tail_lines: int) -> str:
@@ -179,9 +175,12 @@ def _batch_log(run_dir: Path, job_id: str | None, restart: int | None, tail_line
         patterns = [f"logs/slurm-{ident}.out", f"logs/slurm-{ident}.err", f"submitit/{ident}_*_log.err"]
     else:
         patterns = ["logs/slurm-*.out", "logs/slurm-*.err", "submitit/*_log.err"]
-    paths = sorted({p for pattern in patterns for p in run_dir.glob(pattern) if p.is_file()})
+    names = [f"{folder}/{name}" for folder in (LOGS_DIR, SUBMITIT_DIR) for name in folder_names(run_dir / folder)]
+    found = {run_dir / name: info for name in names if any(fnmatchcase(name, p) for p in patterns)
+             if (info := run_file_stat(run_dir / name)) is not None}  # listed and read never through a link
+    paths = sorted(found)
     if not job_id and paths:  # the newest job's files only
-        newest = _file_job(max(paths, key=lambda p: p.stat().st_mtime).name)
+        newest = _file_job(max(paths, key=lambda p: found[p].st_mtime).name)
         paths = [p for p in paths if _file_job(p.name) == newest]
     parts = []
     for path in paths:
@@ -212,7 +211,8 @@ def srun_tasks(batch: str) -> dict[int, tuple[str, str, str]]:
     for m in SRUN_ERROR.finditer(batch):
         for part in m[2].split(","):
             low, _, high = part.partition("-")
-            if (low.isascii() and low.isdigit()) and ((high.isascii() and high.isdigit()) or not high):
-                for task in range(int(low), int(high or low) + 1):
+            first, last = small_int(low), small_int(high or low)
+            if first is not None and last is not None and last - first < _MAX_TASKS:
+                for task in range(first, last + 1):
                     tasks.setdefault(task, (m[1], m[2], m[3]))
     return tasks

@@ -6,9 +6,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from rich.text import Text
+
 from hpc_train.run.files import read_json_object
 from hpc_train.run.paths import HEALTH_FILE
-from hpc_train.terminal import plain
+from hpc_train.terminal import plain, shown
 
 __all__ = ["health_cell", "health_lines", "read_findings"]
 
@@ -25,11 +27,12 @@ def read_findings(run_dir: Path) -> list[dict[str, Any]] | None:
     return [{key: finding.get(key) for key in _FIELDS} for finding in findings if isinstance(finding, dict)]
 
 
-def health_cell(findings: list[dict[str, Any]] | None) -> str:
-    """The table's cell: ``ok``, the checks that tripped, or ``-`` without a record."""
+def health_cell(findings: list[dict[str, Any]] | None) -> Text:
+    """The table's cell: ``ok``, the checks that tripped, or ``-`` without a record; a ``Text``, so that a check
+    named ``[/]`` in a damaged ``health.json`` is shown as typed, never read as rich markup (a MarkupError)."""
     if findings is None:
-        return "-"
-    return ", ".join(plain(str(f.get("check", "?"))) for f in findings) if findings else "ok"
+        return shown("-")
+    return shown(", ".join(str(f.get("check", "?")) for f in findings) if findings else "ok")
 
 
 def health_lines(findings: list[dict[str, Any]] | None) -> list[str]:

@@ -15,7 +15,6 @@ traceback lines) are dropped: the rank's own log and error file hold them.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from dataclasses import asdict, dataclass, field, replace
@@ -27,6 +26,7 @@ from typing import Any
 
 from hpc_train.errors import ConfigError
 from hpc_train.ops.records import open_bytes, read_text
+from hpc_train.run.files import folder_names, parse_json, refuse_link, run_file_stat, time_value
 from hpc_train.run.loglines import RANK_RECORD
 from hpc_train.run.paths import LOGS_DIR, RANK_ERROR_GLOB, SUBMITIT_DIR, rank_error_path
 from hpc_train.terminal import ranges
@@ -194,6 +194,8 @@ def _rank_records(text: str, source: str, rank: int, notable_only: bool) -> list
     match = _RANK_RECORD.match
     for line in [*text.splitlines(), None]:
         m = match(line) if line is not None and line[:1].isdigit() else None  # a record starts with its date
+        if m and len(m[2]) > 9:  # a 5,000-digit rank is no rank: the line is text of the record above
+            m = None
         if line is not None and not m and head is not None:
             more.append(line)
             continue
@@ -220,10 +222,10 @@ def _rank_errors(logs: Path, rank: int | None) -> list[RankError]:
     names = [name for name in _listing(logs) if fnmatchcase(name, RANK_ERROR_GLOB)]
     for name in names if rank is None else [rank_error_path(logs.parent, rank).name]:
         try:
-            data = json.loads(read_text(os.path.join(logs, name)))
-        except (ValueError, RecursionError):
+            data = parse_json(read_text(os.path.join(logs, name)))  # numbers in range, or the record is skipped
+        except ValueError:
             continue
-        if not isinstance(data, dict) or not isinstance(data.get("rank"), int):
+        if not isinstance(data, dict) or not isinstance(data.get("rank"), int) or isinstance(data["rank"], bool):
             continue
         if rank is not None and data["rank"] != rank:
             continue
@@ -231,8 +233,8 @@ def _rank_errors(logs: Path, rank: int | None) -> list[RankError]:
         tb = str(data.get("traceback", ""))
         frames = _FRAME.findall(tb)
         where = f"{_last_parts(frames[-1][0])}:{frames[-1][1]} in {frames[-1][2]}" if frames else ""
-        found.append(RankError(data["rank"], str(data.get("host", "")), float(when) if isinstance(
-            when, int | float) else None, str(data.get("error", "")), where, tb))
+        found.append(RankError(data["rank"], str(data.get("host", "")), time_value(when), str(data.get("error", "")),
+                               where, tb))
     found.sort(key=lambda e: (e.time if e.time is not None else float("inf"), e.rank))
     folded: dict[str, tuple[RankError, list[int]]] = {}
     for error in found:
@@ -251,10 +253,8 @@ def _last_parts(path: str) -> str:
 
 
 def _listing(folder: Path) -> list[str]:
-    try:
-        return os.listdir(folder)
-    except OSError:
-        return []
+    """The names in ``folder``, never through a link (``logs/`` a link to another place lists nothing)."""
+    return folder_names(folder)
 
 
 def _fold(records: list[LogRecord]) -> list[tuple[LogRecord, list[str]]]:
@@ -292,6 +292,10 @@ def merged_view(run_dir: Path, rank: int | None = None, errors_only: bool = Fals
     records when given). ``rank`` keeps one rank's files only (no batch output)."""
     run_dir = Path(run_dir)
     logs = run_dir / LOGS_DIR
+    refuse_link(run_dir)
+    if os.path.islink(logs):
+        raise ConfigError("RUN_DIR", f"{logs} is a symbolic link; hpc_train never reads a run folder's files "
+                          "through one", f"remove the link (rm {logs}); the ranks make logs/ again")
     if not run_dir.is_dir():
         raise ConfigError("RUN_DIR", f"{run_dir} is not a folder", "give a run folder, like runs/tiny-gpt")
     if not logs.is_dir():
@@ -301,16 +305,17 @@ def merged_view(run_dir: Path, rank: int | None = None, errors_only: bool = Fals
         raise ConfigError("--tail", f"{tail} is negative", "give the number of records to show, like --tail 50")
     view = MergedLogs(run_dir)
     rank_logs = [(number, name) for number, name in _rank_logs(logs) if rank is None or number == rank]
-    if rank is not None and not rank_logs and not rank_error_path(run_dir, rank).exists():
+    if rank is not None and not rank_logs and run_file_stat(rank_error_path(run_dir, rank)) is None:
         ranks = ", ".join(str(number) for number, _ in sorted(_rank_logs(logs), key=lambda item: item[1]))
         raise ConfigError("--rank", f"{run_dir} has no log of rank {rank}", f"pick one of: {ranks or 'none'}")
     # (path, rank, source of its records, its name among the sources)
     files: list[tuple[Path | str, int | None, str, str]] = [
         (os.path.join(logs, name), number, f"rank{number}", name) for number, name in rank_logs]
-    if rank is None:
-        files += [(p, None, p.name, p.name) for p in sorted(logs.glob("slurm-*")) if p.suffix in (".out", ".err")]
-        files += [(p, None, name, name) for p in sorted((run_dir / SUBMITIT_DIR).glob("*_log.err"))
-                  for name in [f"submitit/{p.name.removesuffix('_log.err')}.err"]]
+    if rank is None:  # the batch output, listed never through a link
+        files += [(logs / n, None, n, n) for n in sorted(_listing(logs)) if n.startswith("slurm-")
+                  and n.endswith((".out", ".err"))]
+        files += [(run_dir / SUBMITIT_DIR / n, None, name, name) for n in sorted(_listing(run_dir / SUBMITIT_DIR))
+                  if fnmatchcase(n, "*_log.err") for name in [f"submitit/{n.removesuffix('_log.err')}.err"]]
     records: list[LogRecord] = []
     for path, number, source, listed in files:
         found = read_records(path, source, number, view.notes, notable_only=errors_only)

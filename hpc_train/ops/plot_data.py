@@ -8,14 +8,12 @@ next attempt (``hpc_train.runtime.monitor``), so each step appears once, from th
 
 from __future__ import annotations
 
-import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from hpc_train.errors import ConfigError
 from hpc_train.run.attempts import Attempt, AttemptLog
-from hpc_train.run.files import read_record_text, warn_bad_record
+from hpc_train.run.files import finite, parse_json, record_lines, refuse_link, time_value, warn_bad_record
 from hpc_train.run.paths import METRICS_FILE
 
 __all__ = ["DEFAULT_PANELS", "Mark", "RunSeries", "read_run"]
@@ -53,15 +51,19 @@ class RunSeries:
 
 
 def _records(path: Path) -> list[dict[str, object]]:
+    """Every metrics record, line by line: a line too long, torn, or holding a number out of range is skipped
+    with a warning naming the file and line, and the records after it are still drawn."""
     records = []
-    for number, line in enumerate(read_record_text(path).splitlines(), start=1):
+    for number, line in record_lines(path):
         try:
-            record = json.loads(line)
-        except ValueError:
-            record = None
-        if not isinstance(record, dict) or not isinstance(record.get("step"), int | float):
+            record = parse_json(line)  # NaN and 1e400 as None; a 400-digit integer is damage
+        except ValueError as error:
+            record, problem = None, f"is not a metrics record ({error})"
+        else:
+            problem = "is not a metrics record"
+        if not isinstance(record, dict) or finite(record.get("step")) is None:
             if line.strip():
-                warn_bad_record(path, number, "is not a metrics record")
+                warn_bad_record(path, number, problem)
             continue
         records.append(record)
     return records
@@ -70,24 +72,23 @@ def _records(path: Path) -> list[dict[str, object]]:
 def read_run(run_dir: Path) -> RunSeries:
     """The metrics and marks of ``run_dir``; ConfigError (exit 2) when it is no run folder or holds no metrics."""
     run_dir = Path(run_dir)
+    refuse_link(run_dir)
     if not run_dir.is_dir():
         raise ConfigError("RUN_DIR", f"{run_dir} is not a folder", "give a run folder, like runs/tiny-gpt")
     metrics = run_dir / METRICS_FILE
-    if not metrics.is_file():
+    if not metrics.is_file() or metrics.is_symlink():
         raise ConfigError("RUN_DIR", f"{run_dir} has no {METRICS_FILE}",
                           "give a run folder that has logged a step (it holds plan.json and metrics.jsonl)")
     run = RunSeries(run_dir.name)
     for record in _records(metrics):
-        step = float(record["step"])  # type: ignore[arg-type]
-        if isinstance(record.get("time"), int | float):
-            run.times.append((float(record["time"]), step))  # type: ignore[arg-type]
+        step = float(record["step"])  # type: ignore[arg-type]  # _records kept only steps finite() takes
+        if (moment := time_value(record.get("time"))) is not None:
+            run.times.append((moment, step))
         for name, value in record.items():
-            if name in _NOT_METRICS or isinstance(value, bool) or not isinstance(value, int | float):
-                continue
-            if math.isfinite(value):
+            if name not in _NOT_METRICS and (number := finite(value)) is not None:
                 steps, values = run.series.setdefault(name, ([], []))
                 steps.append(step)
-                values.append(float(value))
+                values.append(number)
     if not run.series:
         raise ConfigError("RUN_DIR", f"{metrics} holds no metrics record",
                           "wait for the run's first logged step, or give another run folder")

@@ -10,7 +10,6 @@ rank log's time stamp read once per second of the clock rather than by ``strptim
 from __future__ import annotations
 
 import errno
-import json
 import os
 import stat
 from collections.abc import Callable
@@ -19,20 +18,19 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from hpc_train.run.files import MAX_RECORD_FILE
+from hpc_train.run.files import MAX_RECORD_FILE, open_run_path, parse_json
 from hpc_train.run.loglines import RANK_LINE
 
 __all__ = ["RankFiles", "line_time", "open_bytes", "read_bytes", "read_json", "read_tail", "read_text", "stamp_time"]
 
-_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
 _SENTINEL = 987654321
 
 
 def open_bytes(path: str | Path, limit: int = MAX_RECORD_FILE, tail: bool = False) -> tuple[bytes, int]:
     """(a regular file's first ``limit`` bytes, or with ``tail`` all from its last ``limit`` bytes' start to its
-    end; its size when opened); OSError when it is missing, a link, a FIFO, a device or a folder (as
-    :func:`~hpc_train.run.files.open_record`)."""
-    descriptor = os.open(path, _FLAGS)
+    end; its size when opened); OSError when it is missing, a link (or below one: ``logs/`` a link), a FIFO, a
+    device or a folder (as :func:`~hpc_train.run.files.open_record`)."""
+    descriptor = open_run_path(path)
     try:
         info = os.fstat(descriptor)
         if not stat.S_ISREG(info.st_mode):
@@ -68,10 +66,11 @@ def read_text(path: str | Path) -> str:
 
 
 def read_json(path: str | Path) -> dict[str, Any]:
-    """As :func:`hpc_train.run.files.read_json_object`: a JSON object, or {} (missing, torn, not an object)."""
+    """As :func:`hpc_train.run.files.read_json_object`: a JSON object, or {} (missing, torn, not an object, a
+    number out of range: :func:`~hpc_train.run.files.parse_json`)."""
     try:
-        data = json.loads(read_text(path))
-    except (ValueError, RecursionError):
+        data = parse_json(read_text(path))
+    except ValueError:
         return {}
     return data if isinstance(data, dict) else {}
 

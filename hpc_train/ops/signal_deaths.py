@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from hpc_train.ops.evidence import RankReport
+from hpc_train.run.files import small_int
 from hpc_train.run.loglines import parse_host_oom
 from hpc_train.run.peer_errors import lost_its_peer
 
@@ -32,7 +33,7 @@ def srun_signal(message: str) -> int | None:
     """The signal srun's line for a task names ("Killed": 9, "Segmentation fault": 11, "signal 7"), or None."""
     for pattern, number in _SRUN_SIGNAL_WORDS:
         if m := pattern.search(message):
-            return int(m[1]) if number == 0 else number
+            return small_int(m[1], 3) if number == 0 else number  # "signal 999...9" (5,000 digits) is no signal
     return None
 
 

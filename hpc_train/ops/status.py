@@ -22,6 +22,7 @@ import re
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
 
@@ -30,13 +31,14 @@ from hpc_train.ops import scheduler
 from hpc_train.ops.classify import Classification, classify
 from hpc_train.ops.evidence import collect_evidence
 from hpc_train.ops.health_view import health_cell, health_lines, read_findings
+from hpc_train.ops.status_files import RATE_RECORDS as _RATE_RECORDS
+from hpc_train.ops.status_files import CheckpointState, checkpoint_state, metrics_tail
 from hpc_train.run.attempts import Attempt, AttemptLog
 from hpc_train.run.chain import successor_of
 from hpc_train.run.exclusions import read_exclusions
-from hpc_train.run.files import open_record, read_json_object
+from hpc_train.run.files import finite, folder_names, read_json_object, refuse_link, run_file_stat, small_int
 from hpc_train.run.paths import (
     ATTEMPTS_FILE,
-    CHECKPOINTS_DIR,
     LOGS_DIR,
     METRICS_FILE,
     PLAN_FILE,
@@ -52,11 +54,10 @@ __all__ = ["AttemptView", "CheckpointState", "RunFolder", "RunStatus", "Telemetr
 _SUBMITIT_FILE = re.compile(r"^([0-9]+(?:_[0-9]+)?)_(?:submitted\.pkl|submission\.sh|[0-9]+_log\.(?:out|err)|"
                             r"[0-9]+_result\.pkl)$")
 _SLURM_FILE = re.compile(r"^slurm-([0-9]+(?:_[0-9]+)?)\.(?:out|err)$")
+_JOB_ID = re.compile(r"[0-9]{1,18}(_[0-9]{1,9})?")  # a Slurm job id (an array task's too); more digits are damage
 _ENDED_BADLY = {"FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL",
                 "DEADLINE", "KILLED", "STOPPED", "HUNG"}
 _FAILED_OUTCOMES = ("failed", "killed", "crashed", "infrastructure", "hang")
-_METRICS_BYTES = 256 << 10
-_RATE_RECORDS = 20  # the ETA uses the step rate over this many recent metrics records
 _SPARK_POINTS = 24  # status --watch draws the loss of this many recent records
 _SPARKS = "▁▂▃▄▅▆▇█"
 
@@ -84,13 +85,6 @@ class Telemetry:
     eta_s: float | None = None
     updated: float | None = None
     losses: list[float] = field(default_factory=list)  # the recent records' loss, oldest first (the sparkline)
-
-
-@dataclass
-class CheckpointState:
-    name: str
-    step: int | None
-    time: float | None
 
 
 @dataclass
@@ -167,6 +161,7 @@ def find_run_dirs(paths: list[Path]) -> list[Path]:
         return found
     unique: list[Path] = []
     for path in paths:
+        refuse_link(path)
         if not path.is_dir():
             raise ConfigError("RUN_DIR", f"{path} is not a folder", "give a run folder, like runs/tiny-gpt")
         if not any((path / name).exists() for name in (PLAN_FILE, ATTEMPTS_FILE, LOGS_DIR)):
@@ -193,59 +188,25 @@ def read_folder(path: Path) -> RunFolder:
         excluded = [e.node for e in read_exclusions(path)]
     except ConfigError as error:
         excluded, notes = [], [*notes, str(error)]
-    finished = "completed" if any((path / name).exists() for name in RESULT_FILES) else ""
-    if not finished and any((path / LOGS_DIR).glob(RANK_ERROR_GLOB)):
+    finished = "completed" if any(run_file_stat(path / name) for name in RESULT_FILES) else ""
+    if not finished and any(fnmatchcase(name, RANK_ERROR_GLOB) for name in folder_names(path / LOGS_DIR)):
         finished = "failed"
     return RunFolder(path, str(plan.get("name") or path.name), executor, program,
-                     steps if isinstance(steps, int) else None, attempts, ids, _metrics_tail(path / METRICS_FILE),
-                     _checkpoint(path), excluded, notes, finished)
+                     steps if isinstance(steps, int) else None, attempts, ids, metrics_tail(path / METRICS_FILE),
+                     checkpoint_state(path), excluded, notes, finished)
 
 
 def _folder_job_ids(path: Path, attempts: list[Attempt]) -> list[str]:
     ids = {a.job_id for a in attempts if a.job_id}
     ids |= {nxt for a in attempts if a.job_id and (nxt := successor_of(path, a.job_id))}  # a chain's next job
     for folder, pattern in ((path / SUBMITIT_DIR, _SUBMITIT_FILE), (path / LOGS_DIR, _SLURM_FILE)):
-        if folder.is_dir():
-            ids |= {m[1] for name in os.listdir(folder) if (m := pattern.match(name))}
-    return sorted((i for i in ids if re.fullmatch(r"[0-9]+(_[0-9]+)?", i)), key=_id_key)
+        ids |= {m[1] for name in folder_names(folder) if (m := pattern.match(name))}
+    return sorted((i for i in ids if _JOB_ID.fullmatch(i)), key=_id_key)
 
 
 def _id_key(job_id: str) -> tuple[int, int]:
     base, _, task = job_id.partition("_")
     return int(base), int(task or -1)
-
-
-def _metrics_tail(path: Path) -> list[dict[str, Any]]:
-    """The last step records (a user program's may carry no loss; evaluation-only lines are left out)."""
-    try:
-        with open_record(path) as handle:
-            size = handle.seek(0, 2)
-            handle.seek(max(0, size - _METRICS_BYTES))
-            text = handle.read().decode("utf-8", errors="replace")
-    except OSError:
-        return []
-    records = []
-    for line in text.splitlines():
-        try:
-            record = json.loads(line)
-        except (ValueError, RecursionError):
-            continue
-        # A user program's ctx.log records may have no loss; an evaluation's record has only eval_loss.
-        if isinstance(record, dict) and isinstance(record.get("step"), int) and set(record) - {"step", "eval_loss"}:
-            records.append(record)
-    return records[-_RATE_RECORDS * 2:]
-
-
-def _checkpoint(path: Path) -> CheckpointState | None:
-    latest = path / CHECKPOINTS_DIR / "latest"
-    try:
-        with open_record(latest) as handle:
-            name = handle.read(256).decode("utf-8", errors="replace").strip()
-        moment = latest.lstat().st_mtime
-    except OSError:
-        return None
-    m = re.fullmatch(r"step-([0-9]{1,30})", name)
-    return CheckpointState(name, int(m[1]) if m else None, moment)
 
 
 def telemetry(folder: RunFolder, since: float | None = None) -> Telemetry:
@@ -275,8 +236,7 @@ def telemetry(folder: RunFolder, since: float | None = None) -> Telemetry:
 
 
 def _number(value: Any) -> float | None:
-    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(
-        value) else None
+    return finite(value)
 
 
 # -- joining the scheduler ----------------------------------------------------------------------------------
@@ -303,7 +263,7 @@ def build_status(folder: RunFolder, answer: scheduler.SchedulerAnswer) -> RunSta
     ids = list(folder.job_ids)
     if folder.executor != "local":
         ids += [i for e in answer.queue if scheduler.queue_matches(e, folder.path) for i in [e.array_id or e.job_id]
-                if i and i not in ids and re.fullmatch(r"[0-9]+(_[0-9]+)?", i)]
+                if i and i not in ids and _JOB_ID.fullmatch(i)]
     ids.sort(key=_id_key)
     job_id = ids[-1] if ids else (folder.attempts[-1].job_id if folder.attempts else "")
     state, nodes, reason, record = _state(folder, answer, job_id, notes)
@@ -359,10 +319,11 @@ def _alive(attempt: Attempt) -> bool:
     """Whether a local run's controller (its job id is that process's id, on this host) still runs."""
     import socket
 
-    if attempt.host != socket.gethostname() or not (attempt.job_id.isascii() and attempt.job_id.isdigit()):
+    pid = small_int(attempt.job_id)  # a 400-digit "process id" overflowed os.kill's C int
+    if attempt.host != socket.gethostname() or pid is None:
         return True  # cannot tell from here
     try:
-        os.kill(int(attempt.job_id), 0)
+        os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except OSError:

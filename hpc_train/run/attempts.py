@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
-from hpc_train.run.files import atomic_write, read_record_text, warn_bad_record
+from hpc_train.run.files import MAX_TIME, atomic_write, finite, parse_json, record_lines, warn_bad_record
 from hpc_train.run.paths import ATTEMPTS_FILE
 
 __all__ = ["ATTEMPTS_FILE", "Attempt", "AttemptLog", "measured_save_s", "recommended_lead_seconds", "requeues_so_far"]
@@ -61,18 +61,21 @@ class Attempt:
 
 _MAX_LINE = 65536
 _FIELD_TYPES = {"attempt": "an integer", "job_id": "a string", "restart": "an integer", "host": "a string",
-                "started": "a number", "start_step": "an integer", "outcome": "an outcome", "ended": "a number",
+                "started": "a time", "start_step": "an integer", "outcome": "an outcome", "ended": "a time",
                 "end_step": "an integer", "signal": "a string", "requeued": "true or false",
-                "step_s_max": "a number", "save_s_max": "a number", "note": "a string",
+                "step_s_max": "a duration", "save_s_max": "a duration", "note": "a string",
                 "in_place": "an integer"}
+# Ranges, not only types: a start time of 1e308 failed time.localtime in status, and a step time of 1e308 made the
+# next submission's lead time infinite (OverflowError in math.ceil).
+_RANGES = {"a time": (0.0, MAX_TIME), "a duration": (0.0, 1e7)}
 _OPTIONAL = {"ended", "end_step", "signal", "step_s_max", "save_s_max"}
 
 
 def _typed(value: Any, kind: str) -> bool:
     if kind == "an integer":
         return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**63
-    if kind == "a number":
-        return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    if kind in _RANGES:
+        return finite(value, *_RANGES[kind]) is not None
     if kind == "an outcome":
         return value in OUTCOMES
     if kind == "true or false":
@@ -87,16 +90,16 @@ class AttemptLog:
         self.path = Path(run_dir) / ATTEMPTS_FILE
 
     def read(self, warn: bool = False) -> list[Attempt]:
-        """Every readable line; a torn or foreign line is skipped rather than failing the run (with a warning
-        naming the file and line when ``warn``, for commands a person reads)."""
+        """Every readable line; a torn or foreign line, or one with a number out of its range, is skipped rather
+        than failing the run (with a warning naming the file and line when ``warn``, for commands a person reads)."""
         attempts = []
-        for number, line in enumerate(read_record_text(self.path).splitlines(), start=1):
+        for number, line in record_lines(self.path, _MAX_LINE, warn=warn):
             try:
-                data = json.loads(line) if len(line) <= _MAX_LINE else None
+                data = parse_json(line)
                 if not isinstance(data, dict):
-                    raise ValueError("is not a JSON object" if len(line) <= _MAX_LINE else "is too long")
+                    raise ValueError("is not a JSON object")
                 attempts.append(Attempt.from_dict(data))
-            except (ValueError, TypeError, RecursionError) as error:
+            except (ValueError, TypeError) as error:
                 if warn and line.strip():
                     warn_bad_record(self.path, number, str(error) or "is not an attempt")
         return attempts

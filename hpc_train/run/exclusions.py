@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from hpc_train.distributed.hostlist import compress, expand  # pure standard library
-from hpc_train.run.files import atomic_write, read_record_text, warn_bad_record
+from hpc_train.run.files import atomic_write, parse_json, read_record_text, warn_bad_record
 from hpc_train.run.paths import EXCLUDED_FILE
 
 __all__ = ["Exclusion", "add_exclusions", "exclude_expression", "read_exclusions"]
@@ -48,8 +48,8 @@ def read_exclusions(run_dir: Path) -> list[Exclusion]:
     if not text:
         return []
     try:
-        data = json.loads(text)
-    except (ValueError, RecursionError) as error:
+        data = parse_json(text)  # a number no float holds (a 400-digit time) is damage, never an OverflowError
+    except ValueError as error:
         warn_bad_record(path, None, f"is not JSON ({str(error)[:80]})")
         return []
     entries = data.get("nodes") if isinstance(data, dict) else None

@@ -58,8 +58,10 @@ def format_start(launcher: str, rank: int, world_size: int, local_rank: int, loc
 
 
 def parse_start(line: str) -> StartLine | None:
+    """What a start line says, or None (no start line, or a number of more than 9 digits: damage, which ``int()``
+    refuses past 4,300 digits and no rank or node reaches)."""
     m = START.search(line)
-    if m is None:
+    if m is None or any(len(m[group]) > 9 for group in (2, 3, 4, 5, 7)):
         return None
     return StartLine(m[1], int(m[2]), int(m[3]), int(m[4]), int(m[5]), m[6], int(m[7]))
 
@@ -86,7 +88,7 @@ def format_stopped(step: int | None, signal_name: str, action: str, reason: str,
 def parse_stop(line: str) -> tuple[int | None, str] | None:
     """``(step, signal)`` of either stop line (step None where it was unknown), or None."""
     m = STOPPED.search(line)
-    if not m:
+    if not m or len(m[1] or m[3] or "") > 18:  # a step of more digits is damage (int() refuses 4,300)
         return None
     step = m[1] or m[3]
     return (int(step) if step else None, m[2] or m[4])
@@ -122,9 +124,12 @@ def format_host_oom(rank: int, process_bytes: int, cgroup_bytes: int | None, lim
 def parse_host_oom(line: str) -> tuple[int, float, float | None, float | None] | None:
     """(rank, the process's peak, the cgroup's peak, the limit) in GiB, or None."""
     m = HOST_OOM.search(line)
-    if not m:
+    if not m or len(m[1]) > 9:  # a rank of more digits is damage (int() refuses 4,300)
         return None
-    return int(m[1]), float(m[2]), float(m[3]) if m[3] else None, float(m[4]) if m[4] else None
+    try:
+        return int(m[1]), float(m[2]), float(m[3]) if m[3] else None, float(m[4]) if m[4] else None
+    except ValueError:  # "1.2.3" matches [0-9.]+
+        return None
 
 
 # -- the batch step's output ------------------------------------------------------------------------------------

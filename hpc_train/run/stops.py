@@ -22,7 +22,7 @@ from pathlib import Path
 
 from hpc_train.control.events import rank_events, stop_key, stop_request_key
 from hpc_train.control.publish import publish
-from hpc_train.run.files import atomic_write, read_record_text
+from hpc_train.run.files import atomic_write, parse_json, read_record_text
 from hpc_train.run.paths import HEARTBEAT_DIR, stop_notice_path, stop_request_path
 
 __all__ = ["PHASES", "StopConsequence", "StopNotice", "attempt_key", "publish_notice", "read_notice",
@@ -53,7 +53,7 @@ class StopNotice:
 
     @classmethod
     def from_json(cls, text: str) -> StopNotice:
-        data = json.loads(text)
+        data = parse_json(text)  # a number no float holds (a 400-digit time) is a ValueError, never an OverflowError
         if not isinstance(data, dict) or data.get("phase") not in PHASES:
             raise ValueError("not a stop notice")
         step = data.get("step")

@@ -17,14 +17,14 @@ Only a failure the retry policy does not retry, with none of the above, is cance
 
 from __future__ import annotations
 
-import json
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
 
 from hpc_train.run.attempts import Attempt, AttemptLog
-from hpc_train.run.files import read_record_text
+from hpc_train.run.files import finite, folder_names, parse_json, read_record_text, small_int, time_value
 from hpc_train.run.in_place import read_notice as read_restart
 from hpc_train.run.paths import LOGS_DIR, RANK_ERROR_GLOB, recovery_claim_path
 from hpc_train.run.peer_errors import lost_its_peer
@@ -101,20 +101,35 @@ def _being_requeued(facts: CancelFacts) -> str:
 
 def read_failures(run_dir: Path, since: float = 0.0) -> list[dict[str, Any]]:
     """Every ``rank-N.error.json`` written at or after ``since`` (an earlier submission's are history), earliest
-    first. A rank's consequences of a stop are in ``rank-N.consequence.json`` and never count here."""
+    first. A rank's consequences of a stop are in ``rank-N.consequence.json`` and never count here. Listed and
+    read never through a link (``logs/`` a link to another place holds none of this run's records)."""
+    logs = Path(run_dir) / LOGS_DIR
     errors = []
-    for path in sorted((Path(run_dir) / LOGS_DIR).glob(RANK_ERROR_GLOB)):
+    for name in sorted(n for n in folder_names(logs) if fnmatchcase(n, RANK_ERROR_GLOB)):
         try:
-            error = json.loads(read_record_text(path))
-        except (ValueError, RecursionError):
+            error = parse_json(read_record_text(logs / name))  # a number out of range: damage, skipped
+        except ValueError:
             continue  # being written right now: next poll
-        if not isinstance(error, dict):
-            continue
-        when = error.get("time", 0.0)
-        if isinstance(when, int | float) and when >= since:
+        if isinstance(error, dict):
             errors.append(error)
-    # The first rank to fail is the cause; the others usually fail because it went away.
-    return sorted(errors, key=lambda error: (error.get("time", 0.0), error.get("rank", 0)))
+    return failures_since(errors)(since)
+
+
+def failures_since(records: Iterable[dict[str, Any]]) -> Callable[[float], list[dict[str, Any]]]:
+    """The records whose ``time`` is at or after a moment, earliest first (then by rank): a record whose time or
+    rank is no number in range (a string, 1e308, a list) sorts last, never as a comparison of a str with a float."""
+    keyed = [(time_value(record.get("time", 0.0)), record) for record in records]
+
+    def since(moment: float) -> list[dict[str, Any]]:
+        errors = [(when, record) for when, record in keyed if when is not None and when >= moment]
+        # The first rank to fail is the cause; the others usually fail because it went away.
+        return [record for _, record in sorted(errors, key=lambda item: (item[0], _rank_key(item[1])))]
+    return since
+
+
+def _rank_key(record: dict[str, Any]) -> float:
+    rank = finite(record.get("rank", 0))
+    return rank if rank is not None else float("inf")
 
 
 def read_facts(run_dir: Path, job_id: str, state: str, since: float = 0.0, waited_s: float = 0.0,
@@ -141,5 +156,4 @@ def read_facts(run_dir: Path, job_id: str, state: str, since: float = 0.0, waite
 
 
 def _claimant(run_dir: Path, key: str) -> int | None:
-    text = read_record_text(recovery_claim_path(run_dir, key)).strip()
-    return int(text) if text.isdigit() else None
+    return small_int(read_record_text(recovery_claim_path(run_dir, key)).strip())

@@ -22,7 +22,15 @@ from rich.markup import escape
 
 from hpc_train.run.attempts import Attempt, AttemptLog
 from hpc_train.run.chain import successor_of
-from hpc_train.run.files import MAX_RECORD_FILE, atomic_write, open_record
+from hpc_train.run.files import (
+    MAX_RECORD_FILE,
+    atomic_write,
+    folder_names,
+    open_folder,
+    open_record,
+    parse_json,
+    read_record_text,
+)
 from hpc_train.run.paths import (
     LOGS_DIR,
     RANK_ERROR_GLOB,
@@ -30,9 +38,9 @@ from hpc_train.run.paths import (
     follower_cancel_path,
     rank_log_path,
 )
-from hpc_train.slurm.cancel_policy import CancelDecision, decide_cancel, read_facts
+from hpc_train.slurm.cancel_policy import CancelDecision, decide_cancel, failures_since, read_facts
 from hpc_train.slurm.jobstate import SlurmQueryError, query_states
-from hpc_train.terminal import ranges
+from hpc_train.terminal import plain, ranges
 
 __all__ = ["FollowedJob", "LogTail", "follow"]
 
@@ -48,14 +56,16 @@ class LogTail:
         self.offset = offset
 
     def new_lines(self) -> list[str]:
+        """What was appended since the last call (at most MAX_RECORD_FILE a poll), never through a link (``logs/``
+        or the log a link: another place's file), never blocking on a FIFO; control characters shown escaped."""
         try:
-            with open(self.path, encoding="utf-8", errors="replace") as handle:
+            with open_record(self.path) as handle:
                 handle.seek(self.offset)
-                text = handle.read()
+                data = handle.read(MAX_RECORD_FILE)
                 self.offset = handle.tell()
-        except FileNotFoundError:
+        except OSError:
             return []
-        return text.splitlines()
+        return [plain(line) for line in data.decode("utf-8", errors="replace").splitlines()]
 
 
 class ErrorRecords:
@@ -71,10 +81,19 @@ class ErrorRecords:
     def read(self, since: float = 0.0) -> list[dict[str, Any]]:
         """As ``read_failures(run_dir, since)``: the records written at or after ``since``, earliest first."""
         try:
-            with os.scandir(self.logs) as listing:
-                entries = sorted((e for e in listing if fnmatchcase(e.name, RANK_ERROR_GLOB)), key=lambda e: e.name)
+            folder = open_folder(self.logs)  # never through a link: logs/ a link lists nothing
         except OSError:
             return []
+        try:
+            seen = self._stat_and_read(folder)
+        finally:
+            os.close(folder)
+        self.seen = seen
+        return failures_since(r for _, r in seen.values())(since)
+
+    def _stat_and_read(self, folder: int) -> dict[str, tuple[tuple[int, int, int], dict[str, Any]]]:
+        with os.scandir(folder) as listing:
+            entries = sorted((e for e in listing if fnmatchcase(e.name, RANK_ERROR_GLOB)), key=lambda e: e.name)
         seen: dict[str, tuple[tuple[int, int, int], dict[str, Any]]] = {}
         for entry in entries:
             try:
@@ -83,13 +102,11 @@ class ErrorRecords:
                 continue
             key = (info.st_ino, info.st_size, info.st_mtime_ns)
             old = self.seen.get(entry.name)
-            record = old[1] if old is not None and old[0] == key else _read_error(entry.path, info.st_size)
+            path = os.path.join(self.logs, entry.name)
+            record = old[1] if old is not None and old[0] == key else _read_error(path, info.st_size)
             if record is not None:  # a torn one (being written right now) is read again at the next poll
                 seen[entry.name] = (key, record)
-        self.seen = seen
-        errors = [r for _, r in seen.values() if isinstance(when := r.get("time", 0.0), int | float) and when >= since]
-        # The first rank to fail is the cause; the others usually fail because it went away.
-        return sorted(errors, key=lambda error: (error.get("time", 0.0), error.get("rank", 0)))
+        return seen
 
 
 def _read_error(path: str, size: int) -> dict[str, Any] | None:
@@ -97,10 +114,10 @@ def _read_error(path: str, size: int) -> dict[str, Any] | None:
     read as far as its size says (bounded): None when it is unreadable, torn or not an object. ``path`` stays a
     string: a ``Path`` per record costs more than reading it."""
     try:
-        with open_record(path) as handle:  # type: ignore[arg-type]
+        with open_record(path) as handle:
             text = handle.read(min(size + 4096, MAX_RECORD_FILE)).decode("utf-8", errors="replace")
-        record = json.loads(text)
-    except (OSError, ValueError, RecursionError):
+        record = parse_json(text)  # a number out of range: damage, like a torn record
+    except (OSError, ValueError):
         return None
     return record if isinstance(record, dict) else None
 
@@ -234,24 +251,30 @@ def _report_failure(console: Console, job: FollowedJob) -> None:
     if errors:
         first = errors[0]
         ranks = _ranks(errors)
-        console.print(f"[bold red]{name} failed[/]: rank {first.get('rank')} on {escape(str(first.get('host')))} "
-                      f"raised {escape(str(first.get('error')))} (failed ranks: {ranks}); state {job.state}")
-        console.out(_tail(first.get("traceback", "")), highlight=False)
+        console.print(f"[bold red]{name} failed[/]: rank {_shown(first.get('rank'))} on "
+                      f"{_shown(first.get('host'))} raised {_shown(first.get('error'))} (failed ranks: {ranks}); "
+                      f"state {job.state}")
+        console.out(plain(_tail(str(first.get("traceback", "")))), highlight=False)
     else:
         console.print(f"[bold red]{name} failed[/]: state {job.state}, no rank reported an error")
-        for path in sorted((job.run_dir / LOGS_DIR).glob("slurm-*.err")) + sorted(
-                (job.run_dir / SUBMITIT_DIR).glob("*_0_log.err")):
-            text = path.read_text(encoding="utf-8", errors="replace")
-            if text.strip():
-                console.out(f"--- {path.name}\n{_tail(text)}", highlight=False)
+        for folder, pattern in ((LOGS_DIR, "slurm-*.err"), (SUBMITIT_DIR, "*_0_log.err")):
+            for file in sorted(n for n in folder_names(job.run_dir / folder) if fnmatchcase(n, pattern)):
+                text = read_record_text(job.run_dir / folder / file)  # never a link, a FIFO, or unbounded
+                if text.strip():
+                    console.out(plain(f"--- {file}\n{_tail(text)}"), highlight=False)
     console.print(f"rank logs: {escape(str(job.run_dir / 'logs'))}")
+
+
+def _shown(value: Any) -> str:
+    """A value of an error record as text for the console: markup and control characters escaped, bounded."""
+    return escape(plain(str(value)[:500]))
 
 
 def _ranks(errors: list[dict[str, Any]]) -> str:
     """The failed ranks as ranges (``0-85,87-16383``); a rank that is not a number is named as it is."""
     said = [error.get("rank") for error in errors]
     numbers = [rank for rank in said if isinstance(rank, int) and not isinstance(rank, bool)]
-    others = [str(rank) for rank in said if not isinstance(rank, int) or isinstance(rank, bool)]
+    others = [_shown(str(rank)[:40]) for rank in said if not isinstance(rank, int) or isinstance(rank, bool)]
     return ", ".join(part for part in (ranges(numbers), *others) if part)
 
 

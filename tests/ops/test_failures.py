@@ -360,3 +360,33 @@ def test_classes_are_exactly_the_documented_ones() -> None:
 def test_traceback_helper_shape() -> None:  # the fixtures look like Python's own tracebacks
     text = traceback_text([("a.py", 1, "f")], "ValueError: x")
     assert text.splitlines()[0] == "Traceback (most recent call last):" and text.endswith("ValueError: x\n")
+
+
+# -- issue 39: numbers no int or range should take, in the evidence ----------------------------------------------
+
+
+def test_srun_task_ranges_and_signals_out_of_range_are_damage_not_a_hang(tmp_path: Path) -> None:
+    from hpc_train.ops.evidence import srun_tasks
+    from hpc_train.ops.signal_deaths import srun_signal
+
+    assert srun_tasks("srun: error: n1: tasks 0-99999999999: Killed") == {}
+    assert srun_tasks(f"srun: error: n1: tasks {'9' * 5000}: Killed\nsrun: error: n2: tasks 1-2: Killed") == {
+        1: ("n2", "1-2", "Killed"), 2: ("n2", "1-2", "Killed")}
+    assert srun_signal(f"signal {'9' * 5000}") is None and srun_signal("signal 7") == 7
+
+
+def test_a_5000_digit_rank_in_any_line_of_the_evidence_is_skipped(tmp_path: Path) -> None:
+    run_dir = _run(tmp_path)
+    huge = "9" * 5000
+    write_rank(run_dir, "571", Rank(1, 1, lines=[(1.0, "WARNING", f"hang: rank {huge} is not in a collective: x"),
+                                                 (2.0, "ERROR", f"out of memory: rank {huge} was killed by the memory "
+                                                                "limit of its cgroup; its largest process peaked at "
+                                                                "1.2.3 GiB"),
+                                                 (3.0, "INFO", f"start: srun rank {huge}/2 (local 0/1, node 0/1) job "
+                                                               "571 restart 0")],
+                                    error=RAISED, traceback=user_traceback(), error_at=5.0))
+    write_batch(run_dir, "571", f"[rank{huge}]: boom\nsrun: error: n1: task {huge}: signal {huge}\n")
+    path = run_dir / "logs" / "rank-1.error.json"
+    path.write_text(path.read_text().replace('"time": ', '"time": 1e308, "was": '))
+    found = _classify(run_dir, record("571", "FAILED", "1:0"))
+    assert found.failure_class in CLASSES

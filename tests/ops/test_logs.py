@@ -127,3 +127,42 @@ def test_lines_before_the_first_timestamp_and_files_without_any(tmp_path: Path) 
 def test_a_missing_logs_folder_is_a_config_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="no logs/ folder"):
         merged_view(tmp_path)
+
+
+# -- issue 39: links below the run folder, numbers out of range ------------------------------------------------
+
+
+def test_a_logs_folder_that_is_a_link_is_refused_and_its_files_never_shown(run_dir: Path, tmp_path: Path) -> None:
+    other = tmp_path / "other"
+    (run_dir / "logs").rename(other)
+    (other / "rank-0.log").write_text(f"{stamp(1)} rank0 ERROR SECRET of another place\n")
+    (run_dir / "logs").symlink_to(other)
+    result = call_cli(main, ["logs", str(run_dir)], tmp_path)
+    assert result.code == 2 and "symbolic link" in result.err and "SECRET" not in result.out + result.err
+
+
+def test_a_linked_rank_log_or_error_record_is_not_read(run_dir: Path, tmp_path: Path) -> None:
+    (tmp_path / "secret.log").write_text(f"{stamp(1)} rank0 ERROR SECRET\n")
+    (tmp_path / "secret.json").write_text(json.dumps({"rank": 0, "error": "SECRET", "time": 1.0}))
+    for name, target in (("rank-0.log", "secret.log"), ("rank-0.error.json", "secret.json")):
+        (run_dir / "logs" / name).unlink()
+        (run_dir / "logs" / name).symlink_to(tmp_path / target)
+    text = format_text(merged_view(run_dir))
+    assert "SECRET" not in text and "rank-0.log: not read" in text
+
+
+@pytest.mark.parametrize("when", ["1e308", "1" + "0" * 400, "NaN", '"noon"', "-1e308"])
+def test_an_error_record_time_out_of_range_is_no_time_or_a_skipped_record(run_dir: Path, when: str) -> None:
+    path = run_dir / "logs" / "rank-1.error.json"
+    path.write_text(path.read_text().replace(f'"time": {json.loads(path.read_text())["time"]}', f'"time": {when}'))
+    text = format_text(merged_view(run_dir))  # no OverflowError from float() or datetime.fromtimestamp
+    assert "== errors in" in text
+    assert all(error.time is None or error.time < 1e11 for error in merged_view(run_dir).errors)
+
+
+def test_a_5000_digit_rank_in_a_log_line_is_text_not_a_record(run_dir: Path) -> None:
+    with open(run_dir / "logs" / "rank-0.log", "a") as out:
+        out.write(f"{stamp(9)} rank{'9' * 5000} ERROR boom\n")
+    view = merged_view(run_dir)
+    assert not any(r.rank is not None and r.rank > 10 for r in view.timeline)
+    assert any("boom" in line for r in view.timeline for line in r.more)

@@ -115,3 +115,40 @@ def test_plot_imports_no_torch_and_matplotlib_only_when_it_draws(tmp_path: Path)
 def test_config_error_names_the_key() -> None:
     with pytest.raises(ConfigError, match="RUN_DIR"):
         read_run(Path("/nonexistent/run"))
+
+
+# -- issue 39: a long line, numbers out of range, links ---------------------------------------------------------
+
+
+def test_a_30_mb_line_is_said_and_the_records_after_it_are_drawn(tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture) -> None:
+    run_dir = _run_folder(tmp_path)
+    text = (run_dir / "metrics.jsonl").read_text()
+    (run_dir / "metrics.jsonl").write_text('{"step": 0, "loss": 6.0}\n' + "x" * (30 << 20) + "\n" + text)
+    run = read_run(run_dir)
+    assert run.series["loss"][0] == [0.0, *map(float, range(1, 31))]
+    assert "metrics.jsonl:2: is longer than" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["1" + "0" * 400, "1e308", "NaN", "Infinity", "9" * 5000])
+def test_a_number_no_float_holds_is_a_skipped_record_or_no_point(tmp_path: Path, value: str,
+                                                                 capsys: pytest.CaptureFixture) -> None:
+    run_dir = _run_folder(tmp_path)
+    with open(run_dir / "metrics.jsonl", "a") as out:
+        out.write(f'{{"step": {value}, "loss": 1.0}}\n{{"step": 40, "loss": {value}, "time": {value}}}\n')
+    run = read_run(run_dir)
+    steps, values = run.series["loss"]
+    assert all(abs(v) < 1e300 or v == 1e308 for v in values) and steps[-1] in (30.0, 40.0)
+    json.dumps(run.summary(), allow_nan=False)
+    assert ("metrics.jsonl:32:" in capsys.readouterr().err) == (value != "1e308")  # 1e308 is a float
+
+
+def test_a_run_folder_or_metrics_file_that_is_a_link_is_refused(tmp_path: Path) -> None:
+    run_dir = _run_folder(tmp_path)
+    (tmp_path / "alias").symlink_to(run_dir)
+    with pytest.raises(ConfigError, match="symbolic link"):
+        read_run(tmp_path / "alias")
+    (run_dir / "metrics.jsonl").rename(tmp_path / "elsewhere.jsonl")
+    (run_dir / "metrics.jsonl").symlink_to(tmp_path / "elsewhere.jsonl")
+    with pytest.raises(ConfigError, match=r"metrics\.jsonl"):
+        read_run(run_dir)

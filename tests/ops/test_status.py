@@ -7,6 +7,7 @@ import functools
 import io
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -285,3 +286,68 @@ def test_a_run_s_health_is_a_column_its_findings_are_listed_and_in_json(runs: di
     by_name = {run["name"]: run for run in json.loads(to_json(statuses, answer))["runs"]}
     assert by_name["train"]["health"] == [finding] and by_name["raise"]["health"] == []
     assert by_name["rendered"]["health"] is None
+
+
+# -- issue 39: links below the run folder, numbers out of range ------------------------------------------------
+
+
+def _local_run(tmp_path: Path) -> Path:
+    run = tmp_path / "runs" / "gpt"
+    write_plan(run, executor="local")
+    write_attempts(run, [{"job_id": "1", "started": T0, "outcome": "completed", "ended": T0 + 10, "end_step": 9}])
+    write_metrics(run, range(10), T0, 1.0)
+    write_checkpoint(run, 8)
+    return run
+
+
+@pytest.mark.parametrize("planted", ["checkpoints", "checkpoints/latest", "logs"])
+def test_status_never_reads_through_a_link_below_the_run_folder(tmp_path: Path, planted: str) -> None:
+    run, other = _local_run(tmp_path), tmp_path / "other"
+    other.mkdir()
+    (other / "latest").write_text("step-777")
+    (other / "rank-0.error.json").write_text(json.dumps({"rank": 0, "time": T0, "error": "SECRET"}))
+    target = run / planted
+    if target.is_dir():
+        for child in target.iterdir():
+            child.unlink() if child.is_file() else child.rmdir()
+        target.rmdir()
+    else:
+        target.unlink()
+    target.symlink_to(other / "latest" if planted.endswith("latest") else other)
+    result = call_cli(main, ["status", "--json", str(run)], tmp_path)
+    assert result.code == 0 and "777" not in result.out and "SECRET" not in result.out
+    assert json.loads(result.out)["runs"][0]["state"] == "COMPLETED"  # no "failed" from another place's record
+
+
+def test_status_refuses_a_run_folder_that_is_a_link(tmp_path: Path) -> None:
+    run = _local_run(tmp_path)
+    (tmp_path / "alias").symlink_to(run)
+    result = call_cli(main, ["status", str(tmp_path / "alias")], tmp_path)
+    assert result.code == 2 and "symbolic link" in result.err
+
+
+@pytest.mark.parametrize("value", ["1" + "0" * 400, "1e308", "-1e308", "NaN", "Infinity", "9" * 5000])
+def test_numbers_no_float_holds_never_reach_the_view(tmp_path: Path, value: str) -> None:
+    run = _local_run(tmp_path)
+    with open(run / "metrics.jsonl", "a") as out:
+        out.write(f'{{"step": 10, "loss": {value}, "time": {value}, "mfu": {value}, "tokens_per_s": {value}}}\n')
+        out.write(f'{{"step": {value}, "loss": 1.0}}\n')
+    lines = (run / "attempts.jsonl").read_text().splitlines()
+    (run / "attempts.jsonl").write_text("\n".join([*lines, lines[0].replace(f'"started": {T0}', f'"started": {value}')
+                                                   .replace('"attempt": 1', '"attempt": 2'),
+                                                   lines[0].replace('"job_id": "1"', f'"job_id": "{"9" * 4000}"')
+                                                   .replace('"outcome": "completed"', '"outcome": "running"')
+                                                   .replace('"host": "vm"', f'"host": "{socket.gethostname()}"')
+                                                   .replace('"attempt": 1', '"attempt": 3')]) + "\n")
+    for argv in (["status", str(run)], ["status", "--json", str(run)]):
+        result = call_cli(main, argv, tmp_path)
+        assert result.code == 0, result.err
+        assert "unexpected" not in result.err
+    json.loads(result.out, parse_constant=lambda name: pytest.fail(f"{name} in --json"))
+
+
+def test_a_health_check_named_like_rich_markup_is_shown_as_typed(tmp_path: Path) -> None:
+    run = _local_run(tmp_path)
+    (run / "health.json").write_text(json.dumps({"findings": [{"check": "[/]", "step": 1}]}))
+    result = call_cli(main, ["status", str(run)], tmp_path)
+    assert result.code == 0 and "[/]" in result.out, result.err

@@ -84,3 +84,27 @@ def test_bad_lines_are_skipped_with_a_warning_naming_the_file_and_line(
     assert f"{log.path}:2: is not a JSON object" in err and f"{log.path}:3: \"attempt\" is 'x'" in err
     assert f"{log.path}:5: \"started\"" in err and "\x00" not in err
     assert log.read() == [good] and capsys.readouterr().err == ""  # quiet for the ranks
+
+
+@pytest.mark.parametrize(("field", "value"), [("attempt", "1" + "0" * 400), ("started", "1e308"),
+                                              ("ended", "1e308"), ("step_s_max", "1e308"), ("started", "NaN"),
+                                              ("end_step", "9" * 5000), ("save_s_max", "-5")])
+def test_a_number_out_of_range_is_a_damaged_line_skipped_by_name(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                                  field: str, value: str) -> None:
+    log = AttemptLog(tmp_path)
+    log.begin("1", 0, "n1", 1700000000.0, 0)
+    good = (tmp_path / "attempts.jsonl").read_text()
+    bad = json.dumps({**json.loads(good), "attempt": 2, field: 0}).replace(f'"{field}": 0', f'"{field}": {value}')
+    (tmp_path / "attempts.jsonl").write_text(good + bad + "\n")
+    assert [a.attempt for a in log.read(warn=True)] == [1]
+    assert "attempts.jsonl:2:" in capsys.readouterr().err
+    assert recommended_lead_seconds(log.read(), 30) == 30  # 1e308 never reaches math.ceil
+
+
+def test_a_huge_line_does_not_hide_the_attempts_after_it(tmp_path: Path) -> None:
+    log = AttemptLog(tmp_path)
+    log.begin("1", 0, "n1", 1700000000.0, 0)
+    line = (tmp_path / "attempts.jsonl").read_text()
+    (tmp_path / "attempts.jsonl").write_text(line + "x" * (20 << 20) + "\n" + line.replace('"attempt": 1',
+                                                                                          '"attempt": 2'))
+    assert [a.attempt for a in log.read()] == [1, 2]

@@ -7,6 +7,8 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from hpc_train.run.paths import stop_notice_path, stop_request_path
 from hpc_train.run.stops import (
     StopNotice,
@@ -65,3 +67,12 @@ def test_a_link_planted_in_place_of_a_notice_is_never_followed(tmp_path: Path) -
     stop_notice_path(tmp_path, "42.1").unlink()
     stop_notice_path(tmp_path, "42.1").symlink_to(elsewhere)
     assert read_notice(tmp_path, "42.1") is None
+
+
+@pytest.mark.parametrize("when", ["1" + "0" * 400, "[" * 100_000])
+def test_a_stop_notice_with_a_number_no_float_holds_is_no_notice(when: str) -> None:
+    from hpc_train.run.stops import StopNotice
+
+    with pytest.raises(ValueError):
+        StopNotice.from_json('{"attempt": "a", "phase": "done", "time": ' + when + ', "signal": "SIGTERM", '
+                             '"action": "x", "exit_code": 75, "reason": "r"}')
