@@ -65,8 +65,10 @@ def _show(args: argparse.Namespace, plans: list[Plan]) -> None:
 
         body = [json.loads(plan.to_json()) for plan in plans]
         training = [training_summary(plan).to_dict() for plan in plans]
-        print(json.dumps({"plan": body[0] if len(body) == 1 else body, "submitit": params,
-                          "training": training[0] if len(training) == 1 else training}, indent=2, sort_keys=True))
+        from hpc_train.terminal import print_json
+
+        print_json({"plan": body[0] if len(body) == 1 else body, "submitit": params,
+                    "training": training[0] if len(training) == 1 else training}, sort_keys=True)
         return
     from rich.console import Console
 

@@ -17,8 +17,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from hpc_train.config.ds_import import imported_for, named_in_file
-from hpc_train.config.loader import load_toml
 from hpc_train.config.plan import Plan, load_job, make_plan
 from hpc_train.config.sites import load_site
 from hpc_train.errors import ConfigError
@@ -70,12 +68,7 @@ def plan_from_args(args: argparse.Namespace, executor: str | None = None) -> Pla
     site = load_site(args.site)
     cfg = load_job(args.config, args.overrides)
     chosen = executor or resolve_executor(getattr(args, "executor", "auto"), site.slurm.enabled)
-    try:
-        return make_plan(cfg, site, chosen, config_dir=args.config.resolve().parent)
-    except ConfigError as error:  # a check on a key that came from the job's ds_config.json names it there
-        imported = imported_for(load_toml(args.config, "config"), args.config.resolve().parent) \
-            if cfg.train.deepspeed_config else None
-        raise named_in_file(error, imported) from None
+    return make_plan(cfg, site, chosen, config_dir=args.config.resolve().parent)  # names ds_config.json's keys
 
 
 def prepare_plan_folder(plan: Plan) -> Path:

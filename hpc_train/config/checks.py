@@ -150,10 +150,17 @@ _check_path_chars = _allow_only(
     "use a path of letters, digits and . _ / + @ , : = - (no spaces, quotes, $ or ~)", False, "")
 
 
+# What a Linux file system takes in one name (NAME_MAX): a longer one failed with ENAMETOOLONG at the first read.
+MAX_NAME = 255
+
+
 def check_path(value: str) -> tuple[str, str] | None:
     """Paths that end up in ``#SBATCH --output`` lines, where whitespace and quotes cannot be used."""
     if not value:
         return ("the path is empty", "give a directory path")
+    longest = max(len(part.encode()) for part in value.split("/"))
+    if longest > MAX_NAME:
+        return (f"has a name of {longest:,} characters between slashes", f"keep each name under {MAX_NAME + 1}")
     return _check_path_chars(value)
 
 

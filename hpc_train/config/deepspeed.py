@@ -7,8 +7,9 @@ import copy
 from typing import Any
 
 from hpc_train.config.job import JobConfig
+from hpc_train.config.secrets import REDACTED
 
-__all__ = ["deepspeed_config", "merge_user_table"]
+__all__ = ["deepspeed_config", "merge_user_table", "without_redacted"]
 
 
 def deepspeed_config(config: JobConfig, data_parallel: int) -> dict[str, Any]:
@@ -39,7 +40,17 @@ def deepspeed_config(config: JobConfig, data_parallel: int) -> dict[str, Any]:
                            "params": {"lr": train.lr, "betas": [train.beta1, train.beta2],
                                       "eps": train.eps, "weight_decay": train.weight_decay,
                                       **({"adam_w_mode": True} if train.optimizer == "fused_adam" else {})}}
-    return merge_user_table(ds, config.deepspeed)
+    return merge_user_table(ds, without_redacted(config.deepspeed))
+
+
+def without_redacted(value: Any) -> Any:
+    """``value`` less every credential the plan holds as ``"<redacted>"`` (:mod:`hpc_train.config.screen`):
+    DeepSpeed's loggers then read it from the environment (``job.forward_env``) instead of a placeholder."""
+    if isinstance(value, dict):
+        return {key: without_redacted(item) for key, item in value.items() if item != REDACTED}
+    if isinstance(value, list):
+        return [without_redacted(item) for item in value if item != REDACTED]
+    return value
 
 
 def merge_user_table(modelled: dict[str, Any], user: dict[str, Any], prefix: str = "deepspeed") -> dict[str, Any]:

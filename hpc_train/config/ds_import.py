@@ -12,11 +12,15 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hpc_train.config.ds_semantics import check_semantics
+from hpc_train.config.portable import MAX_DEPTH, check_portable
+from hpc_train.config.secrets import redact, shown_value
 from hpc_train.errors import ConfigError
 
 __all__ = ["Imported", "import_deepspeed_config", "imported_for", "merge_imported", "named_in_file"]
@@ -54,23 +58,53 @@ class Imported:
     typed: dict[str, Any] = field(default_factory=dict)
     origin: dict[str, str] = field(default_factory=dict)
     passthrough: dict[str, Any] = field(default_factory=dict)
+    redacted: list[str] = field(default_factory=list)  # keys whose credential is written as "<redacted>"
+
+
+def _text(path: Path, shown: str) -> str:
+    """The file's text, opened without blocking: a FIFO, a device, a folder or a huge file is refused unread."""
+    try:
+        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise ConfigError("train.deepspeed_config", f"{shown} does not exist",
+                          "a relative path is taken from the job file's folder") from None
+    except OSError as error:
+        raise ConfigError("train.deepspeed_config", f"cannot open {shown} ({error.strerror or error})",
+                          "point it at your ds_config.json") from None
+    with os.fdopen(descriptor, "rb") as handle:
+        info = os.fstat(handle.fileno())
+        if not stat.S_ISREG(info.st_mode) or info.st_size > _MAX_BYTES:
+            raise ConfigError("train.deepspeed_config", f"{shown} is not a JSON file of at most 1 MiB",
+                              "point it at your ds_config.json")
+        raw = handle.read(_MAX_BYTES + 1)
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(shown, "is not UTF-8 text", "save it as UTF-8") from None
+
+
+def _not_json(name: str) -> None:
+    raise ValueError(f"{name} is not a JSON number")
 
 
 def _read(path: Path, shown: str) -> dict[str, Any]:
+    """The file's JSON object, strict (no NaN or Infinity), as deep and as large as a ``[deepspeed]`` table may
+    be (:func:`hpc_train.config.portable.check_portable`): a 100,000-deep nesting once ended in RecursionError."""
+    text = _text(path, shown)
     try:
-        info = os.stat(path)
-    except OSError:
-        raise ConfigError("train.deepspeed_config", f"{shown} does not exist",
-                          "a relative path is taken from the job file's folder") from None
-    if not path.is_file() or info.st_size > _MAX_BYTES:
-        raise ConfigError("train.deepspeed_config", f"{shown} is not a JSON file of at most 1 MiB",
-                          "point it at your ds_config.json")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ConfigError(shown, f"is not valid JSON ({error})", "fix the file") from None
+        data = json.loads(text, parse_constant=_not_json)
+    except RecursionError:
+        raise ConfigError(shown, f"nests deeper than {MAX_DEPTH} levels", "flatten it; no DeepSpeed key needs that "
+                          "depth") from None
+    except ValueError as error:  # json.JSONDecodeError, NaN, an integer of more than 4,300 digits
+        problem = "holds an integer of thousands of digits" if "digits" in str(error) else str(error)
+        raise ConfigError(shown, f"is not valid JSON ({problem})", "fix the file") from None
     if not isinstance(data, dict):
         raise ConfigError(shown, "holds no JSON object", 'a DeepSpeed config is an object: {"zero_optimization": ...}')
+    bad = check_portable({"deepspeed": data})
+    if bad:
+        key = bad[0].removeprefix("deepspeed").lstrip(".")
+        raise ConfigError(f"{shown}: {key}" if key else shown, bad[1], bad[2])
     return data
 
 
@@ -96,8 +130,9 @@ def _nested(flat: dict[tuple[str, ...], Any]) -> dict[str, Any]:
 
 def import_deepspeed_config(path: Path, shown: str) -> Imported:
     """Read ``path`` (``shown`` names it in messages) into typed values and the keys that pass through."""
-    flat = _flat(_read(path, shown))
     found = Imported(source=shown)
+    data = redact(_read(path, shown), found=found.redacted)  # before anything reads a value, or says one
+    flat = _flat(check_semantics(data, shown))
 
     def put(typed: str, value: Any, key: tuple[str, ...]) -> None:
         found.typed[typed] = value
@@ -113,7 +148,7 @@ def import_deepspeed_config(path: Path, shown: str) -> Imported:
                               "then train.decay)", "remove it, or set the train key it stands for")
     kind = flat.get(("scheduler", "type"))
     if kind is not None and kind not in ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR"):
-        raise ConfigError(f"{shown}: scheduler.type", f'"{kind}" is not a schedule hpc_train runs',
+        raise ConfigError(f"{shown}: scheduler.type", f'"{str(kind)[:80]}" is not a schedule hpc_train runs',
                           'use "WarmupDecayLR" (warm-up, then train.decay), or remove the scheduler')
     _optimizer(flat, put, shown)
     _precision(flat, put)
@@ -133,14 +168,19 @@ def _optimizer(flat: dict[tuple[str, ...], Any], put: Callable[[str, Any, tuple[
                shown: str) -> None:
     kind = flat.get(("optimizer", "type"))
     if kind is not None and str(kind).lower() not in _ADAM:
-        raise ConfigError(f"{shown}: optimizer.type", f'"{kind}" is not an optimizer hpc_train trains with',
+        raise ConfigError(f"{shown}: optimizer.type", f'"{str(kind)[:80]}" is not an optimizer hpc_train trains with',
                           'use "AdamW" (or "Adam"): hpc_train trains with AdamW and its weight-decay groups')
     betas = flat.get(("optimizer", "params", "betas"))
     if isinstance(betas, list) and len(betas) == 2:
         put("train.beta1", betas[0], ("optimizer", "params", "betas"))
         put("train.beta2", betas[1], ("optimizer", "params", "betas"))
     peak = flat.get(("scheduler", "params", "warmup_max_lr"))
+    base = flat.get(("optimizer", "params", "lr"), "auto")
     if peak is not None and peak != "auto":
+        if base != "auto" and base != peak:
+            raise ConfigError(f"{shown}: scheduler.params.warmup_max_lr", f"= {shown_value(peak)} and "
+                              f"optimizer.params.lr = {shown_value(base)} both give the peak learning rate "
+                              "(train.lr), differently", "keep one of them, or make them equal")
         put("train.lr", peak, ("scheduler", "params", "warmup_max_lr"))
 
 
@@ -156,18 +196,27 @@ def merge_imported(data: dict[str, Any], imported: Imported, set_keys: frozenset
     merged = {section: dict(values) if isinstance(values, dict) else values for section, values in data.items()}
     for typed, value in imported.typed.items():
         section, key = typed.split(".")
-        table = merged.setdefault(section, {})
+        table = _table(merged, section)
         if key in table and table[key] != value and typed not in set_keys:
-            raise ConfigError(imported.origin[typed], f"= {value!r} contradicts {typed} = {table[key]!r} in the job "
-                              "file", f"remove one of them (or give the value with --set {typed}=...)")
+            raise ConfigError(imported.origin[typed], f"= {shown_value(value)} contradicts {typed} = "
+                              f"{shown_value(table[key])} in the job file",
+                              f"remove one of them (or give the value with --set {typed}=...)")
         table[key] = value
-    user = merged.setdefault("deepspeed", {})
+    user = _table(merged, "deepspeed")
     for key, value in imported.passthrough.items():
         if key in user and user[key] != value:
             raise ConfigError(f"{imported.source}: {key}",
                               f"contradicts deepspeed.{key} in the job file", "keep it in one place")
         user[key] = value
     return merged
+
+
+def _table(merged: dict[str, Any], section: str) -> dict[str, Any]:
+    table = merged.setdefault(section, {})
+    if not isinstance(table, dict):
+        raise ConfigError(section, f"expected a [{section}] table, got {shown_value(table, 40)}",
+                          f"write it as a [{section}] section")
+    return table
 
 
 def imported_for(data: dict[str, Any], config_dir: Path) -> Imported | None:
@@ -179,8 +228,15 @@ def imported_for(data: dict[str, Any], config_dir: Path) -> Imported | None:
     return import_deepspeed_config(config_dir / value, value)
 
 
-def named_in_file(error: ConfigError, imported: Imported | None) -> ConfigError:
-    """A check's error on a typed key that came from the file, naming the key in the file (the typed key after)."""
+def named_in_file(error: ConfigError, imported: Imported | None, values: dict[str, Any] | None = None) -> ConfigError:
+    """A check's error on a typed key that came from the file, naming the key in the file (the typed key after).
+    With ``values`` (the job's sections as tables), only when the job holds the file's value: a key ``--set``
+    gave another value is the command line's, and named as it is."""
     if imported is None or error.where not in imported.origin:
         return error
+    if values is not None:
+        section, _, key = error.where.partition(".")
+        table = values.get(section)
+        if not isinstance(table, dict) or table.get(key) != imported.typed[error.where]:
+            return error
     return ConfigError(f"{imported.origin[error.where]} (as {error.where})", error.problem, error.fix)

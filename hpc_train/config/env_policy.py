@@ -4,12 +4,15 @@ The job's ``[env]`` is exported by every rendered script and submitit's setup li
 dynamic loader, Python and srun read their own variables. A config copied from someone else could therefore
 run code (``BASH_ENV``, ``LD_PRELOAD``, ``PYTHONSTARTUP``) or change the job's resources behind the plan's back
 (``SBATCH_*``, ``SRUN_*``). Those names are refused, with the reason; credentials are refused by name and by
-the shape of known tokens, since the environment is written into plans and scripts.
+the shape of known tokens (:mod:`hpc_train.config.secrets`), since the environment is written into plans and
+scripts.
 """
 
 from __future__ import annotations
 
 import re
+
+from hpc_train.config.secrets import secret_reason as rule_secret_reason
 
 __all__ = ["BOOTSTRAP_ENV", "refused_env_name", "secret_reason"]
 
@@ -29,15 +32,6 @@ _MPI_PREFIXES = ("OMPI_MCA_", "OPAL_")
 _RUNTIME_PREFIXES = ("PMIX_MCA_", "PRTE_MCA_")  # the PMIx server and PRRTE launcher: none of them is a job's
 _MPI_LOADING = re.compile(r"PATH|AGENT|PLM|LAUNCH|EXEC|PREFIX|COMPONENT|PARAM_FILE|ENV_LIST", re.IGNORECASE)
 _NCCL_PLUGIN = re.compile(r"NCCL_(NET|TUNER|PROFILER|ENV)_PLUGIN|NCCL_.*PLUGIN", re.IGNORECASE)
-
-_SECRET_NAME = re.compile(r"TOKEN|SECRET|PASSW(OR)?D|PASSPHRASE|API_?KEY|ACCESS_?KEY|PRIVATE_?KEY|CREDENTIAL|"
-                          r"_KEY$|AUTH|COOKIE|(^|_)PAT$|(^|_)PAT_|SESSION_?ID|SIGNING", re.IGNORECASE)
-# Values that are credentials whatever their name: Hugging Face, GitHub, GitLab, OpenAI-style, Slack, npm, PyPI,
-# Google, AWS keys, JSON web tokens, PEM blocks, and passwords inside URLs.
-_SECRET_VALUE = re.compile(r"(^|[^A-Za-z0-9])(hf_|ghp_|gho_|ghs_|ghu_|ghr_|github_pat_|glpat-|sk-|xox[abposre]-|"
-                           r"npm_|pypi-|AIza|ya29\.|AKIA|ASIA)[A-Za-z0-9_.-]{8,}|eyJ[A-Za-z0-9_-]{8,}\.eyJ|"
-                           r"-----BEGIN [A-Z ]*PRIVATE KEY|://[^/\s:@]+:[^/\s@]+@")
-
 
 def refused_env_name(name: str) -> str | None:
     """Why ``name`` may not be set from a job's ``[env]`` (or passed by ``forward_env``); None when it may."""
@@ -62,9 +56,6 @@ def refused_env_name(name: str) -> str | None:
 
 
 def secret_reason(name: str, value: str) -> str | None:
-    """Why ``name = value`` looks like a credential (by its name or by the shape of a known token); None if not."""
-    if _SECRET_NAME.search(name):
-        return f'its name "{name}" is one that holds credentials'
-    if _SECRET_VALUE.search(value):
-        return "its value has the shape of a credential (a known token prefix, a private key or a password in a URL)"
-    return None
+    """Why ``name = value`` looks like a credential; None if not. The one rule of
+    :mod:`hpc_train.config.secrets`, which the plan's other values pass too."""
+    return rule_secret_reason(name, value)

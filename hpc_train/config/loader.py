@@ -169,7 +169,21 @@ def _convert_union(value: Any, kind: Any, where: str, wrong: ConfigError) -> Any
     raise wrong
 
 
+def _check_range(field: dataclasses.Field[Any], value: Any, where: str) -> None:
+    """A number (or each number of a list) inside the field's declared :class:`~hpc_train.config.fields.Range`."""
+    bounds = field.metadata.get("range")
+    if bounds is None:
+        return
+    for index, item in enumerate(value if isinstance(value, list) else [value]):
+        if isinstance(item, bool) or not isinstance(item, int | float):
+            continue
+        bad = bounds.problem(item)
+        if bad:
+            raise ConfigError(f"{where}[{index}]" if isinstance(value, list) else where, *bad)
+
+
 def _run_check(field: dataclasses.Field[Any], value: Any, where: str) -> None:
+    _check_range(field, value, where)
     table_check = field.metadata.get("table_check")
     if table_check is not None:
         bad_table = table_check(value)

@@ -8,6 +8,7 @@ from typing import Any, get_args, get_origin
 
 from hpc_train.config.checks import has_control_chars
 from hpc_train.config.loader import field_types
+from hpc_train.config.secrets import REDACTED, secret_reason
 from hpc_train.errors import ConfigError, did_you_mean
 
 __all__ = ["apply_overrides", "parse_override"]
@@ -20,12 +21,19 @@ def _is_string_field(kind: Any) -> bool:
     return get_origin(kind) is not None and all(isinstance(arg, str) for arg in get_args(kind)) and bool(get_args(kind))
 
 
+def _shown(text: str) -> str:
+    """The override as a message may say it: a credential's value never (:mod:`hpc_train.config.secrets`)."""
+    dotted, sep, raw = text.partition("=")
+    key = dotted.strip().rpartition(".")[2]
+    return f"{dotted}={REDACTED}" if sep and secret_reason(key, raw) else text
+
+
 def _field_type(root: type, section: str, key: str, text: str) -> Any:
     """The declared type of ``section.key`` in ``root``; ConfigError with a suggestion when it does not exist."""
     sections = field_types(root)
     if section not in sections:
         hint = did_you_mean(section, sections)
-        raise ConfigError(f"--set {text}", f'unknown section "{section}"' + (f", {hint}" if hint else ""),
+        raise ConfigError(f"--set {_shown(text)}", f'unknown section "{section}"' + (f", {hint}" if hint else ""),
                           f"sections: {', '.join(sections)}")
     section_type = sections[section]
     if not dataclasses.is_dataclass(section_type):
@@ -35,7 +43,7 @@ def _field_type(root: type, section: str, key: str, text: str) -> Any:
     keys = field_types(section_type)
     if key not in keys:
         hint = did_you_mean(f"{section}.{key}", [f"{section}.{name}" for name in keys])
-        raise ConfigError(f"--set {text}", f'unknown key "{section}.{key}"' + (f", {hint}" if hint else ""),
+        raise ConfigError(f"--set {_shown(text)}", f'unknown key "{section}.{key}"' + (f", {hint}" if hint else ""),
                           f"keys of [{section}]: {', '.join(keys)}")
     return keys[key]
 
@@ -43,12 +51,12 @@ def _field_type(root: type, section: str, key: str, text: str) -> Any:
 def parse_override(text: str, root: type) -> tuple[str, str, Any]:
     """Split ``section.key=value`` and type the value from the schema of ``root``."""
     if has_control_chars(text):
-        raise ConfigError(f"--set {text!r}", "contains a control character (a newline would end the value early)",
-                          "give one line of plain text")
+        raise ConfigError(f"--set {_shown(text)!r}", "contains a control character (a newline would end the "
+                          "value early)", "give one line of plain text")
     dotted, sep, raw = text.partition("=")
     section, dot, key = dotted.strip().partition(".")
     if not sep or not dot or not section or not key or "." in key:
-        raise ConfigError(f"--set {text}", "expected SECTION.KEY=VALUE", 'write it like --set train.lr=1e-3')
+        raise ConfigError(f"--set {_shown(text)}", "expected SECTION.KEY=VALUE", 'write it like --set train.lr=1e-3')
     kind = _field_type(root, section, key, text)
     if _is_string_field(kind):
         value: Any = raw

@@ -18,12 +18,14 @@ from typing import Any
 
 from hpc_train.config.checks import check_path, parse_time_seconds
 from hpc_train.config.deepspeed import deepspeed_config
-from hpc_train.config.ds_import import imported_for, merge_imported, named_in_file
+from hpc_train.config.ds_import import Imported, import_deepspeed_config, imported_for, merge_imported, named_in_file
+from hpc_train.config.ds_semantics import check_semantics
 from hpc_train.config.environment import detected_on_node, rank_env
 from hpc_train.config.job import DATA_SOURCES, MODEL_PRESETS, JobConfig
 from hpc_train.config.loader import build, checked_portable, load_toml, rebuild
 from hpc_train.config.overrides import apply_overrides
 from hpc_train.config.program import resolve_entry_point, resolve_program
+from hpc_train.config.screen import screen_job, warn_redacted
 from hpc_train.config.site import SiteConfig
 from hpc_train.config.validate import validate
 from hpc_train.errors import ConfigError
@@ -119,17 +121,23 @@ class Plan:
 
 
 def load_job(path: Path, overrides: list[str]) -> JobConfig:
-    """Read a job file (with the ``ds_config.json`` its ``train.deepspeed_config`` names), apply ``--set``
-    overrides and type-check every key."""
-    data = load_toml(path, "config")
-    imported = imported_for(data, path.resolve().parent)
+    """Read a job file (with the ``ds_config.json`` its ``train.deepspeed_config`` names, in the file or in
+    ``--set``: both are read the same way, relative to the job file's folder), apply ``--set`` overrides and
+    type-check every key. Credentials are found first (:mod:`hpc_train.config.screen`), so no message after
+    it can say one."""
+    data, redacted = screen_job(load_toml(path, "config"))
+    view, _ = screen_job(apply_overrides(data, overrides, JobConfig))  # --set names the file, or a secret
+    imported = imported_for(view, path.resolve().parent)
     if imported is not None:
         data = merge_imported(data, imported, frozenset(item.partition("=")[0].strip() for item in overrides))
-    data = checked_portable(apply_overrides(data, overrides, JobConfig))
+    data, given = screen_job(checked_portable(apply_overrides(data, overrides, JobConfig)))
+    warn_redacted(redacted + given)
+    if imported is not None:
+        warn_redacted(imported.redacted, imported.source)
     try:
         return build(JobConfig, data)
     except ConfigError as error:
-        raise named_in_file(error, imported) from None
+        raise named_in_file(error, imported, data) from None
 
 
 def _config_hash(config: JobConfig) -> str:
@@ -166,13 +174,15 @@ def _exclude(configured: str, run_dir: str) -> str:
 
 
 def _checked_deepspeed(cfg: JobConfig, data_parallel: int) -> None:
-    """The ``[deepspeed]`` table may add keys, never change one the typed config sets."""
+    """The ``[deepspeed]`` table may add keys, never change one the typed config sets, and what it adds is
+    checked as a ``ds_config.json`` is (:func:`check_semantics`): DeepSpeed refuses the same things in both."""
     try:
-        deepspeed_config(cfg, data_parallel)
+        merged = deepspeed_config(cfg, data_parallel)
     except ValueError as error:
         where, _, problem = str(error).partition(" = ")
         raise ConfigError(where, problem.split(";")[0], "set it through its own key (zero.*, train.*) instead "
                           "of the [deepspeed] table") from None
+    check_semantics(merged, "deepspeed", ".")
 
 
 def _absolute_data_path(cfg: JobConfig, cwd: Path) -> JobConfig:
@@ -223,7 +233,29 @@ def make_plan(cfg: JobConfig, site: SiteConfig, executor: str, *, python: str | 
 
     ``python`` is the interpreter ranks run when the site does not name one (default: this one);
     ``config_dir`` the config file's folder, where a user program's relative paths start (default: ``cwd``).
+    A check's error on a key that came from the job's ``ds_config.json`` names the key in the file.
     """
+    try:
+        return _make_plan(cfg, site, executor, python=python, cwd=cwd, config_dir=config_dir)
+    except ConfigError as error:
+        imported = _imported_of(cfg, config_dir or cwd or Path.cwd())
+        raise named_in_file(error, imported, dataclasses.asdict(cfg)) from None
+
+
+def _imported_of(cfg: JobConfig, config_dir: Path) -> Imported | None:
+    """The job's ``ds_config.json`` read again (to name its keys in a message); None without one or when it
+    cannot be read now."""
+    name = cfg.train.deepspeed_config
+    if not name:
+        return None
+    try:
+        return import_deepspeed_config(config_dir / name, name)
+    except ConfigError:
+        return None
+
+
+def _make_plan(cfg: JobConfig, site: SiteConfig, executor: str, *, python: str | None,
+               cwd: Path | None, config_dir: Path | None) -> Plan:
     job = cfg.job
     gpus = job.gpus_per_node if job.gpus_per_node is not None else (job.tasks_per_node if site.node.gpus else 0)
     node_cpus = site.node.cpus or os.cpu_count() or 1

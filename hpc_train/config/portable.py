@@ -14,6 +14,7 @@ import math
 import re
 from typing import Any
 
+from hpc_train.config.secrets import secret_name, secret_value
 from hpc_train.terminal import UNSAFE_IN_LINE, UNSAFE_IN_TEXT
 
 __all__ = ["MAX_DEPTH", "MULTILINE_SECTIONS", "check_portable"]
@@ -27,7 +28,7 @@ _KEY = re.compile(r"[A-Za-z0-9_.+-]{1,128}")
 MULTILINE_SECTIONS = ("params", "deepspeed")
 
 
-def _scalar_problem(value: Any, multiline: bool) -> tuple[str, str] | None:
+def _scalar_problem(value: Any, multiline: bool, name: str = "") -> tuple[str, str] | None:
     if isinstance(value, bool):
         return None
     if isinstance(value, int):
@@ -42,7 +43,8 @@ def _scalar_problem(value: Any, multiline: bool) -> tuple[str, str] | None:
         bad = (UNSAFE_IN_TEXT if multiline else UNSAFE_IN_LINE).search(value)
         if bad:
             allowed = "a newline or tab is fine here, " if multiline else "one line, "
-            return (f"holds the control character {bad.group()!r} ({value[:40]!r})",
+            excerpt = "" if secret_name(name) or secret_value(value) else f" ({value[:40]!r})"
+            return (f"holds the control character {bad.group()!r}{excerpt}",
                     f"use plain text ({allowed}no escapes or control codes)")
         return None
     if isinstance(value, datetime.date | datetime.time):
@@ -74,7 +76,8 @@ def check_portable(data: dict[str, Any]) -> tuple[str, str, str] | None:
         elif isinstance(value, list):
             stack.extend((f"{where}[{index}]", item, depth + 1) for index, item in enumerate(value))
         else:
-            bad = _scalar_problem(value, where.split(".")[0].split("[")[0] in MULTILINE_SECTIONS)
+            name = where.rpartition(".")[2].split("[")[0]
+            bad = _scalar_problem(value, where.split(".")[0].split("[")[0] in MULTILINE_SECTIONS, name)
             if bad:
                 return (where, *bad)
     return None

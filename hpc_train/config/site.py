@@ -27,7 +27,7 @@ from hpc_train.config.checks import (
     check_srun_arg,
     check_time,
 )
-from hpc_train.config.fields import option
+from hpc_train.config.fields import Range, option, within
 
 __all__ = [
     "ContainerSite",
@@ -40,6 +40,8 @@ __all__ = [
     "SlurmSite",
     "SoftwareSite",
 ]
+
+PORTS = Range(0, 65536, fix="use two ports with 1024 <= low < high <= 65536, like [20000, 32768]")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,10 +68,11 @@ class SlurmSite:
 class NodeShape:
     """``[node]``: what one compute node has."""
 
-    gpus: int = option(0, "GPUs per node; 0 means CPU only (gloo, no fp16).")
+    gpus: int = option(0, "GPUs per node; 0 means CPU only (gloo, no fp16).", bounds=Range(0, 64))
     gpu_type: str = option("", 'GPU model, for MFU and memory plans ("H100", "A100-80GB").')
-    gpu_mem_gb: float = option(0.0, "Memory per GPU in GB.")
-    cpus: int = option(0, "CPU cores per node usable by a job; 0: this machine's count, never checked (local).")
+    gpu_mem_gb: float = option(0.0, "Memory per GPU in GB.", bounds=Range(0, 1_000_000))
+    cpus: int = option(0, "CPU cores per node usable by a job; 0: this machine's count, never checked (local).",
+                       bounds=Range(0, 100_000))
     mem: str = option("", 'Memory per node to ask for by default ("0" = all of it).', check_mem)
 
 
@@ -83,15 +86,19 @@ class NetworkSite:
                              check_hca, factory=True)
     socket_ifname: str = option("", 'Interface for bootstrap traffic (NCCL_SOCKET_IFNAME; GLOO_SOCKET_IFNAME when '
                                 'it is one exact name): "ib0", "=eth0", "^docker,lo".', check_ifname)
-    gid_index: int = option(-1, "RoCE GID index (NCCL_IB_GID_INDEX); -1: each node finds its RoCE v2 index.")
+    gid_index: int = option(-1, "RoCE GID index (NCCL_IB_GID_INDEX); -1: each node finds its RoCE v2 index.",
+                            bounds=Range(-1, 255))
     fabric_suffix: str = option("", 'Appended to node names to reach the fast fabric ("-ib").', check_module)
     ib_timeout: int = option(20, "NCCL_IB_TIMEOUT: a verbs retry waits 4.096 us * 2^N (1-31); 22 (~17 s) on "
-                             "congested fabrics. Pinned because NCCL's default has changed between versions.")
-    ib_retry_cnt: int = option(7, "NCCL_IB_RETRY_CNT: verbs retries before NCCL gives up (0-7).")
+                             "congested fabrics. Pinned because NCCL's default has changed between versions.",
+                             bounds=within(1, 31))
+    ib_retry_cnt: int = option(7, "NCCL_IB_RETRY_CNT: verbs retries before NCCL gives up (0-7).",
+                               bounds=within(0, 7))
     gdr_level: str = option("", "NCCL_NET_GDR_LEVEL: LOC, PIX, PXB, PHB or SYS; empty leaves NCCL's choice "
                             "from the PCI topology (GPUs only).", check_gdr_level)
     flight_recorder: int = option(2000, "Collectives torch's NCCL flight recorder keeps per rank and dumps into "
-                                  "logs/ on a timeout (TORCH_NCCL_TRACE_BUFFER_SIZE); 0 turns it off. GPUs only.")
+                                  "logs/ on a timeout (TORCH_NCCL_TRACE_BUFFER_SIZE); 0 turns it off. GPUs only.",
+                                  bounds=Range(0, 1_000_000))
     nccl: dict[str, str] = option(dict, "Extra NCCL_* settings, each with a reason in a comment.", check_nccl_name,
                                   factory=True)
 
@@ -124,7 +131,8 @@ class LaunchSite:
     port_range: list[int] = option(lambda: [20000, 32768], "Rendezvous ports are chosen in [low, high); the default "
                                    "stays below Linux's ephemeral range (32768-60999), where any outgoing "
                                    "connection on the node may already hold the port.",
-                                   factory=True)
+                                   factory=True,
+                                   bounds=PORTS)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -132,7 +140,8 @@ class PreemptSite:
     """``[preempt]``: the site's preemption policy."""
 
     signal: str = option("USR2", "Signal Slurm sends before preemption or the time limit.", check_signal)
-    lead_seconds: int = option(120, "Seconds before the end the signal is asked for (at least 60).")
+    lead_seconds: int = option(120, "Seconds before the end the signal is asked for (at least 60).",
+                               bounds=Range(0, 7 * 24 * 3600))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -142,10 +151,12 @@ class ReliabilitySite:
 
     node_mtbf_hours: float = option(6300.0, "One node's mean time between failures in hours. The default is "
                                             "Llama 3's 2,048-node training: 419 unexpected interruptions in 54 "
-                                            "days (54 x 24 x 2,048 / 419 = 6,300 node-hours); use your site's.")
+                                            "days (54 x 24 x 2,048 / 419 = 6,300 node-hours); use your site's.",
+                                            bounds=Range(0, 10**9))
     queue_wait_minutes: float = option(30.0, "Typical wait of a requeued job in the queue, in minutes: what a "
                                              "restart inside the job saves (a guess to replace with your "
-                                             "site's figure, from sacct's Submit and Start).")
+                                             "site's figure, from sacct's Submit and Start).",
+                                             bounds=Range(0, 365 * 24 * 60))
 
 
 @dataclass(frozen=True, kw_only=True)

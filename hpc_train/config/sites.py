@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 from hpc_train.config.loader import build, load_toml
+from hpc_train.config.screen import screen_site
 from hpc_train.config.site import SiteConfig
 from hpc_train.errors import ConfigError, did_you_mean
 from hpc_train.resources import shipped_dir
@@ -47,6 +48,7 @@ def load_site(name_or_path: str) -> SiteConfig:
     data = load_toml(path, "site")
     data.setdefault("name", path.stem)
     try:
+        screen_site(data)
         return build(SiteConfig, data, prefix="")
     except ConfigError as error:
         raise ConfigError(f"site {path}: {error.where}", error.problem, error.fix) from None

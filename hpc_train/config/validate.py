@@ -11,7 +11,7 @@ from typing import Any
 
 from hpc_train.config.checks import parse_time_seconds
 from hpc_train.config.env_policy import refused_env_name, secret_reason
-from hpc_train.config.job import MODEL_PRESETS, FsdpSection, JobConfig, ZeroSection
+from hpc_train.config.job import MAX_WORLD, MODEL_PRESETS, FsdpSection, JobConfig, ZeroSection
 from hpc_train.config.shrink import smaller_size
 from hpc_train.config.site import SiteConfig
 from hpc_train.distributed.topology import Topology
@@ -21,10 +21,6 @@ __all__ = ["MAX_WORLD", "SLURM_SIGNAL_SLACK_S", "validate"]
 
 # Slurm may deliver --signal up to 60 s before the requested lead time.
 SLURM_SIGNAL_SLACK_S = 60
-# Beyond any cluster: a larger number is a typo, and would be rendered into #SBATCH lines as it is.
-MAX_NODES = 100_000
-MAX_TASKS_PER_NODE = 1024
-MAX_WORLD = 262_144  # ranks; the largest jobs today are a tenth of it
 
 
 def _at_least(where: str, value: float, low: float, fix: str = "") -> None:
@@ -32,52 +28,25 @@ def _at_least(where: str, value: float, low: float, fix: str = "") -> None:
         raise ConfigError(where, f"{value} is below the minimum {low}", fix or f"set it to {low} or more")
 
 
+def _check_ranges(section: Any, where: str) -> None:
+    """Every number of ``section`` in its schema's ``Range``, again: the loader checks a file's values, and this
+    holds for a config built in code (``JobConfig(job=JobSection(spare_nodes=-1))``) too."""
+    for item in dataclasses.fields(section):
+        value, key = getattr(section, item.name), f"{where}{item.name}"
+        if dataclasses.is_dataclass(value):
+            _check_ranges(value, f"{key}.")
+            continue
+        bounds = item.metadata.get("range")
+        for number in value if isinstance(value, list) else [value]:
+            if bounds is not None and isinstance(number, int | float) and not isinstance(number, bool):
+                bad = bounds.problem(number)
+                if bad:
+                    raise ConfigError(key, *bad)
+
+
 def _check_counts(cfg: JobConfig) -> None:
-    for where, value, low in (
-        ("job.nodes", cfg.job.nodes, 1), ("job.tasks_per_node", cfg.job.tasks_per_node, 1),
-        ("parallel.tensor", cfg.parallel.tensor, 1), ("parallel.pipeline", cfg.parallel.pipeline, 1),
-        ("parallel.context", cfg.parallel.context, 1), ("dist.init_timeout_s", cfg.dist.init_timeout_s, 1),
-        ("dist.timeout_s", cfg.dist.timeout_s, 1),
-        ("train.steps", cfg.train.steps, 1), ("train.seq_len", cfg.train.seq_len, 1),
-        ("train.micro_batch", cfg.train.micro_batch, 1), ("train.grad_accum", cfg.train.grad_accum, 1),
-        ("train.global_batch", cfg.train.global_batch, 0), ("train.warmup_steps", cfg.train.warmup_steps, 0),
-        ("train.weight_decay", cfg.train.weight_decay, 0), ("train.grad_clip", cfg.train.grad_clip, 0),
-        ("train.min_lr", cfg.train.min_lr, 0), ("zero.bucket_size", cfg.zero.bucket_size, 1),
-        ("data.vocab_size", cfg.data.vocab_size, 2), ("checkpoint.every_steps", cfg.checkpoint.every_steps, 0),
-        ("checkpoint.keep", cfg.checkpoint.keep, 1), ("monitor.log_every", cfg.monitor.log_every, 1),
-        ("monitor.eval_every", cfg.monitor.eval_every, 0), ("monitor.histogram_every", cfg.monitor.histogram_every, 0),
-        ("monitor.health_data_share", cfg.monitor.health_data_share, 0),
-        ("monitor.health_loss_spike", cfg.monitor.health_loss_spike, 0),
-        ("monitor.health_memory_growth", cfg.monitor.health_memory_growth, 0),
-        ("monitor.health_comm_share", cfg.monitor.health_comm_share, 0),
-        ("monitor.comm_sample_every", cfg.monitor.comm_sample_every, 0),
-        ("monitor.health_gpu_utilisation", cfg.monitor.health_gpu_utilisation, 0),
-        ("monitor.health_gpu_memory", cfg.monitor.health_gpu_memory, 0),
-        ("preempt.lead_seconds", cfg.preempt.lead_seconds, 0), ("preempt.max_requeues", cfg.preempt.max_requeues, 0),
-        ("watchdog.startup_timeout_s", cfg.watchdog.startup_timeout_s, 10),
-        ("watchdog.step_timeout_s", cfg.watchdog.step_timeout_s, 10),
-        ("watchdog.checkpoint_timeout_s", cfg.watchdog.checkpoint_timeout_s, 10),
-        ("watchdog.straggler_factor", cfg.watchdog.straggler_factor, 0), ("retry.hang", cfg.retry.hang, 0),
-        ("retry.node_failure", cfg.retry.node_failure, 0), ("retry.infrastructure", cfg.retry.infrastructure, 0),
-        ("retry.in_place", cfg.retry.in_place, 0), ("job.spare_nodes", cfg.job.spare_nodes, 0),
-    ):
-        _at_least(where, value, low)
-    for where, value, high in (("job.nodes", cfg.job.nodes, MAX_NODES), ("job.tasks_per_node", cfg.job.tasks_per_node,
-                               MAX_TASKS_PER_NODE), ("job.gpus_per_node", cfg.job.gpus_per_node or 0, 64),
-                              ("job.cpus_per_task", cfg.job.cpus_per_task or 1, 4096)):
-        if value > high:
-            raise ConfigError(where, f"{str(value)[:24]} is above the maximum {high:,}", "ask for a real machine size")
-    for where, share, example in (("monitor.health_data_share", cfg.monitor.health_data_share, 0.3),
-                                  ("monitor.health_comm_share", cfg.monitor.health_comm_share, 0.2),
-                                  ("monitor.health_gpu_utilisation", cfg.monitor.health_gpu_utilisation, 0.7),
-                                  ("monitor.health_gpu_memory", cfg.monitor.health_gpu_memory, 0.95)):
-        if share > 1:
-            raise ConfigError(where, f"{share} is above 1 (a share)",
-                              f"give a share of the step between 0 and 1, like {example} (0 disables the check)")
-    if cfg.job.gpus_per_node is not None:
-        _at_least("job.gpus_per_node", cfg.job.gpus_per_node, 0)
-    if cfg.job.cpus_per_task is not None:
-        _at_least("job.cpus_per_task", cfg.job.cpus_per_task, 1)
+    """Each key's own range (the schema's ``Range``), then what one key's range cannot say."""
+    _check_ranges(cfg, "")
     if not cfg.job.name:
         raise ConfigError("job.name", "is empty", 'give the run a name, like name = "gpt-125m"')
 

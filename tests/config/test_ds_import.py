@@ -5,6 +5,7 @@ file, and ``--set`` wins (a GPU file tried on CPUs)."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -102,3 +103,107 @@ def test_the_plan_says_what_came_from_the_file(tmp_path: Path) -> None:
     assert training["overridden"] == {"train.precision": "fp16", "zero.offload_optimizer": True,
                                       "train.optimizer": "cpu_adam"}
     assert training["engine"]["zero_stage"] == 3
+
+
+@pytest.mark.parametrize(("ds", "says"), [
+    ({"fp16": {"enabled": True}, "bf16": {"enabled": True}},
+     "ds_config.json: fp16.enabled and bf16.enabled: are both true; DeepSpeed refuses more than one number format"),
+    ({"bfloat16": {"enabled": True}, "amp": {"enabled": True}}, "ds_config.json: bf16.enabled and amp.enabled"),
+    ({"fp16": {"enabled": "yes"}}, "ds_config.json: fp16.enabled: is 'yes', not true or false"),
+    ({"optimizer": {"type": "AdamW", "params": {"betas": [0.9, 0.95, 0.99]}}},
+     "ds_config.json: optimizer.params.betas: is [0.9, 0.95, 0.99], not two numbers in [0, 1)"),
+    ({"optimizer": {"type": "AdamW", "params": {"betas": [0.9, 1.5]}}}, "optimizer.params.betas"),
+    ({"optimizer": {"type": "AdamW", "params": {"eps": 0}}}, "ds_config.json: optimizer.params.eps: 0 is outside"),
+    ({"optimizer": {"type": "AdamW", "params": {"lr": -1}}}, "ds_config.json: optimizer.params.lr: -1 is outside"),
+    ({"optimizer": {"type": "AdamW", "params": {"weight_decay": -0.1}}}, "optimizer.params.weight_decay: -0.1"),
+    ({"optimizer": {"type": "AdamW", "params": {"lr": "fast"}}}, "optimizer.params.lr: is 'fast', not a number"),
+    ({"fp16": {"enabled": True, "initial_scale_power": 5000}}, "fp16.initial_scale_power: 5000 is outside"),
+    ({"zero_optimization": {"offload_optimizer": {"device": "nvme"}}},
+     "zero_optimization.offload_optimizer.device: is 'nvme'; hpc_train offloads to the CPU only"),
+    ({"optimizer": "AdamW"}, "ds_config.json: optimizer: is 'AdamW', not a section"),
+    ({"train_micro_batch_size_per_gpu": 2**62}, "train_micro_batch_size_per_gpu (as train.micro_batch): "
+     "4611686018427387904 is above the maximum"),
+])
+def test_what_deepspeed_refuses_is_refused_at_validate_naming_file_and_key(tmp_path: Path, ds: dict[str, object],
+                                                                           says: str) -> None:
+    job = _job(tmp_path, "", ds)
+    result = call_cli(hpc_main.main, ["validate", str(job), "--site", "local"], tmp_path)
+    assert result.code == 2 and says in result.err, result.err
+    assert result.err.count("error:") == 1 and "Traceback" not in result.err
+
+
+@pytest.mark.parametrize(("text", "says"), [
+    ('{"a": ' + "[" * 100_000 + "]" * 100_000 + "}", "ds_config.json: nests deeper than 32 levels"),
+    ('{"a": ' + '{"b": ' * 40 + "1" + "}" * 41, "ds_config.json: nests deeper than 32 levels"),
+    ('{"a": NaN}', "ds_config.json: is not valid JSON (NaN is not a JSON number)"),
+    ('{"a": -Infinity}', "is not valid JSON (-Infinity is not a JSON number)"),
+    ('{"a": ' + "7" * 5000 + "}", "ds_config.json: is not valid JSON (holds an integer of thousands of digits)"),
+    ('{"a": 1e999}', "ds_config.json: a: inf is not a finite number"),
+    ('{"\\u00e9t\\u00e9": 1}', "is not plain ASCII"),
+    ('{"a": "x\\u001b[2J"}', "ds_config.json: a: holds the control character"),
+])
+def test_a_file_no_reader_should_take_is_one_message(tmp_path: Path, text: str, says: str) -> None:
+    job = _job(tmp_path, "", {})
+    (tmp_path / "ds_config.json").write_text(text)
+    result = call_cli(hpc_main.main, ["validate", str(job), "--site", "local"], tmp_path)
+    assert result.code == 2 and says in result.err, result.err
+
+
+def test_a_fifo_as_the_file_is_refused_unread(tmp_path: Path) -> None:
+    job = _job(tmp_path, "", {})
+    (tmp_path / "ds_config.json").unlink()
+    os.mkfifo(tmp_path / "ds_config.json")
+    with pytest.raises(ConfigError, match="is not a JSON file of at most 1 MiB"):
+        load_job(job, [])
+
+
+def test_the_deepspeed_table_is_checked_as_the_file_is(tmp_path: Path) -> None:
+    job = tmp_path / "job.toml"
+    job.write_text("[deepspeed]\namp = { enabled = true }\n[train]\nprecision = \"bf16\"\n")
+    result = call_cli(hpc_main.main, ["validate", str(job), "--site", "local"], tmp_path)
+    assert result.code == 2 and "deepspeed.bf16.enabled and amp.enabled: are both true" in result.err, result.err
+
+
+def _plan(tmp_path: Path, job: Path, extra: list[str]) -> dict[str, object]:
+    result = call_cli(hpc_main.main, ["submit", str(job), "--dry-run", "--json", "--executor", "local", *extra],
+                      tmp_path)
+    assert result.code == 0, result.err
+    return json.loads(result.out)
+
+
+def test_set_deepspeed_config_is_applied_exactly_as_the_job_file_key(tmp_path: Path) -> None:
+    ds = {"train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 2, "zero_optimization": {"stage": 3},
+          "optimizer": {"type": "AdamW", "params": {"lr": 2e-3, "betas": [0.8, 0.9]}}, "wall_clock_breakdown": True}
+    in_file = _job(tmp_path, "", ds)
+    bare = tmp_path / "bare.toml"
+    bare.write_text('[job]\nname = "ds"\ntasks_per_node = 2\n')
+    by_file = _plan(tmp_path, in_file, [])
+    by_set = _plan(tmp_path, bare, ["--set", "train.deepspeed_config=ds_config.json"])
+    assert by_set == by_file
+    config = by_set["plan"]["config"]
+    assert (config["zero"]["stage"], config["train"]["micro_batch"], config["train"]["lr"]) == (3, 3, 2e-3)
+    assert config["deepspeed"] == {"wall_clock_breakdown": True}
+    assert by_set["training"]["from_file"]["zero.stage"] == "ds_config.json: zero_optimization.stage"
+
+
+def test_set_of_a_key_the_file_also_sets_is_named_as_the_command_line_s(tmp_path: Path) -> None:
+    job = _job(tmp_path, "", {"zero_optimization": {"stage": 3}})
+    with pytest.raises(ConfigError) as caught:
+        load_job(job, ["zero.stage=7"])
+    assert caught.value.where == "zero.stage"
+
+
+def test_two_peaks_that_disagree_are_refused(tmp_path: Path) -> None:
+    """Fuzzer finding (seed 13, case 11759): optimizer.params.lr and scheduler.params.warmup_max_lr both name
+    train.lr; the last one read won silently."""
+    job = _job(tmp_path, "", {"optimizer": {"params": {"lr": 0.5}}, "scheduler": {"params": {"warmup_max_lr": 1}}})
+    with pytest.raises(ConfigError, match=r"warmup_max_lr: = 1 and optimizer\.params\.lr = 0\.5 both give"):
+        load_job(job, [])
+
+
+def test_a_run_root_name_longer_than_a_file_system_takes_is_refused(tmp_path: Path) -> None:
+    """Fuzzer finding (seed 13, case 16515): a 400-character folder name ended in OSError ENAMETOOLONG."""
+    job = tmp_path / "job.toml"
+    job.write_text("")
+    result = call_cli(hpc_main.main, ["validate", str(job), "--set", "job.run_root=" + "1" * 400], tmp_path)
+    assert result.code == 2 and "job.run_root: has a name of 400 characters" in result.err, result.err

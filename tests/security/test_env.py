@@ -7,6 +7,8 @@ else must not run code through BASH_ENV or LD_PRELOAD, and a token must never la
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from tests.security.harness import Case, World, across, cases_ids, on, q, run_case, site_toml
@@ -91,7 +93,51 @@ def _secret_cases() -> list[Case]:
     return cases
 
 
-CASES = [*_refused_cases(), *_allowed_cases(), *_secret_cases()]
+WANDB_KEY = "0123456789abcdef0123456789abcdef0badc0de"
+DS_LOGGERS = {"train_micro_batch_size_per_gpu": 2, "wandb": {"enabled": True, "api_key": WANDB_KEY},
+              "comet": {"enabled": True, "apiKey": "c0m3t-unique-key"}}
+
+
+def _ds_file(data: dict[str, object]):
+    def setup(world: World) -> None:
+        (world.work / "ds_config.json").write_text(json.dumps(data), encoding="utf-8")
+    return setup
+
+
+def _nothing_said(*secrets: str):
+    """No secret printed, nor in any file but the inputs (the harness's ``leak`` knows only the TOML ones)."""
+    def check(world: World, outcome: object) -> None:
+        said = getattr(outcome, "out", "") + getattr(outcome, "err", "")
+        assert not [secret for secret in secrets if secret in said], "a secret was printed"
+        inputs = {world.work / name for name in ("job.toml", "site.toml", "ds_config.json")}
+        for path in world.root.rglob("*"):
+            if path not in inputs and path.is_file() and not path.is_symlink():
+                data = path.read_bytes()
+                assert not [s for s in secrets if s.encode() in data], f"a secret is written in {path.name}"
+    return check
+
+
+def _ds_secret_cases() -> list[Case]:
+    """A logger's key in ds_config.json (or the [deepspeed] table): "<redacted>" in the plan, on the screen and
+    in every file written, whichever command and however the file is named."""
+    named = '[train]\ndeepspeed_config = "ds_config.json"\n'
+    fields = {"setup": _ds_file(DS_LOGGERS), "expect": 0, "warns": (r"wandb\.api_key",),
+              "check": _nothing_said(WANDB_KEY, "c0m3t-unique-key")}
+    return [
+        on("dry", "secret-ds-config-dry-json", named, "--json", **fields),
+        on("validate", "secret-ds-config-validate-json", named, "--json", **fields),
+        on("render", "secret-ds-config-render", named, **fields),
+        on("stdout", "secret-ds-config-stdout", named, **fields),
+        on("dry", "secret-ds-config-by-set", "", "--json", "--set", "train.deepspeed_config=ds_config.json",
+           **fields),
+        on("render", "secret-deepspeed-table", f"[deepspeed.wandb]\nenabled = true\napi_key = {q(WANDB_KEY)}\n",
+           expect=0, leak=WANDB_KEY, warns=(r"deepspeed\.wandb\.api_key",), check=_nothing_said(WANDB_KEY)),
+        on("render", "secret-params", f"[params]\nhf_token = {q(WANDB_KEY)}\n", says=("params.hf_token",),
+           leak=WANDB_KEY, check=_nothing_said(WANDB_KEY)),
+    ]
+
+
+CASES = [*_refused_cases(), *_allowed_cases(), *_secret_cases(), *_ds_secret_cases()]
 
 
 @pytest.mark.parametrize("case", CASES, ids=cases_ids(CASES))

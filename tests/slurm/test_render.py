@@ -162,8 +162,8 @@ def test_hot_spares_are_allocated_kept_alive_and_settled(tmp_path: Path) -> None
         submitit_parameters(plan)
     for overrides, message in (({"retry": {"in_place": 0}}, "a spare is used by a restart inside the job"),
                                ({"job": {"nodes": 2, "spare_nodes": -1}}, "job.spare_nodes: -1 is below")):
-        bad = build(JobConfig, {"job": {"nodes": 2, "spare_nodes": 1}, **overrides})
-        with pytest.raises(ConfigError, match=message):
+        with pytest.raises(ConfigError, match=message):  # -1: refused by its range as the file is read
+            bad = build(JobConfig, {"job": {"nodes": 2, "spare_nodes": 1}, **overrides})
             make_plan(bad, load_site("local-slurm"), "slurm", cwd=tmp_path)
 
 
