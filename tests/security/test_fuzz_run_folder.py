@@ -5,10 +5,11 @@ link below the run folder followed, a number no float or C long holds, a long li
 it, a FIFO that hung). Here a generator of our own (``random.Random(seed)``, no new dependency) writes run folders
 in the real writers' formats (:mod:`tests.ops.fixtures`, :class:`~hpc_train.run.attempts.AttemptLog`), damages
 each in a few random ways, and runs ``status``, ``status --json``, ``logs`` (plain, ``--errors-only``,
-``--rank 0``, ``--json``), plot's data reader and the follower's poll on it. Every case asserts: exit 0 or 2, no
-traceback, no "unexpected failure", an answer within :data:`CASE_LIMIT_S`, nothing of the folder outside the run
-folder (:data:`MARKER`, in every file a planted link points at) printed, no raw ESC byte printed, and ``--json``
-that a strict parser reads (no NaN, no Infinity).
+``--rank 0``, ``--json``), ``ckpt ls --json``, ``ckpt verify``, plot's data reader and the follower's poll on
+it. Every case asserts: exit 0 or 2 (``ckpt verify``: 1 too, no checkpoint resumes), no traceback, no
+"unexpected failure", an answer within :data:`CASE_LIMIT_S`, nothing of the folder outside the run folder
+(:data:`MARKER`, in every file a planted link points at) printed, no raw ESC byte printed, and ``--json`` that a
+strict parser reads (no NaN, no Infinity).
 
 CI runs :data:`DEFAULT_CASES` cases (about 30 s). Before a release, run more, with another seed:
 ``HPC_TRAIN_FUZZ_CASES=5000 HPC_TRAIN_FUZZ_SEED=7 pytest tests/security/test_fuzz_run_folder.py``. A failing case
@@ -286,14 +287,15 @@ def _commands(run: Path) -> list[tuple[str, Callable[[], tuple[int, str, str]]]]
     where = str(run)
     return [(" ".join(argv), lambda argv=argv: _run(argv)) for argv in (
         ["status", where], ["status", "--json", where], ["logs", where], ["logs", "--errors-only", where],
-        ["logs", "--rank", "0", where], ["logs", "--json", where])] + [
+        ["logs", "--rank", "0", where], ["logs", "--json", where], ["ckpt", "ls", where, "--json"],
+        ["ckpt", "verify", where])] + [
         ("plot data", lambda: _plot_data(run)), ("follower poll", lambda: _follower(run))]
 
 
 def _problems(name: str, code: int, out: str, err: str) -> list[str]:
     said = out + err
     found = []
-    if code not in (0, 2):
+    if code not in ((0, 1, 2) if name.startswith("ckpt verify") else (0, 2)):  # 1: no checkpoint resumes
         found.append(f"{name}: exit {code}: {err[-300:]!r}")
     if "Traceback" in err:  # stdout shows the ranks' own tracebacks (logs); stderr is the command's word
         found.append(f"{name}: a traceback: {err[err.index('Traceback'):][:300]!r}")
