@@ -16,7 +16,7 @@ from pathlib import Path
 
 from hpc_train.ops.records import RankFiles, line_time, read_json, read_tail
 from hpc_train.run.attempts import AttemptLog
-from hpc_train.run.files import folder_names, read_json_object, run_file_stat, small_int, time_value
+from hpc_train.run.files import folder_names, held_folders, read_json_object, run_file_stat, small_int, time_value
 from hpc_train.run.loglines import BATCH_START, parse_start
 from hpc_train.run.paths import (
     LOGS_DIR,
@@ -73,7 +73,12 @@ def collect_evidence(run_dir: Path, job_id: str | None = None, restart: int | No
     these ranks' files and those of the ranks the batch output names (srun's failed tasks, ``[rankN]:`` lines),
     not every rank's: the look-back of a requeued attempt reads the ranks that left an error record.
     """
-    run_dir = Path(run_dir)
+    with held_folders():  # logs/ opened once for its thousands of files
+        return _collect(Path(run_dir), job_id, restart, tail_lines, ranks)
+
+
+def _collect(run_dir: Path, job_id: str | None, restart: int | None, tail_lines: int,
+             ranks: Collection[int] | None) -> Evidence:
     batch = _batch_log(run_dir, job_id, restart, tail_lines)
     stderr: dict[int, list[str]] = {}
     for line in batch.splitlines():

@@ -26,7 +26,7 @@ from typing import Any
 
 from hpc_train.errors import ConfigError
 from hpc_train.ops.records import open_bytes, read_text
-from hpc_train.run.files import folder_names, parse_json, refuse_link, run_file_stat, time_value
+from hpc_train.run.files import folder_names, held_folders, parse_json, refuse_link, run_file_stat, time_value
 from hpc_train.run.loglines import RANK_RECORD
 from hpc_train.run.paths import LOGS_DIR, RANK_ERROR_GLOB, SUBMITIT_DIR, rank_error_path
 from hpc_train.terminal import ranges
@@ -220,9 +220,10 @@ def _rank_errors(logs: Path, rank: int | None) -> list[RankError]:
     record and the list of the other ranks, however many ranks failed alike (built once, not copied per rank)."""
     found = []
     names = [name for name in _listing(logs) if fnmatchcase(name, RANK_ERROR_GLOB)]
+    folder = str(logs)
     for name in names if rank is None else [rank_error_path(logs.parent, rank).name]:
         try:
-            data = parse_json(read_text(os.path.join(logs, name)))  # numbers in range, or the record is skipped
+            data = parse_json(read_text(f"{folder}/{name}"))  # numbers in range, or the record is skipped
         except ValueError:
             continue
         if not isinstance(data, dict) or not isinstance(data.get("rank"), int) or isinstance(data["rank"], bool):
@@ -290,7 +291,11 @@ def merged_view(run_dir: Path, rank: int | None = None, errors_only: bool = Fals
                 tail: int | None = None) -> MergedLogs:
     """Read ``RUN_DIR/logs``: the rank errors, the error records, and the merged timeline (its last ``tail``
     records when given). ``rank`` keeps one rank's files only (no batch output)."""
-    run_dir = Path(run_dir)
+    with held_folders():  # logs/ opened once for its thousands of files
+        return _merged_view(Path(run_dir), rank, errors_only, tail)
+
+
+def _merged_view(run_dir: Path, rank: int | None, errors_only: bool, tail: int | None) -> MergedLogs:
     logs = run_dir / LOGS_DIR
     refuse_link(run_dir)
     if os.path.islink(logs):

@@ -109,3 +109,28 @@ def test_a_checkpoint_step_folder_that_is_a_link_is_not_read_through(tmp_path: P
     (run / "checkpoints" / "step-00000002" / "manifest.json").write_text("{}")
     assert read_json_object(run / "checkpoints" / "step-00000002" / "manifest.json") == {}
     assert run_file_stat(run / "checkpoints" / "step-00000002" / "manifest.json") is not None
+
+
+def test_held_folders_opens_a_subfolder_once_and_closes_it_after(tmp_path: Path) -> None:
+    """Inside ``held_folders`` ``logs/`` is opened once for all its files; what is read is that folder even when a
+    link replaces it meanwhile (as one listing would see it); every descriptor is closed at the end, and outside
+    it a linked ``logs/`` is refused again."""
+    from hpc_train.run.files import held_folders, read_record_text
+
+    logs = tmp_path / "run" / "logs"
+    logs.mkdir(parents=True)
+    for rank in range(50):
+        (logs / f"rank-{rank}.error.json").write_text(f'{{"rank": {rank}}}')
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "rank-0.error.json").write_text("SECRET")
+    before = len(os.listdir("/proc/self/fd"))
+    with held_folders():
+        assert [read_record_text(logs / f"rank-{rank}.error.json") for rank in range(50)] == [
+            f'{{"rank": {rank}}}' for rank in range(50)]
+        assert len(os.listdir("/proc/self/fd")) == before + 1  # logs/ alone, held
+        logs.rename(tmp_path / "run" / "logs-old")
+        logs.symlink_to(elsewhere)
+        assert read_record_text(logs / "rank-0.error.json") == '{"rank": 0}'  # the folder first opened
+    assert len(os.listdir("/proc/self/fd")) == before
+    assert read_record_text(logs / "rank-0.error.json") == ""  # outside: the link is refused
