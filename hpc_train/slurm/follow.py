@@ -26,6 +26,7 @@ from hpc_train.run.files import (
     MAX_RECORD_FILE,
     atomic_write,
     folder_names,
+    held_folders,
     open_folder,
     open_record,
     parse_json,
@@ -85,7 +86,8 @@ class ErrorRecords:
         except OSError:
             return []
         try:
-            seen = self._stat_and_read(folder)
+            with held_folders():  # the new records' reads open logs/ once, not once each
+                seen = self._stat_and_read(folder)
         finally:
             os.close(folder)
         self.seen = seen
