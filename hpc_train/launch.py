@@ -189,8 +189,12 @@ def _traceback_text(error: BaseException) -> str:
 
 def _clear_own_records(run_dir: Path, rank: int, keep_error: bool) -> None:
     """Remove this rank's records of an earlier attempt; with ``keep_error`` (a requeued attempt) its error record
-    stays for rank 0's look-back, which clears it once read (:mod:`hpc_train.run.error_records`)."""
-    if not keep_error:
+    is moved aside for rank 0's look-back, which removes it once read (:mod:`hpc_train.run.error_records`)."""
+    if keep_error:
+        from hpc_train.run.error_records import keep_aside
+
+        keep_aside(run_dir, rank)
+    else:
         rank_error_path(run_dir, rank).unlink(missing_ok=True)
     rank_consequence_path(run_dir, rank).unlink(missing_ok=True)
 
@@ -240,11 +244,11 @@ class LookBack:
 
 def _look_back(run_dir: Path, plan: Plan, info: Any, logger: logging.Logger) -> int | None:
     """A requeued attempt: act on why the previous one ended (node failure, infrastructure) before training; the
-    exit status to leave with, or None to go on (then the previous attempt's error records are cleared)."""
+    exit status to leave with, or None to go on (then the previous attempt's records kept aside are removed)."""
     from hpc_train.distributed.hostlist import expand
     from hpc_train.ops.policy import RetryPolicy
     from hpc_train.ops.recovery import look_back
-    from hpc_train.run.error_records import clear_stale_records, ranks_with_records
+    from hpc_train.run.error_records import clear_kept, ranks_with_records
 
     recorded = ranks_with_records(run_dir) if info.restart > 0 else []
     recovery = look_back(run_dir, info.job_id, info.restart, RetryPolicy.from_section(plan.config.retry),
@@ -260,7 +264,7 @@ def _look_back(run_dir: Path, plan: Plan, info: Any, logger: logging.Logger) -> 
     if recovery.action == "requeue":
         logger.info("%s", recovery.message)
         return EXIT_STOPPED
-    clear_stale_records(run_dir, recorded, info.job_id, info.restart)
+    clear_kept(run_dir)
     return None
 
 

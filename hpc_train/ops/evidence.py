@@ -13,9 +13,11 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from pathlib import Path
+from typing import Any
 
 from hpc_train.ops.records import RankFiles, line_time, read_json, read_tail
 from hpc_train.run.attempts import AttemptLog
+from hpc_train.run.error_records import kept_path, record_is_of
 from hpc_train.run.files import folder_names, held_folders, read_json_object, run_file_stat, small_int, time_value
 from hpc_train.run.loglines import BATCH_START, parse_start
 from hpc_train.run.paths import (
@@ -30,6 +32,7 @@ from hpc_train.run.paths import (
 __all__ = ["SRUN_ERROR", "Evidence", "RankReport", "collect_evidence", "srun_tasks"]
 
 _TAIL_BYTES = 1 << 20
+_KEPT = "prev-"  # a record kept aside for the look-back (hpc_train.run.error_records)
 _RANK_FILE = re.compile(r"(stacks-)?rank-([0-9]{1,9})\.")  # a rank's log, error record, stacks (logs/ holds them)
 SRUN_ERROR = re.compile(r"srun: error: (\S+): tasks? ([0-9,\-]+): (.+)")  # srun on a task that failed
 _MAX_TASKS = 1 << 18  # hpc_train's largest world: srun's "tasks 0-99999999999" is damage, not a range to walk
@@ -84,7 +87,8 @@ def _collect(run_dir: Path, job_id: str | None, restart: int | None, tail_lines:
     for line in batch.splitlines():
         if m := re.match(r"\[rank([0-9]{1,9})\]:(.*)", line):
             stderr.setdefault(int(m[1]), []).append(m[2])
-    names = (RankFiles(run_dir, rank_log_path), RankFiles(run_dir, rank_error_path), RankFiles(run_dir, stacks_path))
+    names = (RankFiles(run_dir, rank_log_path), RankFiles(run_dir, rank_error_path), RankFiles(run_dir, stacks_path),
+             RankFiles(run_dir, kept_path))
     files = _rank_files(run_dir / LOGS_DIR, names[1], names[2])
     chosen = set(files) if ranks is None else set(files) & {*ranks, *srun_tasks(batch)}
     reports = [report for rank in sorted(chosen | set(stderr))
@@ -102,20 +106,22 @@ def _rank_files(logs: Path, errors: RankFiles, stacks: RankFiles) -> dict[int, s
     "l" any other file of the rank (its log)."""
     found: dict[int, str] = {}
     for name in folder_names(logs):  # never through a link: logs/ a link lists nothing
-        if "rank-" in name and (m := _RANK_FILE.match(name)):
+        kept = name.startswith(_KEPT)
+        if "rank-" in name and (m := _RANK_FILE.match(name.removeprefix(_KEPT) if kept else name)):
             rank = int(m[2])
-            kind = "e" if name == errors.name(rank) else "s" if name == stacks.name(rank) else "l"
+            kind = "k" if kept else "e" if name == errors.name(rank) else "s" if name == stacks.name(rank) else "l"
             found[rank] = found.get(rank, "") + kind
     return found
 
 
-def _rank_report(rank: int, kinds: str, names: tuple[RankFiles, RankFiles, RankFiles], stderr: list[str],
+def _rank_report(rank: int, kinds: str, names: tuple[RankFiles, ...], stderr: list[str],
                  job_id: str | None, restart: int | None, tail_lines: int) -> RankReport | None:
     """One rank's part of the attempt, or None when it left nothing of it. Files the listing did not show are
     not opened (an error record or stacks written since belong to the next poll)."""
-    log, error_file, stacks_file = (name(rank) for name in names)
+    log, error_file, stacks_file, kept_file = (name(rank) for name in names)
     part = _segment(read_tail(log, _TAIL_BYTES).splitlines(), job_id, restart)
-    error = read_json(error_file) if part.newest and "e" in kinds else {}
+    error = _attempt_error(error_file if "e" in kinds else None, kept_file if "k" in kinds else None, part.newest,
+                           job_id, restart)
     stacks = ""
     if part.newest and "s" in kinds and _after(stacks_file, part.started()):
         stacks = read_tail(stacks_file, _TAIL_BYTES)
@@ -127,6 +133,22 @@ def _rank_report(rank: int, kinds: str, names: tuple[RankFiles, RankFiles, RankF
         error_time=time_value(when),
         traceback=str(error.get("traceback", "")), log_tail=tuple(part.lines[-tail_lines:]), stacks=stacks,
         stderr=tuple(stderr[-tail_lines:]), launcher=part.launcher)
+
+
+def _attempt_error(current: str | None, kept: str | None, newest: bool, job_id: str | None,
+                   restart: int | None) -> dict[str, Any]:
+    """The rank's error record of the attempt asked for. A record stamped with its job and restart counts when
+    it is that attempt's (a requeued attempt's ranks move their last record aside to ``prev-rank-N.error.json``
+    as they start, so the look-back finds it there); an older, unstamped one only when the attempt asked for is
+    the rank's newest part of its log."""
+    record = read_json(current) if current else {}
+    if record and (record_is_of(record, job_id, restart) if "job_id" in record and job_id is not None else newest):
+        return record
+    if kept and job_id is not None:
+        record = read_json(kept)
+        if record_is_of(record, job_id, restart):
+            return record
+    return {}
 
 
 def _follower_cancel(run_dir: Path, job_id: str | None) -> str:

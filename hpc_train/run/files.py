@@ -12,6 +12,7 @@ import errno
 import json
 import math
 import os
+import re
 import stat
 import sys
 import threading
@@ -77,9 +78,16 @@ def _split_folder(folder: str) -> tuple[str, tuple[str, ...]]:
     return head, tuple(parts[::-1])
 
 
+_STEP_FOLDER = re.compile(r"(step-|\.tmp-step-|\.trash-step-)[0-9]{8,}(-[0-9]+)?")
+
+
 def _is_step_folder(path: str) -> bool:
-    """A folder of ``checkpoints/`` (``step-N``): its manifest is read from the run folder down, like the rest."""
-    return os.path.basename(os.path.dirname(path)) == CHECKPOINTS_DIR
+    """A checkpoint folder of ``checkpoints/`` (``step-00000100``, ``.tmp-step-00000200-PID``), read from the run
+    folder down like the rest. By its name only: any child of a folder called ``checkpoints`` would take a run
+    root of that name that is a link (``~/checkpoints -> /scratch/u``) for part of the run folder, and refuse
+    every file below it."""
+    return _STEP_FOLDER.fullmatch(os.path.basename(path)) is not None and \
+        os.path.basename(os.path.dirname(path)) == CHECKPOINTS_DIR
 
 
 def open_run_path(path: str | Path, flags: int = _FILE_FLAGS) -> int:

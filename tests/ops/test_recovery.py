@@ -228,26 +228,34 @@ def test_the_look_back_after_a_network_error_excludes_no_node(tmp_path: Path) ->
     assert read_exclusions(run_dir) == [] and not slurm.called("ExcNodeList")
 
 
+def _start(rank: int, restart: int) -> str:
+    from hpc_train.run.loglines import format_start
+
+    return f"2026-11-30 03:2{restart}:40,000 rank{rank} INFO " + format_start(
+        "srun", rank, 200, 0, 1, rank, 200, "77", restart, "n1") + "\n"
+
+
 def test_the_look_back_reads_only_the_ranks_that_left_a_record(tmp_path: Path,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """O(failed ranks): of 200 ranks' logs, only the one rank with an error record is read, and its GPU fault
-    still excludes its node."""
+    still excludes its node, though the rank has moved its record aside and logged this attempt's start line
+    before rank 0 looked (as every rank of the requeued attempt does as it starts)."""
     from hpc_train.ops import evidence
+    from hpc_train.run.error_records import keep_aside, ranks_with_records
 
     run_dir = _run_dir(tmp_path)
     for rank in range(200):
-        (run_dir / "logs" / f"rank-{rank}.log").write_text(
-            f"2026-11-30 03:20:40 [rank {rank}] start: srun rank {rank}/200 local 0/1 node {rank}/200 job 77 "
-            "restart 0 host n1\n")
+        (run_dir / "logs" / f"rank-{rank}.log").write_text(_start(rank, 0) + _start(rank, 1))
     (run_dir / "logs" / "rank-3.error.json").write_text(json.dumps(
         {"rank": 3, "host": "gpu017", "time": 1.0, "error": "RuntimeError('CUDA error')", "traceback": ECC_ERROR,
          "job_id": "77", "restart": 0}))
+    keep_aside(run_dir, 3)
     read: list[str] = []
     real = evidence.read_tail
     monkeypatch.setattr(evidence, "read_tail", lambda path, *a: read.append(Path(path).name) or real(path, *a))
     failed = _sacct(("FAILED", "gpu017", "2026-11-30T03:20:46"), ("RUNNING", "n1", "2026-11-30T03:21:06"))
     result = look_back(run_dir, "77", 1, RetryPolicy(), ["n1"], lambda _: None, run=FakeSlurm(
-        {"sacct --noheader": failed}), failed_ranks=[3])
+        {"sacct --noheader": failed}), failed_ranks=ranks_with_records(run_dir))
     assert [name for name in read if name.startswith("rank-")] == ["rank-3.log"]
     assert result.failure_class == "infrastructure", result
     assert [e.node for e in read_exclusions(run_dir)] == ["gpu017"]

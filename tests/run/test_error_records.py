@@ -1,4 +1,5 @@
-"""The previous attempt's error records: listed once, and cleared by rank 0 without losing one of this attempt."""
+"""The previous attempt's error records: moved aside by each rank as it starts, listed once and removed by rank 0
+after its look-back, and read as the attempt they are stamped with."""
 
 from __future__ import annotations
 
@@ -6,8 +7,7 @@ import json
 import os
 from pathlib import Path
 
-from hpc_train.run import error_records
-from hpc_train.run.error_records import clear_stale_records, ranks_with_records, record_is_of
+from hpc_train.run.error_records import clear_kept, keep_aside, kept_path, ranks_with_records, record_is_of
 
 
 def _record(run_dir: Path, rank: int, **fields: object) -> Path:
@@ -16,12 +16,23 @@ def _record(run_dir: Path, rank: int, **fields: object) -> Path:
     return path
 
 
-def test_one_listing_names_the_ranks_with_a_record_and_nothing_else(tmp_path: Path) -> None:
+def test_a_rank_moves_its_last_record_aside_where_no_reader_of_this_attempt_looks(tmp_path: Path) -> None:
     (tmp_path / "logs").mkdir()
-    for rank in (7, 0, 12):
+    _record(tmp_path, 3, job_id="77", restart=0)
+    keep_aside(tmp_path, 3)
+    keep_aside(tmp_path, 4)  # none: nothing happens
+    assert os.listdir(tmp_path / "logs") == ["prev-rank-3.error.json"]
+    assert json.loads(kept_path(tmp_path, 3).read_text())["restart"] == 0
+
+
+def test_one_listing_names_the_ranks_with_a_record_kept_or_not_yet(tmp_path: Path) -> None:
+    (tmp_path / "logs").mkdir()
+    for rank in (7, 0):
         _record(tmp_path, rank)
+    keep_aside(tmp_path, 0)
+    _record(tmp_path, 12)
     for other in ("rank-3.log", "stacks-rank-4.txt", "rank-5.consequence.json", "rank-x.error.json",
-                  ".stale-9-1.error.json", "rank-99999999999999.error.json"):
+                  "prev-rank-y.error.json", "rank-99999999999999.error.json"):
         (tmp_path / "logs" / other).write_text("")
     assert ranks_with_records(tmp_path) == [0, 7, 12]
     assert ranks_with_records(tmp_path / "missing") == []
@@ -29,35 +40,20 @@ def test_one_listing_names_the_ranks_with_a_record_and_nothing_else(tmp_path: Pa
 
 def test_a_record_is_of_the_attempt_its_stamp_names() -> None:
     assert record_is_of(json.dumps({"job_id": "77", "restart": 1}), "77", 1)
+    assert record_is_of({"job_id": "77", "restart": 1}, "77", None)
     assert not record_is_of(json.dumps({"job_id": "77", "restart": 0}), "77", 1)
     assert not record_is_of(json.dumps({"restart": 1}), "77", 1)  # written before records were stamped
     assert not record_is_of("[" * 100_000, "77", 1)
     assert not record_is_of("not json", "77", 1)
 
 
-def test_stale_records_go_and_this_attempt_s_stay(tmp_path: Path) -> None:
+def test_rank_0_removes_the_kept_records_and_nothing_of_this_attempt(tmp_path: Path) -> None:
     (tmp_path / "logs").mkdir()
-    _record(tmp_path, 0, job_id="77", restart=0)
-    _record(tmp_path, 1)
+    for rank in (0, 1):
+        _record(tmp_path, rank, job_id="77", restart=0)
+        keep_aside(tmp_path, rank)
     fresh = _record(tmp_path, 2, job_id="77", restart=1)  # a rank of this attempt failed already
-    assert clear_stale_records(tmp_path, [0, 1, 2, 3], "77", 1) == 2
-    assert sorted(os.listdir(tmp_path / "logs")) == ["rank-2.error.json"]
+    (tmp_path / "logs" / "rank-2.log").write_text("")
+    assert clear_kept(tmp_path) == 2
+    assert sorted(os.listdir(tmp_path / "logs")) == ["rank-2.error.json", "rank-2.log"]
     assert json.loads(fresh.read_text())["restart"] == 1
-
-
-def test_a_record_written_while_it_is_cleared_is_never_the_one_removed(tmp_path: Path, monkeypatch) -> None:
-    """The rank writes its fresh record between rank 0's move aside and rank 0's read: rank 0 reads the stale
-    one aside and removes only that; the fresh one, under the usual name, stays."""
-    (tmp_path / "logs").mkdir()
-    _record(tmp_path, 4, job_id="77", restart=0)
-    real_read = error_records.read_record_text
-
-    def read_then_rank_writes(path: Path) -> str:
-        text = real_read(path)
-        _record(tmp_path, 4, job_id="77", restart=1)
-        return text
-
-    monkeypatch.setattr(error_records, "read_record_text", read_then_rank_writes)
-    assert clear_stale_records(tmp_path, [4], "77", 1) == 1
-    assert json.loads((tmp_path / "logs" / "rank-4.error.json").read_text())["restart"] == 1
-    assert sorted(os.listdir(tmp_path / "logs")) == ["rank-4.error.json"]

@@ -134,3 +134,21 @@ def test_held_folders_opens_a_subfolder_once_and_closes_it_after(tmp_path: Path)
         assert read_record_text(logs / "rank-0.error.json") == '{"rank": 0}'  # the folder first opened
     assert len(os.listdir("/proc/self/fd")) == before
     assert read_record_text(logs / "rank-0.error.json") == ""  # outside: the link is refused
+
+
+def test_a_run_root_named_checkpoints_that_is_a_link_still_reads(tmp_path: Path) -> None:
+    """``job.run_root = "~/checkpoints"``, a link to scratch (links above the run folder are allowed): the run
+    folder's files, its logs and its checkpoints' manifests are read; only links below the run folder are not."""
+    from hpc_train.run.files import read_record_text
+
+    scratch = tmp_path / "scratch"
+    (scratch / "myrun" / "logs").mkdir(parents=True)
+    (scratch / "myrun" / "checkpoints" / "step-00000100").mkdir(parents=True)
+    (scratch / "myrun" / "plan.json").write_text("{}")
+    (scratch / "myrun" / "logs" / "rank-0.log").write_text("log")
+    (scratch / "myrun" / "checkpoints" / "step-00000100" / "manifest.json").write_text("[]")
+    (tmp_path / "checkpoints").symlink_to(scratch)
+    run = tmp_path / "checkpoints" / "myrun"
+    assert read_record_text(run / "plan.json") == "{}"
+    assert read_record_text(run / "logs" / "rank-0.log") == "log"
+    assert read_record_text(run / "checkpoints" / "step-00000100" / "manifest.json") == "[]"
