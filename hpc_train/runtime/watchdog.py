@@ -278,29 +278,39 @@ class Watchdog:
         collective and turn the hang into an ordinary failure. The decision is pushed by the job's coordinator
         where there is one (no file read by 16,384 ranks five times a second), else read from the run folder."""
         deadline = time.monotonic() + self.grace_s
+        file_due = 0.0
         while time.monotonic() < deadline:
-            decided = self._decision_for(hang)
+            with_file = time.monotonic() >= file_due  # the record too, every 2 s: rank 0 may have lost its push
+            if with_file:
+                file_due = time.monotonic() + 2.0
+            decided = self._decision_for(hang, with_file)
             if decided is not None:
                 return decided
             time.sleep(0.2)
         return EXIT_HUNG, f"rank 0 decided nothing within {self.grace_s:.0f} s"
 
-    def _decision_for(self, hang: Hang) -> tuple[int, str] | None:
-        """Rank 0's decision on ``hang``: from the coordinator's push, or the file without one (or once it broke)."""
+    def _decision_for(self, hang: Hang, with_file: bool = True) -> tuple[int, str] | None:
+        """Rank 0's decision on ``hang``: from the coordinator's push, and with ``with_file`` (or without a
+        coordinator) from the run folder's record too."""
         events = rank_events()
         if events is not None:
-            data: Any = events.seen(hang_decision_key(self.attempt))
-        else:
-            try:
-                data = json.loads(self.decision.read_text(encoding="utf-8"))
-            except (OSError, ValueError):
-                return None
+            decided = _decision_of(events.seen(hang_decision_key(self.attempt)), hang)
+            if decided is not None or not with_file:
+                return decided
         try:
-            if data.get("hang") == hang.time:
-                return int(data["exit_code"]), str(data["reason"])
-        except (AttributeError, KeyError, TypeError, ValueError):
-            pass
-        return None
+            return _decision_of(json.loads(self.decision.read_text(encoding="utf-8")), hang)
+        except (OSError, ValueError):
+            return None
+
+
+def _decision_of(data: Any, hang: Hang) -> tuple[int, str] | None:
+    """(exit code, reason) when ``data`` is rank 0's decision on ``hang``."""
+    try:
+        if data.get("hang") == hang.time:
+            return int(data["exit_code"]), str(data["reason"])
+    except (AttributeError, KeyError, TypeError, ValueError):
+        pass
+    return None
 
 
 def _has_dump(path: Path, token: str) -> bool:

@@ -3,6 +3,7 @@ once-a-second check), and reads the run folder as before where no agent named a 
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -91,6 +92,10 @@ def test_every_rank_hears_rank_0_s_hang_decision_from_the_coordinator(tmp_path: 
     assert rank0._decide(hang) == (144, "requeued")
     assert hang_decision_path(tmp_path, "9.1").exists()  # the record
     hang_decision_path(tmp_path, "9.1").unlink()
-    assert _until(lambda: rank1._decision_for(hang)) == (144, "requeued")
+    assert _until(lambda: rank1._decision_for(hang, with_file=False)) == (144, "requeued")
     other = Hang(0, "n1", "step", 12, 62.0, 60.0, time.time() + 5)
     assert rank1._decision_for(other) is None  # a decision on another hang is not this one's
+    # rank 0's push lost (its own connection broke): the record is read too, every 2 s of the wait
+    hang_decision_path(tmp_path, "9.1").write_text(json.dumps({"hang": other.time, "exit_code": 79, "reason": "x"}))
+    assert rank1._decision_for(other, with_file=False) is None
+    assert rank1._decision_for(other) == (79, "x")
