@@ -148,3 +148,17 @@ def test_a_secret_given_as_the_ds_config_path_is_not_echoed(tmp_path: Path) -> N
     job = _job(tmp_path)
     result = call_cli(hpc_main.main, ["validate", str(job), "--set", f"train.deepspeed_config={GHP}"], tmp_path)
     assert result.code == 2 and GHP not in result.err and "train.deepspeed_config: looks like a secret" in result.err
+
+
+@pytest.mark.parametrize(("name", "value"), [
+    ("eod_token", 50256), ("eot_token", "<|eot_id|>"), ("think_token", "<think>"), ("padding_token", "<pad>"),
+    ("data_pat", "shard-*.jsonl"), ("password_file", "/home/u/.pw"), ("credentials_path", "/home/u/creds.json"),
+    ("hf_token_env", "HF_TOKEN"), ("dataset", "/scratch/u/hf_Datasets/c4"), ("project", "wandb_LLaMA_runs"),
+    ("config_b64", "eyJsciI6IDAuMDAxLCAiYmF0Y2giOiAzMn0="), ("model", "meta-llama/Llama-2-7b-hf"),
+])
+def test_ordinary_values_under_ordinary_names_are_no_credentials(name: str, value: object) -> None:
+    """Found by review: token ids, patterns, where a secret is kept (a file, the variable's name), dataset paths
+    and project names that share a token's prefix, and a base64 config were refused as credentials."""
+    from hpc_train.config.secrets import secret_reason
+
+    assert secret_reason(name, value) is None
