@@ -20,7 +20,7 @@ _OFFLOAD_DEVICES = ("cpu", "none")
 # (section, key) -> (lowest, highest, whether the lowest is allowed, integers only)
 _NUMBERS: dict[tuple[str, ...], tuple[float, float, bool, bool]] = {
     ("optimizer", "params", "lr"): (0, 100, True, False),
-    ("optimizer", "params", "eps"): (0, 1, False, False),
+    ("optimizer", "params", "eps"): (0, 1, False, False),  # train.eps must be positive too
     ("optimizer", "params", "weight_decay"): (0, 100, True, False),
     ("scheduler", "params", "warmup_min_lr"): (0, 100, True, False),
     ("scheduler", "params", "warmup_max_lr"): (0, 100, True, False),
@@ -30,7 +30,7 @@ _NUMBERS: dict[tuple[str, ...], tuple[float, float, bool, bool]] = {
     ("fp16", "initial_scale_power"): (0, 64, True, True),
     ("fp16", "loss_scale_window"): (1, 10**9, True, True),
     ("fp16", "hysteresis"): (1, 10**9, True, True),
-    ("fp16", "min_loss_scale"): (0, 2.0**64, False, False),
+    ("fp16", "min_loss_scale"): (0, 2.0**64, True, False),
 }
 
 
@@ -64,11 +64,9 @@ def _check_number(data: dict[str, Any], path: tuple[str, ...], shown: str, sep: 
 
 def _check_precision(data: dict[str, Any], shown: str, sep: str) -> dict[str, Any]:
     """One number format: DeepSpeed asserts that fp16, bf16 (old name bfloat16) and amp are not on together."""
-    if "bfloat16" in data:
-        if "bf16" in data:
-            raise ConfigError(f"{shown}{sep}bfloat16", "is the old name of bf16, and the file has both",
-                              'keep "bf16" only')
-        data = {("bf16" if key == "bfloat16" else key): value for key, value in data.items()}
+    if "bfloat16" in data:  # with both, DeepSpeed reads bf16 and ignores its old name
+        data = {("bf16" if key == "bfloat16" else key): value for key, value in data.items()
+                if not (key == "bfloat16" and "bf16" in data)}
     enabled = []
     for name in ("fp16", "bf16", "amp"):
         section = data.get(name)

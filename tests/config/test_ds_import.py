@@ -207,3 +207,13 @@ def test_a_run_root_name_longer_than_a_file_system_takes_is_refused(tmp_path: Pa
     job.write_text("")
     result = call_cli(hpc_main.main, ["validate", str(job), "--set", "job.run_root=" + "1" * 400], tmp_path)
     assert result.code == 2 and "job.run_root: has a name of 400 characters" in result.err, result.err
+
+
+def test_what_deepspeed_takes_is_taken_bf16_beside_its_old_name_and_a_zero_min_loss_scale() -> None:
+    """Found by review: DeepSpeed reads bf16 and ignores bfloat16 when a file has both, and takes a
+    min_loss_scale of 0; neither is refused."""
+    from hpc_train.config.ds_semantics import check_semantics
+
+    data = check_semantics({"bf16": {"enabled": False}, "bfloat16": {"enabled": True},
+                            "fp16": {"enabled": True, "min_loss_scale": 0}}, "ds_config.json")
+    assert "bfloat16" not in data and data["bf16"] == {"enabled": False}
