@@ -95,13 +95,25 @@ def open_output(path: Path, mode: int = 0o644) -> Iterator[BinaryIO]:
             yield handle
             handle.flush()
             os.fsync(handle.fileno())
-        os.chmod(tmp, mode)
+        os.chmod(tmp, _mode_for(path, mode))
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
     _fsync_folder(parent)
+
+
+def _mode_for(path: Path, mode: int) -> int:
+    """The mode of the file replaced (a 0600 output stays 0600), else ``mode`` less the umask, as a plain
+    ``open`` would make it (a umask of 077 keeps outputs private)."""
+    with contextlib.suppress(OSError):
+        info = os.lstat(path)
+        if stat.S_ISREG(info.st_mode):
+            return stat.S_IMODE(info.st_mode)
+    umask = os.umask(0)
+    os.umask(umask)
+    return mode & ~umask
 
 
 def write_output(path: Path, data: str | bytes, mode: int = 0o644) -> None:

@@ -98,3 +98,23 @@ def test_a_long_name_still_gets_a_temporary_file_the_folder_takes(tmp_path: Path
     out = tmp_path / ("x" * 250 + ".png")
     write_output(out, b"png")
     assert out.read_bytes() == b"png"
+
+
+def test_an_output_follows_the_umask_and_a_replaced_file_keeps_its_mode(tmp_path: Path) -> None:
+    """Found by review: outputs were made 0644 whatever the umask, and a 0600 file replaced became 0644."""
+    import os
+    import stat
+
+    from hpc_train.run.outputs import write_output
+
+    old = os.umask(0o077)
+    try:
+        write_output(tmp_path / "new.svg", "x")
+        kept = tmp_path / "kept.json"
+        kept.write_text("old")
+        kept.chmod(0o640)
+        write_output(kept, "new")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "new.svg").stat().st_mode) == 0o600
+    assert stat.S_IMODE(kept.stat().st_mode) == 0o640 and kept.read_text() == "new"
