@@ -71,7 +71,8 @@ class StopConsequence(Exception):  # noqa: N818 - it is not an error of the prog
         self.error, self.notice = error, notice
 
 
-_DONE_FILE_EVERY_S = 2.0  # a rank waiting for rank 0's done notice reads the record this often besides the push
+_DONE_FILE_EVERY_S = 10.0  # a rank waiting for rank 0's done notice reads the record this often besides the push
+# (per-rank shared-filesystem work at most every 10 s: 16,384 ranks wait here at once)
 
 
 def publish_notice(run_dir: Path, notice: StopNotice) -> None:

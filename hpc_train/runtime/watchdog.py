@@ -46,6 +46,7 @@ from hpc_train.run.stacks import COLLECTIVE_FRAMES, DUMP_SEPARATOR, main_thread_
 
 __all__ = ["Hang", "Timeouts", "Watchdog", "suspects"]
 
+_DECISION_FILE_EVERY_S = 10.0  # per rank, while every rank waits for rank 0's hang decision
 PHASES = ("startup", "step", "checkpoint")
 
 
@@ -280,9 +281,9 @@ class Watchdog:
         deadline = time.monotonic() + self.grace_s
         file_due = 0.0
         while time.monotonic() < deadline:
-            with_file = time.monotonic() >= file_due  # the record too, every 2 s: rank 0 may have lost its push
+            with_file = time.monotonic() >= file_due  # the record too, every 10 s: rank 0 may have lost its push
             if with_file:
-                file_due = time.monotonic() + 2.0
+                file_due = time.monotonic() + _DECISION_FILE_EVERY_S
             decided = self._decision_for(hang, with_file)
             if decided is not None:
                 return decided
