@@ -13,6 +13,7 @@ and tells the loop to end there, on every rank: no step is lost or trained twice
 from __future__ import annotations
 
 import argparse
+import gc
 import re
 import time
 from pathlib import Path
@@ -98,5 +99,16 @@ def main() -> None:
         print(f"trained {step} steps; weights in {args.out}")
 
 
+def leave_group() -> None:
+    """End the way torch asks: every rank at a barrier, the DDP-wrapped model gone, then the group destroyed.
+    A rank that exits while its peer's gloo threads still talk to it can end that peer in ``terminate called
+    without an active exception`` (SIGABRT) after its last step."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        gc.collect()  # the prepared model (gone with main's frame) holds the group through its DDP wrapper
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
+
 if __name__ == "__main__":
     main()
+    leave_group()

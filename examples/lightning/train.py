@@ -15,6 +15,7 @@ the step the signal arrived and ``fit`` returns on every rank: no step is lost o
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import time
 
@@ -88,5 +89,16 @@ def main() -> None:
         print(f"trained {trainer.global_step} steps; weights in {args.out}")
 
 
+def leave_group() -> None:
+    """End the way torch asks: every rank at a barrier, the Trainer's DDP wrapper gone, then the group destroyed.
+    A rank that exits while its peer's gloo threads still talk to it can end that peer in ``terminate called
+    without an active exception`` (SIGABRT) after its last step."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        gc.collect()  # the Trainer (gone with main's frame) holds the group through its DDP wrapper
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
+
 if __name__ == "__main__":
     main()
+    leave_group()
