@@ -48,7 +48,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from hpc_train.run.loglines import format_start, rank_log_format  # noqa: E402
-from hpc_train.run.paths import LOGS_DIR, rank_log_path  # noqa: E402
+from hpc_train.run.node_log import NodeLogHandler, node_log_path  # noqa: E402
+from hpc_train.run.paths import LOGS_DIR  # noqa: E402
 
 JOB = "4242"
 TASKS_PER_NODE = 4
@@ -99,7 +100,7 @@ def _rank_logger(run_dir: Path, rank: int) -> tuple[logging.Logger, logging.Hand
     logger = logging.getLogger(f"control_plane.rank{rank}")
     logger.setLevel(logging.INFO)
     logger.propagate = False
-    handler = logging.FileHandler(rank_log_path(run_dir, rank))
+    handler = NodeLogHandler(node_log_path(run_dir, rank, TASKS_PER_NODE))  # the ranks' own writer
     handler.setFormatter(logging.Formatter(rank_log_format(rank)))
     logger.handlers = [handler]
     return logger, handler

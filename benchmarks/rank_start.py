@@ -20,6 +20,8 @@ import tempfile
 from datetime import datetime
 from pathlib import Path
 
+from hpc_train.run.node_log import rank_log_text
+
 REPO = Path(__file__).resolve().parent.parent
 LADDER = ("torch", "deepspeed", "hpc_train.train.trainer", "torch._dynamo", "torch._inductor.compile_fx")
 _LADDER_CODE = """
@@ -48,7 +50,7 @@ def _trainer_start(folder: Path) -> float:
             "--set", "monitor.eval_every=0"]
     subprocess.run([sys.executable, "-m", "hpc_train.submit", str(REPO / "examples" / "tiny_gpt.toml"), *args],
                    cwd=folder, capture_output=True, text=True, timeout=300, check=True)
-    lines = (folder / "runs" / "tiny-gpt" / "logs" / "rank-0.log").read_text().splitlines()
+    lines = rank_log_text(folder / "runs" / "tiny-gpt", 0).splitlines()
     start = next(_stamp(line) for line in lines if " start: " in line)
     return next(_stamp(line) for line in lines if "step=1/" in line) - start
 

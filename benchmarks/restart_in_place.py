@@ -23,6 +23,8 @@ import time
 from datetime import datetime
 from pathlib import Path
 
+from hpc_train.run.node_log import rank_log_text
+
 REPO = Path(__file__).resolve().parent.parent
 FAULT_STEP = 15
 BASE = ["--site", "local-slurm", "--set", "job.nodes=2", "--set", "job.tasks_per_node=1", "--set",
@@ -56,7 +58,7 @@ def _run(work: Path, steps: int, in_place: int) -> dict[str, float]:
     metrics = {r["step"]: r["time"] for r in _records(run_dir / "metrics.jsonl") if "loss" in r}
     attempts = _records(run_dir / "attempts.jsonl")
     opened, resumed = attempts[1]["started"], attempts[1]["start_step"]  # the next life, or the requeued job
-    line = next(x for x in (run_dir / "logs" / "rank-1.log").read_text().splitlines() if " ERROR failed:" in x)
+    line = next(x for x in rank_log_text(run_dir, 1).splitlines() if " ERROR failed:" in x)
     fault = datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()  # logging's local time
     first = metrics[resumed + 1]  # metrics.jsonl keeps the replayed step, not the first life's
     rows = subprocess.run(["sacct", "-n", "-P", "-X", "-D", "-j", job_id, "-o", "State"], capture_output=True,

@@ -13,13 +13,17 @@ Target: ratio <= 1.2.
 from __future__ import annotations
 
 import argparse
+import functools
 import random
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+
+from hpc_train.run.node_log import rank_log_text
 
 RANK_PROGRAM = """
 import os, sys, time
@@ -46,15 +50,16 @@ srun {python} -u {program} {out}
 JOB = '[job]\nname = "latency"\nprogram = "smoke"\nnodes = 2\ntasks_per_node = {tasks_per_node}\ntime = "00:10:00"\n'
 
 
-def _wait_for_line(path: Path, needle: str, start: float, timeout: float = 120) -> float:
+def _wait_for_line(read: Callable[[], str], needle: str, start: float, where: str, timeout: float = 120) -> float:
+    """Seconds from ``start`` until ``needle`` is in the text ``read`` returns (polled every 10 ms)."""
     while time.perf_counter() - start < timeout:
         try:
-            if needle in path.read_text():
+            if needle in read():
                 return time.perf_counter() - start
         except FileNotFoundError:
             pass
         time.sleep(0.01)
-    raise TimeoutError(f"no {needle!r} in {path} after {timeout} s")
+    raise TimeoutError(f"no {needle!r} in {where} after {timeout} s")
 
 
 def _idle(jitter: float) -> None:
@@ -71,9 +76,10 @@ def run_hpc_train(work: Path, index: int, tasks_per_node: int) -> tuple[float, f
     start = time.perf_counter()
     command = subprocess.Popen([sys.executable, "-m", "hpc_train.submit", "job.toml", "--site", "local-slurm"],
                                cwd=folder, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    log = folder / "runs" / "latency" / "logs" / "rank-0.log"
-    first = _wait_for_line(log, "start:", start)
-    done = _wait_for_line(log, "smoke:", start)
+    run_dir = folder / "runs" / "latency"
+    rank0 = functools.partial(rank_log_text, run_dir, 0)  # rank 0's lines of its node's log
+    first = _wait_for_line(rank0, "start:", start, f"rank 0's log in {run_dir}")
+    done = _wait_for_line(rank0, "smoke:", start, f"rank 0's log in {run_dir}")
     if command.wait(timeout=120) != 0:
         raise RuntimeError(f"hpc_train.submit failed in {folder}")
     return first, done
@@ -88,9 +94,9 @@ def run_baseline(work: Path, index: int, tasks_per_node: int) -> tuple[float, fl
                                       tasks_per_node=tasks_per_node))
     start = time.perf_counter()
     subprocess.run(["sbatch", str(script)], cwd=folder, capture_output=True, check=True)
-    log = folder / "rank-0.log"
-    first = _wait_for_line(log, "start", start)
-    return first, _wait_for_line(log, "smoke:", start)
+    log = folder / "rank-0.log"  # the hand-written program's own file, one per rank
+    first = _wait_for_line(log.read_text, "start", start, str(log))
+    return first, _wait_for_line(log.read_text, "smoke:", start, str(log))
 
 
 def main() -> None:

@@ -21,6 +21,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from hpc_train.run.node_log import rank_log_text
+
 REPO = Path(__file__).resolve().parent.parent
 WARMUP = 10
 # --smoke: 1 untimed step, 1 rank (the same path on both sides at half the processes), the learning rate warmed
@@ -88,7 +90,7 @@ def run_hpc_train(work: Path, steps: int, warmup: int, ranks: int, sets: list[st
                    capture_output=True)
     records = [json.loads(line) for line in (work / "runs" / "overhead" / "metrics.jsonl").read_text().splitlines()]
     times = {r["step"]: r["time"] for r in records if "time" in r}
-    log = (work / "runs" / "overhead" / "logs" / "rank-0.log").read_text()
+    log = rank_log_text(work / "runs" / "overhead", 0)
     decided = re.search(r"precision: (?:auto -> )?(\w+)", log)
     return (times[steps] - times[warmup]) / (steps - warmup), decided.group(1) if decided else "?"
 

@@ -44,7 +44,8 @@ from hpc_train.run.in_place import (
 )
 from hpc_train.run.loglines import format_host_oom, rank_log_format
 from hpc_train.run.node import node_name
-from hpc_train.run.paths import LOGS_DIR, rank_error_path, rank_log_path
+from hpc_train.run.node_log import NodeLogHandler, node_log_name, node_log_path
+from hpc_train.run.paths import LOGS_DIR, rank_error_path
 from hpc_train.run.peer_errors import lost_its_peer
 from hpc_train.run.procs import descendants
 from hpc_train.run.stops import attempt_key
@@ -71,6 +72,7 @@ class AgentSetup:
     limit: int
     preempt_signal: str  # the plan's signal (USR2 by default): the rank saves on it, the agent stops restarting
     spares: Spares | None = None  # spares or retry.shrink: this task's place in the allocation
+    tasks_per_node: int = 1  # the plan's: which node's log a rank's lines go into
 
 
 @dataclass(frozen=True)
@@ -129,21 +131,26 @@ def agent_setup(run_dir: Path, env: dict[str, str] | None = None) -> AgentSetup 
     if limit <= 0 or world != plan.layout.world:
         return None
     return AgentSetup(run_dir, rank, world, env["SLURM_JOB_ID"], int(env.get("SLURM_RESTART_COUNT") or 0), limit,
-                      plan.signal, spares)
+                      plan.signal, spares, plan.resources.tasks_per_node)
 
 
-def _logger(run_dir: Path, rank: int, task: int | None = None) -> logging.Logger:
-    """The log of rank ``rank`` (rank 0's also on stdout, the batch output), or with ``task`` the own log of a
-    task's agent in a job with spares (``logs/agent-task-T.log``), whose rank changes from life to life."""
+def _logger(run_dir: Path, rank: int, per_node: int, task: int | None = None) -> logging.Logger:
+    """Rank ``rank``'s lines in its node's log (rank 0's also on stdout, the batch output), or with ``task`` the
+    lines of a task's agent in a job with spares, whose rank changes from life to life: ``taskT`` lines in its
+    node's ``logs/agents-FIRST-LAST.log``."""
     name = f"hpc_train.agent{rank}" if task is None else f"hpc_train.agent-task{task}"
     logger = logging.getLogger(name)
     if not logger.handlers:
         logger.setLevel(logging.INFO)
         logger.propagate = False
         (run_dir / LOGS_DIR).mkdir(mode=0o700, exist_ok=True)
-        path = rank_log_path(run_dir, rank) if task is None else run_dir / LOGS_DIR / f"agent-task-{task}.log"
-        handler = logging.FileHandler(path)
-        handler.setFormatter(logging.Formatter(rank_log_format(rank if task is None else task)))
+        if task is None:
+            path, line = node_log_path(run_dir, rank, per_node), rank_log_format(rank)
+        else:
+            name = node_log_name(task, per_node).replace("ranks-", "agents-", 1)
+            path, line = run_dir / LOGS_DIR / name, f"%(asctime)s task{task} %(levelname)s %(message)s"
+        handler = NodeLogHandler(path)
+        handler.setFormatter(logging.Formatter(line))
         logger.addHandler(handler)
         if rank == 0 and task is None:
             stream = logging.StreamHandler(sys.stdout)
@@ -159,7 +166,7 @@ class Agent:
         self.setup = setup
         self.rank = setup.rank  # with spares, the rank of this life's assignment (-1: a spare)
         self.attempt = attempt_key(setup.job_id, setup.restart)
-        self.log = _logger(setup.run_dir, setup.rank, setup.spares.task if setup.spares else None)
+        self.log = _logger(setup.run_dir, setup.rank, setup.tasks_per_node, setup.spares.task if setup.spares else None)
         self.stopping: int | None = None  # a signal from Slurm (preemption, requeue, cancel): no more restarts
         self._successor: str | None = None  # the next job of a chain this one handed the run to
         self._handed_at = 0.0  # when this agent first saw that (monotonic)
@@ -169,7 +176,7 @@ class Agent:
 
     def logger_for(self, rank: int) -> logging.Logger:
         """The log of rank ``rank`` (with spares, the rank this agent runs in a life)."""
-        return _logger(self.setup.run_dir, rank)
+        return _logger(self.setup.run_dir, rank, self.setup.tasks_per_node)
 
     def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
         self.stopping = signum  # the rank got the same signal from Slurm (it signals every process of the step)

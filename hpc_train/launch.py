@@ -1,7 +1,8 @@
 """The entry point every rank runs, from any launcher: ``python -m hpc_train.launch RUN_DIR``.
 
-It reads ``plan.json`` from the run folder (plain JSON, no pickles), finds its rank, writes its own log to
-``logs/rank-N.log`` and runs the job. Submitit calls the same code through :class:`RankEntry`.
+It reads ``plan.json`` from the run folder (plain JSON, no pickles), finds its rank, appends its log lines to
+its node's log ``logs/ranks-FIRST-LAST.log`` (:mod:`hpc_train.run.node_log`) and runs the job. Submitit calls the
+same code through :class:`RankEntry`.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from hpc_train.run.folder import check_run_folder
 from hpc_train.run.in_place import in_place_left
 from hpc_train.run.loglines import format_launch_error, format_start, format_stopped, rank_log_format
 from hpc_train.run.node import node_name
+from hpc_train.run.node_log import NodeLogHandler, node_log_path
 from hpc_train.run.paths import (
     PLAN_FILE,
     PROGRAM_FILE,
@@ -36,7 +38,6 @@ from hpc_train.run.paths import (
     fabric_report_path,
     rank_consequence_path,
     rank_error_path,
-    rank_log_path,
 )
 from hpc_train.run.quick_exit import exit_quickly_when_done, leave_now
 from hpc_train.run.stops import StopConsequence
@@ -45,13 +46,14 @@ from hpc_train.runtime.preemption import PreemptionWatch
 __all__ = ["RankEntry", "main", "run_rank"]
 
 
-def _rank_logger(run_dir: Path, rank: int) -> logging.Logger:
-    """Each rank logs to its own file; only rank 0 also speaks on stdout, other ranks stay quiet."""
+def _rank_logger(run_dir: Path, rank: int, per_node: int) -> logging.Logger:
+    """Each rank logs into its node's log (``logs/ranks-FIRST-LAST.log``, each line carrying the rank); only rank 0
+    also speaks on stdout, other ranks stay quiet."""
     logger = logging.getLogger(f"hpc_train.rank{rank}")
     logger.setLevel(logging.INFO)
     logger.propagate = False
     formatter = logging.Formatter(rank_log_format(rank))
-    handler = logging.FileHandler(rank_log_path(run_dir, rank))
+    handler = NodeLogHandler(node_log_path(run_dir, rank, per_node))
     handler.setFormatter(formatter)
     logger.addHandler(handler)
     if rank == 0:
@@ -77,7 +79,7 @@ def _run_rank(run_dir: Path, plan: Plan, watch: PreemptionWatch | None) -> dict[
     from hpc_train.distributed.smoke import run_smoke  # the trainer is imported only when the job trains
 
     info = detect_launch(expected_world=plan.layout.world)
-    logger = _rank_logger(run_dir, info.rank)
+    logger = _rank_logger(run_dir, info.rank, plan.resources.tasks_per_node)
     on_slurm = bool(os.environ.get("SLURM_JOB_ID")) and os.environ.get("SUBMITIT_EXECUTOR") != "local"
     program = plan.config.job.program
     looks_back = on_slurm and program != "smoke" and not info.in_place  # in place: the agent looked at a restart

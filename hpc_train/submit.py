@@ -17,7 +17,7 @@ from hpc_train.cli.common import (
 )
 from hpc_train.config.plan import Plan
 from hpc_train.errors import ConfigError
-from hpc_train.run.paths import rank_log_path
+from hpc_train.run.node_log import node_log_path
 from hpc_train.terminal import plain
 
 __all__ = ["add_submit_arguments", "build_parser", "main", "run_submit"]
@@ -107,7 +107,8 @@ def run_submit(args: argparse.Namespace) -> int:
                        roots=[Path(plans[0].run_dir).parent])
     try:
         run_dirs = [prepare_plan_folder(plan) for plan in plans]
-        offsets = [_size(rank_log_path(Path(run_dir), 0)) for run_dir in run_dirs]  # follow only new lines
+        offsets = [_size(node_log_path(Path(run_dir), 0, plan.resources.tasks_per_node))  # follow only new lines
+                   for run_dir, plan in zip(run_dirs, plans, strict=True)]
         jobs = submit(plans)
     except Exception as error:  # sbatch said no (submitit's FailedJobError): bad partition, account, limits
         refused = type(error).__name__ in ("FailedJobError", "CalledProcessError")
@@ -123,7 +124,8 @@ def run_submit(args: argparse.Namespace) -> int:
                                     plain(run_dir)))
     if args.no_follow:
         return 0
-    followed = [FollowedJob(job, Path(run_dir), label=Path(run_dir).name, requeue=plan.requeue, log_offset=offset)
+    followed = [FollowedJob(job, Path(run_dir), label=Path(run_dir).name, requeue=plan.requeue, log_offset=offset,
+                            tasks_per_node=plan.resources.tasks_per_node)
                 for job, run_dir, plan, offset in zip(jobs, run_dirs, plans, offsets, strict=True)]
     try:
         # Local jobs cost nothing to poll: back off to 1 s at most, so a laptop run ends when its ranks do.

@@ -15,6 +15,7 @@ from pathlib import Path
 from hpc_train.agent import agent_setup
 from hpc_train.run.attempts import AttemptLog
 from hpc_train.run.in_place import read_notice
+from hpc_train.run.node_log import rank_log_text
 
 AGENT = """
 import sys
@@ -85,20 +86,20 @@ def test_a_killed_rank_restarts_every_rank_and_nothing_of_the_old_life_is_left(t
     assert "SIGKILL" in notice.reason
     (first,) = AttemptLog(tmp_path).read()
     assert first.outcome == "killed" and "restarted in place (1 of retry.in_place = 2)" in first.note, first
-    log = (tmp_path / "logs" / "rank-0.log").read_text()
+    log = rank_log_text(tmp_path, 0)
     assert "in-place restart 1 of 2 (retry.in_place): killed" in log, log
     # rank 0's agent hosted the coordinator: the barrier went over the network, not through per-rank markers
     address = tmp_path / "heartbeats" / "control-7.0.json"
     assert address.stat().st_mode & 0o777 == 0o600, oct(address.stat().st_mode)
     assert not list((tmp_path / "heartbeats").glob("restart-7.0.1.ready-*"))
-    assert "coordinate through the run folder" not in log + (tmp_path / "logs" / "rank-1.log").read_text()
+    assert "coordinate through the run folder" not in log + rank_log_text(tmp_path, 1)
 
 
 def test_once_retry_in_place_is_spent_the_agent_dies_as_its_rank_did(tmp_path: Path) -> None:
     (only,) = _agents(tmp_path, ["always-kill"], limit=2)
     assert only.returncode == -9, only.stderr  # srun reports "Killed", as without the agent
     assert _lives(tmp_path) == ["0 0 2", "0 1 1", "0 2 0"]
-    log = (tmp_path / "logs" / "rank-0.log").read_text()
+    log = rank_log_text(tmp_path, 0)
     assert "no in-place restart left (retry.in_place = 2)" in log, log
 
 
@@ -118,7 +119,7 @@ def test_a_job_that_handed_the_run_to_the_next_job_of_its_chain_is_not_restarted
     assert only.returncode == EXIT_RESTART_IN_PLACE, only.stderr
     assert _lives(tmp_path) == ["0 0 2"]
     assert read_notice(tmp_path, "7.0", 1) is None
-    log = (tmp_path / "logs" / "rank-0.log").read_text()
+    log = rank_log_text(tmp_path, 0)
     assert 'job 7 handed the run to job 8 ([slurm] requeue = "dependency"): no restart in place' in log, log
 
 
@@ -135,7 +136,7 @@ def test_once_the_run_goes_on_as_the_next_job_the_other_ranks_are_ended_not_left
     assert _lives(tmp_path) == ["0 0 2", "1 0 2"]
     worker = int((tmp_path / "worker.pid").read_text())
     assert not Path(f"/proc/{worker}").exists() or "Z" in Path(f"/proc/{worker}/stat").read_text().split(")")[1][:3]
-    log = (tmp_path / "logs" / "rank-1.log").read_text()
+    log = rank_log_text(tmp_path, 1)
     assert "ending rank 1: this job's run goes on as job 8" in log, log
 
 
@@ -187,7 +188,7 @@ def test_an_agent_that_vanishes_restarts_the_others_at_once_and_without_spares_t
     notice = read_notice(tmp_path, "7.0", 1)
     assert notice is not None and notice.failure_class == "infrastructure", notice
     assert "the agent of rank-1 vanished from the job's coordinator" in notice.reason, notice
-    log = (tmp_path / "logs" / "rank-0.log").read_text()
+    log = rank_log_text(tmp_path, 0)
     assert "the agent of rank-1 is gone" in log, log
     worker = int((tmp_path / "worker.pid").read_text())  # what rank 0 started went with it
     assert not Path(f"/proc/{worker}").exists() or "Z" in Path(f"/proc/{worker}/stat").read_text().split(")")[1][:3]

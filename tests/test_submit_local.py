@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from hpc_train.run.node_log import node_log_name, rank_log_text
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.slow
@@ -28,7 +29,8 @@ def test_submit_local_runs_every_rank_in_one_group(tmp_path: Path, ranks: int) -
     assert smoke["world_size"] == ranks and smoke["all_reduce"] == ranks * (ranks - 1) / 2
     assert smoke["backend"] == "gloo" and smoke["launcher"] == "submitit-local"
     for rank in range(ranks):
-        assert "smoke: all_reduce of ranks" in (run_dir / "logs" / f"rank-{rank}.log").read_text()
+        assert "smoke: all_reduce of ranks" in rank_log_text(run_dir, rank)
+    assert sorted(p.name for p in (run_dir / "logs").glob("rank*.log")) == [node_log_name(0, ranks)]  # one node
     assert (run_dir / "plan.json").exists() and (run_dir / "config.toml").exists()
     assert oct((run_dir / "submitit").stat().st_mode & 0o777) == "0o700"
     [fabric] = [json.loads(path.read_text()) for path in (run_dir / "logs").glob("fabric-*.json")]  # one node
@@ -46,7 +48,7 @@ def test_eight_ranks_build_every_group_of_a_3d_layout(tmp_path: Path) -> None:
     smoke = json.loads((run_dir / "smoke.json").read_text())
     assert smoke["groups"] == {"tp": [0, 1], "cp": [0, 2], "dp": [0], "pp": [0, 4]}
     for rank in range(8):
-        assert "groups checked" in (run_dir / "logs" / f"rank-{rank}.log").read_text()
+        assert "groups checked" in rank_log_text(run_dir, rank)
 
 
 def test_a_leaked_master_addr_does_not_win(tmp_path: Path) -> None:

@@ -3,8 +3,8 @@
 :func:`classify` is a pure function of a :class:`~hpc_train.ops.scheduler.SlurmRecord` (state, exit codes of the
 allocation and its steps, reason, nodes) and an :class:`~hpc_train.ops.evidence.Evidence` (what
 :func:`~hpc_train.ops.evidence.collect_evidence` read from the run folder: ``logs/rank-N.error.json``, this
-attempt's part of ``logs/rank-N.log``, ``logs/stacks-rank-N.txt``, and the batch output Slurm and srun wrote).
-The first rule that matches decides; the order is the point:
+attempt's part of each rank's lines in its node's ``logs/ranks-FIRST-LAST.log``, ``logs/stacks-rank-N.txt``, and
+the batch output Slurm and srun wrote). The first rule that matches decides; the order is the point:
 
 1. ``COMPLETED`` with status 0 everywhere: **completed**.
 2. The scheduler saw a node die (``NODE_FAIL``, ``BOOT_FAIL``, "DUE TO NODE FAILURE"): **node_failure**, before

@@ -18,7 +18,8 @@ from hpc_train.terminal import plain, print_json
 
 __all__ = ["add_logs_parser", "add_plot_parser", "add_status_parser"]
 
-_LOGS_ABOUT = ("Every rank log of a run (logs/rank-N.log, and Slurm's logs/slurm-*.out/err) as one timeline with rank "
+_LOGS_ABOUT = ("Every rank's log lines of a run (the nodes' logs/ranks-FIRST-LAST.log, each line naming its rank, or "
+               "an older run's logs/rank-N.log; and Slurm's logs/slurm-*.out/err) as one timeline with rank "
                "prefixes, ordered by time; each rank's error (logs/rank-N.error.json) and every error record first. "
                "See docs/operations.md.")
 _STATUS_ABOUT = ("Where runs stand: the scheduler's state and nodes (one squeue and one sacct call per poll for all "

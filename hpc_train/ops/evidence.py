@@ -1,7 +1,8 @@
 """Reading the run folder into evidence: what the ranks of one attempt left behind, for :mod:`.classify`.
 
-A rank log holds every attempt (it is appended to), error and stack files are rewritten by each attempt, and
-Slurm appends each requeue's batch output to the same files; this module cuts out the one attempt asked for.
+A node's log holds every attempt of its ranks (it is appended to), error and stack files are rewritten by each
+attempt, and Slurm appends each requeue's batch output to the same files; this module cuts out the one attempt
+asked for.
 Nothing here judges the evidence: :func:`hpc_train.ops.classify.classify` does, as a pure function.
 """
 
@@ -20,12 +21,12 @@ from hpc_train.run.attempts import AttemptLog
 from hpc_train.run.error_records import kept_path, record_is_of
 from hpc_train.run.files import folder_names, held_folders, read_json_object, run_file_stat, small_int, time_value
 from hpc_train.run.loglines import BATCH_START, parse_start
+from hpc_train.run.node_log import log_ranks, split_by_rank
 from hpc_train.run.paths import (
     LOGS_DIR,
     SUBMITIT_DIR,
     follower_cancel_path,
     rank_error_path,
-    rank_log_path,
     stacks_path,
 )
 
@@ -87,13 +88,13 @@ def _collect(run_dir: Path, job_id: str | None, restart: int | None, tail_lines:
     for line in batch.splitlines():
         if m := re.match(r"\[rank([0-9]{1,9})\]:(.*)", line):
             stderr.setdefault(int(m[1]), []).append(m[2])
-    names = (RankFiles(run_dir, rank_log_path), RankFiles(run_dir, rank_error_path), RankFiles(run_dir, stacks_path),
-             RankFiles(run_dir, kept_path))
-    files = _rank_files(run_dir / LOGS_DIR, names[1], names[2])
+    names = (RankFiles(run_dir, rank_error_path), RankFiles(run_dir, stacks_path), RankFiles(run_dir, kept_path))
+    logs = _RankLogs(run_dir / LOGS_DIR)
+    files = _rank_files(run_dir / LOGS_DIR, names[0], names[1], logs)
     chosen = set(files) if ranks is None else set(files) & {*ranks, *srun_tasks(batch)}
     reports = [report for rank in sorted(chosen | set(stderr))
-               if (report := _rank_report(rank, files.get(rank, ""), names, stderr.get(rank, []), job_id, restart,
-                                          tail_lines)) is not None]
+               if (report := _rank_report(rank, files.get(rank, ""), logs, names, stderr.get(rank, []), job_id,
+                                          restart, tail_lines)) is not None]
     attempts = [a for a in AttemptLog(run_dir).read()
                 if job_id is None or (a.job_id == job_id and (restart is None or a.restart == restart))]
     last = attempts[-1] if attempts else None
@@ -101,11 +102,50 @@ def _collect(run_dir: Path, job_id: str | None, restart: int | None, tail_lines:
                     _follower_cancel(run_dir, job_id))
 
 
-def _rank_files(logs: Path, errors: RankFiles, stacks: RankFiles) -> dict[int, str]:
+class _RankLogs:
+    """A rank's lines in the logs that hold it (its node's ``ranks-A-B.log``; an older ``rank-N.log`` first), each
+    file read once (its last ``_TAIL_BYTES`` per rank it holds) and split by rank. Ranks are asked for in order,
+    and a node's ranks are consecutive: only the few files read last are kept."""
+
+    def __init__(self, logs: Path) -> None:
+        self.logs = str(logs)
+        self.holding: dict[int, list[str]] = {}  # rank: the names of the logs that hold it
+        self._split: dict[str, dict[int, list[str]]] = {}
+
+    def add(self, name: str) -> range | None:
+        """Take ``name`` from the listing when it is a rank log; the ranks it holds."""
+        held = log_ranks(name)
+        if held is not None and len(held) <= _MAX_TASKS:
+            for rank in held:
+                self.holding.setdefault(rank, []).append(name)
+        return held
+
+    def lines(self, rank: int) -> list[str]:
+        found: list[str] = []
+        for name in sorted(self.holding.get(rank, ()), key=lambda name: not name.startswith("rank-")):
+            if name not in self._split:
+                if len(self._split) >= 4:
+                    self._split.clear()
+                held = log_ranks(name) or range(0)
+                text = read_tail(f"{self.logs}/{name}", _TAIL_BYTES * max(1, len(held)))
+                split: dict[int, list[str]] = {}
+                for owner, line in split_by_rank(text.splitlines(), held.start if len(held) == 1 else None):
+                    if owner is not None:
+                        split.setdefault(owner, []).append(line)
+                self._split[name] = split
+            found += self._split[name].get(rank, [])
+        return found
+
+
+def _rank_files(logs: Path, errors: RankFiles, stacks: RankFiles, rank_logs: _RankLogs) -> dict[int, str]:
     """``{rank: its kinds of file}`` from one listing of ``logs/``: "e" its error record, "s" its dumped stacks,
-    "l" any other file of the rank (its log)."""
+    "k" a record kept aside, "l" a log that holds it (its node's); the logs go into ``rank_logs``."""
     found: dict[int, str] = {}
     for name in folder_names(logs):  # never through a link: logs/ a link lists nothing
+        if (held := rank_logs.add(name)) is not None:
+            for rank in held if len(held) <= _MAX_TASKS else ():
+                found[rank] = found.get(rank, "") + "l"
+            continue
         kept = name.startswith(_KEPT)
         if "rank-" in name and (m := _RANK_FILE.match(name.removeprefix(_KEPT) if kept else name)):
             rank = int(m[2])
@@ -114,12 +154,12 @@ def _rank_files(logs: Path, errors: RankFiles, stacks: RankFiles) -> dict[int, s
     return found
 
 
-def _rank_report(rank: int, kinds: str, names: tuple[RankFiles, ...], stderr: list[str],
+def _rank_report(rank: int, kinds: str, logs: _RankLogs, names: tuple[RankFiles, ...], stderr: list[str],
                  job_id: str | None, restart: int | None, tail_lines: int) -> RankReport | None:
     """One rank's part of the attempt, or None when it left nothing of it. Files the listing did not show are
     not opened (an error record or stacks written since belong to the next poll)."""
-    log, error_file, stacks_file, kept_file = (name(rank) for name in names)
-    part = _segment(read_tail(log, _TAIL_BYTES).splitlines(), job_id, restart)
+    error_file, stacks_file, kept_file = (name(rank) for name in names)
+    part = _segment(logs.lines(rank) if "l" in kinds else [], job_id, restart)
     error = _attempt_error(error_file if "e" in kinds else None, kept_file if "k" in kinds else None, part.newest,
                            job_id, restart)
     stacks = ""

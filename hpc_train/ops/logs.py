@@ -1,16 +1,18 @@
 """``python -m hpc_train logs RUN_DIR``: every rank's log as one timeline, errors first.
 
-Why: a job of 64 ranks leaves 64 logs, and the line that matters (the first rank's traceback) is in one of them,
-seconds before 63 others report that their peer went away. The view puts each rank's error on top (the earliest
-first, identical ones folded together) and then merges all records by time with a rank prefix, so the order of
-events across ranks reads top to bottom.
+Why: a job of 64 ranks leaves 64 ranks' lines, and the line that matters (the first rank's traceback) is one of
+them, seconds before 63 others report that their peer went away. The view puts each rank's error on top (the
+earliest first, identical ones folded together) and then merges all records by time with a rank prefix, so the
+order of events across ranks reads top to bottom.
 
-A rank log record is ``%(asctime)s rankN LEVEL message``; lines without a timestamp (a traceback) belong to the
-record above. The batch output joins the timeline too: Slurm's ``logs/slurm-*.out/err`` (rendered scripts) and
-submitit's ``submitit/JOB_TASK_log.err`` (where srun and slurmstepd say which task ended how). Its lines mostly
-carry no time of their own, so each takes the time of the last timestamped line before it in the same file (the
-first one, before any). Copies of a rank's lines in the batch output (rank 0's stdout, torch's ``[rankN]:``
-traceback lines) are dropped: the rank's own log and error file hold them.
+The ranks of a node share one log (``logs/ranks-FIRST-LAST.log``, :mod:`hpc_train.run.node_log`; older run
+folders hold a ``rank-N.log`` per rank). A record is ``%(asctime)s rankN LEVEL message``; lines without a
+timestamp (a traceback) belong to the record above, and so to its rank. The batch output joins the timeline too:
+Slurm's ``logs/slurm-*.out/err`` (rendered scripts) and submitit's ``submitit/JOB_TASK_log.err`` (where srun and
+slurmstepd say which task ended how). Its lines mostly carry no time of their own, so each takes the time of the
+last timestamped line before it in the same file (the first one, before any). Copies of a rank's lines in the
+batch output (rank 0's stdout, torch's ``[rankN]:`` traceback lines) are dropped: the rank's own log and error
+file hold them.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from hpc_train.errors import ConfigError
 from hpc_train.ops.records import open_bytes, read_text
 from hpc_train.run.files import folder_names, held_folders, parse_json, refuse_link, run_file_stat, time_value
 from hpc_train.run.loglines import RANK_RECORD
+from hpc_train.run.node_log import log_ranks
 from hpc_train.run.paths import LOGS_DIR, RANK_ERROR_GLOB, SUBMITIT_DIR, rank_error_path
 from hpc_train.terminal import ranges
 
@@ -44,7 +47,6 @@ _NOTICE = re.compile(r"(hang|straggler)\b|SIG[A-Z0-9]+ received|saved step [0-9]
 # requeue that hpc_train or the scheduler asked for, worth seeing, never a failure
 _SCHEDULER_NOTICE = re.compile(r"CANCELLED AT \S+ DUE TO (JOB REQUEUE|PREEMPTION)")
 _DIGITS = re.compile(r"[0-9]+")
-_RANK_LOG = re.compile(r"rank-([0-9]+)\.log")  # paths.RANK_LOG_GLOB's files with a rank number
 _FRAME = re.compile(r'File "([^"]+)", line ([0-9]+), in (\S+)')
 _MAX_BYTES = 64 << 20  # per file: a longer log is read from its last 64 MiB (and the view says so)
 
@@ -149,13 +151,16 @@ def _read(path: Path | str, notes: list[str]) -> str:
 
 
 def read_records(path: Path | str, source: str, rank: int | None, notes: list[str] | None = None,
-                 notable_only: bool = False) -> list[LogRecord]:
-    """The records of one file. A rank log's records start at timestamped lines; in other files every line that
-    does not start with white space is a record, timed by the last timestamp seen in the file. ``notable_only``:
-    only a rank log's records with a severity (the rest is never built)."""
+                 notable_only: bool = False, holds: range | None = None,
+                 only_rank: int | None = None) -> list[LogRecord]:
+    """The records of one file. A rank log's records (``holds``: the ranks its name says it holds; ``rank``: the
+    one rank of a one-rank log) start at timestamped lines, each from the rank its line names (its source
+    ``rankN``); in other files every line that does not start with white space is a record, timed by the last
+    timestamp seen in the file. ``notable_only``: only a rank log's records with a severity (the rest is never
+    built); ``only_rank``: only that rank's records."""
     text = _read(path, notes if notes is not None else [])
-    if rank is not None:
-        return _rank_records(text, source, rank, notable_only)
+    if holds is not None or rank is not None:
+        return _rank_records(text, source, rank, notable_only, only_rank)
     records: list[LogRecord] = []
     last_time: float | None = None
     head: dict[str, Any] | None = None
@@ -185,13 +190,23 @@ def read_records(path: Path | str, source: str, rank: int | None, notes: list[st
     return [r if r.time is not None else replace(r, time=first) for r in records]
 
 
-def _rank_records(text: str, source: str, rank: int, notable_only: bool) -> list[LogRecord]:
-    """A rank log's records: each starts at a timestamped line, the lines after it (a traceback) belong to it."""
+def _rank_records(text: str, source: str, rank: int | None, notable_only: bool,
+                  only_rank: int | None = None) -> list[LogRecord]:
+    """A rank log's records: each starts at a timestamped line naming its rank, the lines after it (a traceback)
+    belong to it. Lines before the first record are ``rank``'s (a one-rank log's), or dropped (a node's log read
+    from the middle: their rank is unknown)."""
     records: list[LogRecord] = []
-    head: tuple[float | None, int, str, str, str] | None = None  # time, rank, level, text, stamp
+    head: tuple[float | None, int | None, str, str, str] | None = None  # time, rank, level, text, stamp
     more: list[str] = []
     count = 0
     match = _RANK_RECORD.match
+    sources: dict[int | None, str] = {}
+
+    def source_of(number: int | None) -> str:
+        if (name := sources.get(number)) is None:
+            name = sources[number] = source if number is None or number == rank else f"rank{number}"
+        return name
+
     for line in [*text.splitlines(), None]:
         m = match(line) if line is not None and line[:1].isdigit() else None  # a record starts with its date
         if m and len(m[2]) > 9:  # a 5,000-digit rank is no rank: the line is text of the record above
@@ -199,9 +214,10 @@ def _rank_records(text: str, source: str, rank: int, notable_only: bool) -> list
         if line is not None and not m and head is not None:
             more.append(line)
             continue
-        if head is not None:
+        if head is not None and head[1] is not None and (only_rank is None or head[1] == only_rank):
             if not notable_only or _severity(head[2], head[3], more, head[1]):
-                records.append(LogRecord(head[0], source, head[1], head[2], head[3], tuple(more), head[4], count))
+                records.append(LogRecord(head[0], source_of(head[1]), head[1], head[2], head[3], tuple(more),
+                                         head[4], count))
             count += 1
         if line is not None:
             head, more = ((_stamp_time(m[1]), int(m[2]), m[3], m[4], m[1]) if m else (None, rank, "", line, "")), []
@@ -281,10 +297,11 @@ def _fold(records: list[LogRecord]) -> list[tuple[LogRecord, list[str]]]:
     return list(folded.values())
 
 
-def _rank_logs(logs: Path) -> list[tuple[int, str]]:
-    """(rank, name) of every ``rank-N.log``, by rank, from one listing (a ``Path`` per file costs more than
-    reading it)."""
-    return sorted((int(m[1]), name) for name in _listing(logs) if (m := _RANK_LOG.fullmatch(name)))
+def _rank_logs(logs: Path) -> list[tuple[range, str]]:
+    """(the ranks it holds, name) of every node's log (``ranks-A-B.log``) and older one-rank log (``rank-N.log``),
+    by first rank, from one listing (a ``Path`` per file costs more than reading it)."""
+    found = [(held, name) for name in _listing(logs) if (held := log_ranks(name)) is not None]
+    return sorted(found, key=lambda item: (item[0].start, item[1]))
 
 
 def merged_view(run_dir: Path, rank: int | None = None, errors_only: bool = False,
@@ -309,22 +326,24 @@ def _merged_view(run_dir: Path, rank: int | None, errors_only: bool, tail: int |
     if tail is not None and tail < 0:
         raise ConfigError("--tail", f"{tail} is negative", "give the number of records to show, like --tail 50")
     view = MergedLogs(run_dir)
-    rank_logs = [(number, name) for number, name in _rank_logs(logs) if rank is None or number == rank]
+    every_log = _rank_logs(logs)
+    rank_logs = [(held, name) for held, name in every_log if rank is None or rank in held]
     if rank is not None and not rank_logs and run_file_stat(rank_error_path(run_dir, rank)) is None:
-        ranks = ", ".join(str(number) for number, _ in sorted(_rank_logs(logs), key=lambda item: item[1]))
+        ranks = ranges(sorted({number for held, _ in every_log for number in held}))
         raise ConfigError("--rank", f"{run_dir} has no log of rank {rank}", f"pick one of: {ranks or 'none'}")
-    # (path, rank, source of its records, its name among the sources)
-    files: list[tuple[Path | str, int | None, str, str]] = [
-        (os.path.join(logs, name), number, f"rank{number}", name) for number, name in rank_logs]
+    # (path, the ranks a rank log holds, source of its records, its name among the sources)
+    files: list[tuple[Path | str, range | None, str, str]] = [
+        (os.path.join(logs, name), held, f"rank{held.start}", name) for held, name in rank_logs]
     if rank is None:  # the batch output, listed never through a link
         files += [(logs / n, None, n, n) for n in sorted(_listing(logs)) if n.startswith("slurm-")
                   and n.endswith((".out", ".err"))]
         files += [(run_dir / SUBMITIT_DIR / n, None, name, name) for n in sorted(_listing(run_dir / SUBMITIT_DIR))
                   if fnmatchcase(n, "*_log.err") for name in [f"submitit/{n.removesuffix('_log.err')}.err"]]
     records: list[LogRecord] = []
-    for path, number, source, listed in files:
-        found = read_records(path, source, number, view.notes, notable_only=errors_only)
-        records += [r for r in found if r.severity] if errors_only and number is None else found
+    for path, held, source, listed in files:
+        one = held.start if held is not None and len(held) == 1 else None  # an older one-rank log
+        found = read_records(path, source, one, view.notes, notable_only=errors_only, holds=held, only_rank=rank)
+        records += [r for r in found if r.severity] if errors_only and held is None else found
         view.sources.append(listed)
     view.errors = _rank_errors(logs, rank)
     notable = sorted((r for r in records if r.severity), key=lambda r: (r.time if r.time is not None else

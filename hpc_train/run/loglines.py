@@ -1,8 +1,9 @@
 """The log lines the login side parses, each defined once: the writer's formatter beside the reader's pattern.
 
-Ranks write these lines into ``logs/rank-N.log``; ``hpc_train.ops`` finds an attempt's part of a log, the step
-a signal saved and the ranks a hang names by reading them back. A formatter and its parser live side by side
-here (and a test formats and parses each), so that rewording a line cannot silently blind the reader.
+Ranks write these lines into their node's ``logs/ranks-FIRST-LAST.log``; ``hpc_train.ops`` finds an attempt's
+part of a rank's lines, the step a signal saved and the ranks a hang names by reading them back. A formatter and
+its parser live side by side here (and a test formats and parses each), so that rewording a line cannot silently
+blind the reader.
 """
 
 from __future__ import annotations

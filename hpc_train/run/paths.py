@@ -21,7 +21,6 @@ __all__ = [
     "PLAN_FILE",
     "PROGRAM_FILE",
     "RANK_ERROR_GLOB",
-    "RANK_LOG_GLOB",
     "RESULT_FILES",
     "SMOKE_FILE",
     "STACKS_GLOB",
@@ -34,7 +33,6 @@ __all__ = [
     "hang_marker_path",
     "rank_consequence_path",
     "rank_error_path",
-    "rank_log_path",
     "recovery_claim_path",
     "restart_notice_path",
     "restart_ready_path",
@@ -56,19 +54,13 @@ HEALTH_FILE = "health.json"  # rank 0's health checks: the findings now and when
 WANDB_DIR = "wandb"  # W&B's offline runs and logs ([monitor] wandb), for wandb sync
 WANDB_STATE_FILE = "wandb.json"  # the W&B run id and the last step sent, kept across attempts
 MODEL_FILE = "model.json"  # what export needs to know of a trained model (a Hugging Face config), by rank 0
-LOGS_DIR = "logs"  # rank logs, error files, stacks, fabric reports, Slurm's batch output
+LOGS_DIR = "logs"  # node logs (hpc_train.run.node_log), error files, stacks, fabric reports, Slurm's batch output
 CHECKPOINTS_DIR = "checkpoints"
 HEARTBEAT_DIR = "heartbeats"  # the ranks' and agents' notices to each other: hang markers, stops, restarts
 SUBMITIT_DIR = "submitit"  # submitit's pickles and the local executor's output
 FLIGHT_RECORDER_DIR = f"{LOGS_DIR}/nccl-trace"  # made with the run folder: torch writes into it, never creates it
-RANK_LOG_GLOB = "rank-*.log"
 RANK_ERROR_GLOB = "rank-*.error.json"
 STACKS_GLOB = "stacks-rank-*.txt"
-
-
-def rank_log_path(run_dir: Path, rank: int) -> Path:
-    """Each rank's own log, appended to by every attempt."""
-    return Path(run_dir) / LOGS_DIR / f"rank-{rank}.log"
 
 
 def rank_error_path(run_dir: Path, rank: int) -> Path:

@@ -270,7 +270,10 @@ class CheckpointTransaction:
             raise CheckpointError(f"sealing a checkpoint in the background failed: {self._commit_error}")
 
     def finish(self) -> None:
-        """Every rank: return once rank 0's background seal (if any) is durable; raise its error on every rank."""
+        """Every rank: return once rank 0's background seal (if any) is durable; raise its error on every rank.
+        A program that destroyed its process group first (as torchrun scripts end) has each rank wait for its own
+        files, rank 0 for the seal too, and only rank 0 raises its error: there is no group left to tell the
+        others through (rank 0's seal needs no collective, only every rank's written marker)."""
         self.files.drain()
         status = None
         if self.manager:
@@ -279,7 +282,8 @@ class CheckpointTransaction:
                 self.manager.wait()
             except CheckpointError as error:
                 status = Refusal(str(error), False)
-        status = broadcast(status)
+        if dist.is_initialized():
+            status = broadcast(status)
         if isinstance(status, Refusal):
             raise status.error()
 

@@ -32,12 +32,12 @@ from hpc_train.run.files import (
     parse_json,
     read_record_text,
 )
+from hpc_train.run.node_log import node_log_path, split_by_rank
 from hpc_train.run.paths import (
     LOGS_DIR,
     RANK_ERROR_GLOB,
     SUBMITIT_DIR,
     follower_cancel_path,
-    rank_log_path,
 )
 from hpc_train.slurm.cancel_policy import CancelDecision, decide_cancel, failures_since, read_facts
 from hpc_train.slurm.jobstate import SlurmQueryError, query_states
@@ -50,23 +50,36 @@ _CLOCK_SLACK_S = 30.0
 
 
 class LogTail:
-    """New lines of a growing file, read from where the last call stopped."""
+    """New lines of a growing file, read from where the last call stopped; with ``rank``, only that rank's
+    records of a node's log (a record's lines after its first belong to the rank its first line names)."""
 
-    def __init__(self, path: Path, offset: int = 0) -> None:
+    def __init__(self, path: Path, offset: int = 0, rank: int | None = None) -> None:
         self.path = path
         self.offset = offset
+        self.rank = rank
+        self._owner: int | None = None  # the rank of the last record seen: its next lines are that rank's
 
     def new_lines(self) -> list[str]:
-        """What was appended since the last call (at most MAX_RECORD_FILE a poll), never through a link (``logs/``
-        or the log a link: another place's file), never blocking on a FIFO; control characters shown escaped."""
+        """What was appended since the last call (at most MAX_RECORD_FILE a poll, whole lines: a record being
+        written is read at the next poll), never through a link (``logs/`` or the log a link: another place's
+        file), never blocking on a FIFO; control characters shown escaped."""
         try:
             with open_record(self.path) as handle:
                 handle.seek(self.offset)
                 data = handle.read(MAX_RECORD_FILE)
-                self.offset = handle.tell()
         except OSError:
             return []
-        return [plain(line) for line in data.decode("utf-8", errors="replace").splitlines()]
+        end = data.rfind(b"\n") + 1
+        if end == 0 and len(data) < MAX_RECORD_FILE:
+            return []  # not one whole line yet
+        data = data[:end or len(data)]
+        self.offset += len(data)
+        lines = data.decode("utf-8", errors="replace").splitlines()
+        if self.rank is not None:
+            owned = list(split_by_rank(lines, self._owner))
+            self._owner = owned[-1][0] if owned else self._owner
+            lines = [line for owner, line in owned if owner == self.rank]
+        return [plain(line) for line in lines]
 
 
 class ErrorRecords:
@@ -142,9 +155,10 @@ class FollowedJob:
     first_failure_at: float | None = None  # monotonic: when a rank's failure was first seen
     tail: LogTail = field(init=False)
     errors: ErrorRecords = field(init=False)
+    tasks_per_node: int = 1  # the plan's: rank 0's lines are in the log of the layout's first node
 
     def __post_init__(self) -> None:
-        self.tail = LogTail(rank_log_path(self.run_dir, 0), self.log_offset)
+        self.tail = LogTail(node_log_path(self.run_dir, 0, self.tasks_per_node), self.log_offset, rank=0)
         self.errors = ErrorRecords(self.run_dir)
 
     chained: str = ""  # the job of a dependency chain that now carries the run (hpc_train.run.chain)

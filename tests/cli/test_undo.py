@@ -21,11 +21,11 @@ def test_new_folders_go_and_an_existing_one_is_restored(tmp_path: Path) -> None:
     (kept / "train.json").unlink()
     (kept / "submitit").mkdir()
     (kept / "submitit" / "job.pkl").write_bytes(b"pickle")
-    (kept / "logs" / "rank-0.log").write_text("x")
+    (kept / "logs" / "ranks-0-0.log").write_text("x")
     undo.roll_back()
     assert not new.exists()
     assert (kept / "plan.json").read_text() == "old plan" and (kept / "train.json").read_text() == "an earlier result"
-    assert not (kept / "submitit").exists() and not (kept / "logs" / "rank-0.log").exists()
+    assert not (kept / "submitit").exists() and not (kept / "logs" / "ranks-0-0.log").exists()
     assert (kept / "checkpoints" / "step-00000001").is_dir()
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from hpc_train.run.node_log import rank_log_text
 from tests.conftest import REPO, torchrun
 
 pytestmark = pytest.mark.slow
@@ -45,8 +46,8 @@ def test_unmodified_library_scripts_on_the_local_executor_end_with_torchrun_s_we
     for key, process in processes.items():
         assert process.returncode == 0, f"{key}:\n{outputs[key][-4000:]}"
     for lib in LIBS:
-        assert "completed" in outputs[lib, "hpc_train"] and "rank 1/2" in (
-            tmp_path / f"{lib}-hpc_train" / "runs" / _job_name(lib) / "logs" / "rank-1.log").read_text()
+        assert "completed" in outputs[lib, "hpc_train"] and "rank 1/2" in rank_log_text(
+            tmp_path / f"{lib}-hpc_train" / "runs" / _job_name(lib), 1)
         reference = torch.load(tmp_path / f"{lib}-torchrun" / "weights.pt", weights_only=True)
         ours = torch.load(tmp_path / f"{lib}-hpc_train" / "weights.pt", weights_only=True)
         assert reference.keys() == ours.keys()

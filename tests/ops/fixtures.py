@@ -9,6 +9,7 @@ from datetime import datetime
 from pathlib import Path
 
 from hpc_train.ops.scheduler import SlurmRecord, StepRecord
+from hpc_train.run.node_log import node_log_name
 
 T0 = datetime(2026, 11, 30, 3, 15, 30).timestamp()
 GLOO_CLOSED = ("RuntimeError('[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection "
@@ -59,8 +60,9 @@ class Rank:
 
 
 def write_rank(run_dir: Path, job: str, rank: Rank, world: int = 2, nodes: int = 2, restart: int = 0,
-               host: str = "vm", launcher: str = "srun", start_at: float = 0.0) -> None:
-    """Append one attempt of ``rank`` to its log (as launch.py writes it) and write its error / stacks files."""
+               host: str = "vm", launcher: str = "srun", start_at: float = 0.0, one_rank_log: bool = False) -> None:
+    """Append one attempt of ``rank`` to its node's log (as launch.py writes it; ``one_rank_log``: to
+    ``rank-N.log``, as older versions did) and write its error / stacks files."""
     logs = run_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     lines = [f"{stamp(start_at)} rank{rank.rank} INFO start: {launcher} rank {rank.rank}/{world} (local 0/1, node "
@@ -72,7 +74,8 @@ def write_rank(run_dir: Path, job: str, rank: Rank, world: int = 2, nodes: int =
         lines.append(f"{stamp(at)} rank{rank.rank} ERROR failed:\n{rank.traceback}")
         report = {"rank": rank.rank, "host": host, "time": T0 + at, "error": rank.error, "traceback": rank.traceback}
         (logs / f"rank-{rank.rank}.error.json").write_text(json.dumps(report, indent=2) + "\n")
-    with open(logs / f"rank-{rank.rank}.log", "a", encoding="utf-8") as out:
+    name = f"rank-{rank.rank}.log" if one_rank_log else node_log_name(rank.rank, max(1, world // max(1, nodes)))
+    with open(logs / name, "a", encoding="utf-8") as out:
         out.write("\n".join(lines) + "\n")
     if rank.stacks:
         (logs / f"stacks-rank-{rank.rank}.txt").write_text(rank.stacks)

@@ -144,11 +144,11 @@ def test_a_logs_folder_that_is_a_link_is_refused_and_its_files_never_shown(run_d
 def test_a_linked_rank_log_or_error_record_is_not_read(run_dir: Path, tmp_path: Path) -> None:
     (tmp_path / "secret.log").write_text(f"{stamp(1)} rank0 ERROR SECRET\n")
     (tmp_path / "secret.json").write_text(json.dumps({"rank": 0, "error": "SECRET", "time": 1.0}))
-    for name, target in (("rank-0.log", "secret.log"), ("rank-0.error.json", "secret.json")):
+    for name, target in (("ranks-0-0.log", "secret.log"), ("rank-0.error.json", "secret.json")):
         (run_dir / "logs" / name).unlink()
         (run_dir / "logs" / name).symlink_to(tmp_path / target)
     text = format_text(merged_view(run_dir))
-    assert "SECRET" not in text and "rank-0.log: not read" in text
+    assert "SECRET" not in text and "ranks-0-0.log: not read" in text
 
 
 @pytest.mark.parametrize("when", ["1e308", "1" + "0" * 400, "NaN", '"noon"', "-1e308"])
@@ -161,8 +161,50 @@ def test_an_error_record_time_out_of_range_is_no_time_or_a_skipped_record(run_di
 
 
 def test_a_5000_digit_rank_in_a_log_line_is_text_not_a_record(run_dir: Path) -> None:
-    with open(run_dir / "logs" / "rank-0.log", "a") as out:
+    with open(run_dir / "logs" / "ranks-0-0.log", "a") as out:
         out.write(f"{stamp(9)} rank{'9' * 5000} ERROR boom\n")
     view = merged_view(run_dir)
     assert not any(r.rank is not None and r.rank > 10 for r in view.timeline)
     assert any("boom" in line for r in view.timeline for line in r.more)
+
+
+# -- issue 38: one log per node, each line naming its rank ---------------------------------------------------
+
+
+@pytest.fixture
+def node_run(tmp_path: Path) -> Path:
+    """Two nodes of two ranks: ranks 0-1 in ``ranks-0-1.log``, ranks 2-3 in ``ranks-2-3.log``, their records
+    interleaved in time as the ranks of a node write them; rank 3 raised."""
+    run = tmp_path / "runs" / "nodes"
+    for rank in range(4):
+        lines = [(1.0 + rank / 10, "INFO", f"step=10/300 from rank {rank}")]
+        failed = {"error": RAISED, "traceback": user_traceback(), "error_at": 5.0} if rank == 3 else {}
+        write_rank(run, "580", Rank(rank, rank // 2, lines, **failed), world=4, nodes=2, start_at=rank / 100)
+    return run
+
+
+def test_a_node_log_gives_each_record_its_own_rank(node_run: Path) -> None:
+    names = sorted(p.name for p in (node_run / "logs").iterdir() if p.name.endswith(".log"))
+    assert names == ["ranks-0-1.log", "ranks-2-3.log"]
+    view = merged_view(node_run)
+    assert {(r.source, r.rank) for r in view.timeline} == {(f"rank{n}", n) for n in range(4)}
+    assert all(f"from rank {r.rank}" in r.text for r in view.timeline if r.text.startswith("step=10"))
+    failed = next(r for r in view.timeline if r.level == "ERROR")
+    assert failed.rank == 3 and failed.more[0] == "Traceback (most recent call last):"  # the traceback is rank 3's
+    assert [e.rank for e in view.errors] == [3]
+
+
+def test_one_rank_of_a_node_log_and_a_rank_that_is_not_there(node_run: Path, tmp_path: Path) -> None:
+    only = merged_view(node_run, rank=2)
+    assert {r.rank for r in only.timeline} == {2} and len(only.timeline) == 2
+    assert only.sources == ["ranks-2-3.log"]
+    with pytest.raises(ConfigError, match=r"pick one of: 0-3"):
+        merged_view(node_run, rank=7)
+
+
+def test_an_older_one_rank_log_beside_node_logs_is_still_read(node_run: Path) -> None:
+    write_rank(node_run, "579", Rank(1, 0, [(0.5, "INFO", "an older version's line")]), world=4, nodes=2,
+               one_rank_log=True)
+    ranks_1 = merged_view(node_run, rank=1)
+    assert any("an older version's line" in r.text for r in ranks_1.timeline)
+    assert {r.rank for r in ranks_1.timeline} == {1} and ranks_1.sources == ["ranks-0-1.log", "rank-1.log"]

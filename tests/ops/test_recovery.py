@@ -237,15 +237,17 @@ def _start(rank: int, restart: int) -> str:
 
 def test_the_look_back_reads_only_the_ranks_that_left_a_record(tmp_path: Path,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    """O(failed ranks): of 200 ranks' logs, only the one rank with an error record is read, and its GPU fault
-    still excludes its node, though the rank has moved its record aside and logged this attempt's start line
-    before rank 0 looked (as every rank of the requeued attempt does as it starts)."""
+    """O(failed ranks): of 50 nodes' logs (200 ranks), only the log of the one rank with an error record is read,
+    and its GPU fault still excludes its node, though the rank has moved its record aside and logged this
+    attempt's start line before rank 0 looked (as every rank of the requeued attempt does as it starts)."""
     from hpc_train.ops import evidence
     from hpc_train.run.error_records import keep_aside, ranks_with_records
 
     run_dir = _run_dir(tmp_path)
-    for rank in range(200):
-        (run_dir / "logs" / f"rank-{rank}.log").write_text(_start(rank, 0) + _start(rank, 1))
+    for node in range(50):  # four ranks to a node's log
+        (run_dir / "logs" / f"ranks-{4 * node}-{4 * node + 3}.log").write_text("".join(
+            _start(rank, 0) for rank in range(4 * node, 4 * node + 4)) + "".join(
+            _start(rank, 1) for rank in range(4 * node, 4 * node + 4)))
     (run_dir / "logs" / "rank-3.error.json").write_text(json.dumps(
         {"rank": 3, "host": "gpu017", "time": 1.0, "error": "RuntimeError('CUDA error')", "traceback": ECC_ERROR,
          "job_id": "77", "restart": 0}))
@@ -256,6 +258,6 @@ def test_the_look_back_reads_only_the_ranks_that_left_a_record(tmp_path: Path,
     failed = _sacct(("FAILED", "gpu017", "2026-11-30T03:20:46"), ("RUNNING", "n1", "2026-11-30T03:21:06"))
     result = look_back(run_dir, "77", 1, RetryPolicy(), ["n1"], lambda _: None, run=FakeSlurm(
         {"sacct --noheader": failed}), failed_ranks=ranks_with_records(run_dir))
-    assert [name for name in read if name.startswith("rank-")] == ["rank-3.log"]
+    assert [name for name in read if name.startswith("ranks-")] == ["ranks-0-3.log"]
     assert result.failure_class == "infrastructure", result
     assert [e.node for e in read_exclusions(run_dir)] == ["gpu017"]

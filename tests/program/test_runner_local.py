@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from hpc_train.run.node_log import rank_log_text
 from hpc_train.run.watch import last_logged_step, local_rank_pid
 from tests.conftest import REPO, torchrun
 
@@ -89,7 +90,7 @@ def test_an_unmodified_ddp_script_ends_with_torchrun_s_weights(tmp_path: Path) -
     a, b = torch.load(ours, weights_only=True), torch.load(theirs, weights_only=True)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     run_dir = tmp_path / "runs" / "ddp-cnn"
-    rank0 = (run_dir / "logs" / "rank-0.log").read_text()
+    rank0 = rank_log_text(run_dir, 0)
     assert "epoch 1: mean loss" in rank0  # the script's prints are in the log the login node follows
     assert [a["outcome"] for a in attempts(run_dir)] == ["completed"]
     assert (run_dir / "program.json").exists()
@@ -180,5 +181,6 @@ def test_a_script_that_never_asks_is_requeued_and_resumes_from_its_own_state(tmp
     runs = attempts(run_dir)
     assert [a["outcome"] for a in runs] == ["preempted", "completed"], runs
     assert runs[0]["requeued"] and "did not ask should_stop()" in str(runs[0]["note"])
-    assert "did not ask should_stop() within 10 s" in (run_dir / "logs" / "rank-0.log").read_text()  # lead 60 / 6
-    assert "finished at 150" in (run_dir / "logs" / "rank-0.log").read_text()
+    log = rank_log_text(run_dir, 0)
+    assert "did not ask should_stop() within 10 s" in log  # lead 60 / 6
+    assert "finished at 150" in log

@@ -31,7 +31,7 @@ def test_one_listing_names_the_ranks_with_a_record_kept_or_not_yet(tmp_path: Pat
         _record(tmp_path, rank)
     keep_aside(tmp_path, 0)
     _record(tmp_path, 12)
-    for other in ("rank-3.log", "stacks-rank-4.txt", "rank-5.consequence.json", "rank-x.error.json",
+    for other in ("ranks-2-3.log", "rank-3.log", "stacks-rank-4.txt", "rank-5.consequence.json", "rank-x.error.json",
                   "prev-rank-y.error.json", "rank-99999999999999.error.json"):
         (tmp_path / "logs" / other).write_text("")
     assert ranks_with_records(tmp_path) == [0, 7, 12]
@@ -53,7 +53,7 @@ def test_rank_0_removes_the_kept_records_and_nothing_of_this_attempt(tmp_path: P
         _record(tmp_path, rank, job_id="77", restart=0)
         keep_aside(tmp_path, rank)
     fresh = _record(tmp_path, 2, job_id="77", restart=1)  # a rank of this attempt failed already
-    (tmp_path / "logs" / "rank-2.log").write_text("")
+    (tmp_path / "logs" / "ranks-2-3.log").write_text("")  # its node's log
     assert clear_kept(tmp_path) == 2
-    assert sorted(os.listdir(tmp_path / "logs")) == ["rank-2.error.json", "rank-2.log"]
+    assert sorted(os.listdir(tmp_path / "logs")) == ["rank-2.error.json", "ranks-2-3.log"]
     assert json.loads(fresh.read_text())["restart"] == 1

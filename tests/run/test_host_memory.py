@@ -17,6 +17,7 @@ from hpc_train.ops.evidence import RankReport
 from hpc_train.ops.signal_deaths import oom_peaks
 from hpc_train.run.host_memory import memory_cgroup, memory_peak, oom_kills
 from hpc_train.run.loglines import parse_host_oom
+from hpc_train.run.node_log import rank_log_text
 
 LIMIT = 160 * 2**20
 
@@ -82,7 +83,7 @@ def test_an_out_of_memory_kill_is_not_restarted_and_its_peak_is_said(tmp_path: P
     assert agent.returncode == -9, agent.stdout + agent.stderr  # it leaves as its rank died, for srun to say
     assert kills >= 1
     assert (tmp_path / "lives.txt").read_text().split() == ["0"]  # retry.in_place = 2 left, none used
-    log = (tmp_path / "logs" / "rank-0.log").read_text()
+    log = rank_log_text(tmp_path, 0)
     said = [found for line in log.splitlines() if (found := parse_host_oom(line))]
     assert len(said) == 1, log
     rank, process_gib, cgroup_gib, limit_gib = said[0]

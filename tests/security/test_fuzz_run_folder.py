@@ -82,8 +82,8 @@ LOG_LINES = [
     lambda: "\x00\xff\ud800 not text",
 ]
 # What a planted link may replace: files and folders at every depth below the run folder.
-LINKABLE = ["logs", "checkpoints", "submitit", "heartbeats", "logs/nccl-trace", "logs/rank-0.log",
-            "logs/rank-1.log", "logs/rank-1.error.json", "logs/slurm-4242.err", "checkpoints/latest",
+LINKABLE = ["logs", "checkpoints", "submitit", "heartbeats", "logs/nccl-trace", "logs/ranks-0-0.log",
+            "logs/ranks-1-1.log", "logs/rank-1.error.json", "logs/slurm-4242.err", "checkpoints/latest",
             "submitit/4242_0_log.err", "attempts.jsonl", "metrics.jsonl", "plan.json", "health.json",
             "excluded_nodes.json", "logs/follower-cancel.json", f"heartbeats/recovery-{JOB}.0"]
 

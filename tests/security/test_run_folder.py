@@ -115,7 +115,7 @@ def _display_cases() -> list[Case]:
         _shown("status-plan-deep", {"plan.json": "[" * 100_000 + "]" * 100_000}, expect=(0, 2)),
         _shown("status-plan-binary", {"plan.json": b"\xff\xfe{"}, expect=(0, 2)),
         _shown("status-metrics-garbage", {"metrics.jsonl": '{"step": "[/]", "loss": "nan"}\n{"step": 1e999}\n'}),
-        _shown("logs-rank-log-esc", {"logs/rank-0.log": f"2024-01-01 00:00:00,000 rank0 INFO hi {ESC}\n"},
+        _shown("logs-rank-log-esc", {"logs/ranks-0-1.log": f"2024-01-01 00:00:00,000 rank0 INFO hi {ESC}\n"},
                "logs", "@RUN@", no_escapes=True),
         _shown("logs-slurm-file-name-esc", {f"logs/slurm-1{ESC}.out": "hello\n"}, "logs", "@RUN@", no_escapes=True),
         _shown("logs-error-json-deep", {"logs/rank-0.error.json": "[" * 100_000 + "]" * 100_000}, "logs", "@RUN@",
@@ -135,7 +135,7 @@ def _display_cases() -> list[Case]:
 
 def _fifo_log(world: World) -> None:
     _folder({})(world)
-    os.mkfifo(world.run_dir / "logs" / "rank-0.log")
+    os.mkfifo(world.run_dir / "logs" / "ranks-0-0.log")
 
 
 CASES = [*_attempt_cases(), *_exclusion_cases(), *_display_cases()]

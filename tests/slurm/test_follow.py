@@ -35,7 +35,7 @@ def run(tmp_path: Path) -> Path:
     (folder / "logs").mkdir(parents=True)
     other = tmp_path / "other"
     other.mkdir()
-    (other / "rank-0.log").write_text("SECRET line\n")
+    (other / "ranks-0-0.log").write_text("2026-01-01 00:00:00,000 rank0 INFO SECRET line\n")
     (other / "rank-0.error.json").write_text(json.dumps({"rank": 0, "time": T0 + 1, "error": "SECRET"}))
     (other / "slurm-7.err").write_text("SECRET batch\n")
     return folder
@@ -52,7 +52,7 @@ def test_a_logs_folder_that_is_a_link_gives_the_follower_nothing(run: Path) -> N
 def test_linked_files_and_a_fifo_are_skipped_without_waiting(run: Path) -> None:
     for name in ("rank-0.error.json", "slurm-7.err"):
         (run / "logs" / name).symlink_to(run.parent / "other" / name)
-    os.mkfifo(run / "logs" / "rank-0.log")
+    os.mkfifo(run / "logs" / "ranks-0-0.log")
     job = _job(run)
     start = time.monotonic()
     assert job.tail.new_lines() == [] and job.rank_errors() == []
@@ -60,8 +60,28 @@ def test_linked_files_and_a_fifo_are_skipped_without_waiting(run: Path) -> None:
 
 
 def test_the_tailed_log_shows_escapes_as_text(run: Path) -> None:
-    (run / "logs" / "rank-0.log").write_text("step 1 \x1b[2J\x1b]0;retitled\x07\n")
-    assert "\x1b" not in "".join(_job(run).tail.new_lines())
+    record = "2026-01-01 00:00:00,000 rank0 INFO step 1 \x1b[2J\x1b]0;retitled\x07\n"
+    (run / "logs" / "ranks-0-0.log").write_text(record)
+    lines = _job(run).tail.new_lines()
+    assert "step 1" in "".join(lines) and "\x1b" not in "".join(lines)
+
+
+def test_the_follower_shows_rank_0_s_records_of_its_node_s_log_and_whole_lines_only(run: Path) -> None:
+    """Rank 0's lines, a traceback under its record included, never rank 1's; a record being written waits for
+    the next poll."""
+    log = run / "logs" / "ranks-0-1.log"
+    log.write_text("2026-01-01 00:00:00,000 rank0 INFO start\n2026-01-01 00:00:00,100 rank1 ERROR boom\n"
+                   "Traceback (most recent call last):\n  rank 1's frame\n"
+                   "2026-01-01 00:00:01,000 rank0 ERROR failed\nTraceback (most recent call last):\n")
+    job = follow.FollowedJob(type("Job", (), {"job_id": "7"})(), run, submitted_at=T0, tasks_per_node=2)
+    assert job.tail.new_lines() == ["2026-01-01 00:00:00,000 rank0 INFO start",
+                                    "2026-01-01 00:00:01,000 rank0 ERROR failed", "Traceback (most recent call last):"]
+    with open(log, "a") as out:
+        out.write("  rank 0's frame\n2026-01-01 00:00:02,000 rank1 INFO still here\n2026-01-01 00:00:03,000 rank0 IN")
+    assert job.tail.new_lines() == ["  rank 0's frame"]
+    with open(log, "a") as out:
+        out.write("FO done\n")
+    assert job.tail.new_lines() == ["2026-01-01 00:00:03,000 rank0 INFO done"]
 
 
 @pytest.mark.parametrize("record", [{"rank": "x", "time": T0 + 1}, {"rank": "[/]", "time": T0 + 1},

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from hpc_train.run.node_log import log_ranks, rank_log_text
 from hpc_train.run.procs import environment, processes
 from hpc_train.run.watch import last_logged_step
 from tests.conftest import REPO, exported
@@ -59,7 +60,8 @@ def _state(job_id: str) -> str:
 
 
 def _logs(run_dir: Path) -> str:
-    parts = [p.read_text(errors="replace")[-3000:] for p in sorted((run_dir / "logs").glob("rank-*.log"))]
+    parts = [p.read_text(errors="replace")[-3000:] for p in sorted((run_dir / "logs").glob("rank*.log"))
+             if log_ranks(p.name) is not None]  # each node's log (and any one-rank log of an older version)
     attempts = run_dir / "attempts.jsonl"
     return "\n".join([*parts, attempts.read_text() if attempts.exists() else "no attempts.jsonl"])
 
@@ -212,7 +214,7 @@ def test_a_rank_killed_at_a_random_step_restarts_inside_the_same_job(uninterrupt
     rows = subprocess.run(["sacct", "-n", "-P", "-X", "-D", "-j", job_id, "-o", "State"], capture_output=True,
                           text=True, timeout=30, check=True).stdout.split()
     assert rows == ["COMPLETED"], rows  # never requeued: one allocation from start to end
-    assert "in-place restart 1 of 2 (retry.in_place): killed" in (run_dir / "logs" / "rank-0.log").read_text()
+    assert "in-place restart 1 of 2 (retry.in_place): killed" in rank_log_text(run_dir, 0)
     _assert_same(_exported(run_dir, tmp_path / "weights.pt"), uninterrupted, run_dir)
 
 
@@ -368,9 +370,9 @@ def test_where_requeue_is_forbidden_a_job_that_landed_on_an_excluded_node_hands_
     nodes = subprocess.run(["sacct", "-n", "-P", "-X", "-j", second, "-o", "NodeList"], capture_output=True,
                            text=True, timeout=30, check=True).stdout.split()
     assert nodes == ["n[2-3]"], nodes
-    rank1 = (run_dir / "logs" / "rank-1.log").read_text()
+    rank1 = rank_log_text(run_dir, 1)
     assert f"ending rank 1: this job's run goes on as job {second}" in rank1, rank1[-3000:]
-    assert f"landed on excluded node(s) n1: submitted job {second}" in (run_dir / "logs" / "rank-0.log").read_text()
+    assert f"landed on excluded node(s) n1: submitted job {second}" in rank_log_text(run_dir, 0)
     status = subprocess.run([sys.executable, "-m", "hpc_train", "status", str(run_dir), "--json"], cwd=tmp_path,
                             capture_output=True, text=True, timeout=60, check=True)
     (run,) = json.loads(status.stdout)["runs"]
@@ -431,7 +433,7 @@ def test_a_lost_node_is_replaced_by_a_hot_spare_inside_the_same_job(uninterrupte
     assert assignment["nodes"] == ["n1", "n3"] and assignment["lost"] == ["n2"], assignment
     excluded = json.loads((run_dir / "excluded_nodes.json").read_text())
     assert [entry["node"] for entry in excluded["nodes"]] == ["n2"], excluded
-    log = (run_dir / "logs" / "rank-0.log").read_text()
+    log = rank_log_text(run_dir, 0)
     assert "ranks on n1,n3 (spare n3 for lost n2)" in log, log[-3000:]
     _assert_same(_exported(run_dir, tmp_path / "weights.pt"), uninterrupted, run_dir)
 
@@ -453,7 +455,7 @@ def test_with_no_spare_left_a_lost_node_s_job_goes_on_at_half_the_size(uninterru
     assert assignment["nodes"] == ["n1"] and assignment["lost"] == ["n2"], assignment
     excluded = json.loads((run_dir / "excluded_nodes.json").read_text())
     assert [entry["node"] for entry in excluded["nodes"]] == ["n2"], excluded
-    log = (run_dir / "logs" / "rank-0.log").read_text()
+    log = rank_log_text(run_dir, 0)
     assert ("ranks on n1 (retry.shrink: 2 -> 1 nodes without lost n2; data parallel 2 -> 1, grad_accum 1 -> 2, "
             "global batch kept)") in log, log[-3000:]
     assert "start: srun rank 0/1" in log and "universal" in log, log[-3000:]

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from hpc_train.run.node_log import rank_log_text
 from tests.conftest import REPO, torchrun
 from tests.program.test_runner_local import OWN_LOOP, attempts, final_model
 from tests.slurm.test_preemption_e2e import _state, _wait_for_step, _wait_until_completed
@@ -58,9 +59,9 @@ def test_a_ddp_script_through_the_sbatch_templates_ends_with_torchrun_s_weights(
     while _state(job_id) not in {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"}:
         assert time.monotonic() < deadline, f"job {job_id} did not end"
         time.sleep(1)
-    log = (run_dir / "logs" / "rank-0.log").read_text()
+    log = rank_log_text(run_dir, 0)
     assert _state(job_id) == "COMPLETED", log[-3000:]
-    assert "node 1/2" in (run_dir / "logs" / "rank-1.log").read_text()  # really on the second node
+    assert "node 1/2" in rank_log_text(run_dir, 1)  # really on the second node
     assert "epoch 1: mean loss" in log
     ours = torch.load(out, weights_only=True)
     assert all(torch.equal(ours[k], torchrun_weights[k]) for k in torchrun_weights)

@@ -21,6 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from hpc_train.run.node_log import rank_log_text
 from hpc_train.train.breakdown import PHASES, StepBreakdown
 from tests.train.gloo_ranks import two_gloo_ranks
 
@@ -77,7 +78,7 @@ def _data_shares(tmp_path: Path, *overrides: str) -> tuple[list[float], list[dic
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     assert "data=" in result.stdout and "fwd=" in result.stdout  # the progress line shows the shares
     run_dir = tmp_path / "runs" / "slow"
-    log = (run_dir / "logs" / "rank-0.log").read_text()
+    log = rank_log_text(run_dir, 0)
     assert re.search(r"trained steps 1-12: loss [0-9.]+\n", log) and "eval loss" not in log  # evaluation is off
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     findings = json.loads((run_dir / "health.json").read_text())["findings"] if (run_dir / "health.json").exists() \

@@ -21,6 +21,7 @@ from typing import TypeVar
 import pytest
 
 from hpc_train.ckpt.manager import CheckpointManager, inspect_checkpoint
+from hpc_train.run.node_log import rank_log_text
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.slow
@@ -171,6 +172,6 @@ def test_bit_flipped_newest_checkpoint_is_skipped_with_a_warning(uninterrupted: 
     assert _losses(run_dir) == {step: losses[step] for step in range(KILLED_STEP + 1, STEPS + 1)}
     # The manager warns through logging: today that reaches only rank 0's stderr file (submitit's), so look there
     # and wherever else it may be routed later.
-    files = [*(run_dir / "submitit").glob("*_0_log.err"), *(run_dir / "logs").glob("rank-0*.log")]
-    said = result.stdout + "".join(path.read_text() for path in files)
+    files = list((run_dir / "submitit").glob("*_0_log.err"))
+    said = result.stdout + "".join(path.read_text() for path in files) + rank_log_text(run_dir, 0)
     assert f"step-{STEPS:08d} skipped: state/{SHARDS[1]} is corrupt: sha256 differs" in said

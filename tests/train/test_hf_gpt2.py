@@ -18,6 +18,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from hpc_train.run.node_log import rank_log_text
 from hpc_train.run.watch import local_rank_pid
 from tests.conftest import REPO, exported
 from tests.train.signals import attempts as _attempts
@@ -132,7 +133,7 @@ def test_stopped_without_requeue_and_resumed_on_another_data_parallel_size_the_n
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step-{end:08d}"
     assert process.returncode != 0 and f"stopped after SIGUSR2 and saved step {end}" in output, output[-3000:]
     assert "Run the same command again to resume" in output
-    assert f"stopped after step {end} on SIGUSR2" in (run_dir / "logs" / "rank-0.log").read_text()
+    assert f"stopped after step {end} on SIGUSR2" in rank_log_text(run_dir, 0)
     _finished(_submit(tmp_path, tokens, "--set", "train.micro_batch=16", "--set", "job.tasks_per_node=1"))
     second = _attempts(run_dir)[-1]
     assert second["start_step"] == end and second["end_step"] == STEPS, second

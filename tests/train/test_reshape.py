@@ -26,6 +26,7 @@ import pytest
 from hpc_train.ckpt import CheckpointManager, inspect_checkpoint
 from hpc_train.ckpt.universal import CACHE_NAME, cached_copy, clear_cache, compare_layouts, convert_to_universal
 from hpc_train.errors import ConfigError
+from hpc_train.run.node_log import rank_log_text
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.slow
@@ -87,7 +88,7 @@ def test_resume_on_another_rank_count_follows_the_uninterrupted_run(trained: Tra
     copy = work / "runs" / "tiny-gpt"
     result = _submit(work, f"zero.stage={stage}", f"job.tasks_per_node={ranks}", batch)  # global batch stays 16
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    said = [line for line in (copy / "logs" / "rank-0.log").read_text().splitlines() if "universal" in line]
+    said = [line for line in rank_log_text(copy, 0).splitlines() if "universal" in line]
     assert len(said) == 1, said
     assert (f"checkpoint {STEP_4} was saved by 2 ranks (data 2); converting to a universal checkpoint for "
             f"{ranks} rank{'s' if ranks > 1 else ''} (data {ranks})") in said[0]

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from hpc_train.run.node_log import rank_log_text
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.slow
@@ -80,7 +81,7 @@ def test_a_damaged_newest_checkpoint_falls_back(trained: tuple[Path, dict[int, f
     (copy / "checkpoints" / "latest").write_text("step-00000008\n")
     result = _run(work)
     assert "resumed from step 4" in result.stdout
-    # The reason reaches the console of submit and the rank-0 log, not only the rank's stderr.
+    # The reason reaches the console of submit and rank 0's log, not only the rank's stderr.
     warning = f"warning: checkpoint {copy / 'checkpoints' / 'step-00000008'} skipped"
-    assert warning in result.stdout and warning in (copy / "logs" / "rank-0.log").read_text()
+    assert warning in result.stdout and warning in rank_log_text(copy, 0)
     assert _losses(copy / "metrics.jsonl") == uninterrupted

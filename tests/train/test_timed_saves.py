@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from hpc_train.run.node_log import rank_log_text
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.slow
@@ -34,7 +35,7 @@ def _run(tmp_path: Path, fault: str) -> tuple[list[tuple[int, float, float]], li
                              *args], cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     run_dir = tmp_path / "runs" / "tiny-gpt"
-    log = (run_dir / "logs" / "rank-0.log").read_text()
+    log = rank_log_text(run_dir, 0)
     assert 'checkpoint cadence: a save now, to time one (checkpoint.every_minutes = "auto")' in log
     decisions = [(int(steps), float(seconds), float(cost)) for steps, seconds, cost in DECISION.findall(log)]
     saved = sorted(int(p.name.removeprefix("step-")) for p in (run_dir / "checkpoints").glob("step-*"))

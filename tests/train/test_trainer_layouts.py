@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from hpc_train.run.node_log import rank_log_text
 from hpc_train.train.precision import decide_precision
 from tests.conftest import REPO
 
@@ -77,7 +78,7 @@ def test_loss_falls_on_the_shipped_corpus(tmp_path: Path) -> None:
     expected, _ = decide_precision("auto", cuda=False, cuda_bf16=False, cpuinfo=Path("/proc/cpuinfo").read_text(),
                                    hidden=128)  # the tiny preset
     assert json.loads((run_dir / "train.json").read_text())["precision"] == expected
-    assert f"precision: auto -> {expected} (" in (run_dir / "logs" / "rank-0.log").read_text()
+    assert f"precision: auto -> {expected} (" in rank_log_text(run_dir, 0)
 
 
 def test_bf16_trains_on_any_cpu(tmp_path: Path) -> None:
