@@ -3,8 +3,9 @@
     .venv/bin/python benchmarks/control_plane.py [--section login] [--ranks 1024 4096 16384] [--runs 3] [--smoke]
 
 Section ``login``: a synthetic run folder per rank count, written with the project's own writers (the run folder
-by ``run.folder.prepare_run_folder``, each rank's log lines through ``run.loglines``' formats and its
-``rank-N.error.json`` by ``launch._record_failure``, as a failing rank writes them; ``attempts.jsonl`` by
+by ``run.folder.prepare_run_folder``, each rank's log lines through ``run.loglines``' formats into its node's
+log (``run.node_log``, 4 ranks a node) and its ``rank-N.error.json`` by ``launch._record_failure``, as a failing
+rank writes them; ``attempts.jsonl`` by
 ``run.attempts.AttemptLog``), where EVERY rank wrote an error: one NCCL "unhandled system error" on one rank, then
 every other rank's "peer gone" consequence (an aborted communicator, ncclRemoteError). Each command then runs in a
 fresh interpreter, as a user would run it, and the row gives its wall seconds (median of ``--runs``) and its peak

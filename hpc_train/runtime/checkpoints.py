@@ -30,6 +30,7 @@ from hpc_train.errors import ConfigError
 from hpc_train.run.attempts import AttemptLog, measured_save_s
 from hpc_train.run.files import open_record
 from hpc_train.runtime.cadence import PROBE_STEPS, SaveCadence
+from hpc_train.runtime.node_states import NodeStates
 from hpc_train.runtime.rank_files import WRITTEN_DIR, RankFiles, written_marker
 
 __all__ = ["CheckpointTransaction", "Refusal", "broadcast"]
@@ -106,6 +107,8 @@ class CheckpointTransaction:
         self._error: Exception | None = None
         self.async_save = checkpoint.async_save
         self.files = RankFiles(self.rank, self.async_save)
+        # each rank's small state (random generators) goes into one file per node of the layout
+        self.node_states = NodeStates(self.rank, self.world, config.job.tasks_per_node)
         self._committer: threading.Thread | None = None
         self._commit_error: BaseException | None = None
 

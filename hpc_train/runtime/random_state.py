@@ -1,7 +1,7 @@
 """Every random generator a rank may draw from, saved into a checkpoint and restored from it: Python's, NumPy's
 global one, torch's CPU generator and, on a GPU rank, the CUDA generator of its device. The trainer's checkpoints
-(``rng/rank-N.pt``) and a program's ``ctx.checkpoint`` both hold it: dropout on a GPU draws from the CUDA
-generator, so without it a resumed run is not the run it continues.
+(``rng/ranks-FIRST-LAST.pt``, one per node) and a program's ``ctx.checkpoint`` both hold it: dropout on a GPU draws
+from the CUDA generator, so without it a resumed run is not the run it continues.
 
 Saved as tensors and plain numbers only, so the file loads with ``torch.load(weights_only=True)``.
 """

@@ -1,21 +1,21 @@
 """Saving and resuming a training run through the transactional checkpoint manager.
 
-The DeepSpeed trainer's part over the rank runtime's transaction (:mod:`hpc_train.runtime.checkpoints`): every
-rank writes its DeepSpeed shards and its own random state into the temporary folder rank 0 opened, each file
-hashed while written (:mod:`hpc_train.train.checkpoint_files`: DeepSpeed's files through our checkpoint engine);
-rank 0 then commits the ranks' entries (manifest, rename, ``latest``). On start, rank 0 picks the newest
-checkpoint whose files have their sizes and every rank loads it, each file read once: the model, optimizer and
-scheduler through DeepSpeed (with fp16 the loss scaler, which DeepSpeed keeps in the optimizer's state), the
-sampler's position and the step from the client state, and each rank's random state (Python, NumPy, torch and,
-on a GPU, CUDA).
+The DeepSpeed trainer's part over the rank runtime's transaction (:mod:`hpc_train.runtime.checkpoints`): every rank
+writes its DeepSpeed shards into the temporary folder rank 0 opened (and the first rank of each node the random
+states of the node's ranks), each file hashed while written (:mod:`hpc_train.train.checkpoint_files`: DeepSpeed's
+files through our checkpoint engine); rank 0 then commits the ranks' entries (manifest, rename, ``latest``). On
+start, rank 0 picks the newest checkpoint whose files have their sizes and every rank loads it, each file read once:
+the model, optimizer and scheduler through DeepSpeed (with fp16 the loss scaler, which DeepSpeed keeps in the
+optimizer's state), the sampler's position and the step from the client state, and each rank's random state (Python,
+NumPy, torch and, on a GPU, CUDA).
 
 A checkpoint saved at another data-parallel size (same tensor and pipeline sizes) is resumed through DeepSpeed's
 universal checkpoint: rank 0 converts it once into ``checkpoints/.universal/`` while the other ranks wait
 (:mod:`hpc_train.ckpt.universal`), and every rank loads that copy with ``load_universal`` switched on for this
 one load. Nothing else needs converting: the sampler's state is the global position ``(epoch, offset)`` in
 samples, the same on every rank and independent of the data-parallel size (:class:`ResumableSampler`), so the
-run goes on with the next unseen sample of the global stream; a rank that did not exist at save time finds no
-``rng/rank-N.pt`` and keeps its freshly seeded random state. A change of a model axis is refused, on every
+run goes on with the next unseen sample of the global stream; a rank that did not exist at save time is in no
+file of ``rng/`` and keeps its freshly seeded random state. A change of a model axis is refused, on every
 rank, before anything is loaded.
 """
 
@@ -118,12 +118,16 @@ class Checkpointer(CheckpointTransaction):
 
     def save(self, engine: Any, step: int, sampler_state: dict[str, int], wait: bool = False) -> None:
         """The trainer's save: DeepSpeed's shards with the step and sampler in the client state, and each rank's
-        random state (:mod:`hpc_train.runtime.random_state`, :meth:`save_with`)."""
+        random state (:mod:`hpc_train.runtime.random_state`, :meth:`save_with`), one file per node
+        (``rng/ranks-FIRST-LAST.pt``, :mod:`hpc_train.runtime.node_states`)."""
         self.install(engine)
 
         def write(tmp: Path) -> None:
+            # the node's ranks meet first, before any file: a rank whose write fails leaves no peer in this gather
+            states = self.node_states.gather(random_state.capture(engine.device))
             engine.save_checkpoint(str(tmp), tag=TAG, client_state={"step": step, "sampler": sampler_state})
-            self.files.save(random_state.capture(engine.device), tmp / "rng" / f"rank-{self.rank}.pt")
+            if states is not None:
+                self.files.save(states, tmp / "rng" / self.node_states.file_name)
 
         self.save_with(step, write, wait)
 
@@ -180,10 +184,11 @@ class Checkpointer(CheckpointTransaction):
         return (f"{problems[0]} (found by rank {self.rank} while loading)" if problems else None), client
 
     def _load_rng(self, sealed: Path, device: torch.device) -> None:
-        """This rank's random state; a rank that did not exist when the checkpoint was saved has none."""
-        rng_file = sealed / "rng" / f"rank-{self.rank}.pt"
-        if rng_file.exists():
-            random_state.restore(self.files.load(rng_file), device)
+        """This rank's random state from its node's file (or an older checkpoint's ``rng/rank-N.pt``); a rank that
+        did not exist when the checkpoint was saved has none."""
+        state = self.node_states.pick(sealed / "rng", self.files.load)
+        if state is not None:
+            random_state.restore(state, device)
 
     def _choose(self, manager: CheckpointManager, damaged: list[str]) -> _Load | Refusal | None:
         """Rank 0: the checkpoint to load and how, or why not; any error goes to every rank, not only to this one.

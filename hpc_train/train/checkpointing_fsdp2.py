@@ -34,10 +34,6 @@ from hpc_train.ckpt.dcp_state import DCP_DIR
 RANKS_DIR = "ranks"
 
 
-def _rank_file(folder: Path, rank: int) -> Path:
-    return folder / RANKS_DIR / f"rank-{rank}.pt"
-
-
 def _dcp_failure(error: BaseException) -> str:
     """The failure DCP reports from a rank (its message holds every failed rank's whole traceback)."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
@@ -85,7 +81,9 @@ class Fsdp2Checkpoints(CheckpointTransaction):
                     raise CheckpointError(f"{where}: DCP could not write the shards: {_dcp_failure(error)}") from None
             own = {"step": step, "sampler": sampler_state, "scheduler": engine.scheduler.state_dict(),
                    "random": random_state.capture(engine.device)}
-            self.files.save(own, _rank_file(tmp, self.rank))
+            node = self.node_states.gather(own)  # the node's ranks' states, one file per node
+            if node is not None:
+                self.files.save(node, tmp / RANKS_DIR / self.node_states.file_name)
 
         self.save_with(step, write, wait=wait)
 
@@ -93,9 +91,9 @@ class Fsdp2Checkpoints(CheckpointTransaction):
         """(the last completed step, the sampler state) of the newest good checkpoint, or (0, None).
 
         Rank 0 picks the newest checkpoint whose files have the manifest's sizes; every rank then reads the
-        shards DCP asks it for and its own small file once each, checking each one's sha256 on the way with
-        ``checkpoint.verify = "sha256"``. A damaged file is found by the rank that read it, the ranks agree,
-        and all of them load the previous checkpoint over it (as the DeepSpeed path does)."""
+        shards DCP asks it for and its node's small file (``ranks/ranks-A-B.pt``) once each, checking each one's
+        sha256 on the way with ``checkpoint.verify = "sha256"``. A damaged file is found by the rank that read it,
+        the ranks agree, and all of them load the previous checkpoint over it (as the DeepSpeed path does)."""
         damaged: list[Path] = []
         while True:
             found = self.latest("size", damaged)
@@ -140,9 +138,11 @@ class Fsdp2Checkpoints(CheckpointTransaction):
             return _dcp_failure(error), {}, False
         set_state_dict(engine.module, engine.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optimizer"])
-        mine = _rank_file(found, self.rank)
         self.files.load_problems.clear()
         self.files.begin_load(found, entries, self.check_sha256)
-        shared = self.files.load(mine if mine.exists() else _rank_file(found, 0))
+        mine = self.node_states.pick(found / RANKS_DIR, self.files.load)  # None: a rank new since the save
+        shared = mine if mine is not None else self.node_states.pick(found / RANKS_DIR, self.files.load, rank=0)
         problems += self.files.load_problems
-        return (problems[0] if problems else None), shared, mine.exists()
+        if shared is None:
+            return f"checkpoint {found.name} holds no rank's own state in {RANKS_DIR}/", {}, False
+        return (problems[0] if problems else None), shared, mine is not None

@@ -150,9 +150,9 @@ def test_a_flipped_bit_fails_sha256_naming_the_file(zero2: Path, tmp_path: Path)
     assert refused.code == 2 and "does not verify" in refused.err and "is corrupt" in refused.err
     fallback = _ckpt(tmp_path, "export", str(run), "--out", str(tmp_path / "fallback.pt"), "--json")
     assert fallback.code == 0 and json.loads(fallback.out)["step"] == 2, fallback.err
-    _flip_a_bit(run / "checkpoints" / STEP2 / "rng" / "rank-0.pt")
+    _flip_a_bit(run / "checkpoints" / STEP2 / "rng" / "ranks-0-1.pt")
     none = _ckpt(tmp_path, "verify", str(run), "--sha256")
-    assert none.code == 1 and f"{STEP2}: FAILED: rng/rank-0.pt is corrupt" in none.out
+    assert none.code == 1 and f"{STEP2}: FAILED: rng/ranks-0-1.pt is corrupt" in none.out
     assert "no checkpoint verifies" in none.out
     assert not (tmp_path / "m.pt").exists() and not (tmp_path / "m.safetensors").exists()
 

@@ -1,0 +1,122 @@
+"""Each rank's small state (its random generators) saved in one file per node: ``rng/ranks-FIRST-LAST.pt``.
+
+Why: a file per rank in every checkpoint is 16,384 files created on the metadata server per save at 16,384 ranks,
+for a few kilobytes each. The ranks of node K of the layout (ranks ``K*T .. K*T+T-1``) hand their state to the
+node's first rank over a gloo group of the node's ranks alone (made once, by its members only: no rank of another
+node takes part), which writes them as one file ``{"RANK": state}``; the file's name says which ranks it holds,
+so a rank finds its own again from the folder's listing, at any later layout with the same tasks per node.
+
+Each state travels as ``torch.save`` bytes and is read back with ``weights_only=True`` on the node's first rank,
+so the file loads as every checkpoint file does. The gather runs on CPU tensors of a gloo group whatever the
+training backend is (NCCL's collectives need CUDA tensors; these states are CPU tensors and numbers).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["NodeStates", "node_file_name", "rank_state_name"]
+
+_NODE_FILE = re.compile(r"ranks-([0-9]{1,9})-([0-9]{1,9})\.pt")
+
+
+def node_file_name(rank: int, per_node: int) -> str:
+    """``ranks-4-7.pt``: the file of the node that holds ``rank`` when ``per_node`` ranks share a node."""
+    per_node = max(per_node, 1)
+    first = rank - rank % per_node
+    return f"ranks-{first}-{first + per_node - 1}.pt"
+
+
+def rank_state_name(names: Iterable[str], rank: int) -> str | None:
+    """The file among ``names`` (a listing of ``rng/``) that holds ``rank``: a node's, or ``rank-N.pt`` as older
+    versions wrote it; None when no file holds it (a rank that did not exist at the save)."""
+    names = list(names)
+    if f"rank-{rank}.pt" in names:
+        return f"rank-{rank}.pt"
+    for name in names:
+        if (m := _NODE_FILE.fullmatch(name)) and int(m[1]) <= rank <= int(m[2]):
+            return name
+    return None
+
+
+class NodeStates:
+    """The node's states gathered on its first rank (:meth:`gather`), and a rank's own found again (:meth:`pick`)."""
+
+    def __init__(self, rank: int, world: int, per_node: int) -> None:
+        per_node = max(1, min(per_node, world))
+        self.rank = rank
+        self.first = rank - rank % per_node
+        self.ranks = list(range(self.first, min(self.first + per_node, world)))
+        self.file_name = node_file_name(rank, per_node)
+        self._group: Any = None
+
+    @property
+    def leads(self) -> bool:
+        """Whether this rank writes its node's file."""
+        return self.rank == self.first
+
+    def gather(self, state: dict[str, Any]) -> dict[str, Any] | None:
+        """``{"RANK": state}`` of every rank of this node, on its first rank; None on the others. A collective of
+        the node's ranks: each of them calls it at the same point of the save."""
+        data = _to_bytes(state)
+        if len(self.ranks) == 1 or not dist.is_initialized():
+            return {str(self.rank): state}
+        group = self._node_group()
+        size = torch.tensor([len(data)], dtype=torch.int64)
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in self.ranks]
+        dist.all_gather(sizes, size, group=group)
+        longest = max(int(s.item()) for s in sizes)
+        mine = torch.zeros(longest, dtype=torch.uint8)
+        mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        received = [torch.empty(longest, dtype=torch.uint8) for _ in self.ranks] if self.leads else None
+        dist.gather(mine, received, dst=self.first, group=group)
+        if received is None:
+            return None
+        return {str(rank): _from_bytes(bytes(buffer[:int(length.item())].numpy()))
+                for rank, buffer, length in zip(self.ranks, received, sizes, strict=True)}
+
+    def _node_group(self) -> Any:
+        """The node's ranks as a gloo group, made by them alone (``use_local_synchronization``): 4,096 nodes do not
+        each wait for the 4,095 others' groups."""
+        if self._group is None:
+            self._group = dist.new_group(self.ranks, backend="gloo", use_local_synchronization=True)
+        return self._group
+
+    def pick(self, folder: os.PathLike[str] | str, load: Callable[[str], Any],
+             rank: int | None = None) -> dict[str, Any] | None:
+        """This rank's state (or ``rank``'s) from the files in ``folder`` (``load(path)`` reads one, checked), or
+        None when no file holds it: a rank new since the save keeps its freshly seeded generators."""
+        rank = self.rank if rank is None else rank
+        try:  # never through a link: a planted rng/ holds no state of this run
+            descriptor = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            return None
+        try:
+            names = os.listdir(descriptor)
+        finally:
+            os.close(descriptor)
+        name = rank_state_name(names, rank)
+        if name is None:
+            return None
+        found = load(os.path.join(folder, name))
+        if name.startswith("rank-"):
+            return found if isinstance(found, dict) else None
+        mine = found.get(str(rank)) if isinstance(found, dict) else None
+        return mine if isinstance(mine, dict) else None
+
+
+def _to_bytes(state: dict[str, Any]) -> bytes:
+    sink = io.BytesIO()
+    torch.save(state, sink)
+    return sink.getvalue()
+
+
+def _from_bytes(data: bytes) -> dict[str, Any]:
+    return torch.load(io.BytesIO(data), weights_only=True)

@@ -1,0 +1,82 @@
+"""Each rank's random state in one file per node (issue 38): gathered on the node's first rank over a group of
+the node's ranks alone, and each rank's own found again by its rank, a legacy ``rank-N.pt`` too."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import random
+import socket
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from hpc_train.runtime import random_state
+from hpc_train.runtime.node_states import NodeStates, node_file_name, rank_state_name
+
+
+def test_names_say_which_ranks_a_file_holds() -> None:
+    assert [node_file_name(rank, 4) for rank in (0, 3, 4)] == ["ranks-0-3.pt", "ranks-0-3.pt", "ranks-4-7.pt"]
+    names = ["ranks-0-3.pt", "ranks-4-7.pt", "rank-5.pt", "ranks-9-8.pt", f"ranks-0-{'9' * 40}.pt"]
+    assert rank_state_name(names, 2) == "ranks-0-3.pt" and rank_state_name(names, 5) == "rank-5.pt"
+    assert rank_state_name(names, 6) == "ranks-4-7.pt" and rank_state_name(names, 8) is None
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _rank(rank: int, world: int, port: int, folder: str, queue: multiprocessing.Queue) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        random.seed(100 + rank)
+        torch.manual_seed(100 + rank)
+        states = NodeStates(rank, world, per_node=2)
+        gathered = states.gather(random_state.capture(torch.device("cpu")))
+        if gathered is not None:
+            torch.save(gathered, os.path.join(folder, states.file_name))
+        dist.barrier()
+        expected = (random.random(), torch.rand(3).tolist())  # noqa: S311 (the state under test)
+        random.seed(0)
+        torch.manual_seed(0)
+        mine = states.pick(folder, lambda path: torch.load(path, weights_only=True))
+        assert mine is not None
+        random_state.restore(mine, torch.device("cpu"))
+        after = (random.random(), torch.rand(3).tolist())  # noqa: S311
+        queue.put((rank, gathered is not None, expected == after))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_ranks_of_each_node_write_one_file_and_each_restores_its_own(tmp_path: Path) -> None:
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    port = _free_port()
+    workers = [context.Process(target=_rank, args=(rank, 4, port, str(tmp_path), queue)) for rank in range(4)]
+    for worker in workers:
+        worker.start()
+    results = sorted(queue.get(timeout=120) for _ in workers)
+    for worker in workers:
+        worker.join(60)
+    assert results == [(0, True, True), (1, False, True), (2, True, True), (3, False, True)]
+    assert sorted(os.listdir(tmp_path)) == ["ranks-0-1.pt", "ranks-2-3.pt"]
+    node = torch.load(tmp_path / "ranks-2-3.pt", weights_only=True)
+    assert sorted(node) == ["2", "3"] and not torch.equal(node["2"]["torch"], node["3"]["torch"])
+
+
+def test_a_rank_without_a_file_and_a_legacy_file_and_a_linked_folder(tmp_path: Path) -> None:
+    folder = tmp_path / "rng"
+    folder.mkdir()
+    state = random_state.capture(torch.device("cpu"))
+    torch.save(state, folder / "rank-5.pt")
+    torch.save({"0": state}, folder / "ranks-0-0.pt")
+    load = lambda path: torch.load(path, weights_only=True)  # noqa: E731
+    assert torch.equal(NodeStates(5, 8, 1).pick(folder, load)["torch"], state["torch"])
+    assert torch.equal(NodeStates(0, 8, 1).pick(folder, load)["torch"], state["torch"])
+    assert NodeStates(7, 8, 1).pick(folder, load) is None  # a rank new since the save
+    assert NodeStates(0, 8, 1).pick(tmp_path / "missing", load) is None
+    (tmp_path / "linked").symlink_to(folder)
+    assert NodeStates(0, 8, 1).pick(tmp_path / "linked", load) is None
