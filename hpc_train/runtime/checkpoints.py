@@ -24,6 +24,7 @@ import torch.distributed as dist
 from hpc_train.ckpt import CheckpointError, CheckpointManager
 from hpc_train.ckpt.manifest import FileEntry
 from hpc_train.config.job import JobConfig
+from hpc_train.control.written import WrittenWatch
 from hpc_train.distributed.collectives import broadcast_object, gather_objects
 from hpc_train.distributed.faults import injected_save_delay_s
 from hpc_train.errors import ConfigError
@@ -111,6 +112,8 @@ class CheckpointTransaction:
         self.node_states = NodeStates(self.rank, self.world, config.job.tasks_per_node)
         self._committer: threading.Thread | None = None
         self._commit_error: BaseException | None = None
+        self._written: WrittenWatch | None = None  # rank 0: the ranks' written records over the coordinator
+        self._written_tried = False
 
     def time_saves(self, node_mtbf_hours: float, nodes: int) -> None:
         """Every rank, before the steps: with ``checkpoint.every_minutes``, saves fall due at the step rank 0
@@ -163,12 +166,13 @@ class CheckpointTransaction:
         delay = injected_save_delay_s(self.rank)
         if delay:
             time.sleep(delay)  # an injected slow save (HPC_TRAIN_INJECT_FAULT=slow_save:R:MS)
-        opened = broadcast(self._open(self.manager, step) if self.manager else None)
+        staged = self.async_save and not wait
+        opened = broadcast(self._open(self.manager, step, staged) if self.manager else None)
         if isinstance(opened, Refusal):
             raise self._commit_error or opened.error()
-        tmp = Path(opened)
-        staged = self.async_save and not wait
-        self.files.begin(tmp, staged)
+        folder, online = opened
+        tmp = Path(folder)
+        self.files.begin(tmp, staged, online)
         fields = {"step": step, **self.fields}
         if not staged:
             self._seal_together(tmp, fields, write)
@@ -223,14 +227,26 @@ class CheckpointTransaction:
         if isinstance(status, Refusal):
             raise status.error()
 
-    def _open(self, manager: CheckpointManager, step: int) -> str | Refusal:
-        """Rank 0: wait for the previous background seal, then open the next temporary folder."""
+    def _open(self, manager: CheckpointManager, step: int, staged: bool) -> tuple[str, bool] | Refusal:
+        """Rank 0: wait for the previous background seal, then open the next temporary folder; and whether the
+        ranks' written records of a background save come over the coordinator (rank 0 watches it) or as files."""
         try:
             self._join()
-            return str(manager.begin(step))
+            return str(manager.begin(step)), staged and self._watch_written() is not None
         except Exception as error:
             self._commit_error = error
             return Refusal(str(error), False)
+
+    def _watch_written(self) -> WrittenWatch | None:
+        """Rank 0's watch of the ranks' written records, opened at the first background save (None without a
+        coordinator, or once it went away: marker files then)."""
+        if self._written is not None and not self._written.usable:
+            self._written.close()
+            self._written, self._written_tried = None, False  # the coordinator went away: try once more
+        if self._written is None and not self._written_tried:
+            self._written_tried = True
+            self._written = WrittenWatch.open()
+        return self._written
 
     def _commit(self, manager: CheckpointManager, tmp: Path, fields: dict[str, Any]) -> None:
         """Rank 0's commit thread: wait for every rank's written marker, then commit their entries."""
@@ -247,9 +263,12 @@ class CheckpointTransaction:
         deadline = time.monotonic() + self.write_timeout_s
         records: dict[int, Any] = {}
         pause = _MARKER_POLL_S
+        watch = self._written
         while len(records) < self.world:
+            if watch is not None:  # in memory: the records the ranks told the coordinator
+                records.update(watch.records(tmp.name, set(records), self.world))
             for rank in sorted(_marker_ranks(tmp / WRITTEN_DIR, self.world) - records.keys()):
-                with open_record(written_marker(tmp, rank)) as handle:
+                with open_record(written_marker(tmp, rank)) as handle:  # a rank that could not tell it
                     records[rank] = json.loads(handle.read())
             if len(records) < self.world:
                 if time.monotonic() > deadline:
@@ -261,7 +280,8 @@ class CheckpointTransaction:
         errors = [record["error"] for _rank, record in sorted(records.items()) if "error" in record]
         if errors:
             raise CheckpointError(f"writing {tmp.name} failed on {'; '.join(errors)}")
-        shutil.rmtree(tmp / WRITTEN_DIR)
+        if os.path.isdir(tmp / WRITTEN_DIR):  # none when every rank told the coordinator
+            shutil.rmtree(tmp / WRITTEN_DIR)
         return [FileEntry.from_dict(item, f"rank {rank} marker") for rank, record in sorted(records.items())
                 for item in record["files"]]
 

@@ -10,7 +10,8 @@ memory on a GPU, the copy queued on the current CUDA stream and waited for by th
 event, so the step after the save does not wait for it; on a CPU a plain copy) and hands it to the rank's
 writer thread; training goes on as soon as every file is staged. When there is not enough free memory for the
 copy, that file is written at once instead. :meth:`RankFiles.announce` queues, after this rank's last file,
-``.written/rank-N.json`` (the entries, or the error), which rank 0's commit thread waits for.
+``.written/rank-N.json`` (the entries, or the error), which rank 0's commit thread waits for; where the job has
+a coordinator and rank 0 watches it, the same record goes over it instead (:mod:`hpc_train.control.written`).
 
 Loading reads every file once (:func:`hpc_train.ckpt.writer.read_file`): size always checked against the
 manifest, sha256 too when ``checkpoint.verify = "sha256"``, before a byte is deserialized, and deserialized with
@@ -35,6 +36,7 @@ import torch
 
 from hpc_train.ckpt.manifest import FileEntry
 from hpc_train.ckpt.writer import CorruptFileError, ViewReader, read_file, write_file
+from hpc_train.control.written import publish_written
 from hpc_train.run.files import atomic_write
 
 __all__ = ["WRITTEN_DIR", "RankFiles", "load_safely", "written_marker"]
@@ -156,14 +158,17 @@ class RankFiles:
         self.load_problems: list[str] = []
         self._buffers: dict[str, list[torch.Tensor]] = {}  # staging buffers per file, reused by the next save
         self._read_buffer: bytearray | None = None  # one buffer every load of this rank reads into
+        self._online = False  # the current save's written record goes over the coordinator
 
     # ----- saving -----
 
-    def begin(self, folder: Path, staged: bool) -> None:
-        """Start this rank's part of the save into ``folder``; ``staged``: write it in the background."""
+    def begin(self, folder: Path, staged: bool, online: bool = False) -> None:
+        """Start this rank's part of the save into ``folder``; ``staged``: write it in the background; ``online``:
+        rank 0 hears this rank's written record over the coordinator (no marker file)."""
         self.drain()
         self.folder, self.entries, self._error = folder, [], None
         self._staging = staged and self.async_save
+        self._online = online
 
     def save(self, state: Any, path: Path) -> None:
         """``torch.save(state, path)`` as part of the current save: hashed while written, or staged."""
@@ -230,6 +235,8 @@ class RankFiles:
             record["error"] = f"rank {self.rank}: {type(self._error).__name__}: {self._error}"
         else:
             record["files"] = [{"path": e.path, "size": e.size, "sha256": e.sha256} for e in self.entries]
+        if self._online and publish_written(self.rank, folder.name, record):
+            return  # rank 0 has it in memory: no file created, renamed and removed on the metadata server
         marker = written_marker(folder, self.rank)
         marker.parent.mkdir(mode=0o700, exist_ok=True)
         atomic_write(marker, json.dumps(record) + "\n")

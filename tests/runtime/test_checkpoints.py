@@ -26,7 +26,7 @@ def _files(rank: int) -> list[dict[str, object]]:
 
 
 def _entries(tmp: Path, world: int, timeout_s: float = 30.0) -> list:
-    owner = SimpleNamespace(world=world, write_timeout_s=timeout_s)
+    owner = SimpleNamespace(world=world, write_timeout_s=timeout_s, _written=None)
     return CheckpointTransaction._written_entries(owner, tmp)  # type: ignore[arg-type]
 
 
