@@ -36,6 +36,9 @@ from hpc_train.runtime.rank_files import WRITTEN_DIR, RankFiles, written_marker
 
 __all__ = ["CheckpointTransaction", "Refusal", "broadcast"]
 
+# rank 0's line, once per attempt, when the ranks' written records of background saves come over the coordinator
+WRITTEN_OVER_COORDINATOR = "the ranks tell rank 0 that their part of each background save is written over the job's " \
+    "coordinator (no marker files)"
 _MARKER_POLL_S = 0.02  # rank 0's commit thread looks for the ranks' written markers this often at first,
 _MARKER_POLL_MAX_S = 0.25  # and at most this far apart while they are still writing
 
@@ -246,6 +249,8 @@ class CheckpointTransaction:
         if self._written is None and not self._written_tried:
             self._written_tried = True
             self._written = WrittenWatch.open()
+            if self._written is not None:
+                self.log(f"checkpoint: {WRITTEN_OVER_COORDINATOR}")
         return self._written
 
     def _commit(self, manager: CheckpointManager, tmp: Path, fields: dict[str, Any]) -> None:

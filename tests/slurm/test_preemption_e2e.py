@@ -25,6 +25,7 @@ import torch
 from hpc_train.run.node_log import log_ranks, rank_log_text
 from hpc_train.run.procs import environment, processes
 from hpc_train.run.watch import last_logged_step
+from hpc_train.runtime.checkpoints import WRITTEN_OVER_COORDINATOR
 from tests.conftest import REPO, exported
 from tests.runtime.wandb_records import read_offline_run
 
@@ -214,7 +215,9 @@ def test_a_rank_killed_at_a_random_step_restarts_inside_the_same_job(uninterrupt
     rows = subprocess.run(["sacct", "-n", "-P", "-X", "-D", "-j", job_id, "-o", "State"], capture_output=True,
                           text=True, timeout=30, check=True).stdout.split()
     assert rows == ["COMPLETED"], rows  # never requeued: one allocation from start to end
-    assert "in-place restart 1 of 2 (retry.in_place): killed" in rank_log_text(run_dir, 0)
+    rank0 = rank_log_text(run_dir, 0)
+    assert "in-place restart 1 of 2 (retry.in_place): killed" in rank0
+    assert WRITTEN_OVER_COORDINATOR in rank0 and not list(run_dir.rglob(".written"))  # no marker files
     _assert_same(_exported(run_dir, tmp_path / "weights.pt"), uninterrupted, run_dir)
 
 
