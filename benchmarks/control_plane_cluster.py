@@ -1,7 +1,8 @@
 """The cluster section of benchmarks/control_plane.py: what a real 2-node Slurm job of the local cluster asks of
 its run folder, every process of the job traced with strace (tests/strace_ops.py): in steady training, in a
 window with checkpoint saves, and in a window with a restart in place (a rank killed); then the files the run
-folder holds per node. Needs the local cluster (scripts/local_slurm.sh up) and root for strace.
+folder holds per node (2 nodes of 2 ranks: what is per rank shows as 2 a node), and what one checkpoint holds.
+Needs the local cluster (scripts/local_slurm.sh up) and root for strace.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from tests.strace_ops import descendants, trace_folder_ops
 
 REPO = Path(__file__).resolve().parent.parent
 NODES = 2
-COMMON = ["--site", "local-slurm", "--set", f"job.nodes={NODES}", "--set", "job.tasks_per_node=1", "--set",
+TASKS = 2  # per node
+COMMON = ["--site", "local-slurm", "--set", f"job.nodes={NODES}", "--set", f"job.tasks_per_node={TASKS}", "--set",
           "train.precision=fp32", "--set", "train.seq_len=32", "--set", "train.micro_batch=4", "--set",
           "train.steps=100000", "--set", "train.warmup_steps=2", "--set", "monitor.log_every=1", "--set",
           "monitor.eval_every=0", "--set", "monitor.health_comm_share=0", "--set", "watchdog.straggler_factor=0",
@@ -65,7 +67,7 @@ def _until_step(run_dir: Path, step: int, timeout_s: float = 300) -> None:
 
 def _trace(job_id: str, run_dir: Path, seconds: float, exclude: tuple[str, ...]) -> tuple[float, Any]:
     ops = trace_folder_ops(_job_pids(job_id), run_dir, seconds, exclude=exclude)
-    return ops.per_process_second(processes=NODES), ops
+    return ops.per_process_second(processes=NODES * TASKS), ops
 
 
 def _kill_rank(job_id: str, rank: int) -> None:
@@ -101,8 +103,15 @@ def measure(tmp: Path, seconds: float) -> dict[str, Any]:
         results["saving every 20 steps, all"] = _trace(job_id, run_dir, seconds, ())
     finally:
         _cancel(job_id)
-    outside = [n for p, _, names in os.walk(run_dir) for n in names if "checkpoints" not in Path(p).parts]
+    outside = [os.path.join(p, n) for p, _, names in os.walk(run_dir) for n in names
+               if "checkpoints" not in Path(p).parts]
     results["files per node outside checkpoints/, saving job"] = len(outside) / NODES
+    results["  of them in logs/"] = sum("/logs/" in path for path in outside) / NODES
+    newest = max((run_dir / "checkpoints").glob("step-*"))
+    inside = [Path(p, n).relative_to(newest) for p, _, names in os.walk(newest) for n in names]
+    results["files per node in one checkpoint"] = len(inside) / NODES
+    results["  of them hpc_train's own (rng/, manifest)"] = sum(
+        path.parts[0] != "state" for path in inside) / NODES
     return results
 
 

@@ -20,8 +20,8 @@ from hpc_train.ops.records import RankFiles, line_time, read_json, read_tail
 from hpc_train.run.attempts import AttemptLog
 from hpc_train.run.error_records import kept_path, record_is_of
 from hpc_train.run.files import folder_names, held_folders, read_json_object, run_file_stat, small_int, time_value
-from hpc_train.run.loglines import BATCH_START, parse_start
-from hpc_train.run.node_log import log_ranks, split_by_rank
+from hpc_train.run.loglines import BATCH_START, RANK_RECORD, parse_start
+from hpc_train.run.node_log import log_ranks
 from hpc_train.run.paths import (
     LOGS_DIR,
     SUBMITIT_DIR,
@@ -121,20 +121,36 @@ class _RankLogs:
         return held
 
     def lines(self, rank: int) -> list[str]:
+        names = self.holding.get(rank)
+        if not names:
+            return []
+        if len(names) == 1:
+            return self._lines_of(names[0]).get(rank, [])
         found: list[str] = []
-        for name in sorted(self.holding.get(rank, ()), key=lambda name: not name.startswith("rank-")):
-            if name not in self._split:
-                if len(self._split) >= 4:
-                    self._split.clear()
-                held = log_ranks(name) or range(0)
-                text = read_tail(f"{self.logs}/{name}", _TAIL_BYTES * max(1, len(held)))
-                split: dict[int, list[str]] = {}
-                for owner, line in split_by_rank(text.splitlines(), held.start if len(held) == 1 else None):
-                    if owner is not None:
-                        split.setdefault(owner, []).append(line)
-                self._split[name] = split
-            found += self._split[name].get(rank, [])
+        for name in sorted(names, key=lambda name: not name.startswith("rank-")):
+            found += self._lines_of(name).get(rank, [])
         return found
+
+    def _lines_of(self, name: str) -> dict[int, list[str]]:
+        """``{rank: its lines}`` of one log, read once (a record's lines after its first are its rank's)."""
+        split = self._split.get(name)
+        if split is not None:
+            return split
+        if len(self._split) >= 4:
+            self._split.clear()
+        held = log_ranks(name) or range(0)
+        text = read_tail(f"{self.logs}/{name}", _TAIL_BYTES * max(1, len(held)))
+        split = self._split[name] = {}
+        owner = held.start if len(held) == 1 else None
+        current: list[str] | None = split.setdefault(owner, []) if owner is not None else None
+        match = RANK_RECORD.match
+        for line in text.splitlines():
+            if line[:1].isdigit() and (m := match(line)) and len(m[2]) <= 9 and int(m[2]) != owner:
+                owner = int(m[2])
+                current = split.setdefault(owner, [])
+            if current is not None:
+                current.append(line)
+        return split
 
 
 def _rank_files(logs: Path, errors: RankFiles, stacks: RankFiles, rank_logs: _RankLogs) -> dict[int, str]:
