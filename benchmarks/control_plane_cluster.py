@@ -111,7 +111,9 @@ def measure(tmp: Path, seconds: float) -> dict[str, Any]:
     inside = [Path(p, n).relative_to(newest) for p, _, names in os.walk(newest) for n in names]
     results["files per node in one checkpoint"] = len(inside) / NODES
     results["  of them hpc_train's own (rng/, manifest)"] = sum(
-        path.parts[0] != "state" for path in inside) / NODES
+        path.parts[0] == "rng" or path.name == "manifest.json" for path in inside) / NODES
+    results["  of them DeepSpeed's (state/, latest, its scripts)"] = sum(
+        path.parts[0] != "rng" and path.name != "manifest.json" for path in inside) / NODES
     return results
 
 

@@ -44,7 +44,7 @@ from hpc_train.run.in_place import (
 )
 from hpc_train.run.loglines import format_host_oom, rank_log_format
 from hpc_train.run.node import node_name
-from hpc_train.run.node_log import NodeLogHandler, node_log_name, node_log_path
+from hpc_train.run.node_log import NodeLogHandler, node_log_name, node_log_path, ranks_per_log
 from hpc_train.run.paths import LOGS_DIR, rank_error_path
 from hpc_train.run.peer_errors import lost_its_peer
 from hpc_train.run.procs import descendants
@@ -130,8 +130,10 @@ def agent_setup(run_dir: Path, env: dict[str, str] | None = None) -> AgentSetup 
         return None
     if limit <= 0 or world != plan.layout.world:
         return None
+    local = env.get("SLURM_LOCALID", "")
+    task, local_rank = int(env["SLURM_PROCID"]), int(local) if local.isdigit() and len(local) < 10 else 0
     return AgentSetup(run_dir, rank, world, env["SLURM_JOB_ID"], int(env.get("SLURM_RESTART_COUNT") or 0), limit,
-                      plan.signal, spares, plan.resources.tasks_per_node)
+                      plan.signal, spares, ranks_per_log(task, local_rank, plan.resources.tasks_per_node))
 
 
 def _logger(run_dir: Path, rank: int, per_node: int, task: int | None = None) -> logging.Logger:

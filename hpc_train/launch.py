@@ -29,7 +29,7 @@ from hpc_train.run.folder import check_run_folder
 from hpc_train.run.in_place import in_place_left
 from hpc_train.run.loglines import format_launch_error, format_start, format_stopped, rank_log_format
 from hpc_train.run.node import node_name
-from hpc_train.run.node_log import NodeLogHandler, node_log_path
+from hpc_train.run.node_log import NodeLogHandler, node_log_path, ranks_per_log
 from hpc_train.run.paths import (
     PLAN_FILE,
     PROGRAM_FILE,
@@ -79,7 +79,7 @@ def _run_rank(run_dir: Path, plan: Plan, watch: PreemptionWatch | None) -> dict[
     from hpc_train.distributed.smoke import run_smoke  # the trainer is imported only when the job trains
 
     info = detect_launch(expected_world=plan.layout.world)
-    logger = _rank_logger(run_dir, info.rank, plan.resources.tasks_per_node)
+    logger = _rank_logger(run_dir, info.rank, ranks_per_log(info.rank, info.local_rank, plan.resources.tasks_per_node))
     on_slurm = bool(os.environ.get("SLURM_JOB_ID")) and os.environ.get("SUBMITIT_EXECUTOR") != "local"
     program = plan.config.job.program
     looks_back = on_slurm and program != "smoke" and not info.in_place  # in place: the agent looked at a restart

@@ -4,8 +4,9 @@ Why: each rank's writer thread used to say so with a marker file (``.written/ran
 create, a rename, then an unlink when rank 0 sealed the save), 16,384 files created and removed on the metadata
 server at every save at 16,384 ranks. Where the job has a coordinator, rank 0 watches ``save/written/`` on its own
 connection and each rank sets its key once per save (one key per rank, overwritten by the next save, so the
-coordinator holds at most one record per rank). Rank 0 says whether it watches when it opens the save (the folder
-name it broadcasts anyway); a rank that cannot publish (no coordinator, a record too long for one message, the
+coordinator holds at most one record per rank). Rank 0 says whether it watches when it opens the save (beside the
+folder name it broadcasts anyway, an id of the save that each record carries: a folder's name comes back when
+a step is saved again); a rank that cannot publish (no coordinator, a record too long for one message, the
 connection gone) writes its marker file as before, and rank 0 reads both.
 """
 
@@ -31,13 +32,13 @@ def written_key(rank: int) -> str:
     return f"{PREFIX}rank-{rank}"
 
 
-def publish_written(rank: int, folder: str, record: dict[str, Any], env: dict[str, str] | None = None) -> bool:
-    """Tell rank 0 that ``rank``'s part of the save into ``folder`` (its name) is written (``record``: its files'
-    entries, or its error); False when it could not be told (the caller writes the marker file then)."""
+def publish_written(rank: int, save: str, record: dict[str, Any], env: dict[str, str] | None = None) -> bool:
+    """Tell rank 0 that ``rank``'s part of the save ``save`` (the id rank 0 gave it) is written (``record``: its
+    files' entries, or its error); False when it could not be told (the caller writes the marker file then)."""
     events = rank_events(os.environ if env is None else env)
     if events is None:
         return False
-    value = {"folder": folder, **record}
+    value = {"save": save, **record}
     try:
         if len(encode(value)) > MAX_LINE - _ROOM:
             return False  # one message holds at most MAX_LINE: the file has no such limit
@@ -74,16 +75,16 @@ class WrittenWatch:
     def usable(self) -> bool:
         return not self.client.broken
 
-    def records(self, folder: str, ranks: set[int], world: int) -> dict[int, dict[str, Any]]:
-        """The records of ranks not in ``ranks`` that say they are of the save into ``folder``."""
+    def records(self, save: str, ranks: set[int], world: int) -> dict[int, dict[str, Any]]:
+        """The records of ranks not in ``ranks`` that say they are of the save ``save`` (its id)."""
         found: dict[int, dict[str, Any]] = {}
         for key, value in list(self.client.known.items()):
             number = key[len(PREFIX) + len("rank-"):] if key.startswith(PREFIX + "rank-") else ""
             if not number.isdigit() or len(number) > 9 or not isinstance(value, dict):
                 continue
             rank = int(number)
-            if rank < world and rank not in ranks and value.get("folder") == folder:
-                found[rank] = {name: item for name, item in value.items() if name != "folder"}
+            if rank < world and rank not in ranks and value.get("save") == save:
+                found[rank] = {name: item for name, item in value.items() if name != "save"}
         return found
 
     def close(self) -> None:

@@ -36,6 +36,7 @@ _TAIL_BYTES = 1 << 20
 _KEPT = "prev-"  # a record kept aside for the look-back (hpc_train.run.error_records)
 _RANK_FILE = re.compile(r"(stacks-)?rank-([0-9]{1,9})\.")  # a rank's log, error record, stacks (logs/ holds them)
 SRUN_ERROR = re.compile(r"srun: error: (\S+): tasks? ([0-9,\-]+): (.+)")  # srun on a task that failed
+_MAX_RANKS_A_LOG = 1 << 10  # job.tasks_per_node's bound: a node's log holds at most this many ranks
 _MAX_TASKS = 1 << 18  # hpc_train's largest world: srun's "tasks 0-99999999999" is damage, not a range to walk
 
 
@@ -115,7 +116,9 @@ class _RankLogs:
     def add(self, name: str) -> range | None:
         """Take ``name`` from the listing when it is a rank log; the ranks it holds."""
         held = log_ranks(name)
-        if held is not None and len(held) <= _MAX_TASKS:
+        if held is not None and len(held) > _MAX_RANKS_A_LOG:
+            return None  # a name that claims more ranks than a node runs: damage, not a node's log
+        if held is not None:
             for rank in held:
                 self.holding.setdefault(rank, []).append(name)
         return held
@@ -159,7 +162,7 @@ def _rank_files(logs: Path, errors: RankFiles, stacks: RankFiles, rank_logs: _Ra
     found: dict[int, str] = {}
     for name in folder_names(logs):  # never through a link: logs/ a link lists nothing
         if (held := rank_logs.add(name)) is not None:
-            for rank in held if len(held) <= _MAX_TASKS else ():
+            for rank in held:
                 found[rank] = found.get(rank, "") + "l"
             continue
         kept = name.startswith(_KEPT)

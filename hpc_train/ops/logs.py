@@ -48,7 +48,8 @@ _NOTICE = re.compile(r"(hang|straggler)\b|SIG[A-Z0-9]+ received|saved step [0-9]
 _SCHEDULER_NOTICE = re.compile(r"CANCELLED AT \S+ DUE TO (JOB REQUEUE|PREEMPTION)")
 _DIGITS = re.compile(r"[0-9]+")
 _FRAME = re.compile(r'File "([^"]+)", line ([0-9]+), in (\S+)')
-_MAX_BYTES = 64 << 20  # per file: a longer log is read from its last 64 MiB (and the view says so)
+_MAX_BYTES = 64 << 20  # per rank: a longer log is read from its last 64 MiB a rank it holds (the view says so)
+_MAX_RANKS_A_LOG = 1 << 10  # a log's name says it holds more ranks than any node runs: damage, not a node's log
 
 
 @dataclass(frozen=True)
@@ -137,15 +138,16 @@ def _second(date: str, clock: str) -> float | None:
         return None
 
 
-def _read(path: Path | str, notes: list[str]) -> str:
+def _read(path: Path | str, notes: list[str], ranks: int = 1) -> str:
+    limit = _MAX_BYTES * max(1, ranks)
     try:
-        data, size = open_bytes(path, _MAX_BYTES, tail=True)
+        data, size = open_bytes(path, limit, tail=True)
     except OSError as error:
         notes.append(f"{os.path.basename(path)}: not read ({error.strerror or error})")
         return ""
     text = data.decode("utf-8", errors="replace")
-    if size > _MAX_BYTES:
-        notes.append(f"{os.path.basename(path)} is {size >> 20} MiB: only its last {_MAX_BYTES >> 20} MiB are shown")
+    if size > limit:
+        notes.append(f"{os.path.basename(path)} is {size >> 20} MiB: only its last {limit >> 20} MiB are shown")
         text = text.partition("\n")[2]
     return text
 
@@ -158,7 +160,7 @@ def read_records(path: Path | str, source: str, rank: int | None, notes: list[st
     ``rankN``); in other files every line that does not start with white space is a record, timed by the last
     timestamp seen in the file. ``notable_only``: only a rank log's records with a severity (the rest is never
     built); ``only_rank``: only that rank's records."""
-    text = _read(path, notes if notes is not None else [])
+    text = _read(path, notes if notes is not None else [], len(holds) if holds is not None else 1)
     if holds is not None or rank is not None:
         return _rank_records(text, source, rank, notable_only, only_rank)
     records: list[LogRecord] = []
@@ -300,7 +302,8 @@ def _fold(records: list[LogRecord]) -> list[tuple[LogRecord, list[str]]]:
 def _rank_logs(logs: Path) -> list[tuple[range, str]]:
     """(the ranks it holds, name) of every node's log (``ranks-A-B.log``) and older one-rank log (``rank-N.log``),
     by first rank, from one listing (a ``Path`` per file costs more than reading it)."""
-    found = [(held, name) for name in _listing(logs) if (held := log_ranks(name)) is not None]
+    found = [(held, name) for name in _listing(logs)
+             if (held := log_ranks(name)) is not None and len(held) <= _MAX_RANKS_A_LOG]
     return sorted(found, key=lambda item: (item[0].start, item[1]))
 
 

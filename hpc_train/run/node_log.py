@@ -25,7 +25,7 @@ from hpc_train.run.loglines import RANK_RECORD
 from hpc_train.run.paths import LOGS_DIR
 
 __all__ = ["NodeLogHandler", "log_ranks", "node_log_name", "node_log_path", "rank_lines", "rank_log_names",
-           "rank_log_text", "split_by_rank"]
+           "rank_log_text", "ranks_per_log", "split_by_rank"]
 
 _NODE_LOG = re.compile(r"ranks-([0-9]{1,9})-([0-9]{1,9})\.log")
 _RANK_LOG = re.compile(r"rank-([0-9]{1,9})\.log")  # one rank's log, as older versions wrote it
@@ -37,6 +37,14 @@ def node_log_name(rank: int, per_node: int) -> str:
     per_node = max(per_node, 1)
     first = rank - rank % per_node
     return f"ranks-{first}-{first + per_node - 1}.log"
+
+
+def ranks_per_log(rank: int, local_rank: int, per_node: int) -> int:
+    """``per_node`` where the rank's place on its node is its place in the layout (``rank % per_node``, as srun's
+    default block distribution, torchrun and mpirun place ranks), else 1: a rank placed otherwise (a cyclic
+    distribution in the site's environment) writes a log of its own, so that no log is appended to from two
+    nodes, which the shared file system does not make atomic."""
+    return per_node if per_node > 0 and rank % per_node == local_rank else 1
 
 
 def node_log_path(run_dir: Path, rank: int, per_node: int) -> Path:

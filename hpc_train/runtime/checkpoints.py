@@ -14,6 +14,7 @@ import os
 import shutil
 import threading
 import time
+import uuid
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
@@ -112,7 +113,7 @@ class CheckpointTransaction:
         self.async_save = checkpoint.async_save
         self.files = RankFiles(self.rank, self.async_save)
         # each rank's small state (random generators) goes into one file per node of the layout
-        self.node_states = NodeStates(self.rank, self.world, config.job.tasks_per_node)
+        self.node_states = NodeStates(self.rank, self.world, config.job.tasks_per_node, config.dist.timeout_s)
         self._committer: threading.Thread | None = None
         self._commit_error: BaseException | None = None
         self._written: WrittenWatch | None = None  # rank 0: the ranks' written records over the coordinator
@@ -173,9 +174,9 @@ class CheckpointTransaction:
         opened = broadcast(self._open(self.manager, step, staged) if self.manager else None)
         if isinstance(opened, Refusal):
             raise self._commit_error or opened.error()
-        folder, online = opened
+        folder, save_id = opened
         tmp = Path(folder)
-        self.files.begin(tmp, staged, online)
+        self.files.begin(tmp, staged, save_id)
         fields = {"step": step, **self.fields}
         if not staged:
             self._seal_together(tmp, fields, write)
@@ -183,7 +184,7 @@ class CheckpointTransaction:
         write(tmp)
         self.files.announce()
         if self.manager:  # rank 0 alone, off the training path
-            self._committer = threading.Thread(target=self._commit, args=(self.manager, tmp, fields),
+            self._committer = threading.Thread(target=self._commit, args=(self.manager, tmp, fields, save_id),
                                                name=f"commit-step-{step}", daemon=False)
             self._committer.start()
 
@@ -230,15 +231,26 @@ class CheckpointTransaction:
         if isinstance(status, Refusal):
             raise status.error()
 
-    def _open(self, manager: CheckpointManager, step: int, staged: bool) -> tuple[str, bool] | Refusal:
-        """Rank 0: wait for the previous background seal, then open the next temporary folder; and whether the
-        ranks' written records of a background save come over the coordinator (rank 0 watches it) or as files."""
+    def _open(self, manager: CheckpointManager, step: int, staged: bool) -> tuple[str, str] | Refusal:
+        """Rank 0: wait for the previous background seal, then open the next temporary folder; and the id of this
+        save that the ranks' written records of a background save carry over the coordinator (rank 0 watches
+        it), or "" for marker files. An id of its own per save: a folder's name comes back when a step is saved
+        again by the same process, and the coordinator still holds the records of the last save."""
         try:
             self._join()
-            return str(manager.begin(step)), staged and self._watch_written() is not None
+            online = staged and self._watch_written() is not None
+            return str(manager.begin(step)), f"{os.getpid()}-{uuid.uuid4().hex}" if online else ""
         except Exception as error:
             self._commit_error = error
             return Refusal(str(error), False)
+
+    def _rewatch_written(self) -> WrittenWatch | None:
+        """Rank 0's commit thread, when its watch broke during a save: a new one (None while it cannot connect:
+        the next look tries again; the records the ranks told the coordinator are pushed again on the watch)."""
+        if self._written is not None:
+            self._written.close()
+        self._written = WrittenWatch.open()
+        return self._written
 
     def _watch_written(self) -> WrittenWatch | None:
         """Rank 0's watch of the ranks' written records, opened at the first background save (None without a
@@ -253,25 +265,28 @@ class CheckpointTransaction:
                 self.log(f"checkpoint: {WRITTEN_OVER_COORDINATOR}")
         return self._written
 
-    def _commit(self, manager: CheckpointManager, tmp: Path, fields: dict[str, Any]) -> None:
-        """Rank 0's commit thread: wait for every rank's written marker, then commit their entries."""
+    def _commit(self, manager: CheckpointManager, tmp: Path, fields: dict[str, Any], save_id: str) -> None:
+        """Rank 0's commit thread: wait for every rank's written record, then commit their entries."""
         try:
-            manager.commit(tmp, fields, sealed=self._written_entries(tmp))
+            manager.commit(tmp, fields, sealed=self._written_entries(tmp, save_id))
         except BaseException as error:  # reported to every rank by the next save or finish()
             self._commit_error = error
 
-    def _written_entries(self, tmp: Path) -> list[FileEntry]:
-        """The entries of every rank's marker (each rank's writer thread writes its own, on whatever node it runs),
-        or the first rank's error; ``.written/`` is removed before the commit lists the folder. Each look is one
-        listing of ``.written/`` and a read of the markers new in it, never a stat per rank (16,384 of them every
-        20 ms at that size), and the looks back off to :data:`_MARKER_POLL_MAX_S` while the ranks write."""
+    def _written_entries(self, tmp: Path, save_id: str = "") -> list[FileEntry]:
+        """The entries of every rank's written record (each rank's writer thread tells its own, on whatever node it
+        runs: over the coordinator with ``save_id``, else as a marker file), or the first rank's error;
+        ``.written/`` is removed before the commit lists the folder. Each look is what the coordinator pushed,
+        one listing of ``.written/`` and a read of the markers new in it, never a stat per rank (16,384 of them
+        every 20 ms at that size), and the looks back off to :data:`_MARKER_POLL_MAX_S` while the ranks write."""
         deadline = time.monotonic() + self.write_timeout_s
         records: dict[int, Any] = {}
         pause = _MARKER_POLL_S
-        watch = self._written
+        watch = self._written if save_id else None
         while len(records) < self.world:
+            if save_id and (watch is None or not watch.usable):
+                watch = self._rewatch_written()  # the coordinator pushes every record it holds again
             if watch is not None:  # in memory: the records the ranks told the coordinator
-                records.update(watch.records(tmp.name, set(records), self.world))
+                records.update(watch.records(save_id, set(records), self.world))
             for rank in sorted(_marker_ranks(tmp / WRITTEN_DIR, self.world) - records.keys()):
                 with open_record(written_marker(tmp, rank)) as handle:  # a rank that could not tell it
                     records[rank] = json.loads(handle.read())
@@ -310,6 +325,9 @@ class CheckpointTransaction:
                 self.manager.wait()
             except CheckpointError as error:
                 status = Refusal(str(error), False)
+        if self._written is not None:  # the last save is sealed: rank 0's watch is not needed any more
+            self._written.close()
+            self._written, self._written_tried = None, False
         if dist.is_initialized():
             status = broadcast(status)
         if isinstance(status, Refusal):

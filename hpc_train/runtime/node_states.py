@@ -17,6 +17,7 @@ import io
 import os
 import re
 from collections.abc import Callable, Iterable
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -49,8 +50,9 @@ def rank_state_name(names: Iterable[str], rank: int) -> str | None:
 class NodeStates:
     """The node's states gathered on its first rank (:meth:`gather`), and a rank's own found again (:meth:`pick`)."""
 
-    def __init__(self, rank: int, world: int, per_node: int) -> None:
+    def __init__(self, rank: int, world: int, per_node: int, timeout_s: float = 1800.0) -> None:
         per_node = max(1, min(per_node, world))
+        self.timeout = timedelta(seconds=timeout_s)
         self.rank = rank
         self.first = rank - rank % per_node
         self.ranks = list(range(self.first, min(self.first + per_node, world)))
@@ -62,46 +64,54 @@ class NodeStates:
         """Whether this rank writes its node's file."""
         return self.rank == self.first
 
-    def gather(self, state: dict[str, Any]) -> dict[str, Any] | None:
-        """``{"RANK": state}`` of every rank of this node, on its first rank; None on the others. A collective of
-        the node's ranks: each of them calls it at the same point of the save."""
-        data = _to_bytes(state)
+    def gather(self, make_state: Callable[[], dict[str, Any]]) -> dict[str, Any] | None:
+        """``{"RANK": state}`` of every rank of this node (each from its ``make_state()``), on its first rank; None
+        on the others. A collective of the node's ranks: each of them calls it at the same point of the save. A
+        rank whose ``make_state`` fails still takes part (with nothing), then raises: no peer is left waiting in
+        the gather, and the save fails on that rank as any failed write does."""
+        failure: Exception | None = None
+        try:
+            data = _to_bytes(make_state())
+        except Exception as error:
+            failure, data = error, b""
         if len(self.ranks) == 1 or not dist.is_initialized():
-            return {str(self.rank): state}
+            if failure is not None:
+                raise failure
+            return {str(self.rank): _from_bytes(data)}
         group = self._node_group()
         size = torch.tensor([len(data)], dtype=torch.int64)
         sizes = [torch.zeros(1, dtype=torch.int64) for _ in self.ranks]
         dist.all_gather(sizes, size, group=group)
-        longest = max(int(s.item()) for s in sizes)
+        longest = max(1, *(int(s.item()) for s in sizes))
         mine = torch.zeros(longest, dtype=torch.uint8)
-        mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        if data:  # a rank that failed sends nothing
+            mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         received = [torch.empty(longest, dtype=torch.uint8) for _ in self.ranks] if self.leads else None
         dist.gather(mine, received, dst=self.first, group=group)
+        if failure is not None:
+            raise failure
         if received is None:
             return None
         return {str(rank): _from_bytes(bytes(buffer[:int(length.item())].numpy()))
-                for rank, buffer, length in zip(self.ranks, received, sizes, strict=True)}
+                for rank, buffer, length in zip(self.ranks, received, sizes, strict=True) if int(length.item())}
 
     def _node_group(self) -> Any:
         """The node's ranks as a gloo group, made by them alone (``use_local_synchronization``): 4,096 nodes do not
         each wait for the 4,095 others' groups."""
         if self._group is None:
-            self._group = dist.new_group(self.ranks, backend="gloo", use_local_synchronization=True)
+            self._group = dist.new_group(self.ranks, timeout=self.timeout, backend="gloo",
+                                         use_local_synchronization=True)
         return self._group
 
-    def pick(self, folder: os.PathLike[str] | str, load: Callable[[str], Any],
-             rank: int | None = None) -> dict[str, Any] | None:
+    def pick(self, folder: os.PathLike[str] | str, load: Callable[[str], Any], rank: int | None = None,
+             names: Iterable[str] | None = None) -> dict[str, Any] | None:
         """This rank's state (or ``rank``'s) from the files in ``folder`` (``load(path)`` reads one, checked), or
-        None when no file holds it: a rank new since the save keeps its freshly seeded generators."""
+        None when no file holds it: a rank new since the save keeps its freshly seeded generators. ``names``: the
+        files the checkpoint's manifest lists there (no listing of the folder by every rank at a resume, and
+        no file the manifest does not vouch for); None lists the folder."""
         rank = self.rank if rank is None else rank
-        try:  # never through a link: a planted rng/ holds no state of this run
-            descriptor = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError:
-            return None
-        try:
-            names = os.listdir(descriptor)
-        finally:
-            os.close(descriptor)
+        if names is None:
+            names = _listing(folder)
         name = rank_state_name(names, rank)
         if name is None:
             return None
@@ -110,6 +120,18 @@ class NodeStates:
             return found if isinstance(found, dict) else None
         mine = found.get(str(rank)) if isinstance(found, dict) else None
         return mine if isinstance(mine, dict) else None
+
+
+def _listing(folder: os.PathLike[str] | str) -> list[str]:
+    """The names in ``folder``, never through a link (a planted ``rng/`` holds no state of this run)."""
+    try:
+        descriptor = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return []
+    try:
+        return os.listdir(descriptor)
+    finally:
+        os.close(descriptor)
 
 
 def _to_bytes(state: dict[str, Any]) -> bytes:

@@ -158,17 +158,17 @@ class RankFiles:
         self.load_problems: list[str] = []
         self._buffers: dict[str, list[torch.Tensor]] = {}  # staging buffers per file, reused by the next save
         self._read_buffer: bytearray | None = None  # one buffer every load of this rank reads into
-        self._online = False  # the current save's written record goes over the coordinator
+        self._save_id = ""  # the current save's id: its written record goes over the coordinator
 
     # ----- saving -----
 
-    def begin(self, folder: Path, staged: bool, online: bool = False) -> None:
-        """Start this rank's part of the save into ``folder``; ``staged``: write it in the background; ``online``:
-        rank 0 hears this rank's written record over the coordinator (no marker file)."""
+    def begin(self, folder: Path, staged: bool, save_id: str = "") -> None:
+        """Start this rank's part of the save into ``folder``; ``staged``: write it in the background; ``save_id``:
+        rank 0 hears this rank's written record, carrying it, over the coordinator (no marker file)."""
         self.drain()
         self.folder, self.entries, self._error = folder, [], None
         self._staging = staged and self.async_save
-        self._online = online
+        self._save_id = save_id
 
     def save(self, state: Any, path: Path) -> None:
         """``torch.save(state, path)`` as part of the current save: hashed while written, or staged."""
@@ -235,7 +235,7 @@ class RankFiles:
             record["error"] = f"rank {self.rank}: {type(self._error).__name__}: {self._error}"
         else:
             record["files"] = [{"path": e.path, "size": e.size, "sha256": e.sha256} for e in self.entries]
-        if self._online and publish_written(self.rank, folder.name, record):
+        if self._save_id and publish_written(self.rank, self._save_id, record):
             return  # rank 0 has it in memory: no file created, renamed and removed on the metadata server
         marker = written_marker(folder, self.rank)
         marker.parent.mkdir(mode=0o700, exist_ok=True)

@@ -32,6 +32,7 @@ import torch
 
 from hpc_train.ckpt import MANIFEST_NAME, CheckpointError, CheckpointManager, Manifest
 from hpc_train.ckpt.manager import inspect_checkpoint
+from hpc_train.ckpt.manifest import FileEntry
 from hpc_train.ckpt.universal import (
     cached_copy,
     clear_cache,
@@ -124,7 +125,7 @@ class Checkpointer(CheckpointTransaction):
 
         def write(tmp: Path) -> None:
             # the node's ranks meet first, before any file: a rank whose write fails leaves no peer in this gather
-            states = self.node_states.gather(random_state.capture(engine.device))
+            states = self.node_states.gather(lambda: random_state.capture(engine.device))
             engine.save_checkpoint(str(tmp), tag=TAG, client_state={"step": step, "sampler": sampler_state})
             if states is not None:
                 self.files.save(states, tmp / "rng" / self.node_states.file_name)
@@ -177,16 +178,17 @@ class Checkpointer(CheckpointTransaction):
             if chosen.universal:
                 _repair_zero3_universal_load(engine, Path(chosen.load_dir))
             self.files.begin_load(sealed, entries, self.check_sha256)
-            self._load_rng(sealed, engine.device)
+            self._load_rng(sealed, engine.device, entries)
         finally:
             self.files.begin_load(None, [], False)
         problems = self.files.load_problems
         return (f"{problems[0]} (found by rank {self.rank} while loading)" if problems else None), client
 
-    def _load_rng(self, sealed: Path, device: torch.device) -> None:
-        """This rank's random state from its node's file (or an older checkpoint's ``rng/rank-N.pt``); a rank that
-        did not exist when the checkpoint was saved has none."""
-        state = self.node_states.pick(sealed / "rng", self.files.load)
+    def _load_rng(self, sealed: Path, device: torch.device, entries: list[FileEntry]) -> None:
+        """This rank's random state from its node's file (or an older checkpoint's ``rng/rank-N.pt``), found among
+        the files the manifest lists; a rank that did not exist when the checkpoint was saved has none."""
+        names = [entry.path.removeprefix("rng/") for entry in entries if entry.path.startswith("rng/")]
+        state = self.node_states.pick(sealed / "rng", self.files.load, names=names)
         if state is not None:
             random_state.restore(state, device)
 

@@ -79,9 +79,9 @@ class Fsdp2Checkpoints(CheckpointTransaction):
                     dcp.save(state, storage_writer=writer, checkpoint_id=str(where))
                 except CheckpointException as error:  # a BaseException: past every "except Exception"
                     raise CheckpointError(f"{where}: DCP could not write the shards: {_dcp_failure(error)}") from None
-            own = {"step": step, "sampler": sampler_state, "scheduler": engine.scheduler.state_dict(),
-                   "random": random_state.capture(engine.device)}
-            node = self.node_states.gather(own)  # the node's ranks' states, one file per node
+            node = self.node_states.gather(lambda: {  # the node's ranks' states, one file per node
+                "step": step, "sampler": sampler_state, "scheduler": engine.scheduler.state_dict(),
+                "random": random_state.capture(engine.device)})
             if node is not None:
                 self.files.save(node, tmp / RANKS_DIR / self.node_states.file_name)
 
@@ -140,8 +140,11 @@ class Fsdp2Checkpoints(CheckpointTransaction):
                        optim_state_dict=state["optimizer"])
         self.files.load_problems.clear()
         self.files.begin_load(found, entries, self.check_sha256)
-        mine = self.node_states.pick(found / RANKS_DIR, self.files.load)  # None: a rank new since the save
-        shared = mine if mine is not None else self.node_states.pick(found / RANKS_DIR, self.files.load, rank=0)
+        names = [entry.path.removeprefix(f"{RANKS_DIR}/") for entry in entries
+                 if entry.path.startswith(f"{RANKS_DIR}/")]  # the manifest's, not a listing by every rank
+        mine = self.node_states.pick(found / RANKS_DIR, self.files.load, names=names)  # None: new since the save
+        shared = mine if mine is not None else self.node_states.pick(found / RANKS_DIR, self.files.load, rank=0,
+                                                                     names=names)
         problems += self.files.load_problems
         if shared is None:
             return f"checkpoint {found.name} holds no rank's own state in {RANKS_DIR}/", {}, False

@@ -197,3 +197,50 @@ def test_strangers_that_never_say_hello_are_closed_and_cannot_end_the_coordinato
         assert "alive True" in out, out
     finally:
         coordinator.kill()
+
+
+class _NoScan(dict):
+    """The server's connections, which a set must not look through one by one (issue 38's review: 16,384 sets at
+    a save, each looking at 32,768 connections)."""
+
+    def values(self):  # type: ignore[override]
+        raise AssertionError("a set looked at every connection")
+
+    def items(self):  # type: ignore[override]
+        raise AssertionError("a set looked at every connection")
+
+
+def test_a_set_reaches_its_watchers_without_looking_at_every_connection() -> None:
+    import socket
+
+    from hpc_train.control.server import _Conn
+    from hpc_train.control.wire import LineBuffer, decode
+
+    quiet = ControlServer(TOKEN, host="127.0.0.1")  # not started: its operations called directly
+    pairs = [socket.socketpair() for _ in range(3)]
+    conns = [_Conn(mine, member=f"m{index}") for index, (mine, _) in enumerate(pairs)]
+    for conn in conns:
+        quiet._conns[conn.sock.fileno()] = conn
+    quiet._handle(conns[0], {"op": "watch", "prefix": "save/", "id": 1})
+    quiet._handle(conns[0], {"op": "watch", "prefix": "save/written/", "id": 2})  # two prefixes: told once
+    quiet._handle(conns[1], {"op": "watch", "prefix": "rank/", "id": 3})
+    quiet._conns = _NoScan(quiet._conns)
+    quiet._set("save/written/rank-7", {"folder": "f"}, first=False)
+    for conn in conns:
+        quiet._flush(conn)
+    heard = []
+    for _, theirs in pairs:
+        theirs.setblocking(False)
+        try:
+            heard.append([decode(line) for line in LineBuffer().feed(theirs.recv(65536))])
+        except BlockingIOError:
+            heard.append([])
+    events = [[m for m in messages if m.get("event") == "set"] for messages in heard]
+    assert events == [[{"event": "set", "key": "save/written/rank-7", "value": {"folder": "f"}}], [], []]
+    quiet._conns = dict(quiet._conns)
+    quiet._close(conns[0], lost=False)
+    assert "save/" not in quiet._watchers and "save/written/" not in quiet._watchers
+    for mine, theirs in pairs:
+        mine.close()
+        theirs.close()
+    quiet._listener.close()

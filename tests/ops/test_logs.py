@@ -208,3 +208,14 @@ def test_an_older_one_rank_log_beside_node_logs_is_still_read(node_run: Path) ->
     ranks_1 = merged_view(node_run, rank=1)
     assert any("an older version's line" in r.text for r in ranks_1.timeline)
     assert {r.rank for r in ranks_1.timeline} == {1} and ranks_1.sources == ["ranks-0-1.log", "rank-1.log"]
+
+
+def test_a_log_name_claiming_a_billion_ranks_is_not_a_node_s_log(node_run: Path) -> None:
+    """A planted (or damaged) ``ranks-0-999999999.log`` is no node's log: no reader walks its range."""
+    from hpc_train.ops.evidence import collect_evidence
+
+    (node_run / "logs" / "ranks-0-999999999.log").write_text(f"{stamp(1)} rank5 ERROR planted\n")
+    with pytest.raises(ConfigError, match=r"pick one of: 0-3"):
+        merged_view(node_run, rank=9)
+    assert not any("planted" in r.text for r in merged_view(node_run).timeline)
+    assert sorted(report.rank for report in collect_evidence(node_run, "580").ranks) == [0, 1, 2, 3]

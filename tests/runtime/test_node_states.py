@@ -35,7 +35,7 @@ def _rank(rank: int, world: int, port: int, folder: str, queue: multiprocessing.
         random.seed(100 + rank)
         torch.manual_seed(100 + rank)
         states = NodeStates(rank, world, per_node=2)
-        gathered = states.gather(random_state.capture(torch.device("cpu")))
+        gathered = states.gather(lambda: random_state.capture(torch.device("cpu")))
         if gathered is not None:
             torch.save(gathered, os.path.join(folder, states.file_name))
         dist.barrier()
@@ -80,3 +80,44 @@ def test_a_rank_without_a_file_and_a_legacy_file_and_a_linked_folder(tmp_path: P
     assert NodeStates(0, 8, 1).pick(tmp_path / "missing", load) is None
     (tmp_path / "linked").symlink_to(folder)
     assert NodeStates(0, 8, 1).pick(tmp_path / "linked", load) is None
+
+
+def _failing_rank(rank: int, world: int, port: int, queue: multiprocessing.Queue) -> None:
+    """Rank 1's state cannot be made: it still takes part in the gather (its peer is not left waiting), then
+    raises; rank 0 gets the node's file without rank 1's entry."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        def make() -> dict:
+            if rank == 1:
+                raise OSError("no state on rank 1")
+            return random_state.capture(torch.device("cpu"))
+
+        try:
+            gathered = NodeStates(rank, world, per_node=2, timeout_s=60).gather(make)
+            queue.put((rank, sorted(gathered) if gathered is not None else None))
+        except OSError as error:
+            queue.put((rank, str(error)))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_rank_whose_state_cannot_be_made_leaves_no_peer_waiting() -> None:
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    port = _free_port()
+    workers = [context.Process(target=_failing_rank, args=(rank, 2, port, queue)) for rank in range(2)]
+    for worker in workers:
+        worker.start()
+    results = sorted(queue.get(timeout=120) for _ in workers)
+    for worker in workers:
+        worker.join(60)
+    assert results == [(0, ["0"]), (1, "no state on rank 1")]
+
+
+def test_the_manifest_s_names_are_used_without_a_listing(tmp_path: Path) -> None:
+    state = random_state.capture(torch.device("cpu"))
+    torch.save({"0": state, "1": state}, tmp_path / "ranks-0-1.pt")
+    torch.save({"0": state}, tmp_path / "unlisted.pt")
+    load = lambda path: torch.load(path, weights_only=True)  # noqa: E731
+    assert NodeStates(1, 2, 2).pick(tmp_path, load, names=["ranks-0-1.pt"]) is not None
+    assert NodeStates(1, 2, 2).pick(tmp_path, load, names=[]) is None  # the manifest vouches for no file
