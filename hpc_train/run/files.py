@@ -90,23 +90,23 @@ def _is_step_folder(path: str) -> bool:
         os.path.basename(os.path.dirname(path)) == CHECKPOINTS_DIR
 
 
-def open_run_path(path: str | Path, flags: int = _FILE_FLAGS) -> int:
+def open_run_path(path: str | Path, flags: int = _FILE_FLAGS, mode: int = 0o600) -> int:
     """A descriptor of ``path`` in a run folder, opened with ``flags`` (O_NOFOLLOW among them) through a descriptor
     of each of the run folder's subfolders on the way (``logs/``, ``checkpoints/``, ``logs/nccl-trace/``...), each
     opened O_NOFOLLOW too: a link anywhere below the run folder is never followed (OSError, ELOOP or ENOTDIR). One
     open per subfolder more than a plain open; none inside :func:`held_folders`, which opens each folder once."""
     top, parts, name = _below(os.fspath(path))
     if not parts:
-        return os.open(path, flags)
+        return os.open(path, flags, mode)
     held: dict[tuple[str, tuple[str, ...]], int] | None = getattr(_held, "folders", None)
     if held is not None:
         folder = held.get((top, parts))
         if folder is None:
             folder = held[(top, parts)] = _open_subfolders(top, parts)
-        return os.open(name, flags, dir_fd=folder)
+        return os.open(name, flags, mode, dir_fd=folder)
     folder = _open_subfolders(top, parts)
     try:
-        return os.open(name, flags, dir_fd=folder)
+        return os.open(name, flags, mode, dir_fd=folder)
     finally:
         os.close(folder)
 

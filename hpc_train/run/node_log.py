@@ -21,6 +21,7 @@ import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+from hpc_train.run.files import folder_names, open_run_path, read_record_text
 from hpc_train.run.loglines import RANK_RECORD
 from hpc_train.run.paths import LOGS_DIR
 
@@ -76,7 +77,7 @@ class NodeLogHandler(logging.Handler):
     def __init__(self, path: Path) -> None:
         super().__init__()
         self.path = path
-        self._fd: int | None = os.open(path, _WRITE_FLAGS, 0o600)
+        self._fd: int | None = open_run_path(path, _WRITE_FLAGS, 0o600)  # no link at the file or logs/
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
@@ -119,8 +120,6 @@ def rank_lines(text: str, rank: int, holds: range | None = None) -> list[str]:
 def rank_log_text(run_dir: Path, rank: int) -> str:
     """Rank ``rank``'s lines in the run folder's logs (its node's log; an older one-rank log first), each file
     read as every run-folder record is: never through a link, bounded in size."""
-    from hpc_train.run.files import folder_names, read_record_text
-
     logs = Path(run_dir) / LOGS_DIR
     lines: list[str] = []
     for name in sorted(rank_log_names(folder_names(logs), rank), key=lambda name: not name.startswith("rank-")):

@@ -80,6 +80,13 @@ def test_a_link_planted_where_the_log_goes_is_refused(tmp_path: Path) -> None:
     with pytest.raises(OSError):
         NodeLogHandler(node_log_path(tmp_path, 0, 2))
     assert (tmp_path / "elsewhere").read_text() == "precious\n"
+    run = tmp_path / "run"  # logs/ itself a link: nothing is written through it either
+    run.mkdir()
+    (tmp_path / "other").mkdir()
+    (run / "logs").symlink_to(tmp_path / "other")
+    with pytest.raises(OSError):
+        NodeLogHandler(node_log_path(run, 0, 2))
+    assert list((tmp_path / "other").iterdir()) == []
 
 
 def test_a_rank_s_lines_from_an_older_one_rank_log_and_its_node_s_log(tmp_path: Path) -> None:
