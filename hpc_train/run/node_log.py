@@ -71,8 +71,9 @@ def rank_log_names(names: Iterable[str], rank: int) -> list[str]:
 
 
 class NodeLogHandler(logging.Handler):
-    """A :class:`logging.Handler` that appends each record to a node's log in one ``write()`` (never through a
-    link at the file: ``O_NOFOLLOW``; the run folder's own check refuses a linked ``logs/``)."""
+    """A :class:`logging.Handler` that appends each record to a node's log in one ``write()``, opened through the
+    run folder's no-link walk (:func:`~hpc_train.run.files.open_run_path`): neither the file nor ``logs/`` may be
+    a link."""
 
     def __init__(self, path: Path) -> None:
         super().__init__()

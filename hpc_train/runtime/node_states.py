@@ -4,7 +4,8 @@ Why: a file per rank in every checkpoint is 16,384 files created on the metadata
 for a few kilobytes each. The ranks of node K of the layout (ranks ``K*T .. K*T+T-1``) hand their state to the
 node's first rank over a gloo group of the node's ranks alone (made once, by its members only: no rank of another
 node takes part), which writes them as one file ``{"RANK": state}``; the file's name says which ranks it holds,
-so a rank finds its own again from the folder's listing, at any later layout with the same tasks per node.
+so a rank finds its own again among the names the checkpoint's manifest lists, at any later layout with the same
+tasks per node.
 
 Each state travels as ``torch.save`` bytes and is read back with ``weights_only=True`` on the node's first rank,
 so the file loads as every checkpoint file does. The gather runs on CPU tensors of a gloo group whatever the
