@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["PendingReduce", "all_gather_objects", "all_gather_values", "all_reduce_values", "barrier",
-           "broadcast_object", "device_for_backend", "gather_objects", "group_device"]
+           "broadcast_object", "device_for_backend", "gather_bytes", "gather_objects", "group_device"]
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
@@ -90,6 +90,26 @@ def gather_objects(value: Any, dst: int = 0, group: Any = None) -> list[Any] | N
     gathered: list[Any] | None = [None] * dist.get_world_size(group) if dist.get_rank() == dst else None
     dist.gather_object(value, gathered, dst=dst, group=group)
     return gathered
+
+
+def gather_bytes(data: bytes, dst: int, group: Any = None) -> list[bytes] | None:
+    """Every rank's ``data`` (any length, none included) on global rank ``dst``, in the group's rank order; None
+    on the others. The bytes travel as uint8 tensors on the group's device, padded to the longest (no pickle:
+    the receiver decides how to read them)."""
+    device = group_device(group)
+    count = dist.get_world_size(group)
+    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(count)]
+    dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64, device=device), group=group)
+    lengths = [int(size.item()) for size in sizes]
+    mine = torch.zeros(max(1, *lengths), dtype=torch.uint8)
+    if data:
+        mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    mine = mine.to(device)
+    received = [torch.empty_like(mine) for _ in range(count)] if dist.get_rank() == dst else None
+    dist.gather(mine, received, dst=dst, group=group)
+    if received is None:
+        return None
+    return [bytes(tensor[:length].cpu().numpy()) for tensor, length in zip(received, lengths, strict=True)]
 
 
 def barrier(group: Any = None) -> None:

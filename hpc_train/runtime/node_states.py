@@ -24,6 +24,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hpc_train.distributed.collectives import gather_bytes
+
 __all__ = ["NodeStates", "node_file_name", "rank_state_name"]
 
 _NODE_FILE = re.compile(r"ranks-([0-9]{1,9})-([0-9]{1,9})\.pt")
@@ -79,22 +81,12 @@ class NodeStates:
             if failure is not None:
                 raise failure
             return {str(self.rank): _from_bytes(data)}
-        group = self._node_group()
-        size = torch.tensor([len(data)], dtype=torch.int64)
-        sizes = [torch.zeros(1, dtype=torch.int64) for _ in self.ranks]
-        dist.all_gather(sizes, size, group=group)
-        longest = max(1, *(int(s.item()) for s in sizes))
-        mine = torch.zeros(longest, dtype=torch.uint8)
-        if data:  # a rank that failed sends nothing
-            mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        received = [torch.empty(longest, dtype=torch.uint8) for _ in self.ranks] if self.leads else None
-        dist.gather(mine, received, dst=self.first, group=group)
+        received = gather_bytes(data, self.first, self._node_group())
         if failure is not None:
             raise failure
         if received is None:
             return None
-        return {str(rank): _from_bytes(bytes(buffer[:int(length.item())].numpy()))
-                for rank, buffer, length in zip(self.ranks, received, sizes, strict=True) if int(length.item())}
+        return {str(rank): _from_bytes(part) for rank, part in zip(self.ranks, received, strict=True) if part}
 
     def _node_group(self) -> Any:
         """The node's ranks as a gloo group, made by them alone (``use_local_synchronization``): 4,096 nodes do not
