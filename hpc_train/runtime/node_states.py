@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from hpc_train.distributed.collectives import gather_bytes
+from hpc_train.run.files import folder_names
 
 __all__ = ["NodeStates", "node_file_name", "rank_state_name"]
 
@@ -104,7 +105,7 @@ class NodeStates:
         no file the manifest does not vouch for); None lists the folder."""
         rank = self.rank if rank is None else rank
         if names is None:
-            names = _listing(folder)
+            names = folder_names(folder)  # never through a link: a planted rng/ holds no state of this run
         name = rank_state_name(names, rank)
         if name is None:
             return None
@@ -113,18 +114,6 @@ class NodeStates:
             return found if isinstance(found, dict) else None
         mine = found.get(str(rank)) if isinstance(found, dict) else None
         return mine if isinstance(mine, dict) else None
-
-
-def _listing(folder: os.PathLike[str] | str) -> list[str]:
-    """The names in ``folder``, never through a link (a planted ``rng/`` holds no state of this run)."""
-    try:
-        descriptor = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
-        return []
-    try:
-        return os.listdir(descriptor)
-    finally:
-        os.close(descriptor)
 
 
 def _to_bytes(state: dict[str, Any]) -> bytes:

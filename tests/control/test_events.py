@@ -5,24 +5,13 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from hpc_train.control.discovery import Address
 from hpc_train.control.server import ControlServer
 from hpc_train.run.paths import stop_notice_path, stop_request_path
 from hpc_train.run.stops import StopNotice, publish_notice, read_notice, read_request, request_stop
-
-
-@pytest.fixture
-def coordinator(monkeypatch: pytest.MonkeyPatch) -> Iterator[ControlServer]:
-    server = ControlServer("secret-of-this-test", host="127.0.0.1").start()
-    for name, value in Address("127.0.0.1", server.port, server.token).environment().items():
-        monkeypatch.setenv(name, value)
-    yield server
-    server.stop()
 
 
 def _until(check, timeout_s: float = 5.0):  # type: ignore[no-untyped-def]

@@ -5,27 +5,15 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-from hpc_train.control.discovery import Address
 from hpc_train.control.server import ControlServer
 from hpc_train.control.written import WrittenWatch, publish_written
 from hpc_train.runtime.checkpoints import CheckpointTransaction
 from hpc_train.runtime.rank_files import WRITTEN_DIR, RankFiles, written_marker
-
-
-@pytest.fixture
-def coordinator(monkeypatch: pytest.MonkeyPatch) -> Iterator[ControlServer]:
-    server = ControlServer("secret-of-this-test", host="127.0.0.1").start()
-    for name, value in Address("127.0.0.1", server.port, server.token).environment().items():
-        monkeypatch.setenv(name, value)
-    yield server
-    server.stop()
-
 
 SAVE = "4242-0123456789abcdef"
 
