@@ -300,7 +300,7 @@ def main() -> None:
     parser.add_argument("--section", choices=[*SECTIONS, "all"], default="all")
     parser.add_argument("--ranks", type=int, nargs="+", default=[1024, 4096, 16384])
     parser.add_argument("--nodes", type=int, nargs="+", default=[8, 32, 64],
-                        help="emulated nodes of 4 agents each (the coordinator section)")
+                        help="emulated nodes, one agent each (the coordinator section)")
     parser.add_argument("--runs", type=int, default=3, help="runs of each command; the median is shown")
     parser.add_argument("--dir", help="where the run folders are built (default /dev/shm, else the temp folder)")
     parser.add_argument("--verbose", action="store_true", help="print each command's answer (its first line)")

@@ -1,14 +1,15 @@
 """The coordinator section of benchmarks/control_plane.py: the job's coordinator (hpc_train.control) with emulated
-agents on this machine, as many as a job of N nodes x 4 tasks runs.
+agents on this machine, one per node as a job of N nodes runs (hpc_train.agent: one agent per node, however many
+ranks it starts).
 
 Each emulated agent is what a real one does on the network (hpc_train.agent_control): it connects with the
 job's token, watches its attempt's keys and the lost ones, arrives at the start barrier, then waits for a restart
 notice, arrives at the restart's barrier and waits for its decision. The agents run as threads in 16 worker
-processes; the coordinator runs in this process, on its own thread, as in rank 0's agent. Measured:
+processes; the coordinator runs in this process, on its own thread, as in the first node's agent. Measured:
 
 - start: from launching the workers to the start barrier decided (every agent connected and arrived);
 - restart decision: from the notice being set to its barrier decided, and to the last agent hearing it;
-- lost node: one worker (its agents: a node) killed at the restart; from the notice to the barrier decided,
+- lost node: one worker (its agents: some nodes) killed at the restart; from the notice to the barrier decided,
   naming the lost agents (their connections dropped);
 - messages: requests the coordinator served per agent for one restart.
 """
@@ -27,7 +28,6 @@ from typing import Any
 from hpc_train.control.client import ControlClient
 from hpc_train.control.server import ControlServer
 
-TASKS_PER_NODE = 4
 WORKERS = 16
 TOKEN = "benchmark-token"  # noqa: S105 (the benchmark's own coordinator, on the loopback)
 
@@ -76,12 +76,12 @@ def _wait_key(client: ControlClient, key: str, timeout_s: float = 600) -> float:
 
 
 def measure(nodes: int) -> Figures:
-    """One job of ``nodes`` x 4 agents: start, a restart, then a restart with one node lost."""
-    agents = nodes * TASKS_PER_NODE
+    """One job of ``nodes`` agents: start, a restart, then a restart with one worker's nodes lost."""
+    agents = nodes
     server = ControlServer(TOKEN, host="127.0.0.1").start()
     watcher = ControlClient.connect("127.0.0.1", server.port, TOKEN, "benchmark")
     watcher.watch("b.0/")
-    names = [f"task-{task}@n{task // TASKS_PER_NODE}" for task in range(agents)]
+    names = [f"node-{node}@n{node}" for node in range(agents)]
     workers = min(WORKERS, nodes)  # a worker holds whole nodes, so killing one loses nodes, not half of one
     per = [[n for n in names if int(n.split("@n")[1]) % workers == i] for i in range(workers)]
     context = multiprocessing.get_context("fork")

@@ -1,13 +1,16 @@
-"""The per-task agent that restarts a rank inside the same Slurm job: ``python -m hpc_train.agent RUN_DIR``.
+"""The node agent that starts, watches and restarts its node's ranks inside the same Slurm job:
+``python -m hpc_train.agent RUN_DIR``.
 
 Why an agent: a requeue gives the allocation back and waits in the queue again for the loss of one rank. srun
-starts one agent per task (the srun template, submitit's Slurm path); each agent runs its rank as a child
-(``python -m hpc_train.launch RUN_DIR``). When a rank is killed, crashes, hangs or meets a network fault, the
-agent that sees it writes the restart notice in the run folder (:mod:`hpc_train.run.in_place`); every agent
-then ends its rank and everything the rank started, waits until every rank's agent has done so, and starts its
-rank again with a fresh rendezvous port, up to ``retry.in_place`` times. Past that, or for a failure a restart
-cannot mend (the program's own error, out of memory, a GPU fault of this node), the agent leaves the way its
-rank did, so Slurm and the retry policy see exactly what they saw without it. The agent never imports torch.
+(the srun template, submitit's Slurm path) starts one agent per node (:attr:`Plan.node_agents`), and the agent
+starts the node's ranks as its children (``python -m hpc_train.launch RUN_DIR``), each with the ``SLURM_*``
+place it would have had as a task of its own. When a rank is killed, crashes, hangs or meets a network fault, the
+agent that sees it sets the restart notice on the job's coordinator (:mod:`hpc_train.agent_control`; the run
+folder keeps the record); every agent then ends its ranks and everything they started, arrives once at the
+restart barrier (one message per node), and starts its ranks again with a fresh rendezvous port, up to
+``retry.in_place`` times. Past that, or for a failure a restart cannot mend (the program's own error, out of
+memory, a GPU fault of this node), the agent ends its other ranks and leaves the way the failed rank did, so
+Slurm and the retry policy see what they saw without it. The agent never imports torch.
 """
 
 from __future__ import annotations
@@ -20,14 +23,14 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
 from hpc_train.agent_control import AgentLink
+from hpc_train.agent_setup import AgentSetup, Spares, agent_setup
 from hpc_train.control.client import ControlError
-from hpc_train.run.assignment import node_of
+from hpc_train.run.assignment import Assignment, rank_environments
 from hpc_train.run.attempts import AttemptLog
 from hpc_train.run.chain import successor_of
 from hpc_train.run.exit_codes import EXIT_RESTART_IN_PLACE
@@ -44,7 +47,7 @@ from hpc_train.run.in_place import (
 )
 from hpc_train.run.loglines import format_host_oom, rank_log_format
 from hpc_train.run.node import node_name
-from hpc_train.run.node_log import NodeLogHandler, node_log_name, node_log_path, ranks_per_log
+from hpc_train.run.node_log import NodeLogHandler, node_log_name, node_log_path
 from hpc_train.run.paths import LOGS_DIR, rank_error_path
 from hpc_train.run.peer_errors import lost_its_peer
 from hpc_train.run.procs import descendants
@@ -60,115 +63,44 @@ _BARRIER_S = 180.0  # every agent ends its rank within this; past it, the step i
 _PR_SET_CHILD_SUBREAPER = 36
 
 
-@dataclass(frozen=True)
-class AgentSetup:
-    """Who this agent is: the run, its rank in the step, the Slurm attempt and how many restarts it may make."""
-
-    run_dir: Path
-    rank: int
-    world_size: int
-    job_id: str
-    restart: int
-    limit: int
-    preempt_signal: str  # the plan's signal (USR2 by default): the rank saves on it, the agent stops restarting
-    spares: Spares | None = None  # spares or retry.shrink: this task's place in the allocation
-    tasks_per_node: int = 1  # the plan's: which node's log a rank's lines go into
-
-
-@dataclass(frozen=True)
-class Spares:
-    """This task's place in an allocation that goes on without a lost node (hot spares, or ``retry.shrink``), and
-    the layout it must keep."""
-
-    task: int
-    local: int
-    node: str
-    allocated: tuple[str, ...]
-    nodes: int  # the layout's (job.nodes)
-    tasks_per_node: int
-    shrink: tuple[int, int, int] | None = None  # retry.shrink: (tensor x pipeline x context, micro, global batch)
-
-    def smaller(self, nodes_left: int) -> int | None:
-        """The node count a life goes on with when only ``nodes_left`` are left (retry.shrink); None without it."""
-        if self.shrink is None:
-            return None
-        from hpc_train.config.shrink import smaller_size
-
-        size = smaller_size(*self.shrink[:3], self.tasks_per_node, nodes_left)
-        return size.nodes if size else None
-
-
-def agent_setup(run_dir: Path, env: dict[str, str] | None = None) -> AgentSetup | None:
-    """The agent's setup when this process is an srun task of a job that restarts in place; None otherwise (the
-    local executor, torchrun or mpirun, ``retry.in_place = 0``, or a run folder the rank itself must refuse)."""
-    env = dict(os.environ) if env is None else env
-    if IN_PLACE_LEFT_ENV in env or not env.get("SLURM_JOB_ID") or "SLURM_STEP_ID" not in env:
-        return None
-    if env.get("SUBMITIT_EXECUTOR") == "local":
-        return None
-    try:
-        from hpc_train.config.plan import Plan
-        from hpc_train.run.folder import check_run_folder
-        from hpc_train.run.paths import PLAN_FILE
-
-        check_run_folder(run_dir)
-        plan = Plan.from_json((run_dir / PLAN_FILE).read_text(encoding="utf-8"))
-        limit = plan.config.retry.in_place if plan.config.job.program != "smoke" else 0
-        rank, world = int(env["SLURM_PROCID"]), int(env.get("SLURM_STEP_NUM_TASKS") or env["SLURM_NTASKS"])
-        spare, per_node = plan.resources.spare_nodes, plan.resources.tasks_per_node
-        spares = None
-        if plan.resources.survives_lost_node and world == (plan.resources.nodes + spare) * per_node:
-            from hpc_train.distributed.hostlist import expand
-
-            allocated = tuple(expand(env["SLURM_JOB_NODELIST"]))
-            lay = plan.layout
-            shrink = (lay.tensor * lay.pipeline * lay.context, lay.micro_batch, lay.global_batch)
-            spares = Spares(rank, int(env["SLURM_LOCALID"]), node_of(env), allocated, plan.resources.nodes, per_node,
-                            shrink if plan.resources.shrink else None)
-            rank, world = -1, plan.layout.world  # a rank is given by each life's assignment
-    except Exception:  # the rank reports whatever is wrong, in its own words
-        return None
-    if limit <= 0 or world != plan.layout.world:
-        return None
-    local = env.get("SLURM_LOCALID", "")
-    task, local_rank = int(env["SLURM_PROCID"]), int(local) if local.isdigit() and len(local) < 10 else 0
-    return AgentSetup(run_dir, rank, world, env["SLURM_JOB_ID"], int(env.get("SLURM_RESTART_COUNT") or 0), limit,
-                      plan.signal, spares, ranks_per_log(task, local_rank, plan.resources.tasks_per_node))
-
-
-def _logger(run_dir: Path, rank: int, per_node: int, task: int | None = None) -> logging.Logger:
-    """Rank ``rank``'s lines in its node's log (rank 0's also on stdout, the batch output), or with ``task`` the
-    lines of a task's agent in a job with spares, whose rank changes from life to life: ``taskT`` lines in its
-    node's ``logs/agents-FIRST-LAST.log``."""
-    name = f"hpc_train.agent{rank}" if task is None else f"hpc_train.agent-task{task}"
+def _logger(run_dir: Path, rank: int, per_node: int, slot: int | None = None) -> logging.Logger:
+    """The agent's lines as rank ``rank``'s (its node's first rank) in its node's log (rank 0's also on stdout,
+    the batch output), or with ``slot`` the lines of a node's agent in a job with spares, which may hold no rank
+    in a life: ``nodeK`` lines in ``logs/agents-FIRST-LAST.log``."""
+    name = f"hpc_train.agent{rank}" if slot is None else f"hpc_train.agent-node{slot}"
     logger = logging.getLogger(name)
     if not logger.handlers:
         logger.setLevel(logging.INFO)
         logger.propagate = False
         (run_dir / LOGS_DIR).mkdir(mode=0o700, exist_ok=True)
-        if task is None:
+        if slot is None:
             path, line = node_log_path(run_dir, rank, per_node), rank_log_format(rank)
         else:
-            name = node_log_name(task, per_node).replace("ranks-", "agents-", 1)
-            path, line = run_dir / LOGS_DIR / name, f"%(asctime)s task{task} %(levelname)s %(message)s"
+            name = node_log_name(slot * per_node, per_node).replace("ranks-", "agents-", 1)
+            path, line = run_dir / LOGS_DIR / name, f"%(asctime)s node{slot} %(levelname)s %(message)s"
         handler = NodeLogHandler(path)
         handler.setFormatter(logging.Formatter(line))
         logger.addHandler(handler)
-        if rank == 0 and task is None:
+        if rank == 0 and slot is None:
             stream = logging.StreamHandler(sys.stdout)
             stream.setFormatter(logging.Formatter(rank_log_format(rank)))
             logger.addHandler(stream)
     return logger
 
 
+Children = dict[int, "subprocess.Popen[bytes]"]  # a life's ranks on this node, by rank
+
+
 class Agent:
-    """Runs one rank and starts it again in place while ``retry.in_place`` allows (see the module's docstring)."""
+    """Runs its node's ranks and starts them again in place while ``retry.in_place`` allows (see the module's
+    docstring)."""
 
     def __init__(self, setup: AgentSetup) -> None:
         self.setup = setup
-        self.rank = setup.rank  # with spares, the rank of this life's assignment (-1: a spare)
+        per_node = setup.tasks_per_node
+        self.rank = setup.node * per_node  # this node's first rank (with spares, in this life's assignment; -1: none)
         self.attempt = attempt_key(setup.job_id, setup.restart)
-        self.log = _logger(setup.run_dir, setup.rank, setup.tasks_per_node, setup.spares.task if setup.spares else None)
+        self.log = _logger(setup.run_dir, self.rank, per_node, setup.node if setup.spares else None)
         self.stopping: int | None = None  # a signal from Slurm (preemption, requeue, cancel): no more restarts
         self._successor: str | None = None  # the next job of a chain this one handed the run to
         self._handed_at = 0.0  # when this agent first saw that (monotonic)
@@ -177,16 +109,21 @@ class Agent:
         self._gone_before = 0  # agents gone when this life began (the coordinator counts them per attempt)
 
     def logger_for(self, rank: int) -> logging.Logger:
-        """The log of rank ``rank`` (with spares, the rank this agent runs in a life)."""
+        """The log of rank ``rank`` (with spares, this node's first rank in a life)."""
         return _logger(self.setup.run_dir, rank, self.setup.tasks_per_node)
 
+    def rank_environments(self, places: dict[int, dict[str, str]], extra: dict[str, str]) -> dict[int, dict[str, str]]:
+        """Each rank's environment: the step's, its ``SLURM_*`` place, its share of the node's CPUs, ``extra``."""
+        cpus = {"SLURM_CPUS_PER_TASK": str(self.setup.cpus_per_rank)} if self.setup.cpus_per_rank else {}
+        return {rank: {**os.environ, **place, **cpus, **extra} for rank, place in places.items()}
+
     def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
-        self.stopping = signum  # the rank got the same signal from Slurm (it signals every process of the step)
+        self.stopping = signum  # the ranks got the same signal from Slurm (it signals every process of the step)
 
     def take_signals(self) -> None:
         """Slurm's signals (the preemption signal, the TERM of a requeue or a cancel) reach every process of
-        the step, the rank too, which acts on them: the agent only stops restarting. It becomes the subreaper
-        of what its rank starts, so nothing the rank leaves behind escapes it."""
+        the step, the ranks too, which act on them: the agent only stops restarting. It becomes the subreaper
+        of what its ranks start, so nothing a rank leaves behind escapes it."""
         preempt = getattr(signal, f"SIG{self.setup.preempt_signal}", None)
         for signum in {*((preempt,) if preempt else ()), signal.SIGTERM, signal.SIGINT, signal.SIGHUP}:
             signal.signal(signum, self._on_signal)
@@ -194,80 +131,127 @@ class Agent:
             ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
 
     def run(self, argv: list[str]) -> int:
-        """Run the rank until it ends for good; the status to leave with (negative: the signal it died of)."""
-        if self.setup.spares is not None:
+        """Run the node's ranks until they end for good; the status to leave with (negative: a signal)."""
+        setup = self.setup
+        if setup.spares is not None:
             from hpc_train.agent_spares import run_with_spares
 
             return run_with_spares(self, argv)
         in_place = 0
-        self.link = AgentLink.open(self.setup.run_dir, self.attempt, self.setup.job_id, f"rank-{self.rank}",
-                                   self.log, host=self.rank == 0)
+        self.link = AgentLink.open(setup.run_dir, self.attempt, setup.job_id, setup.member, self.log,
+                                   host=setup.node == 0)
         coordinator = self.link.environment() if self.link else {}
+        places = rank_environments(Assignment(0, list(setup.nodes)), setup.node_name, setup.tasks_per_node)
         while True:
-            env = {**os.environ, **coordinator, IN_PLACE_ENV: str(in_place),
-                   IN_PLACE_LEFT_ENV: str(self.setup.limit - in_place)}
-            code, notice = self._run_once(argv, env, in_place)
-            self._end_everything_below()
+            extra = {**coordinator, IN_PLACE_ENV: str(in_place), IN_PLACE_LEFT_ENV: str(setup.limit - in_place)}
+            code, notice = self.run_once(argv, self.rank_environments(places, extra), in_place)
+            self.end_everything_below()
             if notice is None:
                 return code
-            self._wait_for_every_rank(notice)
-            if self.setup.rank == 0:
-                self._record(notice)
-            self.log.info("in-place restart %d of %d (retry.in_place): %s: %s (rank %d on %s); starting the rank "
-                          "again in job %s", notice.in_place, self.setup.limit, notice.failure_class, notice.reason,
-                          notice.rank, notice.host or "?", self.setup.job_id)
+            self._wait_for_every_node(notice)
+            if setup.node == 0:
+                self.record(notice)
+            self.log.info("in-place restart %d of %d (retry.in_place): %s: %s (rank %d on %s); starting the ranks "
+                          "again in job %s", notice.in_place, setup.limit, notice.failure_class, notice.reason,
+                          notice.rank, notice.host or "?", setup.job_id)
             in_place = notice.in_place
 
-    def _run_once(self, argv: list[str], env: dict[str, str], in_place: int) -> tuple[int, RestartNotice | None]:
-        """One life of the rank: its exit status, and the restart notice that ends it (None: leave for good)."""
+    def run_once(self, argv: list[str], envs: dict[int, dict[str, str]], in_place: int
+                 ) -> tuple[int, RestartNotice | None]:
+        """One life of the node's ranks (``envs``: each one's environment): the status to leave with, and the
+        restart notice that ends the life (None: leave for good)."""
         oom_before = oom_kills()
-        child = subprocess.Popen(argv, env=env)
+        children: Children = {rank: subprocess.Popen(argv, env=env) for rank, env in envs.items()}
+        ended: dict[int, int] = {}  # rank: status, in the order they were seen to end
         may_restart = in_place < self.setup.limit
         lost_before = self.link.lost() if self.link is not None else (0, [], [])
         self._gone_before = self.link.gone() if self.link is not None else 0
         while True:
-            try:
-                code = child.wait(timeout=_POLL_S)
+            _reap(children, ended)
+            failed = [(rank, code) for rank, code in ended.items() if code != 0]
+            if failed or len(ended) == len(children):
                 break
-            except subprocess.TimeoutExpired:
-                pass
             if may_restart and self.stopping is None:
-                notice = self._notice(in_place + 1) or self._restart_for_lost(in_place + 1, lost_before)
+                notice = self.notice(in_place + 1) or self._restart_for_lost(in_place + 1, lost_before)
                 if notice is not None:
-                    self._kill(child)
-                    return child.wait(), notice
+                    return self._end(children, ended), notice
             if self.stopping is None and self._handed_over_for(_HANDOVER_GRACE_S):
-                self.log.info("ending rank %d: this job's run goes on as job %s", self.rank, self._successor)
-                self._kill(child)  # as scontrol requeue would: no rank waits out its rendezvous for a peer gone
-                return child.wait(), None
-        if code == 0 or not may_restart or self.stopping is not None or self._handed_over():
-            if code != 0 and not may_restart and self._cause(code, oom_before) is not None:
+                self.log.info("ending the ranks of node %s: this job's run goes on as job %s", self.setup.node_name,
+                              self._successor)
+                return self._end(children, ended), None  # as scontrol requeue would: none waits out its peers
+            time.sleep(_POLL_S)
+        if not failed:
+            return 0, None
+        rank, code = self._cause_first(failed, oom_before)
+        if not may_restart or self.stopping is not None or self._handed_over():
+            if not may_restart and self._cause(rank, code, oom_before) is not None:
                 self.log.info("no in-place restart left (retry.in_place = %d): leaving with status %d for the "
                               "retry policy", self.setup.limit, code)
-            return code, None
-        return code, self._restart_for(code, oom_before, in_place + 1)
+            return self._leave(children, ended, code), None
+        notice = self._restart_for(children, ended, rank, code, oom_before, in_place + 1)
+        if notice is None:
+            _rank, code = self._cause_first([(r, c) for r, c in ended.items() if c != 0], oom_before)
+            return self._leave(children, ended, code), None
+        return self._end(children, ended), notice
 
-    def _restart_for(self, code: int, oom_before: int, next_in_place: int) -> RestartNotice | None:
-        """The notice that restarts the ranks after this rank ended with ``code``, or None to leave with it."""
-        cause = self._cause(code, oom_before)
-        run_dir = self.setup.run_dir
+    def _cause_first(self, failed: list[tuple[int, int]], oom_before: int) -> tuple[int, int]:
+        """The failed rank whose end says most: one that did not only lose a peer, else the first to end."""
+        for rank, code in failed:
+            cause = self._cause(rank, code, oom_before, quiet=True)
+            if cause is None or cause[0] != "peer":
+                return rank, code
+        return failed[0]
+
+    def _leave(self, children: Children, ended: dict[int, int], code: int) -> int:
+        """Leave for good with ``code``. On Slurm's signal the other ranks got it too and are saving: they are
+        waited for; otherwise they are ended, as srun's --kill-on-bad-exit ends the other nodes' ranks."""
+        if self.stopping is None:
+            if self._handed_over():  # the rank that handed the run on finishes its records first
+                deadline = self._handed_at + _HANDOVER_GRACE_S
+                while _reap(children, ended) < len(children) and time.monotonic() < deadline:
+                    time.sleep(_POLL_S)
+            self._end(children, ended)
+        else:
+            for rank, child in children.items():
+                ended.setdefault(rank, child.wait())
+        return code
+
+    def _end(self, children: Children, ended: dict[int, int]) -> int:
+        """End every rank still running (and what it started); the first failed status, else 0."""
+        for rank, child in children.items():
+            if rank not in ended:
+                self._kill(child)
+        for rank, child in children.items():
+            ended.setdefault(rank, child.wait())
+        return next((code for code in ended.values() if code != 0), 0)
+
+    def _restart_for(self, children: Children, ended: dict[int, int], rank: int, code: int, oom_before: int,
+                     next_in_place: int) -> RestartNotice | None:
+        """The notice that restarts the ranks after rank ``rank`` ended with ``code``, or None to leave."""
+        cause = self._cause(rank, code, oom_before)
         if cause is None or cause[0] == "peer":  # maybe a consequence: wait for the cause's own notice
             deadline = time.monotonic() + (_PEER_CAUSE_WAIT_S if cause else _OWN_ERROR_WAIT_S)
+            seen = len(ended)
             while time.monotonic() < deadline and self.stopping is None and not self._handed_over():
-                notice = self._notice(next_in_place)
+                notice = self.notice(next_in_place)
                 if notice is not None:
                     return notice
                 if self.link is not None and self.link.usable and self.link.gone() > self._gone_before:
                     break  # the peer's agent is gone with its node: no notice of its own will come
+                if cause is not None and _reap(children, ended) > seen:  # a rank of this node ended meanwhile
+                    seen = len(ended)
+                    other, status = self._cause_first([(r, c) for r, c in ended.items() if c != 0], oom_before)
+                    if other != rank:
+                        return self._restart_for(children, ended, other, status, oom_before, next_in_place)
                 time.sleep(_POLL_S)
             if cause is None or self.stopping is not None or self._handed_over():
                 return None
             cause = ("infrastructure", cause[1])
-        notice = RestartNotice(next_in_place, self.rank, node_name(), cause[0], cause[1], time.time())
+        notice = RestartNotice(next_in_place, rank, node_name(), cause[0], cause[1], time.time())
         if self.link is not None and self.link.usable:
             with contextlib.suppress(ControlError):
-                return self.link.request(run_dir, notice)
-        return request_restart(run_dir, self.attempt, notice)
+                return self.link.request(self.setup.run_dir, notice)
+        return request_restart(self.setup.run_dir, self.attempt, notice)
 
     def _restart_for_lost(self, next_in_place: int, before: tuple[int, list[str], list[str]]) -> RestartNotice | None:
         """The restart that an agent's vanishing calls for (its node lost: its connection dropped, or TCP
@@ -290,9 +274,9 @@ class Agent:
             return self.link.request(self.setup.run_dir, notice)
         return None
 
-    def _notice(self, in_place: int) -> RestartNotice | None:
+    def notice(self, in_place: int) -> RestartNotice | None:
         """Restart ``in_place``'s notice: pushed by the coordinator (no file read), or from the run folder when
-        there is no coordinator (a job with spares) or it went away."""
+        the coordinator cannot be reached."""
         if self.link is not None and self.link.usable:
             return self.link.notice(in_place)
         return read_notice(self.setup.run_dir, self.attempt, in_place)
@@ -318,31 +302,31 @@ class Agent:
         finish its own records first)."""
         return self._handed_over() and time.monotonic() - self._handed_at >= seconds
 
-    def _cause(self, code: int, oom_before: int) -> tuple[str, str] | None:
-        """(class, why) of a rank's end that a restart in place may mend; ("peer", why) when it only lost a
-        peer; None when it may not (the program's error, out of memory, a stop)."""
+    def _cause(self, rank: int, code: int, oom_before: int, quiet: bool = False) -> tuple[str, str] | None:
+        """(class, why) of rank ``rank``'s end that a restart in place may mend; ("peer", why) when it only lost
+        a peer; None when it may not (the program's error, out of memory, a stop)."""
         if code < 0:
             from hpc_train.ops.signal_deaths import SIGNAL_NAMES, signal_class
 
             if code == -signal.SIGKILL and oom_kills() > oom_before:
-                peak = memory_peak()  # the cgroup's OOM killer: the retry policy says what to change
-                self.log.error(format_host_oom(self.rank, peak.process_bytes, peak.cgroup_bytes,
-                                               peak.limit_bytes))
+                if not quiet:
+                    peak = memory_peak()  # the cgroup's OOM killer: the retry policy says what to change
+                    self.log.error(format_host_oom(rank, peak.process_bytes, peak.cgroup_bytes, peak.limit_bytes))
                 return None
             failure_class, _meaning = signal_class(-code)
-            return failure_class, f"rank {self.rank} ended on {SIGNAL_NAMES.get(-code, f'signal {-code}')}"
+            return failure_class, f"rank {rank} ended on {SIGNAL_NAMES.get(-code, f'signal {-code}')}"
         if code != EXIT_RESTART_IN_PLACE:
             return None
-        error = self._rank_error()
+        error = self._rank_error(rank)
         return ("peer" if lost_its_peer(error) else "infrastructure"), error[:300] or "asked for a restart"
 
-    def _rank_error(self) -> str:
-        """The error this rank recorded (``rank-N.error.json``), read as every run-folder record is: never through
-        a link, bounded in size."""
+    def _rank_error(self, rank: int) -> str:
+        """The error rank ``rank`` recorded (``rank-N.error.json``), read as every run-folder record is: never
+        through a link, bounded in size."""
         import json
 
         try:
-            record = json.loads(read_record_text(rank_error_path(self.setup.run_dir, self.rank)) or "{}")
+            record = json.loads(read_record_text(rank_error_path(self.setup.run_dir, rank)) or "{}")
             return str(record.get("error", "")) if isinstance(record, dict) else ""
         except (ValueError, RecursionError):
             return ""
@@ -352,8 +336,8 @@ class Agent:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
 
-    def _end_everything_below(self) -> None:
-        """No process the old rank started (a data loader worker, a checkpoint stager) outlives it."""
+    def end_everything_below(self) -> None:
+        """No process the old ranks started (a data loader worker, a checkpoint stager) outlives them."""
         for pid in descendants(os.getpid()):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
@@ -365,28 +349,30 @@ class Agent:
             except ChildProcessError:
                 return
 
-    def _wait_for_every_rank(self, notice: RestartNotice) -> None:
-        setup = self.setup
+    def _wait_for_every_node(self, notice: RestartNotice) -> None:
+        """The restart barrier: this node's ranks have ended; one arrival per node, over the coordinator."""
+        setup, agents = self.setup, len(self.setup.nodes)
         if self.link is not None and self.link.usable:
             with contextlib.suppress(ControlError):
-                why = self.link.barrier(notice.in_place, setup.rank, setup.world_size, _BARRIER_S,
+                why = self.link.barrier(notice.in_place, setup.member, agents, _BARRIER_S,
                                         lambda: self.stopping is not None)
                 if why is None:
                     return
                 self.log.error("in-place restart %d: %s; leaving the job to Slurm and the retry policy",
                                notice.in_place, why)
                 raise SystemExit(1)
-        mark_ready(setup.run_dir, self.attempt, notice.in_place, setup.rank)
+        mark_ready(setup.run_dir, self.attempt, notice.in_place, setup.node)
         deadline = time.monotonic() + _BARRIER_S
-        while ready_count(setup.run_dir, self.attempt, notice.in_place, setup.world_size) < setup.world_size:
+        while ready_count(setup.run_dir, self.attempt, notice.in_place, agents) < agents:
             if time.monotonic() > deadline or self.stopping is not None:
-                self.log.error("in-place restart %d: not every rank's agent ended its rank within %.0f s (a node "
+                self.log.error("in-place restart %d: not every node's agent ended its ranks within %.0f s (a node "
                                "lost?); leaving the job to Slurm and the retry policy", notice.in_place, _BARRIER_S)
                 raise SystemExit(1)
             time.sleep(0.1)
 
-    def _record(self, notice: RestartNotice) -> None:
-        """Rank 0's agent: the attempt that ended says why and that it restarted in place."""
+    def record(self, notice: RestartNotice) -> None:
+        """Node 0's agent (or the one that decided, with spares): the attempt that ended says why and that it
+        restarted in place."""
         log = AttemptLog(self.setup.run_dir)
         ended = [a for a in log.read() if a.job_id == self.setup.job_id and a.restart == self.setup.restart
                  and a.in_place == notice.in_place - 1]
@@ -397,6 +383,14 @@ class Agent:
         log.finish(ended[-1], outcome=outcome, ended=notice.time,
                    note=f"{notice.failure_class}: {notice.reason}; restarted in place "
                         f"({notice.in_place} of retry.in_place = {self.setup.limit})"[:500])
+
+
+def _reap(children: Children, ended: dict[int, int]) -> int:
+    """Note every rank that has ended since the last look; how many have."""
+    for rank, child in children.items():
+        if rank not in ended and (code := child.poll()) is not None:
+            ended[rank] = code
+    return len(ended)
 
 
 def _leave_like(code: int) -> int:

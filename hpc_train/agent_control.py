@@ -1,12 +1,12 @@
-"""The agents' side of the control plane (:mod:`hpc_train.control`): rank 0's agent hosts the coordinator, every
-agent holds one connection to it for the Slurm attempt.
+"""The agents' side of the control plane (:mod:`hpc_train.control`): the first node's agent hosts the coordinator,
+every node's agent holds one connection to it for the Slurm attempt.
 
 What goes over it instead of the run folder: the restart notice (set once, first writer wins, pushed to every
-agent), the restart barrier (each agent arrives once; the coordinator sets the barrier's key when all did, so
-the decision is made within a message's time of the last report), a member that vanished (its connection
-dropped: its node is lost, and the barrier will not complete), and the hand-over to the next job of a chain.
-The files stay as the durable record, written at each event, and as the fallback when the coordinator cannot be
-reached (``link`` is None or broken): the agent then reads them as before.
+agent), the restart barrier (each agent arrives once; the coordinator sets the barrier's key when all did, so the
+decision is made within a message's time of the last report; one arrival per node), a member that vanished (its
+connection dropped: its node is lost, and the barrier will not complete), and the hand-over to the next job of a
+chain. The files stay as the durable record, written at each event, and as the fallback when the coordinator cannot
+be reached (``link`` is None or broken): the agent then reads them as before.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ class AgentLink:
     @classmethod
     def open(cls, run_dir: Path, attempt: str, job_id: str, member: str, log: logging.Logger,
              host: bool) -> AgentLink | None:
-        """Host the coordinator (``host``: rank 0's agent, or task 0's in a job with spares) and connect as
+        """Host the coordinator (``host``: the agent of the step's first node) and connect as
         ``member``; None (the files are used) when that fails."""
         path = control_address_path(run_dir, attempt)
         server = None
@@ -137,18 +137,19 @@ class AgentLink:
                 return None
         return value if isinstance(value, dict) else None
 
-    def barrier(self, in_place: int, rank: int, world: int, timeout_s: float, stopping: Any) -> str | None:
-        """Restart ``in_place``'s barrier of a job without spares: None once every rank's agent ended its rank,
-        else why the ranks cannot start again here (an agent gone, the coordinator gone, the time out)."""
+    def barrier(self, in_place: int, member: str, agents: int, timeout_s: float, stopping: Any) -> str | None:
+        """Restart ``in_place``'s barrier of a job without spares: None once every node's agent ended its ranks
+        (one arrival per node), else why the ranks cannot start again here (an agent gone, the coordinator gone,
+        the time out)."""
         try:
-            value = self.meet(ready_key(self.attempt, in_place), f"rank-{rank}", world, timeout_s, stopping)
+            value = self.meet(ready_key(self.attempt, in_place), member, agents, timeout_s, stopping)
         except ControlError:
-            return "the coordinator is gone (rank 0's node lost?)"
+            return "the coordinator is gone (node 0 lost?)"
         if value is None:
-            return f"not every rank's agent ended its rank within {timeout_s:.0f} s (a node lost?)"
+            return f"not every node's agent ended its ranks within {timeout_s:.0f} s (a node lost?)"
         gone = [str(name) for name in value.get("gone", [])]
         if gone:
-            return f"the agent of {', '.join(gone[:8])} is gone (its node lost, or its rank ended for good)"
+            return f"the agent of {', '.join(gone[:8])} is gone (its node lost, or its ranks ended for good)"
         return None
 
     def assignment(self, in_place: int) -> Any:

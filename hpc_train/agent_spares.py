@@ -1,19 +1,18 @@
-"""The agent's lives in a job with hot spares (``[job] spare_nodes``): who holds the ranks, and who takes over
-a lost node's, inside the same Slurm job.
+"""The agent's lives in a job with hot spares (``[job] spare_nodes``): who holds the ranks, and who takes over a lost
+node's, inside the same Slurm job.
 
-Every allocated node runs agents (the srun step covers the spares too). In each life the assignment
+Every allocated node runs one agent (the srun step covers the spares too). In each life the assignment
 (:mod:`hpc_train.run.assignment`) says which nodes hold the ranks; an agent on a node outside it waits as a spare
-for the next restart notice, or for the ranks to leave for good. At a restart every live agent ends its rank and
-says it is ready. Once all have, or once ``_LOST_AFTER_S`` has passed, the first agent to decide writes the next
-assignment: a node whose agents did not answer is lost (its ranks go to a spare, and it joins the run's
-``excluded_nodes.json``). With too few nodes left the agents leave, and the retry policy requeues the job as
-without spares.
+for the next restart notice, or for the ranks to leave for good. At a restart every live agent ends its node's ranks
+and says it is ready (one arrival per node). Once all have (or, without a coordinator, once ``_LOST_AFTER_S`` has
+passed), the first agent to decide writes the next assignment: a node whose agent did not answer is lost (its ranks
+go to a spare, and it joins the run's ``excluded_nodes.json``). With too few nodes left the agents leave, and the
+retry policy requeues the job as without spares.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from dataclasses import asdict
 from typing import Any
@@ -29,7 +28,7 @@ from hpc_train.run.assignment import (
     mark_task_ready,
     next_assignment,
     publish_assignment,
-    rank_environment,
+    rank_environments,
     ranks_left,
     read_assignment,
     ready_nodes,
@@ -41,39 +40,42 @@ __all__ = ["run_with_spares"]
 
 _POLL_S = 0.2
 _LOST_AFTER_S = 15.0  # without a coordinator: an agent that has not said it is ready by then is on a lost node
-_MEET_S = 120.0  # with one: a node is lost when its agents' connections drop; an agent alive but silent this long
-# (stuck ending its rank) leaves the job to Slurm
+_MEET_S = 120.0  # with one: a node is lost when its agent's connection drops; an agent alive but silent this long
+# (stuck ending its ranks) leaves the job to Slurm
 
 
 def run_with_spares(agent: Any, argv: list[str]) -> int:
-    """Every life of this task (``agent``: :class:`hpc_train.agent.Agent`): a rank where the assignment puts one,
-    a wait where it does not."""
+    """Every life of this node (``agent``: :class:`hpc_train.agent.Agent`): its ranks where the assignment puts
+    some, a wait where it does not."""
     setup, spares = agent.setup, agent.setup.spares
     if spares is None:
         raise RuntimeError("run_with_spares needs an agent of a job with spare nodes")
     excluded = [entry.node for entry in read_exclusions(setup.run_dir)]
-    assignment, in_place = first_assignment(spares.allocated, spares.nodes, excluded), 0
-    agent.link = AgentLink.open(setup.run_dir, agent.attempt, setup.job_id, _member(spares), agent.log,
-                                host=spares.task == 0)
+    allocated, per_node = setup.nodes, setup.tasks_per_node
+    assignment, in_place = first_assignment(allocated, spares.nodes, excluded), 0
+    agent.link = AgentLink.open(setup.run_dir, agent.attempt, setup.job_id, setup.member, agent.log,
+                                host=setup.node == 0)
     coordinator = agent.link.environment() if agent.link else {}
     while True:
-        place = rank_environment(assignment, spares.node, spares.local, spares.tasks_per_node)
-        if place is None:
+        places = rank_environments(assignment, setup.node_name, per_node)
+        if not places:
             agent.rank = -1
             code, notice = 0, _wait_as_spare(agent, in_place)
         else:
-            agent.rank = int(place["SLURM_PROCID"])
+            agent.rank = min(places)
             agent.log = agent.logger_for(agent.rank)
             agent.holding_nodes = set(assignment.nodes)  # a lost spare does not restart the ranks
-            env = {**os.environ, **coordinator, **place, IN_PLACE_ENV: str(in_place),
-                   IN_PLACE_LEFT_ENV: str(setup.limit - in_place)}
-            env.pop(SHRUNK_NODES_ENV, None)
-            if len(assignment.nodes) < spares.nodes:  # retry.shrink: the rank plans for the nodes left
-                env[SHRUNK_NODES_ENV] = str(len(assignment.nodes))
-            code, notice = agent._run_once(argv, env, in_place)
-        agent._end_everything_below()
+            extra = {**coordinator, IN_PLACE_ENV: str(in_place), IN_PLACE_LEFT_ENV: str(setup.limit - in_place)}
+            if len(assignment.nodes) < spares.nodes:  # retry.shrink: the ranks plan for the nodes left
+                extra[SHRUNK_NODES_ENV] = str(len(assignment.nodes))
+            envs = agent.rank_environments(places, extra)
+            for env in envs.values():
+                if SHRUNK_NODES_ENV not in extra:
+                    env.pop(SHRUNK_NODES_ENV, None)
+            code, notice = agent.run_once(argv, envs, in_place)
+        agent.end_everything_below()
         if notice is None:
-            if place is not None:
+            if places:
                 _say_left(agent)  # the spares leave with the ranks
             return code
         decided, won = _next_life(agent, notice, assignment)
@@ -82,28 +84,28 @@ def run_with_spares(agent: Any, argv: list[str]) -> int:
                             "leaving the job to Slurm and the retry policy", notice.in_place, spares.nodes,
                             ", ".join(decided.lost) if decided else "?")
             _say_left(agent)
-            return 1 if place is not None else 0
+            return 1 if places else 0
         if won:
-            agent._record(notice)
-        nxt = rank_environment(decided, spares.node, spares.local, spares.tasks_per_node)
-        if nxt is not None and nxt["SLURM_PROCID"] == "0":  # said once, in rank 0's log, which submit follows
+            agent.record(notice)
+        if decided.nodes[0] == setup.node_name:  # said once, in rank 0's log, which submit follows
             moved = [node for node in decided.nodes if node not in assignment.nodes]
             agent.logger_for(0).info(
                 "in-place restart %d of %d (retry.in_place): %s: %s (rank %d on %s); ranks on %s%s, in job %s",
                 notice.in_place, setup.limit, notice.failure_class, notice.reason, notice.rank, notice.host or "?",
-                ",".join(decided.nodes), _change(spares, assignment, decided, moved), setup.job_id)
+                ",".join(decided.nodes), _change(setup, assignment, decided, moved), setup.job_id)
         assignment, in_place = decided, notice.in_place
 
 
-def _change(spares: Any, before: Assignment, after: Assignment, moved: list[str]) -> str:
+def _change(setup: Any, before: Assignment, after: Assignment, moved: list[str]) -> str:
     """What the next life changes, for rank 0's log: a spare in a lost node's place, or a smaller size."""
+    spares = setup.spares
     if moved:
         return f" (spare {', '.join(moved)} for lost {', '.join(after.lost)})"
     if len(after.nodes) < len(before.nodes) and spares.shrink is not None:
         from hpc_train.config.shrink import smaller_size
 
-        was = smaller_size(*spares.shrink, spares.tasks_per_node, len(before.nodes))
-        now = smaller_size(*spares.shrink, spares.tasks_per_node, len(after.nodes))
+        was = smaller_size(*spares.shrink, setup.tasks_per_node, len(before.nodes))
+        now = smaller_size(*spares.shrink, setup.tasks_per_node, len(after.nodes))
         if was is not None and now is not None:
             return (f" (retry.shrink: {was.nodes} -> {now.nodes} nodes without lost {', '.join(after.lost)}; data "
                     f"parallel {was.data} -> {now.data}, grad_accum {was.grad_accum} -> {now.grad_accum}, global "
@@ -116,7 +118,7 @@ def _wait_as_spare(agent: Any, in_place: int) -> RestartNotice | None:
     setup = agent.setup
     while agent.stopping is None and not _ranks_left(agent):
         if in_place < setup.limit:
-            notice = agent._notice(in_place + 1)
+            notice = agent.notice(in_place + 1)
             if notice is not None:
                 return notice
         time.sleep(_POLL_S)
@@ -124,38 +126,36 @@ def _wait_as_spare(agent: Any, in_place: int) -> RestartNotice | None:
 
 
 def _next_life(agent: Any, notice: RestartNotice, previous: Assignment) -> tuple[Assignment | None, bool]:
-    """Say this task is ready, then read or make the next assignment: (it, whether this agent made it)."""
-    setup, spares = agent.setup, agent.setup.spares
-    if spares is None:
-        raise RuntimeError("a restart with spares needs an agent of a job with spare nodes")
-    life, tasks = notice.in_place, len(spares.allocated) * spares.tasks_per_node
+    """Say this node is ready, then read or make the next assignment: (it, whether this agent made it)."""
+    setup = agent.setup
+    life, agents, smaller = notice.in_place, len(setup.nodes), _smaller(setup)
     if agent.link is not None and agent.link.usable:
         with contextlib.suppress(ControlError):
-            return _next_life_over_link(agent, life, tasks, previous)
-    mark_task_ready(setup.run_dir, agent.attempt, life, spares.task, spares.node)
+            return _next_life_over_link(agent, life, agents, previous)
+    mark_task_ready(setup.run_dir, agent.attempt, life, setup.node, setup.node_name)
     deadline = time.monotonic() + _LOST_AFTER_S
     while agent.stopping is None:
         decided = read_assignment(setup.run_dir, agent.attempt, life)
         if decided is not None:
             return decided, False
-        ready = ready_nodes(setup.run_dir, agent.attempt, life, tasks)
-        if sum(ready.values()) >= tasks or time.monotonic() > deadline:
-            healthy = [node for node in spares.allocated if ready[node] >= spares.tasks_per_node]
+        ready = ready_nodes(setup.run_dir, agent.attempt, life, agents)
+        if sum(ready.values()) >= agents or time.monotonic() > deadline:
+            healthy = [node for node in setup.nodes if ready[node] >= 1]
             lost = [node for node in previous.nodes if node not in healthy]
-            made = (next_assignment(previous, healthy, spares.allocated, life, spares.smaller)
-                    or Assignment(life, [], lost))
+            made = next_assignment(previous, healthy, setup.nodes, life, smaller) or Assignment(life, [], lost)
             decided, won = publish_assignment(setup.run_dir, agent.attempt, made)
             if won and lost:
                 add_exclusions(setup.run_dir, lost, "node_failure", setup.job_id,
-                               f"its agents did not answer in-place restart {life} within {_LOST_AFTER_S:.0f} s")
+                               f"its agent did not answer in-place restart {life} within {_LOST_AFTER_S:.0f} s")
             return decided, won
         time.sleep(0.1)
     return None, False
 
 
-def _member(spares: Any) -> str:
-    """A task's name on the coordinator: the node it runs on is in it, so a gone agent names a lost node."""
-    return f"task-{spares.task}@{spares.node}"
+def _smaller(setup: Any) -> Any:
+    """retry.shrink's node count for the nodes left (None without it)."""
+    spares = setup.spares
+    return lambda left: spares.smaller(left, setup.tasks_per_node)
 
 
 def _ranks_left(agent: Any) -> bool:
@@ -170,11 +170,11 @@ def _say_left(agent: Any) -> None:
         agent.link.say_left()
 
 
-def _next_life_over_link(agent: Any, life: int, tasks: int, previous: Assignment) -> tuple[Assignment | None, bool]:
-    """The barrier over the coordinator: decided once every task's agent said ready or is gone (its connection
-    dropped: its node is lost), one message each way per agent; the first agent's assignment holds."""
-    setup, spares, link = agent.setup, agent.setup.spares, agent.link
-    decided = link.meet(ready_key(agent.attempt, life), _member(spares), tasks, _MEET_S,
+def _next_life_over_link(agent: Any, life: int, agents: int, previous: Assignment) -> tuple[Assignment | None, bool]:
+    """The barrier over the coordinator: decided once every node's agent said ready or is gone (its connection
+    dropped: its node is lost), one message each way per node; the first agent's assignment holds."""
+    setup, link = agent.setup, agent.link
+    decided = link.meet(ready_key(agent.attempt, life), setup.member, agents, _MEET_S,
                         lambda: agent.stopping is not None)
     if decided is None:
         agent.log.error("in-place restart %d: not every agent answered within %.0f s, and none is known lost",
@@ -184,15 +184,15 @@ def _next_life_over_link(agent: Any, life: int, tasks: int, previous: Assignment
         agent.log.error("in-place restart %d: %s agents gone, more than the barrier names", life, decided["gone_count"])
         return None, False
     gone = {str(name).partition("@")[2] for name in decided.get("gone", [])}
-    healthy = [node for node in spares.allocated if node not in gone]
+    healthy = [node for node in setup.nodes if node not in gone]
     lost = [node for node in previous.nodes if node not in healthy]
-    made = next_assignment(previous, healthy, spares.allocated, life, spares.smaller) or Assignment(life, [], lost)
-    held = link.propose(life, {**asdict(made), "by": _member(spares)})
-    won = isinstance(held, dict) and held.get("by") == _member(spares)
+    made = next_assignment(previous, healthy, setup.nodes, life, _smaller(setup)) or Assignment(life, [], lost)
+    held = link.propose(life, {**asdict(made), "by": setup.member})
+    won = isinstance(held, dict) and held.get("by") == setup.member
     assignment = assignment_from(held, life) or made
     if won:
         publish_assignment(setup.run_dir, agent.attempt, assignment)  # the record
         if lost:
             add_exclusions(setup.run_dir, lost, "node_failure", setup.job_id,
-                           f"its agents left the job's coordinator at in-place restart {life}")
+                           f"its agent left the job's coordinator at in-place restart {life}")
     return assignment, won

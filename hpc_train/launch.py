@@ -327,7 +327,7 @@ class RankEntry:
         if code != 0:
             raise SystemExit(code)
         results = [run_dir / name for name in (TRAIN_FILE, PROGRAM_FILE) if (run_dir / name).exists()]
-        return json.loads(results[0].read_text(encoding="utf-8")) if setup.rank == 0 and results else {}
+        return json.loads(results[0].read_text(encoding="utf-8")) if setup.node == 0 and results else {}
 
     def checkpoint(self) -> Any:
         """submitit calls this when its own signal handler still holds the preemption signal (the first moments

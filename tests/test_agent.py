@@ -1,6 +1,7 @@
-"""The agent that restarts ranks inside the job (hpc_train.agent), with real processes as its ranks: a rank that
-dies of SIGKILL makes every agent end its rank (and what the rank started) and start it again; a program's own
-error, or a kill once ``retry.in_place`` is spent, leaves as the rank did."""
+"""The node agent that restarts ranks inside the job (hpc_train.agent), with real processes as its ranks: each
+agent starts its node's ranks with their SLURM_* places; a rank that dies of SIGKILL makes every agent end its
+ranks (and what they started) and start them again; a program's own error, or a kill once ``retry.in_place`` is
+spent, ends the node's other ranks and leaves as the rank did."""
 
 from __future__ import annotations
 
@@ -21,14 +22,19 @@ AGENT = """
 import sys
 from pathlib import Path
 from hpc_train.agent import AgentSetup, supervise
-run_dir, rank, world, limit = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-sys.exit(supervise(AgentSetup(run_dir, rank, world, "7", 0, limit, "USR2"), sys.argv[5:]))
+run_dir, node, nodes, per_node, limit = Path(sys.argv[1]), *map(int, sys.argv[2:6])
+names = tuple(f"n{index}" for index in range(nodes))
+sys.exit(supervise(AgentSetup(run_dir, node, names, nodes * per_node, "7", 0, limit, "USR2", per_node), sys.argv[6:]))
 """
 
 RANK = textwrap.dedent("""
     import os, signal, subprocess, sys, time
-    run_dir, rank, mode = sys.argv[1], sys.argv[2], sys.argv[3]
-    life = os.environ["HPC_TRAIN_IN_PLACE"]
+    run_dir, modes, rank = sys.argv[1], sys.argv[2].split(","), os.environ["SLURM_PROCID"]
+    mode, life = modes[int(rank)], os.environ["HPC_TRAIN_IN_PLACE"]
+    with open(os.path.join(run_dir, "places.txt"), "a") as places:
+        names = ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID", "SLURM_NTASKS", "SLURM_STEP_TASKS_PER_NODE",
+                 "SLURM_STEP_NODELIST")
+        places.write(" ".join(os.environ[name] for name in names) + "\\n")
     with open(os.path.join(run_dir, "lives.txt"), "a") as lives:
         lives.write(f"{rank} {life} {os.environ['HPC_TRAIN_IN_PLACE_LEFT']}\\n")
     if mode == "user-error":
@@ -47,27 +53,36 @@ RANK = textwrap.dedent("""
         os.kill(os.getpid(), signal.SIGKILL)
     if mode == "wait-first" and life == "0":
         worker = subprocess.Popen(["sleep", "300"])  # a data loader worker, say
-        with open(os.path.join(run_dir, "worker.pid"), "w") as out:
+        with open(os.path.join(run_dir, f"worker-{rank}.pid"), "w") as out:
             out.write(str(worker.pid))
         while True:
             time.sleep(1)  # blocked in a collective with the dead peer
 """)
 
 
-def _agents(tmp_path: Path, modes: list[str], limit: int = 2) -> list[subprocess.CompletedProcess[str]]:
+def _agents(tmp_path: Path, modes: list[str], limit: int = 2, per_node: int = 1
+            ) -> list[subprocess.CompletedProcess[str]]:
+    """One agent per node, ``per_node`` ranks each; ``modes``: each rank's, in rank order."""
     rank_script = tmp_path / "rank.py"
     rank_script.write_text(RANK)
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
     env.pop("HPC_TRAIN_IN_PLACE_LEFT", None)
-    procs = [subprocess.Popen([sys.executable, "-c", AGENT, str(tmp_path), str(rank), str(len(modes)), str(limit),
-                               sys.executable, str(rank_script), str(tmp_path), str(rank), mode],
+    nodes = len(modes) // per_node
+    procs = [subprocess.Popen([sys.executable, "-c", AGENT, str(tmp_path), str(node), str(nodes), str(per_node),
+                               str(limit), sys.executable, str(rank_script), str(tmp_path), ",".join(modes)],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for rank, mode in enumerate(modes)]
+             for node in range(nodes)]
     results = []
     for proc in procs:
         out, err = proc.communicate(timeout=120)
         results.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
     return results
+
+
+def _gone(pid_file: Path) -> bool:
+    """Whether the process whose pid ``pid_file`` holds has ended (gone, or a zombie of a dead parent)."""
+    worker = int(pid_file.read_text())
+    return not Path(f"/proc/{worker}").exists() or "Z" in Path(f"/proc/{worker}/stat").read_text().split(")")[1][:3]
 
 
 def _lives(tmp_path: Path) -> list[str]:
@@ -79,8 +94,7 @@ def test_a_killed_rank_restarts_every_rank_and_nothing_of_the_old_life_is_left(t
     rank0, rank1 = _agents(tmp_path, ["wait-first", "kill-first"])
     assert rank0.returncode == 0 and rank1.returncode == 0, rank0.stderr + rank1.stderr
     assert _lives(tmp_path) == ["0 0 2", "0 1 1", "1 0 2", "1 1 1"]  # both ranks lived twice
-    worker = int((tmp_path / "worker.pid").read_text())
-    assert not Path(f"/proc/{worker}").exists() or "Z" in Path(f"/proc/{worker}/stat").read_text().split(")")[1][:3]
+    assert _gone(tmp_path / "worker-0.pid")
     notice = read_notice(tmp_path, "7.0", 1)
     assert notice is not None and notice.rank == 1 and notice.failure_class == "killed", notice
     assert "SIGKILL" in notice.reason
@@ -88,7 +102,7 @@ def test_a_killed_rank_restarts_every_rank_and_nothing_of_the_old_life_is_left(t
     assert first.outcome == "killed" and "restarted in place (1 of retry.in_place = 2)" in first.note, first
     log = rank_log_text(tmp_path, 0)
     assert "in-place restart 1 of 2 (retry.in_place): killed" in log, log
-    # rank 0's agent hosted the coordinator: the barrier went over the network, not through per-rank markers
+    # node 0's agent hosted the coordinator: the barrier went over the network, not through per-rank markers
     address = tmp_path / "heartbeats" / "control-7.0.json"
     assert address.stat().st_mode & 0o777 == 0o600, oct(address.stat().st_mode)
     assert not list((tmp_path / "heartbeats").glob("restart-7.0.1.ready-*"))
@@ -134,10 +148,9 @@ def test_once_the_run_goes_on_as_the_next_job_the_other_ranks_are_ended_not_left
     assert time.monotonic() - start < 60, "rank 1 was left waiting"
     assert rank0.returncode == EXIT_RESTART_IN_PLACE and rank1.returncode == -9, rank0.stderr + rank1.stderr
     assert _lives(tmp_path) == ["0 0 2", "1 0 2"]
-    worker = int((tmp_path / "worker.pid").read_text())
-    assert not Path(f"/proc/{worker}").exists() or "Z" in Path(f"/proc/{worker}/stat").read_text().split(")")[1][:3]
+    assert _gone(tmp_path / "worker-1.pid")
     log = rank_log_text(tmp_path, 1)
-    assert "ending rank 1: this job's run goes on as job 8" in log, log
+    assert "ending the ranks of node n1: this job's run goes on as job 8" in log, log
 
 
 def _planned(tmp_path: Path, *overrides: str) -> Path:
@@ -154,15 +167,20 @@ def _planned(tmp_path: Path, *overrides: str) -> Path:
     return run_dir
 
 
-def test_an_srun_task_of_a_training_job_gets_an_agent_with_the_plans_limit(tmp_path: Path) -> None:
+def test_the_srun_task_of_each_node_gets_an_agent_with_the_plans_limit(tmp_path: Path) -> None:
     run_dir = _planned(tmp_path)
-    step = {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "2",
+    step = {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_PROCID": "1", "SLURM_NODEID": "1",
+            "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_NODELIST": "n[1-2]", "SLURMD_NODENAME": "n2",
             "SLURM_RESTART_COUNT": "1"}
     setup = agent_setup(run_dir, step)
-    assert setup is not None and (setup.rank, setup.world_size, setup.job_id, setup.restart) == (1, 2, "7", 1)
-    assert setup.limit == 2 and setup.preempt_signal == "USR2"
+    assert setup is not None and (setup.node, setup.nodes, setup.world_size) == (1, ("n1", "n2"), 2), setup
+    assert (setup.job_id, setup.restart, setup.limit, setup.preempt_signal) == ("7", 1, 2, "USR2")
+    assert setup.member == "node-1@n2"
     assert agent_setup(_planned(tmp_path / "off", "retry.in_place=0"), step) is None
     assert agent_setup(run_dir, {**step, "SLURM_STEP_NUM_TASKS": "3"}) is None  # the rank names the mismatch
+    four = agent_setup(_planned(tmp_path / "four", "job.tasks_per_node=2"), step)  # one task per node, two ranks
+    assert four is not None and (four.tasks_per_node, four.world_size, four.cpus_per_rank) == (2, 4, 2), four
+    assert agent_setup(run_dir, {**step, "SLURM_STEP_NUM_TASKS": "4"}) is None  # a task per rank: no node agent
 
 
 def test_there_is_no_agent_off_slurm_on_the_local_executor_or_inside_one(tmp_path: Path) -> None:
@@ -178,17 +196,42 @@ def test_there_is_no_agent_off_slurm_on_the_local_executor_or_inside_one(tmp_pat
 
 def test_an_agent_that_vanishes_restarts_the_others_at_once_and_without_spares_they_leave_to_slurm(
         tmp_path: Path) -> None:
-    """Rank 1's node is lost (its agent killed): rank 0's agent hears it from the coordinator, does not wait for a
+    """Node 1 is lost (its agent killed): node 0's agent hears it from the coordinator, does not wait for a
     collective on the dead peer to fail (NCCL's default timeout is 10 minutes), restarts, and at the barrier
-    finds rank 1's agent gone: without spares the job is left to Slurm and the retry policy."""
+    finds node 1's agent gone: without spares the job is left to Slurm and the retry policy."""
     start = time.monotonic()
     rank0, _rank1 = _agents(tmp_path, ["wait-first", "kill-agent"])
     assert time.monotonic() - start < 30, "rank 0 was left waiting for its dead peer"
     assert rank0.returncode == 1, rank0.stderr
     notice = read_notice(tmp_path, "7.0", 1)
     assert notice is not None and notice.failure_class == "infrastructure", notice
-    assert "the agent of rank-1 vanished from the job's coordinator" in notice.reason, notice
+    assert "the agent of node-1@n1 vanished from the job's coordinator" in notice.reason, notice
     log = rank_log_text(tmp_path, 0)
-    assert "the agent of rank-1 is gone" in log, log
-    worker = int((tmp_path / "worker.pid").read_text())  # what rank 0 started went with it
-    assert not Path(f"/proc/{worker}").exists() or "Z" in Path(f"/proc/{worker}/stat").read_text().split(")")[1][:3]
+    assert "the agent of node-1@n1 is gone" in log, log
+    assert _gone(tmp_path / "worker-0.pid")  # what rank 0 started went with it
+
+
+def test_a_node_agent_starts_each_of_its_ranks_with_the_place_srun_would_have_given_it(tmp_path: Path) -> None:
+    """Two nodes of two ranks: one agent each, four ranks, each with its own SLURM_* place, and one rank killed
+    restarts all four (one barrier arrival per node)."""
+    results = _agents(tmp_path, ["wait-first", "ok", "ok", "kill-first"], per_node=2)
+    assert [r.returncode for r in results] == [0, 0], [r.stderr for r in results]
+    places = sorted(set((tmp_path / "places.txt").read_text().splitlines()))
+    assert places == [f"{rank} {rank % 2} {rank // 2} 4 2(x2) n[0-1]" for rank in range(4)], places
+    assert _lives(tmp_path) == [f"{rank} {life} {2 - life}" for rank in range(4) for life in (0, 1)]
+    notice = read_notice(tmp_path, "7.0", 1)
+    assert notice is not None and notice.rank == 3 and notice.failure_class == "killed", notice
+    assert _gone(tmp_path / "worker-0.pid")
+
+
+def test_a_rank_that_fails_on_its_own_ends_its_node_s_other_ranks_and_the_agent_leaves_with_its_status(
+        tmp_path: Path) -> None:
+    """The program's own error on rank 1: no restart; rank 0 on the same node, blocked in a collective with it,
+    is ended by the agent (as srun's --kill-on-bad-exit ends the other nodes'), and the agent leaves with 1."""
+    start = time.monotonic()
+    (only,) = _agents(tmp_path, ["wait-first", "user-error"], per_node=2)
+    assert time.monotonic() - start < 60, "rank 0 was left running"
+    assert only.returncode == 1, only.stderr
+    assert _lives(tmp_path) == ["0 0 2", "1 0 2"]
+    assert read_notice(tmp_path, "7.0", 1) is None
+    assert _gone(tmp_path / "worker-0.pid")

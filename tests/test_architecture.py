@@ -24,7 +24,7 @@ LOGIN_ROOMS = ("hpc_train", "hpc_train.__main__", "hpc_train.submit", "hpc_train
                "hpc_train.config", "hpc_train.run", "hpc_train.slurm", "hpc_train.cli", "hpc_train.ops",
                "hpc_train.doctor", "hpc_train.fabric", "hpc_train.ckpt.cli", "hpc_train.ckpt.manifest",
                "hpc_train.bench.cli", "hpc_train.bench.report", "hpc_train.launch", "hpc_train.agent",
-               "hpc_train.agent_control", "hpc_train.control",
+               "hpc_train.agent_setup", "hpc_train.agent_control", "hpc_train.control",
                "hpc_train.integrations")
 MAX_FILE_LINES = 500
 MAX_FUNCTION_LINES = 60
@@ -188,7 +188,8 @@ ROOMS = {  # room: module prefixes, longest match wins
     "slurm": ("hpc_train.slurm",),
     "doctor": ("hpc_train.doctor",),
     "commands": ("hpc_train.cli", "hpc_train.submit", "hpc_train.__main__", "hpc_train.ckpt.cli"),
-    "launch": ("hpc_train.launch", "hpc_train.agent", "hpc_train.agent_spares", "hpc_train.agent_control"),
+    "launch": ("hpc_train.launch", "hpc_train.agent", "hpc_train.agent_setup", "hpc_train.agent_spares",
+               "hpc_train.agent_control"),
     "distributed": ("hpc_train.distributed",),
     "runtime": ("hpc_train.runtime",),
     "train": ("hpc_train.train",),

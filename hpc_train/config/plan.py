@@ -108,6 +108,13 @@ class Plan:
     node_mtbf_hours: float = 6300.0  # the site's [reliability], for checkpoint.every_minutes = "auto"
     queue_wait_minutes: float = 30.0
 
+    @property
+    def node_agents(self) -> bool:
+        """Whether a Slurm step runs one agent per node (``hpc_train.agent``) that starts, watches and restarts
+        that node's ranks inside the job (``retry.in_place``, spares, ``retry.shrink``), rather than one task per
+        rank: the step then has one task per node with the node's CPUs."""
+        return self.config.retry.in_place > 0 and self.config.job.program != "smoke"
+
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True) + "\n"
 

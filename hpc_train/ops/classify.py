@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from hpc_train.distributed.hostlist import expand
-from hpc_train.ops.evidence import SRUN_ERROR, Evidence, RankReport, srun_tasks
+from hpc_train.ops.evidence import SRUN_ERROR, Evidence, RankReport, srun_tasks, task_ranks
 from hpc_train.ops.records import line_time
 from hpc_train.ops.scheduler import SlurmRecord
 from hpc_train.ops.signal_deaths import oom_peaks, signal_class, signal_death
@@ -165,7 +165,8 @@ class _Attempt:
         self.allocation = _nodes(record)
         batch = self.evidence.batch_log
         tasks_are_ranks = all(r.launcher in ("", "srun") for r in self.evidence.ranks)
-        self.srun = srun_tasks(batch) if tasks_are_ranks else {}
+        self.srun = (task_ranks(srun_tasks(batch), self.evidence.ranks_per_task, self.evidence.ranks)
+                     if tasks_are_ranks else {})
         self.srun_lines = [m[0] for m in SRUN_ERROR.finditer(batch)]
         self.due = [(m[1], (m[2] or "").strip()) for m in _SLURM_DUE.finditer(batch)]
         self.findings = [_Finding(report) for report in self.evidence.ranks]

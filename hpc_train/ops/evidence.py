@@ -19,18 +19,27 @@ from typing import Any
 from hpc_train.ops.records import RankFiles, line_time, read_json, read_tail
 from hpc_train.run.attempts import AttemptLog
 from hpc_train.run.error_records import kept_path, record_is_of
-from hpc_train.run.files import folder_names, held_folders, read_json_object, run_file_stat, small_int, time_value
+from hpc_train.run.files import (
+    folder_names,
+    held_folders,
+    read_json_object,
+    read_record_text,
+    run_file_stat,
+    small_int,
+    time_value,
+)
 from hpc_train.run.loglines import BATCH_START, RANK_RECORD, parse_start
 from hpc_train.run.node_log import log_ranks
 from hpc_train.run.paths import (
     LOGS_DIR,
+    PLAN_FILE,
     SUBMITIT_DIR,
     follower_cancel_path,
     rank_error_path,
     stacks_path,
 )
 
-__all__ = ["SRUN_ERROR", "Evidence", "RankReport", "collect_evidence", "srun_tasks"]
+__all__ = ["SRUN_ERROR", "Evidence", "RankReport", "collect_evidence", "ranks_per_task", "srun_tasks", "task_ranks"]
 
 _TAIL_BYTES = 1 << 20
 _KEPT = "prev-"  # a record kept aside for the look-back (hpc_train.run.error_records)
@@ -65,6 +74,7 @@ class Evidence:
     outcome: str = ""  # what rank 0 wrote into attempts.jsonl for this attempt (hang, preempted, failed, ...)
     note: str = ""
     cancelled_by: str = ""  # why hpc_train's follower cancelled this job, when it did (logs/follower-cancel.json)
+    ranks_per_task: int = 1  # an srun task's ranks: a node's where its agent starts them (Plan.node_agents)
 
 
 def collect_evidence(run_dir: Path, job_id: str | None = None, restart: int | None = None,
@@ -92,7 +102,9 @@ def _collect(run_dir: Path, job_id: str | None, restart: int | None, tail_lines:
     names = (RankFiles(run_dir, rank_error_path), RankFiles(run_dir, stacks_path), RankFiles(run_dir, kept_path))
     logs = _RankLogs(run_dir / LOGS_DIR)
     files = _rank_files(run_dir / LOGS_DIR, names[0], names[1], logs)
-    chosen = set(files) if ranks is None else set(files) & {*ranks, *srun_tasks(batch)}
+    per_task = ranks_per_task(run_dir)
+    named = {rank for task in srun_tasks(batch) for rank in range(task * per_task, (task + 1) * per_task)}
+    chosen = set(files) if ranks is None else set(files) & {*ranks, *named}
     reports = [report for rank in sorted(chosen | set(stderr))
                if (report := _rank_report(rank, files.get(rank, ""), logs, names, stderr.get(rank, []), job_id,
                                           restart, tail_lines)) is not None]
@@ -100,7 +112,35 @@ def _collect(run_dir: Path, job_id: str | None, restart: int | None, tail_lines:
                 if job_id is None or (a.job_id == job_id and (restart is None or a.restart == restart))]
     last = attempts[-1] if attempts else None
     return Evidence(tuple(reports), batch, last.outcome if last else "", last.note if last else "",
-                    _follower_cancel(run_dir, job_id))
+                    _follower_cancel(run_dir, job_id), per_task)
+
+
+def ranks_per_task(run_dir: Path) -> int:
+    """How many ranks one srun task of the run holds: where a node's agent starts them (``retry.in_place``,
+    :attr:`Plan.node_agents`) srun's task T is node T, with ``job.tasks_per_node`` ranks; else one."""
+    from hpc_train.config.plan import Plan
+
+    try:
+        plan = Plan.from_json(read_record_text(run_dir / PLAN_FILE))
+    except Exception:  # no plan, or a damaged one: srun's tasks are taken for ranks, as before agents per node
+        return 1
+    per_node = plan.resources.tasks_per_node
+    return per_node if plan.node_agents and plan.launcher == "srun" and 0 < per_node <= _MAX_RANKS_A_LOG else 1
+
+
+def task_ranks(tasks: dict[int, tuple[str, str, str]], per_task: int, reports: Collection[RankReport]
+               ) -> dict[int, tuple[str, str, str]]:
+    """srun's failed tasks as ranks. With a node's agent as the task, the rank its words are about is the one of
+    its node that left no error record (the one that died without a word), else the node's first."""
+    if per_task == 1:
+        return tasks
+    silent = {report.rank for report in reports if not report.error and not report.traceback}
+    out: dict[int, tuple[str, str, str]] = {}
+    for task, said in tasks.items():
+        ranks = range(task * per_task, (task + 1) * per_task)
+        quiet = [rank for rank in ranks if rank in silent]
+        out.setdefault(quiet[0] if len(quiet) == 1 else ranks[0], said)
+    return out
 
 
 class _RankLogs:

@@ -1,7 +1,7 @@
 """Which nodes hold the ranks when a job has hot spares (``[job] spare_nodes``): the assignment of each life of
 an attempt, and the rank's place in it.
 
-srun starts an agent on every allocated node, spares included. The first ``job.nodes`` healthy nodes of the
+srun starts one agent on every allocated node, spares included. The first ``job.nodes`` healthy nodes of the
 allocation hold the ranks, in Slurm's order; the others wait. When a restart inside the job is due, every agent
 still alive says so (its ready mark), and the first agent to decide writes the next assignment (O_EXCL, so one
 decision wins). It keeps every healthy node where it was, puts a spare where a node was lost, and keeps the
@@ -36,6 +36,7 @@ __all__ = [
     "node_of",
     "publish_assignment",
     "rank_environment",
+    "rank_environments",
     "ranks_left",
     "read_assignment",
     "ready_nodes",
@@ -136,11 +137,18 @@ def rank_environment(assignment: Assignment, node: str, local: int, tasks_per_no
         return None
     index, count = assignment.nodes.index(node), len(assignment.nodes)
     world, listed, spec = count * tasks_per_node, compress(assignment.nodes), f"{tasks_per_node}(x{count})"
-    return {"SLURM_PROCID": str(index * tasks_per_node + local), "SLURM_NODEID": str(index),
+    return {"SLURM_PROCID": str(index * tasks_per_node + local), "SLURM_LOCALID": str(local),
+            "SLURM_NODEID": str(index), "SLURM_NTASKS_PER_NODE": str(tasks_per_node),
             "SLURM_NTASKS": str(world), "SLURM_NPROCS": str(world), "SLURM_STEP_NUM_TASKS": str(world),
             "SLURM_NNODES": str(count), "SLURM_JOB_NUM_NODES": str(count), "SLURM_STEP_NUM_NODES": str(count),
             "SLURM_STEP_NODELIST": listed, "SLURM_JOB_NODELIST": listed, "SLURM_NODELIST": listed,
             "SLURM_STEP_TASKS_PER_NODE": spec, "SLURM_TASKS_PER_NODE": spec}
+
+
+def rank_environments(assignment: Assignment, node: str, tasks_per_node: int) -> dict[int, dict[str, str]]:
+    """Every rank ``node``'s agent starts under ``assignment``, with its ``SLURM_*`` place; empty on a spare."""
+    places = (rank_environment(assignment, node, local, tasks_per_node) for local in range(tasks_per_node))
+    return {int(place["SLURM_PROCID"]): place for place in places if place is not None}
 
 
 def node_of(env: Mapping[str, str]) -> str:

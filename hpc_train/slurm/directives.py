@@ -39,10 +39,12 @@ def export_directive(plan: Plan) -> str:
 
 
 def sbatch_directives(plan: Plan, launcher: str) -> list[str]:
-    """Directives for ``launcher``: srun and mpirun start one task per rank, torchrun one per node."""
+    """Directives for ``launcher``: mpirun starts one task per rank; torchrun one per node, and so does srun where
+    the node's agent starts its ranks (:attr:`Plan.node_agents`); srun without agents one per rank."""
     res = plan.resources
-    per_node = 1 if launcher == "torchrun" else res.tasks_per_node
-    cpus = res.cpus_per_task * (res.tasks_per_node if launcher == "torchrun" else 1)
+    per_node_task = launcher == "torchrun" or (launcher == "srun" and plan.node_agents)
+    per_node = 1 if per_node_task else res.tasks_per_node
+    cpus = res.cpus_per_task * (res.tasks_per_node if per_node_task else 1)
     out, err = log_paths(plan)
     lines = [
         directive("job-name", plan.name),

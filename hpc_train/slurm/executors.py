@@ -82,9 +82,12 @@ def submitit_parameters(plan: Plan) -> dict[str, Any]:
         if res.gpus_per_node:
             params["gpus_per_node"] = res.gpus_per_node
         return params
+    # Where the node's agent starts its ranks (retry.in_place), submitit runs one task per node with its CPUs.
+    per_node = 1 if plan.node_agents else res.tasks_per_node
     params = {
-        "job_name": plan.name, "nodes": res.nodes, "ntasks_per_node": res.tasks_per_node,
-        "cpus_per_task": res.cpus_per_task, "time": minutes, "signal_delay_s": plan.lead_seconds,
+        "job_name": plan.name, "nodes": res.nodes, "ntasks_per_node": per_node,
+        "cpus_per_task": res.cpus_per_task * (res.tasks_per_node // per_node), "time": minutes,
+        "signal_delay_s": plan.lead_seconds,
         "setup": _setup_lines(plan),
         "additional_parameters": {"export": export_directive(plan), "open-mode": "append"},
     }

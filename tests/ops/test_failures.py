@@ -247,6 +247,38 @@ def test_the_sigterm_srun_sends_the_others_is_not_taken_for_the_death() -> None:
     assert found.ranks == (1,) and found.reason.startswith("killed: SIGKILL from outside the program"), found
 
 
+def test_with_an_agent_per_node_srun_s_task_is_a_node_and_its_silent_rank_is_named() -> None:
+    """Where a node's agent starts its ranks (``retry.in_place``), srun's task 1 is node 1, holding ranks 2 and 3
+    with two per node: the agent died of rank 3's SIGKILL (its restarts spent), rank 2 only lost its peer."""
+    lost = [RankReport(rank=rank, host=f"n{1 + rank // 2}", error=GLOO_CLOSED,
+                       traceback=comm_traceback("RuntimeError: x")) for rank in (0, 1, 2)]
+    evidence = Evidence(ranks=(*lost, RankReport(rank=3, host="n2")), ranks_per_task=2,
+                        batch_log="srun: error: n1: task 0: Terminated\nsrun: error: n2: task 1: Killed\n")
+    found = classify(record("577", "FAILED", "0:9"), evidence)
+    assert (found.failure_class, found.ranks, found.nodes) == ("killed", (3,), ("n2",)), found
+    assert "rank 3 on n2" in found.reason, found.reason
+
+
+def test_the_ranks_per_srun_task_come_from_the_plan(tmp_path: Path) -> None:
+    from hpc_train.ops.evidence import ranks_per_task
+
+    assert ranks_per_task(tmp_path) == 1  # no plan: srun's tasks are ranks, as they always were
+    for sets, per_task in ((("job.tasks_per_node=2",), 2), (("job.tasks_per_node=2", "retry.in_place=0"), 1)):
+        folder = tmp_path / str(len(sets))
+        folder.mkdir()
+        (folder / "plan.json").write_text(_plan_json(tmp_path, *sets))
+        assert ranks_per_task(folder) == per_task, sets
+
+
+def _plan_json(tmp_path: Path, *sets: str) -> str:
+    from hpc_train.config.plan import load_job, make_plan
+    from hpc_train.config.sites import load_site
+    from tests.conftest import REPO
+
+    cfg = load_job(REPO / "examples" / "tiny_gpt.toml", ["job.nodes=2", *sets])
+    return make_plan(cfg, load_site("local-slurm"), "slurm", cwd=tmp_path).to_json()
+
+
 def test_when_srun_wrote_only_the_consequence_the_rank_that_left_nothing_is_named() -> None:
     """Under load srun can be force-terminated before it writes the dead task's line: its only line is task 0's
     SIGTERM, task 0 only lost its peer, and rank 1 left no error at all: rank 1 is named, its signal is not."""

@@ -16,6 +16,7 @@ from hpc_train.run.assignment import (
     next_assignment,
     publish_assignment,
     rank_environment,
+    rank_environments,
     ranks_left,
     read_assignment,
     ready_nodes,
@@ -56,12 +57,16 @@ def test_with_no_spare_left_shrink_goes_on_with_the_nodes_left_in_their_order() 
 def test_a_rank_sees_the_job_as_the_plan_drew_it() -> None:
     life = Assignment(1, ["n1", "n3"], ["n2"])
     place = rank_environment(life, "n3", local=1, tasks_per_node=2)
-    assert place == {"SLURM_PROCID": "3", "SLURM_NODEID": "1", "SLURM_NTASKS": "4", "SLURM_NPROCS": "4",
+    assert place == {"SLURM_PROCID": "3", "SLURM_LOCALID": "1", "SLURM_NODEID": "1", "SLURM_NTASKS_PER_NODE": "2",
+                     "SLURM_NTASKS": "4", "SLURM_NPROCS": "4",
                      "SLURM_STEP_NUM_TASKS": "4", "SLURM_NNODES": "2", "SLURM_JOB_NUM_NODES": "2",
                      "SLURM_STEP_NUM_NODES": "2", "SLURM_STEP_NODELIST": "n[1,3]", "SLURM_JOB_NODELIST": "n[1,3]",
                      "SLURM_NODELIST": "n[1,3]", "SLURM_STEP_TASKS_PER_NODE": "2(x2)",
                      "SLURM_TASKS_PER_NODE": "2(x2)"}
     assert rank_environment(life, "n4", local=0, tasks_per_node=2) is None  # a spare
+    both = rank_environments(life, "n3", tasks_per_node=2)  # what n3's agent starts
+    assert sorted(both) == [2, 3] and both[3] == place and both[2]["SLURM_LOCALID"] == "0"
+    assert rank_environments(life, "n4", tasks_per_node=2) == {}
 
 
 def test_the_first_decision_of_a_life_stands(tmp_path: Path) -> None:

@@ -59,7 +59,7 @@ AGENT = textwrap.dedent("""
     with open(os.path.join(sys.argv[1], "cgroup.procs"), "w") as procs:
         procs.write(str(os.getpid()))  # the agent and everything it starts live in the small cgroup
     from hpc_train.agent import AgentSetup, supervise
-    sys.exit(supervise(AgentSetup(Path(sys.argv[2]), 0, 1, "7", 0, 2, "USR2"), sys.argv[3:]))
+    sys.exit(supervise(AgentSetup(Path(sys.argv[2]), 0, ("n0",), 1, "7", 0, 2, "USR2"), sys.argv[3:]))
 """)
 RANK = textwrap.dedent("""
     import os, sys

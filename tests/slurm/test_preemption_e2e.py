@@ -374,7 +374,7 @@ def test_where_requeue_is_forbidden_a_job_that_landed_on_an_excluded_node_hands_
                            text=True, timeout=30, check=True).stdout.split()
     assert nodes == ["n[2-3]"], nodes
     rank1 = rank_log_text(run_dir, 1)
-    assert f"ending rank 1: this job's run goes on as job {second}" in rank1, rank1[-3000:]
+    assert f"ending the ranks of node n2: this job's run goes on as job {second}" in rank1, rank1[-3000:]
     assert f"landed on excluded node(s) n1: submitted job {second}" in rank_log_text(run_dir, 0)
     status = subprocess.run([sys.executable, "-m", "hpc_train", "status", str(run_dir), "--json"], cwd=tmp_path,
                             capture_output=True, text=True, timeout=60, check=True)
