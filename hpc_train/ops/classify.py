@@ -164,9 +164,8 @@ class _Attempt:
         self.codes = {rc for rc, _ in self.statuses}
         self.allocation = _nodes(record)
         batch = self.evidence.batch_log
-        tasks_are_ranks = all(r.launcher in ("", "srun") for r in self.evidence.ranks)
-        self.srun = (task_ranks(srun_tasks(batch), self.evidence.ranks_per_task, self.evidence.ranks)
-                     if tasks_are_ranks else {})
+        by_srun = all(r.launcher in ("", "srun") for r in self.evidence.ranks)  # srun's tasks: ranks, or nodes
+        self.srun = task_ranks(srun_tasks(batch), self.evidence.ranks_per_task, self.evidence.ranks) if by_srun else {}
         self.srun_lines = [m[0] for m in SRUN_ERROR.finditer(batch)]
         self.due = [(m[1], (m[2] or "").strip()) for m in _SLURM_DUE.finditer(batch)]
         self.findings = [_Finding(report) for report in self.evidence.ranks]

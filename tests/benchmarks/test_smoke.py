@@ -84,8 +84,8 @@ CASES = [  # the costliest first (CPU seconds here: 57, 52, 25, 23, 22, 14, 4, 0
         rf"login\s+256\s+logs --errors-only --tail 20\s+{NUMBER}\s+.*", rf"login\s+256\s+classifier\s+{NUMBER}\s+.*",
         rf"login\s+256\s+follower's poll\s+{NUMBER}\s+.*", rf"login\s+256\s+look-back \(rank 0\)\s+{NUMBER}\s+.*")),
     Case("control_plane.py", ("--section", "coordinator"), (
-        r"coordinator: 4 nodes, 16 agents: start [\d.]+ s, restart decided [\d.]+ ms after the notice .*",
-        rf"coord\s+16\s+restart decided, a node lost\s+{NUMBER}\s+.*")),
+        r"coordinator: 4 nodes, 4 agents: start [\d.]+ s, restart decided [\d.]+ ms after the notice .*",
+        rf"coord\s+4\s+restart decided, a node lost\s+{NUMBER}\s+.*")),
     Case("topology.py", (), (r"layout\s+hpc_train s\s+brute force s\s+ratio\s+target",
                              rf"64 ranks \(tp 2, pp 4, dp 8\)\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}\s+\w+")),
     Case("submit_latency.py", (), (r"hpc_train\.submit\s+.*", r"hand-written sbatch\s+.*\s+1\.00\s+.*\s+1\.00"),

@@ -6,7 +6,6 @@ from __future__ import annotations
 import multiprocessing
 import os
 import random
-import socket
 from pathlib import Path
 
 import torch
@@ -23,14 +22,9 @@ def test_names_say_which_ranks_a_file_holds() -> None:
     assert rank_state_name(names, 6) == "ranks-4-7.pt" and rank_state_name(names, 8) is None
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def _rank(rank: int, world: int, port: int, folder: str, queue: multiprocessing.Queue) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+def _rank(rank: int, world: int, store: str, folder: str, queue: multiprocessing.Queue) -> None:
+    # a file store: a port picked free and given to rank 0 can be taken by another test's process meanwhile
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
         random.seed(100 + rank)
         torch.manual_seed(100 + rank)
@@ -54,16 +48,17 @@ def _rank(rank: int, world: int, port: int, folder: str, queue: multiprocessing.
 def test_the_ranks_of_each_node_write_one_file_and_each_restores_its_own(tmp_path: Path) -> None:
     context = multiprocessing.get_context("spawn")
     queue = context.Queue()
-    port = _free_port()
-    workers = [context.Process(target=_rank, args=(rank, 4, port, str(tmp_path), queue)) for rank in range(4)]
+    store, folder = tmp_path / "store", tmp_path / "states"
+    folder.mkdir()
+    workers = [context.Process(target=_rank, args=(rank, 4, str(store), str(folder), queue)) for rank in range(4)]
     for worker in workers:
         worker.start()
     results = sorted(queue.get(timeout=120) for _ in workers)
     for worker in workers:
         worker.join(60)
     assert results == [(0, True, True), (1, False, True), (2, True, True), (3, False, True)]
-    assert sorted(os.listdir(tmp_path)) == ["ranks-0-1.pt", "ranks-2-3.pt"]
-    node = torch.load(tmp_path / "ranks-2-3.pt", weights_only=True)
+    assert sorted(os.listdir(folder)) == ["ranks-0-1.pt", "ranks-2-3.pt"]
+    node = torch.load(folder / "ranks-2-3.pt", weights_only=True)
     assert sorted(node) == ["2", "3"] and not torch.equal(node["2"]["torch"], node["3"]["torch"])
 
 
@@ -82,10 +77,10 @@ def test_a_rank_without_a_file_and_a_legacy_file_and_a_linked_folder(tmp_path: P
     assert NodeStates(0, 8, 1).pick(tmp_path / "linked", load) is None
 
 
-def _failing_rank(rank: int, world: int, port: int, queue: multiprocessing.Queue) -> None:
+def _failing_rank(rank: int, world: int, store: str, queue: multiprocessing.Queue) -> None:
     """Rank 1's state cannot be made: it still takes part in the gather (its peer is not left waiting), then
     raises; rank 0 gets the node's file without rank 1's entry."""
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
         def make() -> dict:
             if rank == 1:
@@ -101,11 +96,11 @@ def _failing_rank(rank: int, world: int, port: int, queue: multiprocessing.Queue
         dist.destroy_process_group()
 
 
-def test_a_rank_whose_state_cannot_be_made_leaves_no_peer_waiting() -> None:
+def test_a_rank_whose_state_cannot_be_made_leaves_no_peer_waiting(tmp_path: Path) -> None:
     context = multiprocessing.get_context("spawn")
     queue = context.Queue()
-    port = _free_port()
-    workers = [context.Process(target=_failing_rank, args=(rank, 2, port, queue)) for rank in range(2)]
+    workers = [context.Process(target=_failing_rank, args=(rank, 2, str(tmp_path / "store"), queue))
+               for rank in range(2)]
     for worker in workers:
         worker.start()
     results = sorted(queue.get(timeout=120) for _ in workers)
