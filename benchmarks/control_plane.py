@@ -48,6 +48,7 @@ from types import SimpleNamespace
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from hpc_train.run.error_log import ERROR_LOG_ENV, error_log_name  # noqa: E402
 from hpc_train.run.loglines import format_start, rank_log_format  # noqa: E402
 from hpc_train.run.node_log import NodeLogHandler, node_log_path  # noqa: E402
 from hpc_train.run.paths import LOGS_DIR  # noqa: E402
@@ -120,8 +121,11 @@ def _raise(rank: int, root: int) -> None:
     train_step()
 
 
-def _write_rank(run_dir: Path, rank: int, world: int, root: int, record_failure: Callable[..., bool]) -> None:
+def _write_rank(run_dir: Path, rank: int, world: int, root: int, record_failure: Callable[..., bool],
+                node_records: bool) -> None:
     os.environ["SLURMD_NODENAME"] = _node(rank)  # run.node.node_name: the node every record names
+    if node_records:  # as a node's agent tells its ranks: one error file per node (hpc_train.run.error_log)
+        os.environ[ERROR_LOG_ENV] = error_log_name(rank, TASKS_PER_NODE)
     info = SimpleNamespace(rank=rank, in_place=0, job_id=JOB, restart=0)
     logger, handler = _rank_logger(run_dir, rank)
     try:
@@ -149,19 +153,24 @@ def _batch_output(run_dir: Path, world: int) -> None:
     (logs / f"slurm-{JOB}.err").write_text("\n".join([f"hpc_train: job {JOB} restart 0", *lines]) + "\n")
 
 
-def build_run_folder(run_dir: Path, world: int) -> None:
-    """A run of ``world`` ranks whose attempt 1 ended with every rank's error record."""
+def build_run_folder(run_dir: Path, world: int, node_records: bool = True) -> None:
+    """A run of ``world`` ranks whose attempt 1 ended with every rank's error record: in its node's error log,
+    as the ranks below a node's agent write them (``retry.in_place``, the default), or with ``node_records``
+    False one file per rank, as ranks without an agent do."""
     from hpc_train.launch import _record_failure
     from hpc_train.run.attempts import AttemptLog
     from hpc_train.run.folder import prepare_run_folder
 
-    saved = os.environ.get("SLURMD_NODENAME")
+    saved, saved_log = os.environ.get("SLURMD_NODENAME"), os.environ.pop(ERROR_LOG_ENV, None)
     prepare_run_folder(run_dir, _plan(run_dir, world), "[job]\nprogram = \"train\"\n", "synthetic")
     attempts = AttemptLog(run_dir)
     attempt = attempts.begin(JOB, 0, _node(0), time.time() - 600, 0)
     root = world // 3 + 1
     for rank in [root, *(r for r in range(world) if r != root)]:  # the root's record is the earliest
-        _write_rank(run_dir, rank, world, root, _record_failure)
+        _write_rank(run_dir, rank, world, root, _record_failure, node_records)
+    os.environ.pop(ERROR_LOG_ENV, None)
+    if saved_log is not None:
+        os.environ[ERROR_LOG_ENV] = saved_log
     if saved is None:
         os.environ.pop("SLURMD_NODENAME", None)
     else:
@@ -255,9 +264,9 @@ def login_section(args: argparse.Namespace) -> list[Row]:
         with tempfile.TemporaryDirectory(prefix="control-plane-", dir=base) as tmp:
             run_dir = Path(tmp) / f"ranks-{world}"
             start = time.perf_counter()
-            build_run_folder(run_dir, world)
-            print(f"built {run_dir.name}: {world} ranks, every one with an error record, in "
-                  f"{time.perf_counter() - start:.1f} s", flush=True)
+            build_run_folder(run_dir, world, args.records == "node")
+            print(f"built {run_dir.name}: {world} ranks, every one with an error record ({args.records} files), "
+                  f"in {time.perf_counter() - start:.1f} s", flush=True)
             for what, argv in _commands(run_dir, world).items():
                 runs = [run_once(argv, env) for _ in range(args.runs)]
                 rows.append(Row("login", world, what, statistics.median(r[0] for r in runs),
@@ -302,6 +311,9 @@ def main() -> None:
     parser.add_argument("--nodes", type=int, nargs="+", default=[8, 32, 64],
                         help="emulated nodes, one agent each (the coordinator section)")
     parser.add_argument("--runs", type=int, default=3, help="runs of each command; the median is shown")
+    parser.add_argument("--records", choices=["node", "rank"], default="node",
+                        help="the login section's error records: one file per node, as ranks below a node's agent "
+                        "write them (retry.in_place, the default), or one per rank (no agent)")
     parser.add_argument("--dir", help="where the run folders are built (default /dev/shm, else the temp folder)")
     parser.add_argument("--verbose", action="store_true", help="print each command's answer (its first line)")
     parser.add_argument("--smoke", action="store_true", help="64 and 256 ranks, one run: the benchmark runs end to "

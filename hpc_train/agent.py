@@ -33,8 +33,16 @@ from hpc_train.control.client import ControlError
 from hpc_train.run.assignment import Assignment, rank_environments
 from hpc_train.run.attempts import AttemptLog
 from hpc_train.run.chain import successor_of
+from hpc_train.run.error_log import (
+    CONSEQUENCES,
+    ERROR_LOG_ENV,
+    ERRORS,
+    error_log_name,
+    kept_error_log_name,
+    read_error_log,
+)
 from hpc_train.run.exit_codes import EXIT_RESTART_IN_PLACE
-from hpc_train.run.files import read_record_text
+from hpc_train.run.files import open_folder, read_record_text
 from hpc_train.run.host_memory import memory_peak, oom_kills
 from hpc_train.run.in_place import (
     IN_PLACE_ENV,
@@ -115,7 +123,9 @@ class Agent:
     def rank_environments(self, places: dict[int, dict[str, str]], extra: dict[str, str]) -> dict[int, dict[str, str]]:
         """Each rank's environment: the step's, its ``SLURM_*`` place, its share of the node's CPUs, ``extra``."""
         cpus = {"SLURM_CPUS_PER_TASK": str(self.setup.cpus_per_rank)} if self.setup.cpus_per_rank else {}
-        return {rank: {**os.environ, **place, **cpus, **extra} for rank, place in places.items()}
+        per_node = self.setup.tasks_per_node
+        return {rank: {**os.environ, **place, **cpus, **extra, ERROR_LOG_ENV: error_log_name(rank, per_node)}
+                for rank, place in places.items()}
 
     def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
         self.stopping = signum  # the ranks got the same signal from Slurm (it signals every process of the step)
@@ -161,6 +171,8 @@ class Agent:
         """One life of the node's ranks (``envs``: each one's environment): the status to leave with, and the
         restart notice that ends the life (None: leave for good)."""
         oom_before = oom_kills()
+        if envs:
+            self._clear_node_records(min(envs), in_place)
         children: Children = {rank: subprocess.Popen(argv, env=env) for rank, env in envs.items()}
         ended: dict[int, int] = {}  # rank: status, in the order they were seen to end
         may_restart = in_place < self.setup.limit
@@ -193,6 +205,25 @@ class Agent:
             _rank, code = self._cause_first([(r, c) for r, c in ended.items() if c != 0], oom_before)
             return self._leave(children, ended, code), None
         return self._end(children, ended), notice
+
+    def _clear_node_records(self, rank: int, in_place: int) -> None:
+        """Before a life's ranks start, the node's error and consequence records of the last life go: the error
+        records of a requeued attempt's first life are moved aside for rank 0's look-back, as each rank without
+        an agent does with its own (:mod:`hpc_train.run.error_log`). The agent is their only clearer."""
+        errors = error_log_name(rank, self.setup.tasks_per_node)
+        try:
+            logs = open_folder(self.setup.run_dir / LOGS_DIR)  # never through a link
+        except OSError:
+            return  # no logs/ yet: nothing to clear
+        try:
+            with contextlib.suppress(OSError):
+                if self.setup.restart > 0 and in_place == 0:
+                    os.replace(errors, kept_error_log_name(errors), src_dir_fd=logs, dst_dir_fd=logs)
+            for kind in (ERRORS, CONSEQUENCES):
+                with contextlib.suppress(OSError):
+                    os.unlink(error_log_name(rank, self.setup.tasks_per_node, kind), dir_fd=logs)
+        finally:
+            os.close(logs)
 
     def _cause_first(self, failed: list[tuple[int, int]], oom_before: int) -> tuple[int, int]:
         """The failed rank whose end says most: one that did not only lose a peer, else the first to end."""
@@ -321,10 +352,14 @@ class Agent:
         return ("peer" if lost_its_peer(error) else "infrastructure"), error[:300] or "asked for a restart"
 
     def _rank_error(self, rank: int) -> str:
-        """The error rank ``rank`` recorded (``rank-N.error.json``), read as every run-folder record is: never
-        through a link, bounded in size."""
+        """The error rank ``rank`` recorded in its node's error log (or, older, ``rank-N.error.json``), read as
+        every run-folder record is: never through a link, bounded in size."""
         import json
 
+        name = error_log_name(rank, self.setup.tasks_per_node)
+        record = read_error_log(self.setup.run_dir / LOGS_DIR / name).get(rank)
+        if record is not None:
+            return str(record.get("error", ""))
         try:
             record = json.loads(read_record_text(rank_error_path(self.setup.run_dir, rank)) or "{}")
             return str(record.get("error", "")) if isinstance(record, dict) else ""

@@ -23,6 +23,7 @@ from typing import Any, NoReturn
 from hpc_train.config.plan import Plan
 from hpc_train.config.shrink import plan_for_life
 from hpc_train.errors import ConfigError
+from hpc_train.run.error_log import CONSEQUENCES, ERROR_LOG_ENV, ERRORS, append_error, error_log_ranks
 from hpc_train.run.exit_codes import EXIT_NOT_RETRIED, EXIT_RESTART_IN_PLACE, EXIT_STOPPED
 from hpc_train.run.files import atomic_write
 from hpc_train.run.folder import check_run_folder
@@ -161,7 +162,7 @@ def _record_failure(run_dir: Path, plan: Plan, info: Any, error: BaseException, 
     report = {"rank": info.rank, "host": node_name(), "time": time.time(), "job_id": info.job_id,
               "restart": info.restart, "error": repr(error),
               "traceback": text, "requeued": requeued, "restart_in_place": in_place, "in_place": info.in_place}
-    atomic_write(rank_error_path(run_dir, info.rank), json.dumps(report, indent=2) + "\n")
+    _write_record(run_dir, info.rank, rank_error_path(run_dir, info.rank), report)
     if in_place:
         logger.info("leaving for an in-place restart (the agent starts every rank again from the last checkpoint)")
     return in_place
@@ -176,7 +177,26 @@ def _record_consequence(run_dir: Path, rank: int, stop: StopConsequence, logger:
     text = "".join(traceback.format_exception(stop.error))
     report = {"rank": rank, "host": node_name(), "time": time.time(), "error": repr(stop.error), "traceback": text,
               "consequence": f"the attempt had stopped on {notice.signal} ({notice.action}: {notice.reason})"}
-    atomic_write(rank_consequence_path(run_dir, rank), json.dumps(report, indent=2) + "\n")
+    _write_record(run_dir, rank, rank_consequence_path(run_dir, rank), report, CONSEQUENCES)
+
+
+def _write_record(run_dir: Path, rank: int, own: Path, report: dict[str, Any], kind: str = ERRORS) -> None:
+    """A rank's record: appended to its node's file where the node's agent keeps one (:mod:`hpc_train.run.
+    error_log`: one file per node, not per rank), else its own file ``own``."""
+    node_file = _node_record_file(rank, kind)
+    if node_file:
+        append_error(run_dir, node_file, report)
+    else:
+        atomic_write(own, json.dumps(report, indent=2) + "\n")
+
+
+def _node_record_file(rank: int, kind: str) -> str:
+    """The node's record file its agent named for this rank (``HPC_TRAIN_ERROR_LOG``), or "" without one."""
+    name = os.environ.get(ERROR_LOG_ENV, "")
+    holds = error_log_ranks(name)
+    if holds is None or rank not in holds or not name.startswith(f"{ERRORS}-"):
+        return ""
+    return name.replace(f"{ERRORS}-", f"{kind}-", 1)
 
 
 def _traceback_text(error: BaseException) -> str:
@@ -192,6 +212,8 @@ def _traceback_text(error: BaseException) -> str:
 def _clear_own_records(run_dir: Path, rank: int, keep_error: bool) -> None:
     """Remove this rank's records of an earlier attempt; with ``keep_error`` (a requeued attempt) its error record
     is moved aside for rank 0's look-back, which removes it once read (:mod:`hpc_train.run.error_records`)."""
+    if _node_record_file(rank, ERRORS):
+        return  # the node's agent cleared (or kept aside) the node's file before this rank started
     if keep_error:
         from hpc_train.run.error_records import keep_aside
 

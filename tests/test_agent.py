@@ -22,9 +22,10 @@ AGENT = """
 import sys
 from pathlib import Path
 from hpc_train.agent import AgentSetup, supervise
-run_dir, node, nodes, per_node, limit = Path(sys.argv[1]), *map(int, sys.argv[2:6])
+run_dir, node, nodes, per_node, limit, restart = Path(sys.argv[1]), *map(int, sys.argv[2:7])
 names = tuple(f"n{index}" for index in range(nodes))
-sys.exit(supervise(AgentSetup(run_dir, node, names, nodes * per_node, "7", 0, limit, "USR2", per_node), sys.argv[6:]))
+setup = AgentSetup(run_dir, node, names, nodes * per_node, "7", restart, limit, "USR2", per_node)
+sys.exit(supervise(setup, sys.argv[7:]))
 """
 
 RANK = textwrap.dedent("""
@@ -39,6 +40,13 @@ RANK = textwrap.dedent("""
         lives.write(f"{rank} {life} {os.environ['HPC_TRAIN_IN_PLACE_LEFT']}\\n")
     if mode == "user-error":
         sys.exit(1)
+    if mode == "net-fault" and life == "0":  # as launch records a network fault below a node's agent, and asks
+        from pathlib import Path  # for a restart in place
+        from hpc_train.run.error_log import append_error
+        from hpc_train.run.exit_codes import EXIT_RESTART_IN_PLACE
+        append_error(Path(run_dir), os.environ["HPC_TRAIN_ERROR_LOG"], {"rank": int(rank), "job_id": "7",
+                     "error": "RuntimeError('NCCL error: unhandled system error')", "time": time.time()})
+        sys.exit(EXIT_RESTART_IN_PLACE)
     if mode == "handover":  # failed, and its recovery made the next job of a chain ([slurm] requeue = "dependency")
         from hpc_train.run.chain import record_successor
         from hpc_train.run.exit_codes import EXIT_RESTART_IN_PLACE
@@ -60,7 +68,7 @@ RANK = textwrap.dedent("""
 """)
 
 
-def _agents(tmp_path: Path, modes: list[str], limit: int = 2, per_node: int = 1
+def _agents(tmp_path: Path, modes: list[str], limit: int = 2, per_node: int = 1, restart: int = 0
             ) -> list[subprocess.CompletedProcess[str]]:
     """One agent per node, ``per_node`` ranks each; ``modes``: each rank's, in rank order."""
     rank_script = tmp_path / "rank.py"
@@ -69,7 +77,8 @@ def _agents(tmp_path: Path, modes: list[str], limit: int = 2, per_node: int = 1
     env.pop("HPC_TRAIN_IN_PLACE_LEFT", None)
     nodes = len(modes) // per_node
     procs = [subprocess.Popen([sys.executable, "-c", AGENT, str(tmp_path), str(node), str(nodes), str(per_node),
-                               str(limit), sys.executable, str(rank_script), str(tmp_path), ",".join(modes)],
+                               str(limit), str(restart), sys.executable, str(rank_script), str(tmp_path),
+                               ",".join(modes)],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for node in range(nodes)]
     results = []
@@ -235,3 +244,21 @@ def test_a_rank_that_fails_on_its_own_ends_its_node_s_other_ranks_and_the_agent_
     assert _lives(tmp_path) == ["0 0 2", "1 0 2"]
     assert read_notice(tmp_path, "7.0", 1) is None
     assert _gone(tmp_path / "worker-0.pid")
+
+
+def test_a_node_s_ranks_record_their_errors_in_one_file_that_the_agent_reads_and_clears(tmp_path: Path) -> None:
+    """Rank 1 records a network fault in its node's ``errors-0-1.jsonl`` (no per-rank file) and asks for a
+    restart: the agent reads the cause from that file, restarts both ranks, and clears the file before the next
+    life starts. In a requeued attempt (restart 1) the first life's clearing keeps the last attempt's file aside
+    for rank 0's look-back instead."""
+    logs = tmp_path / "logs"
+    logs.mkdir(mode=0o700)
+    (logs / "errors-0-1.jsonl").write_text('{"rank": 0, "error": "the last attempt\'s"}\n')
+    (only,) = _agents(tmp_path, ["ok", "net-fault"], per_node=2, restart=1)
+    assert only.returncode == 0, only.stderr
+    notice = read_notice(tmp_path, "7.1", 1)
+    assert notice is not None and notice.rank == 1 and notice.failure_class == "infrastructure", notice
+    assert "NCCL error: unhandled system error" in notice.reason, notice
+    assert (logs / "prev-errors-0-1.jsonl").read_text() == '{"rank": 0, "error": "the last attempt\'s"}\n'
+    assert not (logs / "errors-0-1.jsonl").exists()  # life 1 began with it cleared, and nothing failed in it
+    assert not list(logs.glob("rank-*.error.json"))

@@ -18,6 +18,7 @@ from typing import Any
 
 from hpc_train.ops.records import RankFiles, line_time, read_json, read_tail
 from hpc_train.run.attempts import AttemptLog
+from hpc_train.run.error_log import error_log_ranks, read_error_log
 from hpc_train.run.error_records import kept_path, record_is_of
 from hpc_train.run.files import (
     folder_names,
@@ -101,13 +102,14 @@ def _collect(run_dir: Path, job_id: str | None, restart: int | None, tail_lines:
             stderr.setdefault(int(m[1]), []).append(m[2])
     names = (RankFiles(run_dir, rank_error_path), RankFiles(run_dir, stacks_path), RankFiles(run_dir, kept_path))
     logs = _RankLogs(run_dir / LOGS_DIR)
-    files = _rank_files(run_dir / LOGS_DIR, names[0], names[1], logs)
+    node_errors = _NodeErrors(run_dir / LOGS_DIR)
+    files = _rank_files(run_dir / LOGS_DIR, names[0], names[1], logs, node_errors)
     per_task = ranks_per_task(run_dir)
     named = {rank for task in srun_tasks(batch) for rank in range(task * per_task, (task + 1) * per_task)}
     chosen = set(files) if ranks is None else set(files) & {*ranks, *named}
     reports = [report for rank in sorted(chosen | set(stderr))
                if (report := _rank_report(rank, files.get(rank, ""), logs, names, stderr.get(rank, []), job_id,
-                                          restart, tail_lines)) is not None]
+                                          restart, tail_lines, node_errors)) is not None]
     attempts = [a for a in AttemptLog(run_dir).read()
                 if job_id is None or (a.job_id == job_id and (restart is None or a.restart == restart))]
     last = attempts[-1] if attempts else None
@@ -196,14 +198,48 @@ class _RankLogs:
         return split
 
 
-def _rank_files(logs: Path, errors: RankFiles, stacks: RankFiles, rank_logs: _RankLogs) -> dict[int, str]:
+class _NodeErrors:
+    """The nodes' error logs (``errors-A-B.jsonl``, and ``prev-errors-A-B.jsonl`` kept aside for the look-back:
+    :mod:`hpc_train.run.error_log`), each read once, when one of its ranks is asked for."""
+
+    def __init__(self, logs: Path) -> None:
+        self.logs = str(logs)
+        self.holding: dict[tuple[int, bool], str] = {}  # (rank, kept): the name of the file that may hold it
+        self._read: dict[str, dict[int, dict[str, Any]]] = {}
+
+    def add(self, name: str) -> range | None:
+        held = error_log_ranks(name)
+        if held is not None:
+            for rank in held:
+                self.holding[(rank, name.startswith("prev-"))] = name
+        return held
+
+    def record(self, rank: int, kept: bool) -> dict[str, Any]:
+        name = self.holding.get((rank, kept))
+        if name is None:
+            return {}
+        if name not in self._read:
+            if len(self._read) >= 4:  # ranks come in order and a node's are consecutive
+                self._read.clear()
+            self._read[name] = read_error_log(f"{self.logs}/{name}")
+        return self._read[name].get(rank, {})
+
+
+def _rank_files(logs: Path, errors: RankFiles, stacks: RankFiles, rank_logs: _RankLogs,
+                node_errors: _NodeErrors) -> dict[int, str]:
     """``{rank: its kinds of file}`` from one listing of ``logs/``: "e" its error record, "s" its dumped stacks,
-    "k" a record kept aside, "l" a log that holds it (its node's); the logs go into ``rank_logs``."""
+    "k" a record kept aside, "n" and "p" its node's error log and one kept aside, "l" a log that holds it (its
+    node's); the logs go into ``rank_logs``, the nodes' error logs into ``node_errors``."""
     found: dict[int, str] = {}
     for name in folder_names(logs):  # never through a link: logs/ a link lists nothing
         if (held := rank_logs.add(name)) is not None:
             for rank in held:
                 found[rank] = found.get(rank, "") + "l"
+            continue
+        if name.endswith(".jsonl") and (held := node_errors.add(name)) is not None:
+            kind = "p" if name.startswith("prev-") else "n"
+            for rank in held:
+                found[rank] = found.get(rank, "") + kind
             continue
         kept = name.startswith(_KEPT)
         if "rank-" in name and (m := _RANK_FILE.match(name.removeprefix(_KEPT) if kept else name)):
@@ -214,13 +250,15 @@ def _rank_files(logs: Path, errors: RankFiles, stacks: RankFiles, rank_logs: _Ra
 
 
 def _rank_report(rank: int, kinds: str, logs: _RankLogs, names: tuple[RankFiles, ...], stderr: list[str],
-                 job_id: str | None, restart: int | None, tail_lines: int) -> RankReport | None:
+                 job_id: str | None, restart: int | None, tail_lines: int, node_errors: _NodeErrors
+                 ) -> RankReport | None:
     """One rank's part of the attempt, or None when it left nothing of it. Files the listing did not show are
     not opened (an error record or stacks written since belong to the next poll)."""
     error_file, stacks_file, kept_file = (name(rank) for name in names)
     part = _segment(logs.lines(rank) if "l" in kinds else [], job_id, restart)
-    error = _attempt_error(error_file if "e" in kinds else None, kept_file if "k" in kinds else None, part.newest,
-                           job_id, restart)
+    current = read_json(error_file) if "e" in kinds else node_errors.record(rank, False) if "n" in kinds else {}
+    kept = read_json(kept_file) if "k" in kinds else node_errors.record(rank, True) if "p" in kinds else {}
+    error = _attempt_error(current, kept, part.newest, job_id, restart)
     stacks = ""
     if part.newest and "s" in kinds and _after(stacks_file, part.started()):
         stacks = read_tail(stacks_file, _TAIL_BYTES)
@@ -234,19 +272,17 @@ def _rank_report(rank: int, kinds: str, logs: _RankLogs, names: tuple[RankFiles,
         stderr=tuple(stderr[-tail_lines:]), launcher=part.launcher)
 
 
-def _attempt_error(current: str | None, kept: str | None, newest: bool, job_id: str | None,
+def _attempt_error(current: dict[str, Any], kept: dict[str, Any], newest: bool, job_id: str | None,
                    restart: int | None) -> dict[str, Any]:
     """The rank's error record of the attempt asked for. A record stamped with its job and restart counts when
     it is that attempt's (a requeued attempt's ranks move their last record aside to ``prev-rank-N.error.json``
     as they start, so the look-back finds it there); an older, unstamped one only when the attempt asked for is
     the rank's newest part of its log."""
-    record = read_json(current) if current else {}
+    record = current
     if record and (record_is_of(record, job_id, restart) if "job_id" in record and job_id is not None else newest):
         return record
-    if kept and job_id is not None:
-        record = read_json(kept)
-        if record_is_of(record, job_id, restart):
-            return record
+    if kept and job_id is not None and record_is_of(kept, job_id, restart):
+        return kept
     return {}
 
 

@@ -28,6 +28,7 @@ from typing import Any
 
 from hpc_train.errors import ConfigError
 from hpc_train.ops.records import open_bytes, read_text
+from hpc_train.run.error_log import node_error_records
 from hpc_train.run.files import folder_names, held_folders, parse_json, refuse_link, run_file_stat, time_value
 from hpc_train.run.loglines import RANK_RECORD
 from hpc_train.run.node_log import log_ranks
@@ -234,16 +235,20 @@ def _stamp_time(stamp: str) -> float | None:
 
 
 def _rank_errors(logs: Path, rank: int | None) -> list[RankError]:
-    """Every ``rank-N.error.json``, earliest first, identical errors (digits aside) folded into the first: one
-    record and the list of the other ranks, however many ranks failed alike (built once, not copied per rank)."""
+    """Every error record (``rank-N.error.json``, the nodes' ``errors-A-B.jsonl``), earliest first, identical
+    errors (digits aside) folded into the first: one record and the list of the other ranks, however many ranks
+    failed alike (built once, not copied per rank)."""
     found = []
-    names = [name for name in _listing(logs) if fnmatchcase(name, RANK_ERROR_GLOB)]
+    listing = _listing(logs)
+    names = [name for name in listing if fnmatchcase(name, RANK_ERROR_GLOB)]
     folder = str(logs)
+    records: list[Any] = node_error_records(logs, listing, rank)  # the nodes' files, where agents keep them
     for name in names if rank is None else [rank_error_path(logs.parent, rank).name]:
         try:
-            data = parse_json(read_text(f"{folder}/{name}"))  # numbers in range, or the record is skipped
+            records.append(parse_json(read_text(f"{folder}/{name}")))  # numbers in range, or it is skipped
         except ValueError:
             continue
+    for data in records:
         if not isinstance(data, dict) or not isinstance(data.get("rank"), int) or isinstance(data["rank"], bool):
             continue
         if rank is not None and data["rank"] != rank:
@@ -331,7 +336,8 @@ def _merged_view(run_dir: Path, rank: int | None, errors_only: bool, tail: int |
     view = MergedLogs(run_dir)
     every_log = _rank_logs(logs)
     rank_logs = [(held, name) for held, name in every_log if rank is None or rank in held]
-    if rank is not None and not rank_logs and run_file_stat(rank_error_path(run_dir, rank)) is None:
+    if rank is not None and not rank_logs and run_file_stat(rank_error_path(run_dir, rank)) is None \
+            and not node_error_records(logs, folder_names(logs), rank):
         ranks = ranges(sorted({number for held, _ in every_log for number in held}))
         raise ConfigError("--rank", f"{run_dir} has no log of rank {rank}", f"pick one of: {ranks or 'none'}")
     # (path, the ranks a rank log holds, source of its records, its name among the sources)

@@ -35,6 +35,7 @@ from hpc_train.ops.status_files import RATE_RECORDS as _RATE_RECORDS
 from hpc_train.ops.status_files import CheckpointState, checkpoint_state, metrics_tail
 from hpc_train.run.attempts import Attempt, AttemptLog
 from hpc_train.run.chain import successor_of
+from hpc_train.run.error_log import error_logs
 from hpc_train.run.exclusions import read_exclusions
 from hpc_train.run.files import finite, folder_names, read_json_object, refuse_link, run_file_stat, small_int
 from hpc_train.run.paths import (
@@ -189,7 +190,8 @@ def read_folder(path: Path) -> RunFolder:
     except ConfigError as error:
         excluded, notes = [], [*notes, str(error)]
     finished = "completed" if any(run_file_stat(path / name) for name in RESULT_FILES) else ""
-    if not finished and any(fnmatchcase(name, RANK_ERROR_GLOB) for name in folder_names(path / LOGS_DIR)):
+    logs = folder_names(path / LOGS_DIR)
+    if not finished and (any(fnmatchcase(name, RANK_ERROR_GLOB) for name in logs) or error_logs(logs)):
         finished = "failed"
     return RunFolder(path, str(plan.get("name") or path.name), executor, program,
                      steps if isinstance(steps, int) else None, attempts, ids, metrics_tail(path / METRICS_FILE),

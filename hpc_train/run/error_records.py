@@ -6,7 +6,9 @@ only the ranks that left one, found in one listing of ``logs/``, so the look-bac
 than a read of every rank's log. The attempt's other ranks must not remove their records before rank 0 has read
 them, nor leave them where the follower and ``status`` take them for this attempt's failures: each moves its own
 aside as it starts (:func:`keep_aside`, one rename to ``prev-rank-N.error.json``, a name no reader of this
-attempt's records lists), and rank 0 removes those once its look-back is done (:func:`clear_kept`).
+attempt's records lists), and rank 0 removes those once its look-back is done (:func:`clear_kept`). Ranks below
+a node's agent append to their node's ``errors-FIRST-LAST.jsonl`` instead (:mod:`hpc_train.run.error_log`),
+which the agent moves aside whole (``prev-errors-FIRST-LAST.jsonl``): both are listed and cleared here.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import json
 import os
 from pathlib import Path
 
+from hpc_train.run.error_log import error_log_ranks
 from hpc_train.run.paths import LOGS_DIR, rank_error_path
 
 __all__ = ["clear_kept", "keep_aside", "kept_path", "ranks_with_records", "record_is_of"]
@@ -47,6 +50,8 @@ def ranks_with_records(run_dir: Path) -> list[int]:
         rank = _rank_of(name.removeprefix(_KEPT))
         if rank is not None:
             ranks.add(rank)
+        elif name.endswith(".jsonl") and (held := error_log_ranks(name)) is not None:
+            ranks.update(held)  # a node's file: its ranks are read, those that wrote nothing leave nothing
     return sorted(ranks)
 
 
@@ -78,7 +83,8 @@ def clear_kept(run_dir: Path) -> int:
     except OSError:
         return 0
     for name in names:
-        if name.startswith(_KEPT) and _rank_of(name.removeprefix(_KEPT)) is not None:
+        if name.startswith(_KEPT) and (_rank_of(name.removeprefix(_KEPT)) is not None
+                                       or error_log_ranks(name) is not None):
             with contextlib.suppress(OSError):
                 os.unlink(Path(run_dir) / LOGS_DIR / name)
                 removed += 1

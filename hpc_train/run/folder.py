@@ -153,7 +153,8 @@ def prepare_run_folder(run_dir: str | Path, plan_json: str, config_toml: str, co
     """
     run_dir = Path(run_dir)
     _make_folders(run_dir)
-    stale = [*(run_dir / LOGS_DIR).glob(RANK_ERROR_GLOB), *(run_dir / name for name in RESULT_FILES)]
+    stale = [*(run_dir / LOGS_DIR).glob(RANK_ERROR_GLOB), *(run_dir / LOGS_DIR).glob("*errors-*.jsonl"),
+             *(run_dir / name for name in RESULT_FILES)]
     for path in stale:
         path.unlink(missing_ok=True)  # results of an earlier submission must not pass for this one's
     plan_path, config_path = run_dir / PLAN_FILE, run_dir / CONFIG_FILE

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from hpc_train.run.attempts import Attempt, AttemptLog
+from hpc_train.run.error_log import node_error_records
 from hpc_train.run.files import finite, folder_names, parse_json, read_record_text, small_int, time_value
 from hpc_train.run.in_place import read_notice as read_restart
 from hpc_train.run.paths import LOGS_DIR, RANK_ERROR_GLOB, recovery_claim_path
@@ -100,12 +101,14 @@ def _being_requeued(facts: CancelFacts) -> str:
 
 
 def read_failures(run_dir: Path, since: float = 0.0) -> list[dict[str, Any]]:
-    """Every ``rank-N.error.json`` written at or after ``since`` (an earlier submission's are history), earliest
-    first. A rank's consequences of a stop are in ``rank-N.consequence.json`` and never count here. Listed and
-    read never through a link (``logs/`` a link to another place holds none of this run's records)."""
+    """Every error record (``rank-N.error.json``, and the nodes' ``errors-FIRST-LAST.jsonl``) written at or after
+    ``since`` (an earlier submission's are history), earliest first. A rank's consequences of a stop are
+    recorded apart and never count here. Listed and read never through a link (``logs/`` a link to another place
+    holds none of this run's records)."""
     logs = Path(run_dir) / LOGS_DIR
-    errors = []
-    for name in sorted(n for n in folder_names(logs) if fnmatchcase(n, RANK_ERROR_GLOB)):
+    names = folder_names(logs)
+    errors = node_error_records(logs, names)
+    for name in sorted(n for n in names if fnmatchcase(n, RANK_ERROR_GLOB)):
         try:
             error = parse_json(read_record_text(logs / name))  # a number out of range: damage, skipped
         except ValueError:

@@ -22,6 +22,7 @@ from rich.markup import escape
 
 from hpc_train.run.attempts import Attempt, AttemptLog
 from hpc_train.run.chain import successor_of
+from hpc_train.run.error_log import error_logs, read_error_log
 from hpc_train.run.files import (
     MAX_RECORD_FILE,
     atomic_write,
@@ -90,7 +91,7 @@ class ErrorRecords:
 
     def __init__(self, run_dir: Path) -> None:
         self.logs = Path(run_dir) / LOGS_DIR
-        self.seen: dict[str, tuple[tuple[int, int, int], dict[str, Any]]] = {}
+        self.seen: dict[str, tuple[tuple[int, int, int], list[dict[str, Any]]]] = {}
 
     def read(self, since: float = 0.0) -> list[dict[str, Any]]:
         """As ``read_failures(run_dir, since)``: the records written at or after ``since``, earliest first."""
@@ -104,12 +105,13 @@ class ErrorRecords:
         finally:
             os.close(folder)
         self.seen = seen
-        return failures_since(r for _, r in seen.values())(since)
+        return failures_since(r for _, records in seen.values() for r in records)(since)
 
-    def _stat_and_read(self, folder: int) -> dict[str, tuple[tuple[int, int, int], dict[str, Any]]]:
+    def _stat_and_read(self, folder: int) -> dict[str, tuple[tuple[int, int, int], list[dict[str, Any]]]]:
         with os.scandir(folder) as listing:
-            entries = sorted((e for e in listing if fnmatchcase(e.name, RANK_ERROR_GLOB)), key=lambda e: e.name)
-        seen: dict[str, tuple[tuple[int, int, int], dict[str, Any]]] = {}
+            entries = sorted((e for e in listing if fnmatchcase(e.name, RANK_ERROR_GLOB) or error_logs([e.name])),
+                             key=lambda e: e.name)
+        seen: dict[str, tuple[tuple[int, int, int], list[dict[str, Any]]]] = {}
         for entry in entries:
             try:
                 info = entry.stat(follow_symlinks=False)
@@ -118,9 +120,12 @@ class ErrorRecords:
             key = (info.st_ino, info.st_size, info.st_mtime_ns)
             old = self.seen.get(entry.name)
             path = os.path.join(self.logs, entry.name)
-            record = old[1] if old is not None and old[0] == key else _read_error(path, info.st_size)
-            if record is not None:  # a torn one (being written right now) is read again at the next poll
-                seen[entry.name] = (key, record)
+            if old is not None and old[0] == key:
+                seen[entry.name] = old
+            elif entry.name.endswith(".jsonl"):  # a node's records: a torn last line is read at the next poll
+                seen[entry.name] = (key, list(read_error_log(path).values()))
+            elif (record := _read_error(path, info.st_size)) is not None:  # a torn one: read at the next poll
+                seen[entry.name] = (key, [record])
         return seen
 
 
