@@ -33,16 +33,9 @@ from hpc_train.control.client import ControlError
 from hpc_train.run.assignment import Assignment, rank_environments
 from hpc_train.run.attempts import AttemptLog
 from hpc_train.run.chain import successor_of
-from hpc_train.run.error_log import (
-    CONSEQUENCES,
-    ERROR_LOG_ENV,
-    ERRORS,
-    error_log_name,
-    kept_error_log_name,
-    read_error_log,
-)
+from hpc_train.run.error_log import ERROR_LOG_ENV, clear_node_records, error_log_name, read_error_log
 from hpc_train.run.exit_codes import EXIT_RESTART_IN_PLACE
-from hpc_train.run.files import open_folder, read_record_text
+from hpc_train.run.files import read_record_text
 from hpc_train.run.host_memory import memory_peak, oom_kills
 from hpc_train.run.in_place import (
     IN_PLACE_ENV,
@@ -58,7 +51,7 @@ from hpc_train.run.node import node_name
 from hpc_train.run.node_log import NodeLogHandler, node_log_name, node_log_path
 from hpc_train.run.paths import LOGS_DIR, rank_error_path
 from hpc_train.run.peer_errors import lost_its_peer
-from hpc_train.run.procs import descendants
+from hpc_train.run.procs import cpu_shares, descendants
 from hpc_train.run.stops import attempt_key
 
 __all__ = ["Agent", "AgentSetup", "Spares", "agent_setup", "main", "rank_command", "supervise"]
@@ -69,6 +62,10 @@ _OWN_ERROR_WAIT_S = 3.0  # a rank that failed on its own waits this long for a r
 _HANDOVER_GRACE_S = 10.0  # a rank still running this long after its job handed the run to the next job is ended
 _BARRIER_S = 180.0  # every agent ends its rank within this; past it, the step is left to Slurm
 _PR_SET_CHILD_SUBREAPER = 36
+# What srun set for the node's one task that would tell a rank a wrong place: an MPI plugin's rank (srun --mpi, or
+# a site's MpiDefault: the launcher detection reads PMI_RANK before SLURM_PROCID), the task's global ids, its
+# CPU binding (each rank gets its own share instead).
+_TASK_ONLY = ("PMI_", "PMIX_", "OMPI_", "SLURM_GTIDS", "SLURM_CPU_BIND", "SLURM_TASK_PID", "SLURM_LAUNCH_NODE_IPADDR")
 
 
 def _logger(run_dir: Path, rank: int, per_node: int, slot: int | None = None) -> logging.Logger:
@@ -124,7 +121,8 @@ class Agent:
         """Each rank's environment: the step's, its ``SLURM_*`` place, its share of the node's CPUs, ``extra``."""
         cpus = {"SLURM_CPUS_PER_TASK": str(self.setup.cpus_per_rank)} if self.setup.cpus_per_rank else {}
         per_node = self.setup.tasks_per_node
-        return {rank: {**os.environ, **place, **cpus, **extra, ERROR_LOG_ENV: error_log_name(rank, per_node)}
+        step = {name: value for name, value in os.environ.items() if not name.startswith(_TASK_ONLY)}
+        return {rank: {**step, **place, **cpus, **extra, ERROR_LOG_ENV: error_log_name(rank, per_node)}
                 for rank, place in places.items()}
 
     def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
@@ -161,6 +159,8 @@ class Agent:
             self._wait_for_every_node(notice)
             if setup.node == 0:
                 self.record(notice)
+            if self.stopping is not None:  # Slurm's signal came while the ranks were down: none would hear it
+                return code
             self.log.info("in-place restart %d of %d (retry.in_place): %s: %s (rank %d on %s); starting the ranks "
                           "again in job %s", notice.in_place, setup.limit, notice.failure_class, notice.reason,
                           notice.rank, notice.host or "?", setup.job_id)
@@ -171,9 +171,18 @@ class Agent:
         """One life of the node's ranks (``envs``: each one's environment): the status to leave with, and the
         restart notice that ends the life (None: leave for good)."""
         oom_before = oom_kills()
-        if envs:
-            self._clear_node_records(min(envs), in_place)
-        children: Children = {rank: subprocess.Popen(argv, env=env) for rank, env in envs.items()}
+        if envs:  # the agent is the only clearer of its node's record files, before its ranks run
+            clear_node_records(self.setup.run_dir, min(envs), self.setup.tasks_per_node,
+                               keep_aside=self.setup.restart > 0 and in_place == 0)
+        children = self._spawn(argv, envs)
+        try:
+            return self._watch(children, in_place, oom_before)
+        except BaseException:  # an error of the agent's own (a full disk): no rank is left running without it
+            self._end(children, {})
+            raise
+
+    def _watch(self, children: Children, in_place: int, oom_before: int) -> tuple[int, RestartNotice | None]:
+        """Watch one life's ranks until it ends: the status to leave with, and the restart notice (or None)."""
         ended: dict[int, int] = {}  # rank: status, in the order they were seen to end
         may_restart = in_place < self.setup.limit
         lost_before = self.link.lost() if self.link is not None else (0, [], [])
@@ -206,36 +215,36 @@ class Agent:
             return self._leave(children, ended, code), None
         return self._end(children, ended), notice
 
-    def _clear_node_records(self, rank: int, in_place: int) -> None:
-        """Before a life's ranks start, the node's error and consequence records of the last life go: the error
-        records of a requeued attempt's first life are moved aside for rank 0's look-back, as each rank without
-        an agent does with its own (:mod:`hpc_train.run.error_log`). The agent is their only clearer."""
-        errors = error_log_name(rank, self.setup.tasks_per_node)
+    def _spawn(self, argv: list[str], envs: dict[int, dict[str, str]]) -> Children:
+        """Start the life's ranks, each on its share of the node's CPUs (as srun binds a task per rank)."""
+        shares = cpu_shares(len(envs))
+        children: Children = {}
         try:
-            logs = open_folder(self.setup.run_dir / LOGS_DIR)  # never through a link
-        except OSError:
-            return  # no logs/ yet: nothing to clear
-        try:
-            with contextlib.suppress(OSError):
-                if self.setup.restart > 0 and in_place == 0:
-                    os.replace(errors, kept_error_log_name(errors), src_dir_fd=logs, dst_dir_fd=logs)
-            for kind in (ERRORS, CONSEQUENCES):
-                with contextlib.suppress(OSError):
-                    os.unlink(error_log_name(rank, self.setup.tasks_per_node, kind), dir_fd=logs)
-        finally:
-            os.close(logs)
+            for index, (rank, env) in enumerate(sorted(envs.items())):
+                children[rank] = child = subprocess.Popen(argv, env=env)
+                if shares:
+                    with contextlib.suppress(OSError):
+                        os.sched_setaffinity(child.pid, shares[index])
+        except BaseException:
+            self._end(children, {})
+            raise
+        return children
 
     def _cause_first(self, failed: list[tuple[int, int]], oom_before: int) -> tuple[int, int]:
-        """The failed rank whose end says most: one that did not only lose a peer, else the first to end."""
-        for rank, code in failed:
-            cause = self._cause(rank, code, oom_before, quiet=True)
-            if cause is None or cause[0] != "peer":
-                return rank, code
-        return failed[0]
+        """The failed rank whose end says most (:meth:`_weight`), the first to end among equals."""
+        return min(failed, key=lambda item: self._weight(*item, oom_before))
+
+    def _weight(self, rank: int, code: int, oom_before: int) -> int:
+        """0: an end a restart mends (killed, crashed, a network fault), as its own agent would have said first
+        when each rank had one; 1: the program's own error or out of memory (no restart); 2: it only lost a peer."""
+        cause = self._cause(rank, code, oom_before, quiet=True)
+        return 1 if cause is None else 2 if cause[0] == "peer" else 0
 
     def _leave(self, children: Children, ended: dict[int, int], code: int) -> int:
-        """Leave for good with ``code``. On Slurm's signal the other ranks got it too and are saving: they are
-        waited for; otherwise they are ended, as srun's --kill-on-bad-exit ends the other nodes' ranks."""
+        """Leave for good: with ``code`` (the deciding rank's) where it died of a signal, else with the highest
+        status of the node's ranks that ended on their own, as srun reports a step. On Slurm's signal the other
+        ranks got it too and are saving: they are waited for; otherwise they are ended, as srun's
+        --kill-on-bad-exit ends the other nodes' ranks."""
         if self.stopping is None:
             if self._handed_over():  # the rank that handed the run on finishes its records first
                 deadline = self._handed_at + _HANDOVER_GRACE_S
@@ -245,7 +254,8 @@ class Agent:
         else:
             for rank, child in children.items():
                 ended.setdefault(rank, child.wait())
-        return code
+        own = [status for status in ended.values() if status > 0]  # the ends the agent did not make
+        return code if code < 0 or not own else max(own)
 
     def _end(self, children: Children, ended: dict[int, int]) -> int:
         """End every rank still running (and what it started); the first failed status, else 0."""
@@ -262,17 +272,17 @@ class Agent:
         cause = self._cause(rank, code, oom_before)
         if cause is None or cause[0] == "peer":  # maybe a consequence: wait for the cause's own notice
             deadline = time.monotonic() + (_PEER_CAUSE_WAIT_S if cause else _OWN_ERROR_WAIT_S)
-            seen = len(ended)
+            seen, weight = len(ended), self._weight(rank, code, oom_before)
             while time.monotonic() < deadline and self.stopping is None and not self._handed_over():
                 notice = self.notice(next_in_place)
                 if notice is not None:
                     return notice
                 if self.link is not None and self.link.usable and self.link.gone() > self._gone_before:
                     break  # the peer's agent is gone with its node: no notice of its own will come
-                if cause is not None and _reap(children, ended) > seen:  # a rank of this node ended meanwhile
+                if _reap(children, ended) > seen:  # a rank of this node ended meanwhile: its end may say more
                     seen = len(ended)
                     other, status = self._cause_first([(r, c) for r, c in ended.items() if c != 0], oom_before)
-                    if other != rank:
+                    if self._weight(other, status, oom_before) < weight:  # at most twice: the weight falls
                         return self._restart_for(children, ended, other, status, oom_before, next_in_place)
                 time.sleep(_POLL_S)
             if cause is None or self.stopping is not None or self._handed_over():

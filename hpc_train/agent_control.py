@@ -47,7 +47,7 @@ def _connect(address: Address, member: str, deadline: float) -> ControlClient:
 
 
 class AgentLink:
-    """One agent's connection (and, on rank 0's agent, the coordinator itself)."""
+    """One agent's connection (and, on the first node's agent, the coordinator itself)."""
 
     def __init__(self, client: ControlClient, address: Address, server: ControlServer | None, attempt: str,
                  job_id: str) -> None:
@@ -102,7 +102,7 @@ class AgentLink:
 
     def lost(self) -> tuple[int, list[str], list[str]]:
         """How many agents vanished without a bye (their node lost, or killed), the last eight of them, and the
-        nodes of every one (members named ``task-T@NODE``, in jobs with spares)."""
+        nodes of every one (members named ``node-K@NODE``)."""
         value = self.client.known.get(GONE_KEY)
         if not isinstance(value, dict):
             return 0, [], []

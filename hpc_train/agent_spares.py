@@ -87,6 +87,9 @@ def run_with_spares(agent: Any, argv: list[str]) -> int:
             return 1 if places else 0
         if won:
             agent.record(notice)
+        if agent.stopping is not None:  # Slurm's signal came while the ranks were down: none would hear it
+            _say_left(agent)
+            return code
         if decided.nodes[0] == setup.node_name:  # said once, in rank 0's log, which submit follows
             moved = [node for node in decided.nodes if node not in assignment.nodes]
             agent.logger_for(0).info(

@@ -40,6 +40,12 @@ RANK = textwrap.dedent("""
         lives.write(f"{rank} {life} {os.environ['HPC_TRAIN_IN_PLACE_LEFT']}\\n")
     if mode == "user-error":
         sys.exit(1)
+    if mode == "error-first" and life == "0":  # the program's own error, just before its sibling is killed
+        time.sleep(0.2)
+        sys.exit(1)
+    if mode == "exit-76":  # a save that hung (EXIT_SAVE_HUNG), a moment after its sibling's own error
+        time.sleep(0.5)
+        sys.exit(76)
     if mode == "net-fault" and life == "0":  # as launch records a network fault below a node's agent, and asks
         from pathlib import Path  # for a restart in place
         from hpc_train.run.error_log import append_error
@@ -262,3 +268,18 @@ def test_a_node_s_ranks_record_their_errors_in_one_file_that_the_agent_reads_and
     assert (logs / "prev-errors-0-1.jsonl").read_text() == '{"rank": 0, "error": "the last attempt\'s"}\n'
     assert not (logs / "errors-0-1.jsonl").exists()  # life 1 began with it cleared, and nothing failed in it
     assert not list(logs.glob("rank-*.error.json"))
+
+
+def test_a_kill_on_a_node_restarts_even_when_its_sibling_failed_on_its_own_a_moment_before(tmp_path: Path) -> None:
+    """Rank 0 exits with its own error, rank 1 of the same node is SIGKILLed 0.3 s later: as when each rank had
+    an agent (the killed rank's would have asked for the restart), the kill decides, and both ranks restart."""
+    (only,) = _agents(tmp_path, ["error-first", "kill-first"], per_node=2)
+    assert only.returncode == 0, only.stderr
+    assert _lives(tmp_path) == ["0 0 2", "0 1 1", "1 0 2", "1 1 1"]
+    notice = read_notice(tmp_path, "7.0", 1)
+    assert notice is not None and notice.rank == 1 and notice.failure_class == "killed", notice
+
+
+def test_a_node_leaves_with_the_highest_status_of_its_ranks_as_srun_reports_a_step(tmp_path: Path) -> None:
+    (only,) = _agents(tmp_path, ["user-error", "exit-76"], per_node=2)
+    assert only.returncode == 76, only.stderr

@@ -20,7 +20,8 @@ __all__ = ["add_logs_parser", "add_plot_parser", "add_status_parser"]
 
 _LOGS_ABOUT = ("Every rank's log lines of a run (the nodes' logs/ranks-FIRST-LAST.log, each line naming its rank, or "
                "an older run's logs/rank-N.log; and Slurm's logs/slurm-*.out/err) as one timeline with rank "
-               "prefixes, ordered by time; each rank's error (logs/rank-N.error.json) and every error record first. "
+               "prefixes, ordered by time; each rank's error (a line of its node's logs/errors-FIRST-LAST.jsonl, or "
+               "logs/rank-N.error.json) and every error record first. "
                "See docs/operations.md.")
 _STATUS_ABOUT = ("Where runs stand: the scheduler's state and nodes (one squeue and one sacct call per poll for all "
                  "runs), the last step, loss, tokens/s, MFU, ETA, the last checkpoint, the attempts and the failure "

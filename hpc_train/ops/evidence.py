@@ -126,8 +126,8 @@ def ranks_per_task(run_dir: Path) -> int:
         plan = Plan.from_json(read_record_text(run_dir / PLAN_FILE))
     except Exception:  # no plan, or a damaged one: srun's tasks are taken for ranks, as before agents per node
         return 1
-    per_node = plan.resources.tasks_per_node
-    return per_node if plan.node_agents and plan.launcher == "srun" and 0 < per_node <= _MAX_RANKS_A_LOG else 1
+    per_node = plan.resources.tasks_per_node  # (the ranks of torchrun and mpirun name their launcher: their
+    return per_node if plan.node_agents and 0 < per_node <= _MAX_RANKS_A_LOG else 1  # srun lines are not read)
 
 
 def task_ranks(tasks: dict[int, tuple[str, str, str]], per_task: int, reports: Collection[RankReport]

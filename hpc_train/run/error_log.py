@@ -25,17 +25,19 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from hpc_train.run.files import MAX_LINE, open_run_path, parse_json, record_lines, small_int
+from hpc_train.run.files import MAX_LINE, open_folder, open_run_path, parse_json, record_lines
 from hpc_train.run.paths import LOGS_DIR
 
-__all__ = ["CONSEQUENCES", "ERRORS", "ERROR_LOG_ENV", "append_error", "error_log_name", "error_log_ranks",
-           "error_logs", "kept_error_log_name", "node_error_records", "rank_of_name", "read_error_log", "records_of"]
+__all__ = ["CONSEQUENCES", "ERRORS", "ERROR_LOG_ENV", "append_error", "clear_node_records", "error_log_name",
+           "error_log_ranks", "error_logs", "kept_error_log_name", "node_error_records",
+           "read_error_log", "records_of"]
 
 ERROR_LOG_ENV = "HPC_TRAIN_ERROR_LOG"  # set by a node's agent for its ranks: the file name they append to
 ERRORS, CONSEQUENCES = "errors", "consequences"  # a failure; what a rank raised after its attempt had stopped
 _NAME = re.compile(r"(prev-)?errors-([0-9]{1,9})-([0-9]{1,9})\.jsonl")
 _WRITE_FLAGS = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
-_TRACEBACK_BYTES = 256 << 10  # a record stays well under a line's bound (MAX_LINE): the traceback's end is kept
+_TRACEBACK_BYTES = 256 << 10  # a record's traceback keeps its last 256 Ki characters (where the error is)
+_LINE_BYTES = MAX_LINE - 4096  # and its line stays under what a reader takes
 _MAX_RANKS = 1 << 10  # a name that claims more ranks than a node runs is not a node's error log
 
 
@@ -70,10 +72,11 @@ def error_logs(names: Iterable[str], kept: bool = False) -> list[str]:
 def append_error(run_dir: Path, name: str, record: dict[str, Any]) -> None:
     """Append ``record`` (a rank's failure, with its ``rank``) to the node's error log ``name``, as one line in one
     write; a traceback too long for a line keeps its end, where the error is."""
-    text = record.get("traceback")
-    if isinstance(text, str) and len(text) > _TRACEBACK_BYTES:
-        record = {**record, "traceback": "...\n" + text[-_TRACEBACK_BYTES:]}
-    data = (json.dumps(record, separators=(",", ":")) + "\n").encode("utf-8", errors="replace")
+    keep = _TRACEBACK_BYTES
+    data = _line(record, keep)
+    while len(data) > _LINE_BYTES and keep > 0:  # escaped or wide characters: the texts shrink until it fits
+        keep = keep * _LINE_BYTES // len(data) // 2
+        data = _line(record, keep)
     descriptor = open_run_path(Path(run_dir) / LOGS_DIR / name, _WRITE_FLAGS, 0o600)
     try:
         written = os.write(descriptor, data)
@@ -81,6 +84,17 @@ def append_error(run_dir: Path, name: str, record: dict[str, Any]) -> None:
             written += os.write(descriptor, data[written:])
     finally:
         os.close(descriptor)
+
+
+def _line(record: dict[str, Any], keep: int) -> bytes:
+    """``record`` as one line, its ``traceback`` and ``error`` cut to their last ``keep`` characters (where the
+    error is), never longer than a reader takes (:data:`~hpc_train.run.files.MAX_LINE`)."""
+    cut = dict(record)
+    for key, limit in (("traceback", keep), ("error", max(keep // 16, 256))):
+        text = cut.get(key)
+        if isinstance(text, str) and len(text) > limit:
+            cut[key] = "..." + text[len(text) - limit:]
+    return (json.dumps(cut, separators=(",", ":")) + "\n").encode("utf-8", errors="replace")
 
 
 def records_of(lines: Iterable[str], holds: range | None = None) -> dict[int, dict[str, Any]]:
@@ -105,13 +119,6 @@ def read_error_log(path: str | Path) -> dict[int, dict[str, Any]]:
                       holds)
 
 
-def rank_of_name(name: str) -> int | None:
-    """The rank of an older one-rank record's name (``rank-N.error.json``), else None."""
-    if name.startswith("rank-") and name.endswith(".error.json"):
-        return small_int(name[len("rank-"):-len(".error.json")])
-    return None
-
-
 def node_error_records(logs: Path, names: Iterable[str], rank: int | None = None) -> list[dict[str, Any]]:
     """Every record in the node error logs among ``names`` (a listing of ``logs/``, this life's, not those kept
     aside), or only ``rank``'s."""
@@ -123,3 +130,23 @@ def node_error_records(logs: Path, names: Iterable[str], rank: int | None = None
         records = read_error_log(Path(logs) / name)
         found += records.values() if rank is None else [records[rank]] if rank in records else []
     return found
+
+
+def clear_node_records(run_dir: Path, rank: int, per_node: int, keep_aside: bool) -> None:
+    """The node's agent, before a life of its ranks starts (``rank``: one of them): the last life's error and
+    consequence records go; with ``keep_aside`` (a requeued attempt's first life) the error records are moved
+    aside whole for rank 0's look-back, as each rank without an agent does with its own. Never through a link."""
+    errors = error_log_name(rank, per_node)
+    try:
+        logs = open_folder(Path(run_dir) / LOGS_DIR)
+    except OSError:
+        return  # no logs/ yet: nothing to clear
+    try:
+        if keep_aside:
+            with contextlib.suppress(OSError):
+                os.replace(errors, kept_error_log_name(errors), src_dir_fd=logs, dst_dir_fd=logs)
+        for kind in (ERRORS, CONSEQUENCES):
+            with contextlib.suppress(OSError):
+                os.unlink(error_log_name(rank, per_node, kind), dir_fd=logs)
+    finally:
+        os.close(logs)

@@ -95,7 +95,7 @@ def hang_decision_path(run_dir: Path, attempt: str) -> Path:
 
 
 def control_address_path(run_dir: Path, attempt: str) -> Path:
-    """Where rank 0's agent says how to reach attempt ``attempt``'s coordinator (host, port, token; 0600)."""
+    """Where the first node's agent says how to reach attempt ``attempt``'s coordinator (host, port, token; 0600)."""
     return Path(run_dir) / HEARTBEAT_DIR / f"control-{attempt}.json"
 
 

@@ -3,16 +3,18 @@ processes below an agent, a local rank's pid, a job's processes on a node).
 
 Why here: each question needs the same parsing (the state, parent and start time after the command name in
 ``stat``, which may itself hold spaces and parentheses; the environment and command line as raw bytes), and a
-process can end between two reads, so every read may find it gone. Linux only, like Slurm's nodes.
+process can end between two reads, so every read may find it gone. Linux only, like Slurm's nodes. And how a node
+agent's CPUs are shared among the ranks it starts (:func:`cpu_shares`).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Process", "command_line", "descendants", "environment", "processes"]
+__all__ = ["Process", "command_line", "cpu_shares", "descendants", "environment", "processes"]
 
 _PROC = Path("/proc")
 
@@ -71,3 +73,16 @@ def descendants(pid: int) -> list[int]:
         found += below
         todo += below
     return found
+
+
+def cpu_shares(ranks: int) -> list[set[int]]:
+    """The node's CPUs this process may use, in ``ranks`` blocks of consecutive CPUs (a rank's share, as srun binds
+    one task per rank, and near the GPU of its local rank on the usual layouts); empty when there are too few."""
+    try:
+        cpus = sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return []
+    if ranks < 2 or len(cpus) < ranks:
+        return []
+    size = len(cpus) // ranks
+    return [set(cpus[index * size:(index + 1) * size]) for index in range(ranks)]

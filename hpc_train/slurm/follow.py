@@ -1,7 +1,8 @@
 """Follow submitted jobs to their end: live state, the rank-0 log as it grows, and one clear verdict.
 
 Slurm state comes from one batched sacct call per poll for all followed jobs (:mod:`hpc_train.slurm.jobstate`);
-the poll interval backs off while nothing changes. A rank that fails leaves ``logs/rank-N.error.json``;
+the poll interval backs off while nothing changes. A rank that fails leaves its error record (a line of its node's
+``logs/errors-FIRST-LAST.jsonl`` below a node's agent, else ``logs/rank-N.error.json``);
 the follower reports it at once and, if the other ranks do not end by themselves, cancels the job, unless
 anything is requeuing it (:mod:`hpc_train.slurm.cancel_policy`); either way it says why in one line, and a
 cancel is recorded in the run folder so that ``status`` names the follower, not a uid.

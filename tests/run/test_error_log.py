@@ -74,6 +74,19 @@ def test_a_long_traceback_keeps_its_end_and_damage_is_skipped(tmp_path: Path) ->
     assert records[0]["traceback"].endswith("TheError: here\n") and len(records[0]["traceback"]) < 300_000
 
 
+def test_a_record_too_large_for_a_line_is_cut_not_lost(tmp_path: Path) -> None:
+    """A 1.1 MB error and a traceback of wide characters (6 bytes each once escaped): the line still fits what
+    every reader takes (1 MiB), keeping the texts' ends."""
+    run_dir = _folder(tmp_path)
+    append_error(run_dir, "errors-0-3.jsonl", _record(0, "RuntimeError('" + "x" * 1_100_000 + " the end')"))
+    append_error(run_dir, "errors-0-3.jsonl", _record(1, traceback="\u2603" * 200_000 + "\nKeyError: 'snow'\n"))
+    append_error(run_dir, "errors-0-3.jsonl", _record(2))
+    records = read_error_log(run_dir / "logs" / "errors-0-3.jsonl")
+    assert sorted(records) == [0, 1, 2]
+    assert records[0]["error"].endswith(" the end')") and records[1]["traceback"].endswith("KeyError: 'snow'\n")
+    assert all(len(line) < 1 << 20 for line in (run_dir / "logs" / "errors-0-3.jsonl").read_bytes().splitlines())
+
+
 def test_the_file_is_never_reached_through_a_link(tmp_path: Path) -> None:
     run_dir = _folder(tmp_path)
     elsewhere = tmp_path / "elsewhere.jsonl"

@@ -32,3 +32,18 @@ def test_a_child_and_its_grandchild_are_found_below_us_with_their_environment() 
             os.kill(pid, 9)
         child.wait()
     assert environment(child.pid) is None and command_line(child.pid) is None  # reaped: gone
+
+
+def test_a_node_s_cpus_are_shared_in_consecutive_blocks_one_per_rank() -> None:
+    import os
+
+    from hpc_train.run.procs import cpu_shares
+
+    cpus = sorted(os.sched_getaffinity(0))
+    shares = cpu_shares(2)
+    if len(cpus) < 2:
+        assert shares == []
+    else:
+        size = len(cpus) // 2
+        assert shares == [set(cpus[:size]), set(cpus[size:2 * size])]
+    assert cpu_shares(1) == [] and cpu_shares(len(cpus) + 1) == []

@@ -117,7 +117,7 @@ def test_64_nodes_start_restart_in_place_and_a_spare_takes_a_lost_node(tmp_path:
         decided = client.wait_for(f"{attempt}/ready/2", 120)
         third = _running(client, 2)
         assert notice is not None and "vanished" in notice["reason"], notice
-        assert decided is not None and decided["gone"] == [f"task-7@{lost}"], decided
+        assert decided is not None and decided["gone"] == [f"node-7@{lost}"], decided
         assert str(third[7]["node"]) == f"n{NODES + 1}" and lost not in {str(v["node"]) for v in third.values()}
         spare_s = max(float(v["time"]) for v in third.values()) - float(notice["time"])
         client.set("lane/finish", True)
