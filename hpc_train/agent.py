@@ -160,7 +160,9 @@ class Agent:
             if setup.node == 0:
                 self.record(notice)
             if self.stopping is not None:  # Slurm's signal came while the ranks were down: none would hear it
-                return code
+                self.log.error("in-place restart %d: Slurm's signal came while the ranks were down; not starting "
+                               "them again: leaving the job to Slurm and the retry policy", notice.in_place)
+                return 1  # as a barrier that Slurm's signal cut short
             self.log.info("in-place restart %d of %d (retry.in_place): %s: %s (rank %d on %s); starting the ranks "
                           "again in job %s", notice.in_place, setup.limit, notice.failure_class, notice.reason,
                           notice.rank, notice.host or "?", setup.job_id)

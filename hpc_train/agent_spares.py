@@ -88,8 +88,10 @@ def run_with_spares(agent: Any, argv: list[str]) -> int:
         if won:
             agent.record(notice)
         if agent.stopping is not None:  # Slurm's signal came while the ranks were down: none would hear it
+            agent.log.error("in-place restart %d: Slurm's signal came while the ranks were down; not starting them "
+                            "again: leaving the job to Slurm and the retry policy", notice.in_place)
             _say_left(agent)
-            return code
+            return 1 if places else 0
         if decided.nodes[0] == setup.node_name:  # said once, in rank 0's log, which submit follows
             moved = [node for node in decided.nodes if node not in assignment.nodes]
             agent.logger_for(0).info(
