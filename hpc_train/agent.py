@@ -64,8 +64,9 @@ _BARRIER_S = 180.0  # every agent ends its rank within this; past it, the step i
 _PR_SET_CHILD_SUBREAPER = 36
 # What srun set for the node's one task that would tell a rank a wrong place: an MPI plugin's rank (srun --mpi, or
 # a site's MpiDefault: the launcher detection reads PMI_RANK before SLURM_PROCID), the task's global ids, its
-# CPU binding (each rank gets its own share instead).
-_TASK_ONLY = ("PMI_", "PMIX_", "OMPI_", "SLURM_GTIDS", "SLURM_CPU_BIND", "SLURM_TASK_PID", "SLURM_LAUNCH_NODE_IPADDR")
+# CPU binding (each rank gets its own share instead). A site's own settings (OMPI_MCA_*, PMIX_MCA_*) stay.
+_TASK_ONLY = ("PMI_RANK", "PMI_SIZE", "PMI_FD", "PMI_JOBID", "PMIX_RANK", "OMPI_COMM_WORLD_", "SLURM_GTIDS",
+              "SLURM_CPU_BIND", "SLURM_TASK_PID", "SLURM_LAUNCH_NODE_IPADDR")
 
 
 def _logger(run_dir: Path, rank: int, per_node: int, slot: int | None = None) -> logging.Logger:

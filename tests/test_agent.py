@@ -13,6 +13,8 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
+
 from hpc_train.agent import agent_setup
 from hpc_train.run.attempts import AttemptLog
 from hpc_train.run.in_place import read_notice
@@ -21,6 +23,8 @@ from hpc_train.run.node_log import rank_log_text
 AGENT = """
 import sys
 from pathlib import Path
+
+import pytest
 from hpc_train.agent import AgentSetup, supervise
 run_dir, node, nodes, per_node, limit, restart = Path(sys.argv[1]), *map(int, sys.argv[2:7])
 names = tuple(f"n{index}" for index in range(nodes))
@@ -283,3 +287,22 @@ def test_a_kill_on_a_node_restarts_even_when_its_sibling_failed_on_its_own_a_mom
 def test_a_node_leaves_with_the_highest_status_of_its_ranks_as_srun_reports_a_step(tmp_path: Path) -> None:
     (only,) = _agents(tmp_path, ["user-error", "exit-76"], per_node=2)
     assert only.returncode == 76, only.stderr
+
+
+def test_a_rank_gets_its_own_place_and_none_of_the_node_task_s(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """srun's node task may carry an MPI plugin's rank (a site's MpiDefault), which the launcher detection reads
+    before SLURM_PROCID: each rank gets its own place and not that; a site's MPI settings stay."""
+    from hpc_train.agent import Agent, AgentSetup
+    from hpc_train.run.assignment import Assignment, rank_environments
+
+    for name, value in (("PMI_RANK", "1"), ("PMIX_RANK", "1"), ("SLURM_GTIDS", "1"), ("OMPI_MCA_btl", "^openib")):
+        monkeypatch.setenv(name, value)
+    setup = AgentSetup(tmp_path, 1, ("n0", "n1"), 4, "7", 0, 2, "USR2", 2, None, 3)
+    places = rank_environments(Assignment(0, list(setup.nodes)), setup.node_name, 2)
+    envs = Agent(setup).rank_environments(places, {"HPC_TRAIN_IN_PLACE": "0"})
+    assert sorted(envs) == [2, 3]
+    for rank, env in envs.items():
+        place = (env["SLURM_PROCID"], env["SLURM_LOCALID"], env["SLURM_CPUS_PER_TASK"])
+        assert place == (str(rank), str(rank - 2), "3")
+        assert env["HPC_TRAIN_ERROR_LOG"] == "errors-2-3.jsonl" and env["OMPI_MCA_btl"] == "^openib"
+        assert not {"PMI_RANK", "PMIX_RANK", "SLURM_GTIDS"} & set(env)
