@@ -194,6 +194,18 @@ def test_requeued_from_outside_then_preempted_by_a_higher_priority_job(uninterru
     _assert_same(_exported(run_dir, tmp_path / "weights.pt"), uninterrupted, run_dir)
 
 
+ONE_NODE = ["--set", "job.nodes=1", "--set", "job.tasks_per_node=2"]  # one node agent starting two ranks
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_one_node(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    """The uninterrupted run on one node of two ranks: not bitwise the two nodes of one rank's (the ranks' CPU
+    threads and gloo's paths differ), so a run of this layout is compared with it."""
+    work = tmp_path_factory.mktemp("uninterrupted-one-node")
+    _submit(work, STEPS, *ONE_NODE, follow=True)
+    return _exported(work / "runs" / "tiny-gpt", work / "weights.pt")
+
+
 def test_a_rank_killed_at_a_random_step_restarts_inside_the_same_job(uninterrupted: dict[str, torch.Tensor],
                                                                      tmp_path: Path) -> None:
     """Rank 1 dies of SIGKILL at a random step (no traceback, no signal handler runs). Its agent sees it, every
@@ -222,16 +234,18 @@ def test_a_rank_killed_at_a_random_step_restarts_inside_the_same_job(uninterrupt
 
 
 def test_a_rank_killed_under_the_srun_template_restarts_inside_the_same_job(
-        uninterrupted: dict[str, torch.Tensor], tmp_path: Path) -> None:
-    """The same kill through a rendered srun script (``python -m hpc_train.agent`` on every task, no submitit):
-    the agents start both ranks again inside the job and the run ends with the uninterrupted weights."""
-    rendered = subprocess.run([sys.executable, "-m", "hpc_train", "render", EXAMPLE, *TINY, "--set",
+        uninterrupted_one_node: dict[str, torch.Tensor], tmp_path: Path) -> None:
+    """The same kill through a rendered srun script (no submitit), here on one node of two ranks: its one task's
+    agent (``python -m hpc_train.agent``) starts both, sees rank 1 killed, starts both again inside the job, and
+    the run ends with the uninterrupted run's weights, bit for bit."""
+    rendered = subprocess.run([sys.executable, "-m", "hpc_train", "render", EXAMPLE, *TINY, *ONE_NODE, "--set",
                                f"train.steps={STEPS}", "--template", "srun", "--set",
                                "env.HPC_TRAIN_INJECT_FAULT=signal:1:9", "--set", "env.HPC_TRAIN_INJECT_FAULT_STEP=23",
                                "--set", "env.HPC_TRAIN_INJECT_FAULT_IN_PLACE=0", "--json"], cwd=tmp_path,
                               capture_output=True, text=True, timeout=60, check=True)
     script = json.loads(rendered.stdout)["script"]
-    assert "-m hpc_train.agent" in Path(script).read_text()
+    text = Path(script).read_text()
+    assert "-m hpc_train.agent" in text and "#SBATCH --ntasks-per-node=1\n" in text, text  # one task: the node's
     job_id = subprocess.run(["sbatch", "--parsable", script], capture_output=True, text=True, check=True,
                             timeout=30).stdout.strip().split(";")[0]
     run_dir = tmp_path / "runs" / "tiny-gpt"
@@ -242,7 +256,9 @@ def test_a_rank_killed_under_the_srun_template_restarts_inside_the_same_job(
     rows = subprocess.run(["sacct", "-n", "-P", "-X", "-D", "-j", job_id, "-o", "State"], capture_output=True,
                           text=True, timeout=30, check=True).stdout.split()
     assert rows == ["COMPLETED"], rows
-    _assert_same(_exported(run_dir, tmp_path / "weights.pt"), uninterrupted, run_dir)
+    logs = sorted(path.name for path in (run_dir / "logs").iterdir())
+    assert "ranks-0-1.log" in logs and not [name for name in logs if name.startswith("rank-")], logs
+    _assert_same(_exported(run_dir, tmp_path / "weights.pt"), uninterrupted_one_node, run_dir)
 
 
 def test_time_limit(tmp_path: Path) -> None:
