@@ -68,11 +68,7 @@ def run_with_spares(agent: Any, argv: list[str]) -> int:
             extra = {**coordinator, IN_PLACE_ENV: str(in_place), IN_PLACE_LEFT_ENV: str(setup.limit - in_place)}
             if len(assignment.nodes) < spares.nodes:  # retry.shrink: the ranks plan for the nodes left
                 extra[SHRUNK_NODES_ENV] = str(len(assignment.nodes))
-            envs = agent.rank_environments(places, extra)
-            for env in envs.values():
-                if SHRUNK_NODES_ENV not in extra:
-                    env.pop(SHRUNK_NODES_ENV, None)
-            code, notice = agent.run_once(argv, envs, in_place)
+            code, notice = agent.run_once(argv, agent.rank_environments(places, extra), in_place)
         agent.end_everything_below()
         if notice is None:
             if places:

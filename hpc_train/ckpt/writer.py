@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from hpc_train.ckpt.manifest import FileEntry
+from hpc_train.run.files import write_all
 
 __all__ = ["CorruptFileError", "HashingFile", "VerifyError", "ViewReader", "read_file", "write_file"]
 
@@ -85,9 +86,7 @@ class HashingFile:
                 if hashing is not None:
                     hashing.result()
                 hashing = _HASHER.submit(self.digest.update, block)
-            written = 0
-            while written < len(block):
-                written += os.write(self.descriptor, block[written:])
+            write_all(self.descriptor, block)
             self.size += len(block)
             if _START_WRITEBACK is not None and self.size - self._flushed >= _BLOCK:
                 _START_WRITEBACK(self.descriptor, self._flushed, self.size - self._flushed, _SYNC_FILE_RANGE_WRITE)

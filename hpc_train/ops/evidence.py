@@ -31,6 +31,7 @@ from hpc_train.run.files import (
 )
 from hpc_train.run.loglines import BATCH_START, RANK_RECORD, parse_start
 from hpc_train.run.node_log import log_ranks
+from hpc_train.run.node_span import MAX_RANKS_A_NODE
 from hpc_train.run.paths import (
     LOGS_DIR,
     PLAN_FILE,
@@ -46,7 +47,6 @@ _TAIL_BYTES = 1 << 20
 _KEPT = "prev-"  # a record kept aside for the look-back (hpc_train.run.error_records)
 _RANK_FILE = re.compile(r"(stacks-)?rank-([0-9]{1,9})\.")  # a rank's log, error record, stacks (logs/ holds them)
 SRUN_ERROR = re.compile(r"srun: error: (\S+): tasks? ([0-9,\-]+): (.+)")  # srun on a task that failed
-_MAX_RANKS_A_LOG = 1 << 10  # job.tasks_per_node's bound: a node's log holds at most this many ranks
 _MAX_TASKS = 1 << 18  # hpc_train's largest world: srun's "tasks 0-99999999999" is damage, not a range to walk
 
 
@@ -127,7 +127,7 @@ def ranks_per_task(run_dir: Path) -> int:
     except Exception:  # no plan, or a damaged one: srun's tasks are taken for ranks, as before agents per node
         return 1
     per_node = plan.resources.tasks_per_node  # (the ranks of torchrun and mpirun name their launcher: their
-    return per_node if plan.node_agents and 0 < per_node <= _MAX_RANKS_A_LOG else 1  # srun lines are not read)
+    return per_node if plan.node_agents and 0 < per_node <= MAX_RANKS_A_NODE else 1  # srun lines are not read)
 
 
 def task_ranks(tasks: dict[int, tuple[str, str, str]], per_task: int, reports: Collection[RankReport]
@@ -157,9 +157,7 @@ class _RankLogs:
 
     def add(self, name: str) -> range | None:
         """Take ``name`` from the listing when it is a rank log; the ranks it holds."""
-        held = log_ranks(name)
-        if held is not None and len(held) > _MAX_RANKS_A_LOG:
-            return None  # a name that claims more ranks than a node runs: damage, not a node's log
+        held = log_ranks(name)  # a name that claims more ranks than a node runs is not a node's log
         if held is not None:
             for rank in held:
                 self.holding.setdefault(rank, []).append(name)

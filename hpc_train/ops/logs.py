@@ -50,7 +50,6 @@ _SCHEDULER_NOTICE = re.compile(r"CANCELLED AT \S+ DUE TO (JOB REQUEUE|PREEMPTION
 _DIGITS = re.compile(r"[0-9]+")
 _FRAME = re.compile(r'File "([^"]+)", line ([0-9]+), in (\S+)')
 _MAX_BYTES = 64 << 20  # per rank: a longer log is read from its last 64 MiB a rank it holds (the view says so)
-_MAX_RANKS_A_LOG = 1 << 10  # a log's name says it holds more ranks than any node runs: damage, not a node's log
 
 
 @dataclass(frozen=True)
@@ -308,7 +307,7 @@ def _rank_logs(logs: Path) -> list[tuple[range, str]]:
     """(the ranks it holds, name) of every node's log (``ranks-A-B.log``) and older one-rank log (``rank-N.log``),
     by first rank, from one listing (a ``Path`` per file costs more than reading it)."""
     found = [(held, name) for name in _listing(logs)
-             if (held := log_ranks(name)) is not None and len(held) <= _MAX_RANKS_A_LOG]
+             if (held := log_ranks(name)) is not None]  # (a name claiming over a node's ranks is none)
     return sorted(found, key=lambda item: (item[0].start, item[1]))
 
 

@@ -20,12 +20,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from hpc_train.run.files import MAX_LINE, open_folder, open_run_path, parse_json, record_lines
+from hpc_train.run.files import MAX_LINE, open_folder, open_run_path, parse_json, record_lines, write_all
+from hpc_train.run.node_span import span_name, span_of
 from hpc_train.run.paths import LOGS_DIR
 
 __all__ = ["CONSEQUENCES", "ERRORS", "ERROR_LOG_ENV", "append_error", "clear_node_records", "error_log_name",
@@ -34,19 +34,15 @@ __all__ = ["CONSEQUENCES", "ERRORS", "ERROR_LOG_ENV", "append_error", "clear_nod
 
 ERROR_LOG_ENV = "HPC_TRAIN_ERROR_LOG"  # set by a node's agent for its ranks: the file name they append to
 ERRORS, CONSEQUENCES = "errors", "consequences"  # a failure; what a rank raised after its attempt had stopped
-_NAME = re.compile(r"(prev-)?errors-([0-9]{1,9})-([0-9]{1,9})\.jsonl")
 _WRITE_FLAGS = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
 _TRACEBACK_BYTES = 256 << 10  # a record's traceback keeps its last 256 Ki characters (where the error is)
 _LINE_BYTES = MAX_LINE - 4096  # and its line stays under what a reader takes
-_MAX_RANKS = 1 << 10  # a name that claims more ranks than a node runs is not a node's error log
 
 
 def error_log_name(rank: int, per_node: int, kind: str = ERRORS) -> str:
     """``errors-4-7.jsonl``: the error records of the node that holds ``rank`` with ``per_node`` ranks a node
     (``consequences-4-7.jsonl`` with ``kind`` CONSEQUENCES: what its ranks raised after a stop, not failures)."""
-    per_node = max(per_node, 1)
-    first = rank - rank % per_node
-    return f"{kind}-{first}-{first + per_node - 1}.jsonl"
+    return span_name(kind, rank, per_node, ".jsonl")
 
 
 def kept_error_log_name(name: str) -> str:
@@ -55,11 +51,7 @@ def kept_error_log_name(name: str) -> str:
 
 def error_log_ranks(name: str) -> range | None:
     """The ranks a node's error log holds by its name (kept aside or not); None for any other name."""
-    m = _NAME.fullmatch(name)
-    if m is None:
-        return None
-    first, last = int(m[2]), int(m[3])
-    return range(first, last + 1) if first <= last and last - first < _MAX_RANKS else None
+    return span_of(name.removeprefix("prev-"), ERRORS, ".jsonl")
 
 
 def error_logs(names: Iterable[str], kept: bool = False) -> list[str]:
@@ -79,9 +71,7 @@ def append_error(run_dir: Path, name: str, record: dict[str, Any]) -> None:
         data = _line(record, keep)
     descriptor = open_run_path(Path(run_dir) / LOGS_DIR / name, _WRITE_FLAGS, 0o600)
     try:
-        written = os.write(descriptor, data)
-        while written < len(data):
-            written += os.write(descriptor, data[written:])
+        write_all(descriptor, data)
     finally:
         os.close(descriptor)
 

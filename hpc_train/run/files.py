@@ -25,10 +25,37 @@ from hpc_train.errors import ConfigError
 from hpc_train.run.paths import CHECKPOINTS_DIR, FLIGHT_RECORDER_DIR, HEARTBEAT_DIR, LOGS_DIR, SUBMITIT_DIR, WANDB_DIR
 from hpc_train.terminal import plain
 
-__all__ = ["MAX_LINE", "MAX_RECORD_FILE", "MAX_TIME", "atomic_write", "finite", "folder_names", "held_folders",
-           "open_folder", "open_record", "open_run_path", "parse_json", "read_json_object", "read_record_text",
-           "record_lines", "refuse_link", "refuse_shared_writable", "run_file_stat", "small_int", "time_value",
-           "warn_bad_record"]
+__all__ = [
+    "MAX_LINE",
+    "MAX_RECORD_FILE",
+    "MAX_TIME",
+    "atomic_write",
+    "finite",
+    "folder_names",
+    "held_folders",
+    "open_folder",
+    "open_record",
+    "open_run_path",
+    "parse_json",
+    "read_json_object",
+    "read_record_text",
+    "record_lines",
+    "refuse_link",
+    "refuse_shared_writable",
+    "run_file_stat",
+    "small_int",
+    "time_value",
+    "warn_bad_record",
+    "write_all",
+]
+
+
+def write_all(descriptor: int, data: bytes | memoryview) -> None:
+    """Write all of ``data``: one ``write()`` where the system takes it whole (an ``O_APPEND`` record stays in
+    one piece), then what is left after a short write (a full disk, a signal)."""
+    written = os.write(descriptor, data)
+    while written < len(data):
+        written += os.write(descriptor, data[written:])
 
 
 def atomic_write(path: Path, text: str, mode: int = 0o600) -> None:

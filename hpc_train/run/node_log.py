@@ -21,23 +21,21 @@ import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from hpc_train.run.files import folder_names, open_run_path, read_record_text
+from hpc_train.run.files import folder_names, open_run_path, read_record_text, write_all
 from hpc_train.run.loglines import RANK_RECORD
+from hpc_train.run.node_span import span_name, span_of
 from hpc_train.run.paths import LOGS_DIR
 
 __all__ = ["NodeLogHandler", "log_ranks", "node_log_name", "node_log_path", "rank_lines", "rank_log_names",
            "rank_log_text", "ranks_per_log", "split_by_rank"]
 
-_NODE_LOG = re.compile(r"ranks-([0-9]{1,9})-([0-9]{1,9})\.log")
 _RANK_LOG = re.compile(r"rank-([0-9]{1,9})\.log")  # one rank's log, as older versions wrote it
 _WRITE_FLAGS = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 def node_log_name(rank: int, per_node: int) -> str:
     """The name of the log that holds ``rank`` when ``per_node`` ranks share a node: ``ranks-4-7.log``."""
-    per_node = max(per_node, 1)
-    first = rank - rank % per_node
-    return f"ranks-{first}-{first + per_node - 1}.log"
+    return span_name("ranks", rank, per_node, ".log")
 
 
 def ranks_per_log(rank: int, local_rank: int, per_node: int) -> int:
@@ -55,9 +53,8 @@ def node_log_path(run_dir: Path, rank: int, per_node: int) -> Path:
 def log_ranks(name: str) -> range | None:
     """The ranks a log's name says it holds (a node's log, or one rank's log of an older version); None for any
     other name."""
-    if m := _NODE_LOG.fullmatch(name):
-        first, last = int(m[1]), int(m[2])
-        return range(first, last + 1) if first <= last else None
+    if (held := span_of(name, "ranks", ".log")) is not None:
+        return held
     if m := _RANK_LOG.fullmatch(name):
         return range(int(m[1]), int(m[1]) + 1)
     return None
@@ -86,9 +83,7 @@ class NodeLogHandler(logging.Handler):
             with self.lock or contextlib.nullcontext():
                 if self._fd is None:
                     return
-                written = os.write(self._fd, data)
-                while written < len(data):  # a full disk or a signal: what is left, after the part written
-                    written += os.write(self._fd, data[written:])
+                write_all(self._fd, data)
         except Exception:  # logging's own rule: a failed log line never ends the program
             self.handleError(record)
 

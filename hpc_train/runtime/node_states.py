@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import io
 import os
-import re
 from collections.abc import Callable, Iterable
 from datetime import timedelta
 from typing import Any
@@ -26,17 +25,15 @@ import torch.distributed as dist
 
 from hpc_train.distributed.collectives import gather_bytes
 from hpc_train.run.files import folder_names
+from hpc_train.run.node_span import span_name, span_of
 
 __all__ = ["NodeStates", "node_file_name", "rank_state_name"]
 
-_NODE_FILE = re.compile(r"ranks-([0-9]{1,9})-([0-9]{1,9})\.pt")
 
 
 def node_file_name(rank: int, per_node: int) -> str:
     """``ranks-4-7.pt``: the file of the node that holds ``rank`` when ``per_node`` ranks share a node."""
-    per_node = max(per_node, 1)
-    first = rank - rank % per_node
-    return f"ranks-{first}-{first + per_node - 1}.pt"
+    return span_name("ranks", rank, per_node, ".pt")
 
 
 def rank_state_name(names: Iterable[str], rank: int) -> str | None:
@@ -46,7 +43,7 @@ def rank_state_name(names: Iterable[str], rank: int) -> str | None:
     if f"rank-{rank}.pt" in names:
         return f"rank-{rank}.pt"
     for name in names:
-        if (m := _NODE_FILE.fullmatch(name)) and int(m[1]) <= rank <= int(m[2]):
+        if (held := span_of(name, "ranks", ".pt")) is not None and rank in held:
             return name
     return None
 

@@ -8,6 +8,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from hpc_train.run.procs import command_line, descendants, environment, processes
 
 
@@ -34,16 +36,10 @@ def test_a_child_and_its_grandchild_are_found_below_us_with_their_environment() 
     assert environment(child.pid) is None and command_line(child.pid) is None  # reaped: gone
 
 
-def test_a_node_s_cpus_are_shared_in_consecutive_blocks_one_per_rank() -> None:
-    import os
-
+def test_a_node_s_cpus_are_shared_in_consecutive_blocks_one_per_rank(monkeypatch: pytest.MonkeyPatch) -> None:
     from hpc_train.run.procs import cpu_shares
 
-    cpus = sorted(os.sched_getaffinity(0))
-    shares = cpu_shares(2)
-    if len(cpus) < 2:
-        assert shares == []
-    else:
-        size = len(cpus) // 2
-        assert shares == [set(cpus[:size]), set(cpus[size:2 * size])]
-    assert cpu_shares(1) == [] and cpu_shares(len(cpus) + 1) == []
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {8, 9, 10, 11, 12, 13, 14, 15})  # the step's CPUs
+    assert cpu_shares(2) == [{8, 9, 10, 11}, {12, 13, 14, 15}]
+    assert cpu_shares(3) == [{8, 9}, {10, 11}, {12, 13}]  # the 2 left over are not given twice
+    assert cpu_shares(1) == [] and cpu_shares(9) == []  # one rank keeps the step's; too few CPUs: no binding
