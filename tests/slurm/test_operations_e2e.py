@@ -5,6 +5,7 @@ stacks dumped, restarted inside the job, then requeued, resumed to the end) and 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -16,6 +17,8 @@ from hpc_train.run.watch import last_logged_step
 from tests.slurm.test_preemption_e2e import (
     BASE,
     EXAMPLE,
+    ONE_NODE,
+    TINY,
     _attempts,
     _logs,
     _state,
@@ -111,7 +114,18 @@ def _ended_with_fault(tmp_path: Path, fault: str, *extra: str) -> tuple[str, Pat
 
 
 def test_a_rank_that_raises_is_a_user_error_and_not_retried(tmp_path: Path) -> None:
-    job_id, run_dir = _ended_with_fault(tmp_path, "raise:1")
+    """Followed as users run it, on one node of two ranks: rank 1 raises, its record goes into its node's
+    ``errors-0-1.jsonl``, the node's agent ends rank 0 and leaves, and the follower names rank 1's error."""
+    followed = subprocess.run([sys.executable, "-m", "hpc_train.submit", EXAMPLE, *TINY, *ONE_NODE, "--set",
+                               "train.steps=30", "--set", "env.HPC_TRAIN_INJECT_FAULT=raise:1", "--set",
+                               "env.HPC_TRAIN_INJECT_FAULT_STEP=5"], cwd=tmp_path, capture_output=True, text=True,
+                              timeout=300, check=False)
+    out = followed.stdout
+    assert followed.returncode == 1 and "failed: rank 1 on" in out and "injected fault on rank 1" in out, \
+        out[-3000:] + followed.stderr[-3000:]
+    (job_id,) = re.findall(r"submitted job (\d+)", out)
+    run_dir = tmp_path / "runs" / "tiny-gpt"
+    assert (run_dir / "logs" / "errors-0-1.jsonl").exists() and not (run_dir / "logs" / "rank-1.error.json").exists()
     time.sleep(3)  # a requeue, if there were one, would show by now
     rows = subprocess.run(["sacct", "-n", "-P", "-X", "-D", "-j", job_id, "-o", "State"], capture_output=True,
                           text=True, timeout=30, check=True).stdout.split()
