@@ -59,6 +59,11 @@ def main() -> None:
             print(f"epoch {epoch}: mean loss {total / len(loader):.4f}", flush=True)
     if rank == 0 and args.out:
         torch.save(net.module.state_dict(), args.out)
+    # End the way torch asks: the DDP wrapper gone, every rank at a barrier, then the group destroyed. A rank that
+    # leaves while its peer's gloo threads still talk to it can end that peer in "terminate called without an
+    # active exception" (SIGABRT) after its last step.
+    del net, optimizer
+    dist.barrier()
     dist.destroy_process_group()
 
 
