@@ -79,7 +79,8 @@ def _memory(args: argparse.Namespace) -> int:
 
     from hpc_train.config.sites import load_site
     from hpc_train.errors import ConfigError
-    from hpc_train.train.memory import fsdp2_memory_plan, memory_plan, memory_rows
+    from hpc_train.train.memory import fsdp2_memory_plan, memory_plan
+    from hpc_train.train.memory_rows import memory_rows
 
     plan = plan_from_args(args, executor=_planned_executor(args))
     cfg, lay = plan.config, plan.layout

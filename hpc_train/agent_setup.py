@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from hpc_train.config.shrink import ShrinkRule
 from hpc_train.run.assignment import node_of
 from hpc_train.run.in_place import IN_PLACE_LEFT_ENV
 
@@ -45,15 +46,11 @@ class Spares:
     """The layout a job keeps when it goes on without a lost node (hot spares, or ``retry.shrink``)."""
 
     nodes: int  # the layout's (job.nodes)
-    shrink: tuple[int, int, int] | None = None  # retry.shrink: (tensor x pipeline x context, micro, global batch)
+    shrink: ShrinkRule | None = None  # retry.shrink: what a smaller life keeps (Plan.shrink_rule)
 
-    def smaller(self, nodes_left: int, tasks_per_node: int) -> int | None:
+    def smaller(self, nodes_left: int) -> int | None:
         """The node count a life goes on with when only ``nodes_left`` are left (retry.shrink); None without it."""
-        if self.shrink is None:
-            return None
-        from hpc_train.config.shrink import smaller_size
-
-        size = smaller_size(*self.shrink[:3], tasks_per_node, nodes_left)
+        size = self.shrink.size(nodes_left) if self.shrink else None
         return size.nodes if size else None
 
 
@@ -82,9 +79,8 @@ def agent_setup(run_dir: Path, env: dict[str, str] | None = None) -> AgentSetup 
         name = node_of(env)
         index = nodes.index(name) if name in nodes else int(env["SLURM_NODEID"])
         spares = None
-        if res.survives_lost_node:
-            shrink = (lay.tensor * lay.pipeline * lay.context, lay.micro_batch, lay.global_batch)
-            spares = Spares(res.nodes, shrink if res.shrink else None)
+        if plan.survives_lost_node:
+            spares = Spares(res.nodes, plan.shrink_rule)
     except Exception:  # the rank reports whatever is wrong, in its own words
         return None
     if lay.world != res.nodes * res.tasks_per_node:

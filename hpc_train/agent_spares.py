@@ -13,11 +13,14 @@ retry policy requeues the job as without spares.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
+from collections.abc import Callable
 from dataclasses import asdict
-from typing import Any
+from typing import Protocol
 
 from hpc_train.agent_control import AgentLink
+from hpc_train.agent_setup import AgentSetup
 from hpc_train.config.shrink import SHRUNK_NODES_ENV
 from hpc_train.control.client import ControlError
 from hpc_train.run.assignment import (
@@ -44,8 +47,35 @@ _MEET_S = 120.0  # with one: a node is lost when its agent's connection drops; a
 # (stuck ending its ranks) leaves the job to Slurm
 
 
-def run_with_spares(agent: Any, argv: list[str]) -> int:
-    """Every life of this node (``agent``: :class:`hpc_train.agent.Agent`): its ranks where the assignment puts
+class NodeAgent(Protocol):
+    """What the spares' lives need of a node's agent (:class:`hpc_train.agent.Agent`): its place, its link to
+    the coordinator, its loggers, and one life of its ranks."""
+
+    setup: AgentSetup
+    attempt: str
+    rank: int
+    log: logging.Logger
+    link: AgentLink | None
+    holding_nodes: set[str] | None
+    stopping: int | None
+
+    def logger_for(self, rank: int) -> logging.Logger: ...
+
+    def rank_environments(self, places: dict[int, dict[str, str]], extra: dict[str, str]
+                          ) -> dict[int, dict[str, str]]: ...
+
+    def run_once(self, argv: list[str], envs: dict[int, dict[str, str]], in_place: int
+                 ) -> tuple[int, RestartNotice | None]: ...
+
+    def notice(self, in_place: int) -> RestartNotice | None: ...
+
+    def record(self, notice: RestartNotice) -> None: ...
+
+    def end_everything_below(self) -> None: ...
+
+
+def run_with_spares(agent: NodeAgent, argv: list[str]) -> int:
+    """Every life of this node: its ranks where the assignment puts
     some, a wait where it does not."""
     setup, spares = agent.setup, agent.setup.spares
     if spares is None:
@@ -97,16 +127,13 @@ def run_with_spares(agent: Any, argv: list[str]) -> int:
         assignment, in_place = decided, notice.in_place
 
 
-def _change(setup: Any, before: Assignment, after: Assignment, moved: list[str]) -> str:
+def _change(setup: AgentSetup, before: Assignment, after: Assignment, moved: list[str]) -> str:
     """What the next life changes, for rank 0's log: a spare in a lost node's place, or a smaller size."""
-    spares = setup.spares
     if moved:
         return f" (spare {', '.join(moved)} for lost {', '.join(after.lost)})"
-    if len(after.nodes) < len(before.nodes) and spares.shrink is not None:
-        from hpc_train.config.shrink import smaller_size
-
-        was = smaller_size(*spares.shrink, setup.tasks_per_node, len(before.nodes))
-        now = smaller_size(*spares.shrink, setup.tasks_per_node, len(after.nodes))
+    rule = setup.spares.shrink if setup.spares else None
+    if len(after.nodes) < len(before.nodes) and rule is not None:
+        was, now = rule.size(len(before.nodes)), rule.size(len(after.nodes))
         if was is not None and now is not None:
             return (f" (retry.shrink: {was.nodes} -> {now.nodes} nodes without lost {', '.join(after.lost)}; data "
                     f"parallel {was.data} -> {now.data}, grad_accum {was.grad_accum} -> {now.grad_accum}, global "
@@ -114,7 +141,7 @@ def _change(setup: Any, before: Assignment, after: Assignment, moved: list[str])
     return ""
 
 
-def _wait_as_spare(agent: Any, in_place: int) -> RestartNotice | None:
+def _wait_as_spare(agent: NodeAgent, in_place: int) -> RestartNotice | None:
     """A spare waits for the next restart notice; None once the ranks have left for good, or Slurm stops it."""
     setup = agent.setup
     while agent.stopping is None and not _ranks_left(agent):
@@ -126,7 +153,7 @@ def _wait_as_spare(agent: Any, in_place: int) -> RestartNotice | None:
     return None
 
 
-def _next_life(agent: Any, notice: RestartNotice, previous: Assignment) -> tuple[Assignment | None, bool]:
+def _next_life(agent: NodeAgent, notice: RestartNotice, previous: Assignment) -> tuple[Assignment | None, bool]:
     """Say this node is ready, then read or make the next assignment: (it, whether this agent made it)."""
     setup = agent.setup
     life, agents, smaller = notice.in_place, len(setup.nodes), _smaller(setup)
@@ -153,25 +180,26 @@ def _next_life(agent: Any, notice: RestartNotice, previous: Assignment) -> tuple
     return None, False
 
 
-def _smaller(setup: Any) -> Any:
+def _smaller(setup: AgentSetup) -> Callable[[int], int | None]:
     """retry.shrink's node count for the nodes left (None without it)."""
     spares = setup.spares
-    return lambda left: spares.smaller(left, setup.tasks_per_node)
+    return lambda left: spares.smaller(left) if spares else None
 
 
-def _ranks_left(agent: Any) -> bool:
+def _ranks_left(agent: NodeAgent) -> bool:
     if agent.link is not None and agent.link.usable:
         return bool(agent.link.ranks_left())
     return ranks_left(agent.setup.run_dir, agent.attempt)
 
 
-def _say_left(agent: Any) -> None:
+def _say_left(agent: NodeAgent) -> None:
     mark_left(agent.setup.run_dir, agent.attempt)  # the record, and the word for agents without a coordinator
     if agent.link is not None and agent.link.usable:
         agent.link.say_left()
 
 
-def _next_life_over_link(agent: Any, life: int, agents: int, previous: Assignment) -> tuple[Assignment | None, bool]:
+def _next_life_over_link(agent: NodeAgent, life: int, agents: int, previous: Assignment
+                         ) -> tuple[Assignment | None, bool]:
     """The barrier over the coordinator: decided once every node's agent said ready or is gone (its connection
     dropped: its node is lost), one message each way per node; the first agent's assignment holds."""
     setup, link = agent.setup, agent.link

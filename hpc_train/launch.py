@@ -20,8 +20,7 @@ import traceback
 from pathlib import Path
 from typing import Any, NoReturn
 
-from hpc_train.config.plan import Plan
-from hpc_train.config.shrink import plan_for_life
+from hpc_train.config.plan import Plan, plan_for_life
 from hpc_train.errors import ConfigError
 from hpc_train.run.error_log import CONSEQUENCES, ERROR_LOG_ENV, ERRORS, append_error, error_log_ranks
 from hpc_train.run.exit_codes import EXIT_NOT_RETRIED, EXIT_RESTART_IN_PLACE, EXIT_STOPPED

@@ -26,11 +26,12 @@ from hpc_train.config.loader import build, checked_portable, load_toml, rebuild
 from hpc_train.config.overrides import apply_overrides
 from hpc_train.config.program import resolve_entry_point, resolve_program
 from hpc_train.config.screen import screen_job, warn_redacted
+from hpc_train.config.shrink import SHRUNK_NODES_ENV, ShrinkRule
 from hpc_train.config.site import SiteConfig
 from hpc_train.config.validate import validate
 from hpc_train.errors import ConfigError
 
-__all__ = ["Layout", "Plan", "Resources", "load_job", "make_plan"]
+__all__ = ["Layout", "Plan", "Resources", "load_job", "make_plan", "plan_for_life", "shrunk_plan"]
 
 
 @dataclass(frozen=True)
@@ -52,13 +53,6 @@ class Resources:
     exclusive: bool
     gpu_directive: str
     spare_nodes: int = 0  # allocated beyond nodes: hot spares (job.spare_nodes)
-    shrink: bool = False  # with no spare left, go on at a smaller data-parallel size (retry.shrink)
-
-    @property
-    def survives_lost_node(self) -> bool:
-        """Whether the job goes on inside its allocation when a node is lost (a spare, or a smaller size): Slurm
-        must not end it, and the agents on every node decide who holds the ranks (hpc_train.agent_spares)."""
-        return bool(self.spare_nodes) or self.shrink
 
 
 @dataclass(frozen=True)
@@ -114,6 +108,21 @@ class Plan:
         that node's ranks inside the job (``retry.in_place``, spares, ``retry.shrink``), rather than one task per
         rank: the step then has one task per node with the node's CPUs."""
         return self.config.retry.in_place > 0 and self.config.job.program != "smoke"
+
+    @property
+    def survives_lost_node(self) -> bool:
+        """Whether the job goes on inside its allocation when a node is lost (a spare, or a smaller size): Slurm
+        must not end it, and the agents on every node decide who holds the ranks (hpc_train.agent_spares)."""
+        return bool(self.resources.spare_nodes) or self.config.retry.shrink
+
+    @property
+    def shrink_rule(self) -> ShrinkRule | None:
+        """What a smaller life keeps under ``retry.shrink``; None without it."""
+        if not self.config.retry.shrink:
+            return None
+        lay = self.layout
+        return ShrinkRule(lay.tensor * lay.pipeline * lay.context, lay.micro_batch, lay.global_batch,
+                          self.resources.tasks_per_node)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True) + "\n"
@@ -220,7 +229,7 @@ def _resources(cfg: JobConfig, site: SiteConfig, gpus: int, cpus: int, run_dir: 
         partition=job.partition or site.slurm.partition, account=job.account or site.slurm.account,
         qos=job.qos or site.slurm.qos, constraint=job.constraint or site.slurm.constraint,
         exclude=_exclude(job.exclude, run_dir), exclusive=site.slurm.exclusive,
-        gpu_directive=site.slurm.gpu_directive, spare_nodes=job.spare_nodes, shrink=cfg.retry.shrink,
+        gpu_directive=site.slurm.gpu_directive, spare_nodes=job.spare_nodes,
     )
 
 
@@ -312,3 +321,37 @@ def _make_plan(cfg: JobConfig, site: SiteConfig, executor: str, *, python: str |
         nccl_detect=detected_on_node(site.network),
         code_dir=str(code_dir),
     )
+
+
+def shrunk_plan(plan: Plan, nodes: int) -> Plan:
+    """``plan`` for a life on ``nodes`` nodes (``retry.shrink``); a ValueError when that size cannot keep the
+    layout."""
+    layout, resources, rule = plan.layout, plan.resources, plan.shrink_rule
+    if nodes == resources.nodes:
+        return plan
+    size = rule.size(nodes) if rule else None
+    if size is None or size.nodes != nodes:
+        raise ValueError(f"{nodes} node(s) cannot keep this job's layout (tensor {layout.tensor}, pipeline "
+                         f"{layout.pipeline}, global batch {layout.global_batch})")
+    config = plan.config
+    train = dataclasses.replace(config.train, grad_accum=size.grad_accum)
+    return dataclasses.replace(
+        plan, resources=dataclasses.replace(resources, nodes=nodes),
+        layout=dataclasses.replace(layout, world=size.world, data=size.data, grad_accum=size.grad_accum),
+        config=dataclasses.replace(config, job=dataclasses.replace(config.job, nodes=nodes), train=train))
+
+
+def plan_for_life(plan: Plan, env: dict[str, str] | os._Environ[str]) -> Plan:
+    """The plan this rank runs under: the run's, or the smaller one the agents chose for this life. A
+    ConfigError (one line on the rank's stderr, exit 2) when the variable came from somewhere else."""
+    value = env.get(SHRUNK_NODES_ENV, "")
+    if not value:
+        return plan
+    fix = f"unset {SHRUNK_NODES_ENV} in the job's environment; hpc_train's agent sets it for a life on fewer nodes"
+    if not value.isdigit() or not plan.config.retry.shrink:
+        raise ConfigError(f"{SHRUNK_NODES_ENV}={value!r}", "is set, but only hpc_train's agent sets it, to a node "
+                          "count, for a job with retry.shrink", fix)
+    try:
+        return shrunk_plan(plan, int(value))
+    except ValueError as error:
+        raise ConfigError(f"{SHRUNK_NODES_ENV}={value!r}", str(error), fix) from None

@@ -12,7 +12,7 @@ from typing import Any
 from hpc_train.config.checks import parse_time_seconds
 from hpc_train.config.env_policy import refused_env_name, secret_reason
 from hpc_train.config.job import MAX_WORLD, MODEL_PRESETS, FsdpSection, JobConfig, ZeroSection
-from hpc_train.config.shrink import smaller_size
+from hpc_train.config.shrink import ShrinkRule
 from hpc_train.config.site import SiteConfig
 from hpc_train.distributed.topology import Topology
 from hpc_train.errors import ConfigError, did_you_mean
@@ -283,7 +283,7 @@ def _check_shrink(cfg: JobConfig, site: SiteConfig) -> None:
     par, train = cfg.parallel, cfg.train
     per_node, model_parallel = cfg.job.tasks_per_node, par.tensor * par.pipeline * par.context
     global_batch = train.micro_batch * train.grad_accum * (cfg.job.nodes * per_node // model_parallel)
-    if smaller_size(model_parallel, train.micro_batch, global_batch, per_node, cfg.job.nodes - 1) is None:
+    if ShrinkRule(model_parallel, train.micro_batch, global_batch, per_node).size(cfg.job.nodes - 1) is None:
         raise ConfigError("retry.shrink", f"no smaller number of nodes keeps tensor x pipeline x context = "
                           f"{model_parallel} and the global batch of {global_batch} (micro batch "
                           f"{train.micro_batch})", "use job.spare_nodes, or a global batch that more "

@@ -66,7 +66,7 @@ def sbatch_directives(plan: Plan, launcher: str) -> list[str]:
             lines.append(directive(flag, value))
     if res.exclusive:
         lines.append(directive("exclusive"))
-    if res.survives_lost_node:  # a lost node must not end the job: a spare or the nodes left go on
+    if plan.survives_lost_node:  # a lost node must not end the job: a spare or the nodes left go on
         lines.append(directive("no-kill"))
     lines += [
         directive("output", out),

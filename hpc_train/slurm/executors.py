@@ -70,7 +70,7 @@ def submitit_parameters(plan: Plan) -> dict[str, Any]:
         raise ConfigError("--executor", "submitit cannot start ranks inside apptainer on this site",
                           "render the script (python -m hpc_train render) and submit it with sbatch")
     res = plan.resources
-    if plan.executor == "slurm" and res.survives_lost_node:
+    if plan.executor == "slurm" and plan.survives_lost_node:
         key = "job.spare_nodes" if res.spare_nodes else "retry.shrink"
         raise ConfigError(key, "submitit's job would end FAILED whenever a node is lost, even when the run went on "
                           "without it and completed", "render the srun template and submit it: "

@@ -69,7 +69,7 @@ def render_script(plan: Plan, template: str | None = None) -> RenderedScript:
         hint = did_you_mean(name, names)
         raise ConfigError("--template", f'no template "{name}"' + (f", {hint}" if hint else ""),
                           f"use one of {', '.join(names)}")
-    if plan.resources.survives_lost_node and name != "srun":
+    if plan.survives_lost_node and name != "srun":
         key = "job.spare_nodes" if plan.resources.spare_nodes else "retry.shrink"
         raise ConfigError("--template", f"{name} with {key}: only the srun template starts the agents that go on "
                           "without a lost node", "use --template srun")

@@ -3,9 +3,9 @@ engine's own buffers (DeepSpeed's, or FSDP2's), and whether that fits the site's
 submitted.
 
 Why: an out-of-memory error costs a queue wait and a start-up before it shows; the arithmetic below costs
-nothing. ``python -m hpc_train validate CONFIG --memory`` prints :func:`memory_rows` of :func:`memory_plan` (of
-:func:`fsdp2_memory_plan` for FSDP2). This module is pure Python (no torch, deepspeed or numpy) because it runs
-on login nodes.
+nothing. ``python -m hpc_train validate CONFIG --memory`` prints the rows
+(:mod:`hpc_train.train.memory_rows`) of :func:`memory_plan` (of :func:`fsdp2_memory_plan` for FSDP2). This
+module is pure Python (no torch, deepspeed or numpy) because it runs on login nodes.
 
 Accounting. The base is the ZeRO paper (Rajbhandari et al. 2020, https://arxiv.org/abs/1910.02054): mixed
 precision Adam holds 2 bytes of 16-bit weights, 2 of 16-bit gradients and 12 of optimizer state (fp32 master
@@ -68,11 +68,11 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from hpc_train.config.job import MODEL_PRESETS
-from hpc_train.train.memory_fsdp2 import fsdp2_held, fsdp2_rows
+from hpc_train.train.memory_fsdp2 import fsdp2_held
 from hpc_train.train.models import Param, model_spec
 from hpc_train.train.models.spec import require_positive
 
-__all__ = ["MemoryPlan", "Param", "assumed_precision", "fsdp2_memory_plan", "memory_plan", "memory_rows",
+__all__ = ["GIB", "PRECISION_BYTES", "MemoryPlan", "Param", "assumed_precision", "fsdp2_memory_plan", "memory_plan",
            "stage_parameters"]
 
 GIB = 2**30
@@ -81,7 +81,7 @@ PERSISTENCE_THRESHOLD = 100_000  # zero_optimization.stage3_param_persistence_th
 PREFETCH_BUCKET = 50_000_000  # zero_optimization.stage3_prefetch_bucket_size
 SUB_GROUP_SIZE = 1_000_000_000  # zero_optimization.sub_group_size
 ALLREDUCE_CHUNK = 500_000_000  # engine.MEMORY_OPT_ALLREDUCE_SIZE, the ZeRO-0 all-reduce buffer
-_PRECISION_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+PRECISION_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
 def assumed_precision(precision: str, gpus_per_node: int) -> tuple[str, str]:
@@ -320,8 +320,8 @@ def _plan(preset: str, vocab_size: int, seq_len: int, micro_batch: int, tensor: 
     """The plan of either engine: ``held(params, width)`` is what it keeps of one stage, ``engine`` its own
     :class:`MemoryPlan` fields; the stage with the largest total is the plan."""
     precision, assumption = assumed_precision(precision, gpus_per_node)
-    if precision not in _PRECISION_BYTES:
-        raise ValueError(f"precision {precision!r} is unknown; use one of {', '.join(_PRECISION_BYTES)}")
+    if precision not in PRECISION_BYTES:
+        raise ValueError(f"precision {precision!r} is unknown; use one of {', '.join(PRECISION_BYTES)}")
     require_positive(micro_batch=micro_batch, data=data, grad_accum=grad_accum)
     if gpu_mem_gb < 0 or math.isnan(gpu_mem_gb):
         raise ValueError(f"gpu_mem_gb = {gpu_mem_gb}: must be >= 0 (0: unknown)")
@@ -331,7 +331,7 @@ def _plan(preset: str, vocab_size: int, seq_len: int, micro_batch: int, tensor: 
                          "[train] parameters = N (its parameter count) to plan it")
     stages = _user_stages(parameters, tensor, pipeline) if user else stage_parameters(preset, vocab_size, seq_len,
                                                                                         tensor, pipeline)
-    width = _PRECISION_BYTES[precision]
+    width = PRECISION_BYTES[precision]
     plans = [_plan_stage(i, params, held(params, width), shape=MODEL_PRESETS.get(preset), vocab_size=vocab_size,
                          seq_len=seq_len, micro_batch=micro_batch, tensor=tensor, pipeline=pipeline, width=width,
                          grad_accum=grad_accum)
@@ -406,93 +406,3 @@ def fsdp2_memory_plan(preset: str, vocab_size: int, seq_len: int, micro_batch: i
                  grad_accum=grad_accum, gpus_per_node=gpus_per_node, parameters=parameters, held=held,
                  zero_stage=3, offload_optimizer=offload, offload_params=offload, engine="fsdp2",
                  reshard_after_forward=reshard_after_forward)
-
-
-def _size(nbytes: int) -> str:
-    """``1.23 GiB``, ``45.6 MiB`` or ``7.8 KiB``."""
-    for unit, scale in (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.2f} {unit}"
-    return f"{nbytes} B"
-
-
-def _advice(plan: MemoryPlan) -> list[str]:
-    """What would shrink the biggest figures, in the order worth trying."""
-    fsdp2 = plan.engine == "fsdp2"  # zero_stage 3: no ZeRO advice; its one offload key
-    advice = ["fsdp.reshard_after_forward = true"] if fsdp2 and not plan.reshard_after_forward else []
-    if plan.zero_stage < 3 and plan.data > 1:
-        advice.append("zero.stage = 3")
-    heads = MODEL_PRESETS.get(plan.preset, {}).get("heads", 1)
-    if heads % (2 * plan.tensor) == 0:
-        advice.append(f"more tensor parallel (parallel.tensor = {2 * plan.tensor})")
-    if plan.zero_stage and not plan.offload_optimizer:
-        advice.append("fsdp.offload = true" if fsdp2 else "zero.offload_optimizer = true")
-    if plan.zero_stage == 3 and not plan.offload_params and not fsdp2:
-        advice.append("zero.offload_params = true")
-    if plan.activations >= max(plan.parameters, plan.gradients, plan.optimizer_state):
-        advice.append("a smaller train.micro_batch")
-    if plan.data == 1 and plan.zero_stage:
-        advice.append(f"more data-parallel ranks ({'FSDP2' if fsdp2 else 'ZeRO'} shards over them)")
-    return advice or ["a smaller model"]
-
-
-def _verdict(plan: MemoryPlan) -> str:
-    if plan.fits is None:
-        return (f"{_size(plan.total)} per rank needed; the site gives no GPU memory size (node.gpu_mem_gb), "
-                "so nothing is checked")
-    gpu = f"{plan.gpu_bytes / GIB:g} GiB"
-    if plan.fits:
-        spare = 1 - plan.total / plan.gpu_bytes
-        text = f"fits in {gpu} with {spare:.0%} to spare"
-        if spare < 0.10:
-            text += " (tight: the CUDA context and allocator fragmentation are not counted)"
-        return text
-    advice = _advice(plan)
-    tries = advice[0] if len(advice) == 1 else ", ".join(advice[:-1]) + ", or " + advice[-1]
-    return f"does not fit: {plan.total / GIB:.1f} GiB > {gpu}; try {tries}"
-
-
-def memory_rows(plan: MemoryPlan) -> list[tuple[str, str]]:
-    """Human rows ``(label, text)`` for ``validate --memory``: the figures, the engine's quirks that apply, and a
-    verdict row last."""
-    width = _PRECISION_BYTES[plan.precision]
-    sharded = plan.zero_stage > 0 and plan.data > 1
-    if plan.zero_stage == 3:
-        params = "ZeRO-3 partition + small parameters whole" + (", partitions in CPU memory" if plan.offload_params
-                                                                 else "")
-    else:
-        params = "full copy on every data-parallel rank"
-    if plan.gradients == 0:
-        grads = "none on the GPU: they go to the offloaded optimizer"
-    elif plan.gradients >= width * plan.params_per_rank:
-        grads = "full"
-    else:
-        grads = "this rank's partition"
-    state = "fp32 master + Adam m, v" if plan.zero_stage or plan.precision != "fp32" else "Adam m, v"
-    state += f", 1/{plan.data} per rank" if sharded else ", whole on every rank"
-    if plan.offload_optimizer:
-        state += ", in CPU memory"
-    tokens = f"micro batch {plan.micro_batch} x {plan.seq_len} tokens"
-    if plan.pipeline > 1:
-        tokens += f", up to {min(plan.pipeline, plan.grad_accum)} micro-batches in flight"
-    engine = "FSDP2" if plan.engine == "fsdp2" else f"ZeRO-{plan.zero_stage}"
-    rows = [
-        ("layout", f"{plan.preset}, tensor {plan.tensor} x pipeline {plan.pipeline} x data {plan.data}, "
-                   f"{engine}, {plan.precision}; {plan.params_per_rank:,} parameters per rank"
-                   + (f" (pipeline stage {plan.stage}, the largest)" if plan.pipeline > 1 else "")),
-        ("parameters", f"{_size(plan.parameters)} per rank ({params})"),
-        ("gradients", f"{_size(plan.gradients)} per rank ({grads})"),
-        ("optimizer state", f"{_size(plan.optimizer_state)} per rank ({state})"),
-        ("activations", f"{_size(plan.activations)} per rank (rough, {tokens}, no recomputation)"
-                        if plan.preset in MODEL_PRESETS else "not counted for your own model"),
-        ("DeepSpeed buffers", f"{_size(plan.buffers)} per rank at peak (gradient reduction "
-                              f"{_size(plan.reduce_buffers)}, optimizer step {_size(plan.step_buffers)})"),
-        ("total", f"{_size(plan.total)} per rank on the GPU"),
-    ]
-    if plan.cpu:
-        rows.append(("CPU memory", f"{_size(plan.cpu)} per rank (offload)"))
-    if plan.engine == "fsdp2":
-        rows = fsdp2_rows(plan, rows, _size)
-    rows += [("note", note) for note in plan.notes]
-    rows.append(("verdict", _verdict(plan)))
-    return rows

@@ -30,16 +30,11 @@ FSDP2 group of each transformer block, then the root of what is left (embeddings
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from hpc_train.train.models.spec import Param
 
-if TYPE_CHECKING:
-    from hpc_train.train.memory import MemoryPlan
-
-__all__ = ["Fsdp2Held", "fsdp2_groups", "fsdp2_held", "fsdp2_rows", "shard_elements"]
+__all__ = ["Fsdp2Held", "fsdp2_groups", "fsdp2_held", "shard_elements"]
 
 REDUCE_BYTES = 4  # gradients are reduce-scattered in fp32 in both precisions hpc_train gives FSDP2
 
@@ -170,29 +165,3 @@ def fsdp2_held(params: list[Param], *, data: int, width: int, hidden: int, offlo
     if offload:
         return Fsdp2Held(0, 0, 0, gathered, reduce_buffers, 0, 16 * shard, notes)
     return Fsdp2Held(4 * shard, 4 * shard, 8 * shard, gathered, reduce_buffers, step_buffers, 0, notes)
-
-
-def fsdp2_rows(plan: MemoryPlan, rows: list[tuple[str, str]], size: Callable[[int], str]) -> list[tuple[str, str]]:
-    """``memory_rows``' figure rows in FSDP2's words: what its parameters, gradients, optimizer state and buffers
-    are (``size`` writes bytes as ``memory_rows`` does)."""
-    where = ", in CPU memory" if plan.offload_params else ""
-    compute = "bf16" if plan.precision == "bf16" else "fp32"
-    kept = "one block" if plan.reshard_after_forward else "every block"
-    gathered = "your model, one group," if ":" in plan.preset else f"the root and {kept}"
-
-    def held(nbytes: int) -> str:
-        return "none on the GPU" if plan.offload_params else f"{size(nbytes)} per rank"
-
-    own = {
-        "parameters": ("parameters", f"{held(plan.parameters)} (fp32 shards: 1/{plan.data} of each tensor's dim 0, "
-                                     f"padded{where})"),
-        "gradients": ("gradients", f"{held(plan.gradients)} (fp32 shards, reduce-scattered{where})"),
-        "optimizer state": ("optimizer state", f"{held(plan.optimizer_state)} (Adam m, v on the fp32 shards, no "
-                                               f"master copy{where})"),
-        "DeepSpeed buffers": ("FSDP2 buffers", f"{size(plan.buffers)} per rank at peak (forward and backward "
-                                               f"{size(plan.reduce_buffers)}: the {compute} parameters of "
-                                               f"{gathered} gathered, {size(plan.gathered)}, their all-gather "
-                                               "buffers, unsharded gradients and fp32 reduce-scatter inputs; "
-                                               f"optimizer step {size(plan.step_buffers)})"),
-    }
-    return [own.get(label, (label, text)) for label, text in rows]

@@ -10,18 +10,18 @@ import pytest
 
 from hpc_train.config.job import JobConfig
 from hpc_train.config.loader import build
-from hpc_train.config.plan import make_plan
-from hpc_train.config.shrink import SHRUNK_NODES_ENV, ShrunkSize, plan_for_life, shrunk_plan, smaller_size
+from hpc_train.config.plan import make_plan, plan_for_life, shrunk_plan
+from hpc_train.config.shrink import SHRUNK_NODES_ENV, ShrinkRule, ShrunkSize
 from hpc_train.config.sites import load_site
 from hpc_train.errors import ConfigError
 
 
 def test_the_largest_count_left_that_keeps_the_layout_and_the_global_batch() -> None:
     # 4 nodes x 2 tasks, tensor 2: data 4, micro 2, accumulation 1, global 8.
-    assert smaller_size(2, 2, 8, 2, 3) == ShrunkSize(2, 4, 2, 2)  # data 3 does not divide 8: one node waits
-    assert smaller_size(2, 2, 8, 2, 1) == ShrunkSize(1, 2, 1, 4)
-    assert smaller_size(4, 2, 8, 1, 3) is None  # 1-3 ranks cannot hold tensor x pipeline = 4
-    assert smaller_size(1, 4, 12, 1, 2) == ShrunkSize(1, 1, 1, 3)  # data 2 would need 12 / (4 x 2) steps: 1 node
+    assert ShrinkRule(2, 2, 8, 2).size(3) == ShrunkSize(2, 4, 2, 2)  # data 3 does not divide 8: one node waits
+    assert ShrinkRule(2, 2, 8, 2).size(1) == ShrunkSize(1, 2, 1, 4)
+    assert ShrinkRule(4, 2, 8, 1).size(3) is None  # 1-3 ranks cannot hold tensor x pipeline = 4
+    assert ShrinkRule(1, 4, 12, 1).size(2) == ShrunkSize(1, 1, 1, 3)  # data 2 would need 12 / (4 x 2) steps: 1 node
 
 
 def test_a_rank_of_the_smaller_life_plans_the_same_global_batch_with_more_accumulation(tmp_path: Path) -> None:
@@ -29,6 +29,7 @@ def test_a_rank_of_the_smaller_life_plans_the_same_global_batch_with_more_accumu
                             "retry": {"shrink": True}})
     plan = make_plan(cfg, load_site("local-slurm"), "slurm", cwd=tmp_path)
     assert (plan.layout.world, plan.layout.data, plan.layout.grad_accum, plan.layout.global_batch) == (4, 4, 1, 8)
+    assert plan.shrink_rule == ShrinkRule(1, 2, 8, 2)  # what the agents and each rank of a smaller life ask
     small = plan_for_life(plan, {SHRUNK_NODES_ENV: "1"})
     assert (small.layout.world, small.layout.data, small.layout.grad_accum) == (2, 2, 2)
     assert small.layout.global_batch == 8 and small.config.train.grad_accum == 2

@@ -34,7 +34,8 @@ from typing import Any
 
 import pytest
 
-from hpc_train.train.memory import MemoryPlan, Param, fsdp2_memory_plan, memory_plan, memory_rows, stage_parameters
+from hpc_train.train.memory import MemoryPlan, Param, fsdp2_memory_plan, memory_plan, stage_parameters
+from hpc_train.train.memory_rows import memory_rows
 from tests.conftest import REPO
 from tests.distributed.multiproc import run_workers
 
