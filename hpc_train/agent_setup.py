@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from hpc_train.backends import backend_of
 from hpc_train.config.shrink import ShrinkRule
 from hpc_train.run.assignment import node_of
 from hpc_train.run.in_place import IN_PLACE_LEFT_ENV
@@ -59,9 +60,7 @@ def agent_setup(run_dir: Path, env: dict[str, str] | None = None) -> AgentSetup 
     (the local executor, torchrun or mpirun, ``retry.in_place = 0``, or a step or run folder that the rank itself
     must refuse: it then runs alone in this process and says what is wrong)."""
     env = dict(os.environ) if env is None else env
-    if IN_PLACE_LEFT_ENV in env or not env.get("SLURM_JOB_ID") or "SLURM_STEP_ID" not in env:
-        return None
-    if env.get("SUBMITIT_EXECUTOR") == "local":
+    if IN_PLACE_LEFT_ENV in env or not backend_of(env).on_slurm or "SLURM_STEP_ID" not in env:
         return None
     try:
         from hpc_train.config.plan import Plan

@@ -20,6 +20,7 @@ import traceback
 from pathlib import Path
 from typing import Any, NoReturn
 
+from hpc_train.backends import backend_of
 from hpc_train.config.plan import Plan, plan_for_life
 from hpc_train.errors import ConfigError
 from hpc_train.run.error_log import CONSEQUENCES, ERROR_LOG_ENV, ERRORS, append_error, error_log_ranks
@@ -80,7 +81,7 @@ def _run_rank(run_dir: Path, plan: Plan, watch: PreemptionWatch | None) -> dict[
 
     info = detect_launch(expected_world=plan.layout.world)
     logger = _rank_logger(run_dir, info.rank, ranks_per_log(info.rank, info.local_rank, plan.resources.tasks_per_node))
-    on_slurm = bool(os.environ.get("SLURM_JOB_ID")) and os.environ.get("SUBMITIT_EXECUTOR") != "local"
+    on_slurm = backend_of(os.environ).on_slurm
     program = plan.config.job.program
     looks_back = on_slurm and program != "smoke" and not info.in_place  # in place: the agent looked at a restart
     _clear_own_records(run_dir, info.rank, keep_error=looks_back and info.restart > 0)

@@ -8,6 +8,7 @@ import os
 import sys
 from pathlib import Path
 
+from hpc_train.backends import executor_backend
 from hpc_train.cli.common import (
     ArgumentParser,
     add_plan_arguments,
@@ -97,9 +98,9 @@ def run_submit(args: argparse.Namespace) -> int:
     from hpc_train.slurm.jobstate import check_slurm_available
 
     executor = plans[0].executor
-    if executor == "slurm" and not args.no_follow:
+    if executor_backend(executor).on_slurm and not args.no_follow:
         check_slurm_available()
-    if executor == "slurm":
+    if executor_backend(executor).on_slurm:
         _refuse_busy_run_folders(plans)
     console = Console(stderr=args.json, soft_wrap=True)  # job output lines are never re-wrapped
     os.umask(0o077)  # submitit's folder and the ranks' files stay private
@@ -127,13 +128,14 @@ def run_submit(args: argparse.Namespace) -> int:
     followed = [FollowedJob(job, Path(run_dir), label=Path(run_dir).name, requeue=plan.requeue, log_offset=offset,
                             tasks_per_node=plan.resources.tasks_per_node)
                 for job, run_dir, plan, offset in zip(jobs, run_dirs, plans, offsets, strict=True)]
+    on_slurm = executor_backend(executor).on_slurm
     try:
         # Local jobs cost nothing to poll: back off to 1 s at most, so a laptop run ends when its ranks do.
-        return follow(followed, executor, console, max_poll_s=1.0 if executor == "local" else 5.0)
+        return follow(followed, executor, console, max_poll_s=5.0 if on_slurm else 1.0)
     except KeyboardInterrupt:
         ids = ",".join(job.job_id for job in followed)
         console.print(f"stopped following; job {ids} " + ("keeps running: 'scancel " + ids + "' stops it"
-                                                          if executor == "slurm" else "was stopped with it"))
+                                                          if on_slurm else "was stopped with it"))
         return 130
 
 

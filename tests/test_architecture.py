@@ -1,6 +1,6 @@
 """The house rules of docs/architecture.md, read from the source with ``ast``: no import circle between hpc_train
-modules (imports inside functions and under ``if TYPE_CHECKING`` count), login-node rooms never reach torch, deepspeed or numpy, and every file
-and function stays small enough to read."""
+modules (imports inside functions and under ``if TYPE_CHECKING`` count), login-node rooms never reach torch,
+deepspeed or numpy, and every file and function stays small enough to read."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ HEAVY = ("torch", "deepspeed", "numpy", "mpi4py")
 # module level, directly or through any hpc_train module they import at module level. Work that needs torch
 # imports it inside the function that runs on a rank (ckpt export, bench, the probe task).
 LOGIN_ROOMS = ("hpc_train", "hpc_train.__main__", "hpc_train.submit", "hpc_train.errors", "hpc_train.resources",
+               "hpc_train.backends",
                "hpc_train.config", "hpc_train.run", "hpc_train.slurm", "hpc_train.cli", "hpc_train.ops",
                "hpc_train.doctor", "hpc_train.fabric", "hpc_train.ckpt.cli", "hpc_train.ckpt.manifest",
                "hpc_train.bench.cli", "hpc_train.bench.report", "hpc_train.launch", "hpc_train.agent",
@@ -168,7 +169,7 @@ def test_login_node_modules_reach_no_heavy_package() -> None:
 
 
 def test_config_imports_nothing_above_it() -> None:
-    allowed = ("hpc_train.config", "hpc_train.errors", "hpc_train.resources", "hpc_train.run",
+    allowed = ("hpc_train.config", "hpc_train.errors", "hpc_train.resources", "hpc_train.run", "hpc_train.backends",
                "hpc_train.distributed.topology", "hpc_train.distributed.hostlist", "hpc_train.terminal")
     offenders = {name: sorted(t for t in m.anywhere if not t.startswith(allowed) and t != "hpc_train")
                  for name, m in import_graph().items() if name.startswith("hpc_train.config")}
@@ -181,6 +182,7 @@ def test_config_imports_nothing_above_it() -> None:
 ROOMS = {  # room: module prefixes, longest match wins
     "base": ("hpc_train", "hpc_train.errors", "hpc_train.resources"),
     "run": ("hpc_train.run",),
+    "backends": ("hpc_train.backends",),
     "control": ("hpc_train.control",),
     "pure": ("hpc_train.distributed.hostlist", "hpc_train.distributed.topology", "hpc_train.terminal"),
     "fabric": ("hpc_train.fabric",),
@@ -200,11 +202,12 @@ ROOMS = {  # room: module prefixes, longest match wins
     "bench": ("hpc_train.bench",),
     "integrations": ("hpc_train.integrations",),
 }
-_LOW = {"base", "run", "pure", "fabric", "control"}
+_LOW = {"base", "run", "pure", "fabric", "control", "backends"}
 ALLOWED = {
     "base": {"program"},  # hpc_train.context(), inside the function: import hpc_train stays light
     "pure": {"base"}, "fabric": {"base"}, "run": {"base", "pure", "control"}, "control": set(),
-    "config": {"base", "run", "pure"},
+    "backends": {"base", "pure", "run"},  # where the job runs: its identity and its requeue
+    "config": {"base", "run", "pure", "backends"},
     "ops": _LOW | {"config"},
     "slurm": _LOW | {"config", "launch"},  # launch: the callable submitit pickles (RankEntry)
     "doctor": _LOW | {"config"},

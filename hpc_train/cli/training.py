@@ -142,7 +142,7 @@ def _precision(plan: Plan) -> dict[str, Any]:
     preset = MODEL_PRESETS.get(plan.config.train.model)
     hidden = preset["hidden"] if preset else None
     gpus = plan.resources.gpus_per_node > 0
-    if plan.executor == "local" and not gpus:
+    if not plan.backend.on_slurm and not gpus:
         planned, why = decide_precision("auto", cuda=False, cuda_bf16=False, cpuinfo=read_cpuinfo(), hidden=hidden)
         return {"requested": "auto", "planned": planned, "why": f"this machine: {why}"}
     if gpus:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hpc_train.backends import Backend, executor_backend
 from hpc_train.config.checks import check_path, parse_time_seconds
 from hpc_train.config.deepspeed import deepspeed_config
 from hpc_train.config.ds_import import Imported, import_deepspeed_config, imported_for, merge_imported, named_in_file
@@ -108,6 +109,12 @@ class Plan:
         that node's ranks inside the job (``retry.in_place``, spares, ``retry.shrink``), rather than one task per
         rank: the step then has one task per node with the node's CPUs."""
         return self.config.retry.in_place > 0 and self.config.job.program != "smoke"
+
+    @property
+    def backend(self) -> type[Backend]:
+        """The backend ``executor`` names (:mod:`hpc_train.backends`): what differs between Slurm and the local
+        executor is asked of it, never of the name."""
+        return executor_backend(self.executor)
 
     @property
     def survives_lost_node(self) -> bool:
@@ -277,13 +284,13 @@ def _make_plan(cfg: JobConfig, site: SiteConfig, executor: str, *, python: str |
     node_cpus = site.node.cpus or os.cpu_count() or 1
     cpus = job.cpus_per_task if job.cpus_per_task is not None else max(1, node_cpus // max(1, job.tasks_per_node))
     lead = cfg.preempt.lead_seconds or site.preempt.lead_seconds
-    if executor == "slurm" and not site.slurm.enabled:
+    if executor_backend(executor).on_slurm and not site.slurm.enabled:
         raise ConfigError("--executor", f"slurm, but site {site.name} has no Slurm ([slurm] enabled = false)",
                           "use --executor local, or a Slurm site")
-    if job.spare_nodes and executor != "slurm":
+    if job.spare_nodes and not executor_backend(executor).on_slurm:
         raise ConfigError("job.spare_nodes", f"{job.spare_nodes} spare node(s) need Slurm; the {executor} executor "
                           "runs every rank on this machine", "remove job.spare_nodes, or submit to a Slurm site")
-    if cfg.retry.shrink and executor != "slurm":
+    if cfg.retry.shrink and not executor_backend(executor).on_slurm:
         raise ConfigError("retry.shrink", f"goes on without a lost node, and the {executor} executor runs every "
                           "rank on this machine", "remove retry.shrink, or submit to a Slurm site")
     data_parallel = validate(cfg, site, gpus, cpus, lead)

@@ -22,13 +22,13 @@ from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from pathlib import Path
 
+from hpc_train.backends import SlurmBackend
 from hpc_train.distributed.hostlist import expand
 from hpc_train.ops.classify import Classification, classify, is_hardware_fault
 from hpc_train.ops.evidence import Evidence, RankReport, collect_evidence
 from hpc_train.ops.policy import RetryPolicy, decide
 from hpc_train.ops.scheduler import SlurmRecord, parse_sacct, sacct_argv
 from hpc_train.run.attempts import AttemptLog
-from hpc_train.run.chain import REQUEUE_ENV, submit_successor
 from hpc_train.run.exclusions import add_exclusions, exclude_expression, read_exclusions
 from hpc_train.run.jobid import scontrol_job_id
 from hpc_train.run.paths import HEARTBEAT_DIR, recovery_claim_path
@@ -60,8 +60,6 @@ def _run(run: Runner, argv: list[str]) -> str | None:
         result = run(argv, capture_output=True, text=True, timeout=30, check=False)
     except (OSError, subprocess.TimeoutExpired):
         return None
-    if result.returncode < 0 and argv[1:2] == ["requeue"]:
-        return ""  # killed by the requeue it asked for: scontrol runs inside the job's step, which Slurm cancels
     return result.stdout if result.returncode == 0 else None
 
 
@@ -117,24 +115,13 @@ def _exclude_on_job(job_id: str, expression: str, run: Runner, attempts: int = 1
     return False
 
 
-def _chained() -> bool:
-    """Whether the site forbids requeue, so the next attempt is a new job after this one (``[slurm] requeue =
-    "dependency"``, :mod:`hpc_train.run.chain`)."""
-    return os.environ.get(REQUEUE_ENV) == "dependency"
-
-
 def _next_attempt(run_dir: Path, job_id: str, run: Runner) -> tuple[bool, str]:
-    """Ask Slurm for the next attempt: ``scontrol requeue``, or where requeue is forbidden the next job of the
-    chain (its ``--exclude`` the run's excluded nodes). (whether it was done, what was done or why not)."""
-    if not _chained():
-        if _run(run, ["scontrol", "requeue", scontrol_job_id(os.environ, job_id)]) is None:
-            return False, f"scontrol requeue {job_id} failed"
-        return True, "requeued"
-    if os.environ.get("SLURM_ARRAY_TASK_ID"):
-        return False, "a sweep's array task cannot go on as a new job ([slurm] requeue = \"dependency\")"
-    successor, said = submit_successor(run_dir, job_id, os.environ, run,
-                                       exclude=exclude_expression(read_exclusions(run_dir)))
-    return successor is not None, said
+    """Ask Slurm for the next attempt through the job's backend (:class:`hpc_train.backends.SlurmBackend`):
+    ``scontrol requeue``, or where requeue is forbidden the next job of the chain (its ``--exclude`` the run's
+    excluded nodes). (whether it was done, what was done or why not)."""
+    backend = SlurmBackend(os.environ, job_id)
+    done = backend.requeue(backend.next_attempt(), run_dir, run)
+    return done.action != "none", "requeued" if done.action == "scontrol" else done.reason
 
 
 def _requeue_avoiding(run_dir: Path, job_id: str, allocation: list[str], log: Callable[[str], None],
@@ -148,7 +135,7 @@ def _requeue_avoiding(run_dir: Path, job_id: str, allocation: list[str], log: Ca
     done, said = _next_attempt(run_dir, job_id, run)
     if not done:
         return Recovery("stop", f"this attempt runs on excluded node(s) {', '.join(bad)} and {said}")
-    if _chained():
+    if SlurmBackend(os.environ).chained:
         log(f"recovery: this attempt landed on excluded node(s) {', '.join(bad)}: {said}")
         return Recovery("requeue", f"landed on excluded node(s) {', '.join(bad)}: {said}")
     expression = exclude_expression(excluded)
@@ -263,5 +250,6 @@ def requeue_after_error(run_dir: Path, job_id: str, restart: int, rank: int, hos
         done, said = _next_attempt(run_dir, job_id, run)
         if not done:
             return Recovery("stop", f"{recovery.message}; {said}", "infrastructure")
-        recovery = Recovery("requeue", recovery.message + (f"; {said}" if _chained() else ""), "infrastructure")
+        chained = SlurmBackend(os.environ).chained
+        recovery = Recovery("requeue", recovery.message + (f"; {said}" if chained else ""), "infrastructure")
     return recovery

@@ -12,24 +12,18 @@ Slurm decides. A force-exit timer ends a save that hangs before Slurm's SIGKILL 
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
-from hpc_train.run.chain import REQUEUE_ENV, submit_successor
-from hpc_train.run.exclusions import exclude_expression, read_exclusions
-from hpc_train.run.exit_codes import EXIT_SAVE_HUNG, EXIT_STOPPED, LOCAL_REQUEUE_EXIT
-from hpc_train.run.jobid import scontrol_job_id
+from hpc_train.backends import Requeue, Runner, backend_of
+from hpc_train.run.exit_codes import EXIT_SAVE_HUNG, EXIT_STOPPED
 
 __all__ = ["PreemptionWatch", "Requeue", "arm_force_exit", "decide_requeue", "perform_requeue"]
-
-LOCAL_MAX_RESTARTS = 5  # ... at most this often (its controller's max_retry is 6 starts)
-
 
 class PreemptionWatch:
     """Records the first of ``signal_names`` (and SIGTERM) that arrives; :meth:`agreed` tells every rank whether
@@ -106,20 +100,10 @@ def arm_force_exit(seconds: float, log: Callable[[str], None]) -> threading.Time
     return timer
 
 
-@dataclass(frozen=True)
-class Requeue:
-    """What rank 0 does after the save: ``scontrol``, ``local`` (submitit's local executor) or ``none``; the exit
-    status every rank leaves with, and why."""
-
-    action: str
-    exit_code: int
-    reason: str
-
-
-def decide_requeue(env: dict[str, str], enabled: bool, max_requeues: int, requeued_before: int,
+def decide_requeue(env: Mapping[str, str], enabled: bool, max_requeues: int, requeued_before: int,
                    requeue_signal: bool = True) -> Requeue:
     """Requeue when the signal was the site's preemption signal (not SIGTERM), the config allows it, this job has
-    requeues left, and something can requeue it.
+    requeues left, and its backend (:mod:`hpc_train.backends`) can start it again.
 
     SIGTERM means Slurm is ending the job itself: ``scancel`` (which a requeue would undo: ``scontrol requeue``
     also takes back cancelled jobs), ``scontrol requeue`` from outside, or a preemption that requeues the job
@@ -129,53 +113,15 @@ def decide_requeue(env: dict[str, str], enabled: bool, max_requeues: int, requeu
                                              "preempted by Slurm itself, which then requeues it)")
     if not enabled:
         return Requeue("none", EXIT_STOPPED, "preempt.requeue is false")
-    local = env.get("SUBMITIT_EXECUTOR") == "local"
-    limit = min(max_requeues, LOCAL_MAX_RESTARTS) if local else max_requeues
+    backend = backend_of(env)
+    limit, why = backend.restart_limit(max_requeues)
     if requeued_before >= limit:
-        why = f"preempt.max_requeues = {max_requeues}" if limit == max_requeues else \
-            f"submitit's local executor restarts a job at most {LOCAL_MAX_RESTARTS} times"
         return Requeue("none", EXIT_STOPPED, f"this job has requeued {requeued_before} times, {why}; "
                                              "resubmit to go on")
-    if local:
-        return Requeue("local", LOCAL_REQUEUE_EXIT, "submitit's local executor restarts the tasks")
-    if env.get("SLURM_JOB_ID") and env.get(REQUEUE_ENV) == "dependency":
-        if env.get("SLURM_ARRAY_TASK_ID"):
-            return Requeue("none", EXIT_STOPPED, "a sweep's array task cannot go on as a new job ([slurm] requeue "
-                                                 "= \"dependency\"); submit the sweep again to resume")
-        return Requeue("dependency", 0, "a new job after this one ([slurm] requeue = \"dependency\")")
-    if env.get("SLURM_JOB_ID"):
-        return Requeue("scontrol", 0, f"scontrol requeue {scontrol_job_id(env)}")
-    return Requeue("none", EXIT_STOPPED, "not under Slurm or submitit; run the same command again to resume")
+    return backend.next_attempt()
 
 
-def perform_requeue(decision: Requeue, env: dict[str, str],
-                    run: Callable[..., subprocess.CompletedProcess[str]] = subprocess.run,
-                    run_dir: Any = None) -> Requeue:
-    """Carry out a ``scontrol`` requeue, or submit the next job of a dependency chain into ``run_dir`` (the
-    others need nothing here); a failure becomes ``none`` with why."""
-    if decision.action == "dependency":
-        if run_dir is None:
-            return Requeue("none", EXIT_STOPPED, "no run folder to chain the next job into; resubmit to resume")
-        job_id = env.get("SLURM_JOB_ID", "")
-        exclude = exclude_expression(read_exclusions(run_dir))
-        successor, said = submit_successor(run_dir, job_id, env, run, exclude=exclude)
-        return Requeue("dependency", decision.exit_code, said) if successor else Requeue("none", EXIT_STOPPED, said)
-    if decision.action != "scontrol":
-        return decision
-    scontrol = shutil.which("scontrol")
-    if scontrol is None:
-        return Requeue("none", EXIT_STOPPED, "scontrol is not on PATH on the node, so the job cannot requeue "
-                                             "itself; resubmit to resume")
-    job_id = scontrol_job_id(env)
-    try:
-        result = run([scontrol, "requeue", job_id], capture_output=True, text=True, timeout=60, check=False)
-    except subprocess.TimeoutExpired:
-        return Requeue("none", EXIT_STOPPED, f"scontrol requeue {job_id} did not answer within 60 s")
-    if result.returncode < 0:
-        # scontrol runs inside the job's step, so the requeue it asked for ends it too: killed by a signal with
-        # nothing said means Slurm is requeuing (seen under load: "STEP CANCELLED DUE TO JOB REQUEUE").
-        return decision
-    if result.returncode != 0:
-        detail = (result.stderr or result.stdout).strip().splitlines()
-        return Requeue("none", EXIT_STOPPED, f"scontrol requeue {job_id} failed: {detail[-1] if detail else ''}")
-    return decision
+def perform_requeue(decision: Requeue, env: Mapping[str, str], run: Runner = subprocess.run,
+                    run_dir: Path | None = None) -> Requeue:
+    """Carry out ``decision`` through this process's backend; a failure becomes ``none`` with why."""
+    return backend_of(env).requeue(decision, run_dir, run)

@@ -13,6 +13,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from hpc_train.backends import LocalBackend, SlurmBackend, executor_backend
 from hpc_train.config.plan import Plan
 from hpc_train.errors import ConfigError
 from hpc_train.run.folder import private_folder
@@ -27,8 +28,8 @@ def resolve_executor(requested: str, slurm_enabled: bool) -> str:
     job (maybe 32 GPU ranks) is never quietly started as local processes instead."""
     has_sbatch = shutil.which("sbatch") is not None
     if requested == "auto":
-        requested = "slurm" if slurm_enabled else "local"
-    if requested == "slurm" and not has_sbatch:
+        requested = (SlurmBackend if slurm_enabled else LocalBackend).executor
+    if executor_backend(requested).on_slurm and not has_sbatch:
         raise ConfigError("--executor", "slurm, but sbatch is not on PATH (is this a login node?)",
                           "run on a Slurm login node, or use --executor local")
     return requested
@@ -66,17 +67,17 @@ def _setup_lines(plan: Plan) -> list[str]:
 
 def submitit_parameters(plan: Plan) -> dict[str, Any]:
     """The keyword arguments for ``executor.update_parameters``."""
-    if plan.executor == "slurm" and plan.container["runtime"] == "apptainer":
+    if plan.backend.on_slurm and plan.container["runtime"] == "apptainer":
         raise ConfigError("--executor", "submitit cannot start ranks inside apptainer on this site",
                           "render the script (python -m hpc_train render) and submit it with sbatch")
     res = plan.resources
-    if plan.executor == "slurm" and plan.survives_lost_node:
+    if plan.backend.on_slurm and plan.survives_lost_node:
         key = "job.spare_nodes" if res.spare_nodes else "retry.shrink"
         raise ConfigError(key, "submitit's job would end FAILED whenever a node is lost, even when the run went on "
                           "without it and completed", "render the srun template and submit it: "
                           "python -m hpc_train render CONFIG --template srun --out job.sbatch; sbatch job.sbatch")
     minutes = max(1, math.ceil(res.time_seconds / 60))
-    if plan.executor == "local":
+    if not plan.backend.on_slurm:
         params: dict[str, Any] = {"tasks_per_node": plan.layout.world, "timeout_min": minutes,
                                   "signal_delay_s": plan.lead_seconds}
         if res.gpus_per_node:
@@ -133,7 +134,7 @@ def _submit(plans: list[Plan]) -> list[Any]:
     folder = submitit_folder(plans)
     private_folder(folder)  # it holds the pickles every rank unpickles
     executor: Any
-    if first.executor == "local":
+    if not first.backend.on_slurm:
         executor = submitit.LocalExecutor(folder=folder, max_num_timeout=first.max_requeues)
         # The ranks must not inherit a rendezvous from this shell (it would win over ours).
         for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):

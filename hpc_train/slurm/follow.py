@@ -21,6 +21,7 @@ from typing import Any
 from rich.console import Console
 from rich.markup import escape
 
+from hpc_train.backends import executor_backend
 from hpc_train.run.attempts import Attempt, AttemptLog
 from hpc_train.run.chain import successor_of
 from hpc_train.run.error_log import error_logs, read_error_log
@@ -190,7 +191,7 @@ class FollowedJob:
 
 def _poll(jobs: list[FollowedJob], executor: str) -> None:
     """Update every job's state: one sacct call for all Slurm jobs; local jobs ask their processes."""
-    if executor == "slurm":
+    if executor_backend(executor).on_slurm:
         states = query_states([job.job_id for job in jobs if not job.done])
         for job in jobs:
             if job.job_id in states:
