@@ -21,7 +21,7 @@ HEAVY = ("torch", "deepspeed", "numpy", "mpi4py")
 # module level, directly or through any hpc_train module they import at module level. Work that needs torch
 # imports it inside the function that runs on a rank (ckpt export, bench, the probe task).
 LOGIN_ROOMS = ("hpc_train", "hpc_train.__main__", "hpc_train.submit", "hpc_train.errors", "hpc_train.resources",
-               "hpc_train.backends",
+               "hpc_train.backends", "hpc_train.ckpt.names",
                "hpc_train.config", "hpc_train.run", "hpc_train.slurm", "hpc_train.cli", "hpc_train.ops",
                "hpc_train.doctor", "hpc_train.fabric", "hpc_train.ckpt.cli", "hpc_train.ckpt.manifest",
                "hpc_train.bench.cli", "hpc_train.bench.report", "hpc_train.launch", "hpc_train.agent",
@@ -208,7 +208,7 @@ ALLOWED = {
     "pure": {"base"}, "fabric": {"base"}, "run": {"base", "pure", "control"}, "control": set(),
     "backends": {"base", "pure", "run"},  # where the job runs: its identity and its requeue
     "config": {"base", "run", "pure", "backends"},
-    "ops": _LOW | {"config"},
+    "ops": _LOW | {"config", "ckpt"},  # ckpt: the checkpoint folder's names (ckpt.names), no torch
     "slurm": _LOW | {"config", "launch"},  # launch: the callable submitit pickles (RankEntry)
     "doctor": _LOW | {"config"},
     "launch": _LOW | {"config", "ops", "distributed", "runtime", "train", "program"},

@@ -49,6 +49,7 @@ from typing import Any
 from hpc_train.ckpt.dcp_state import DCP_DIR, dcp_model_state
 from hpc_train.ckpt.manager import fsync_path
 from hpc_train.ckpt.manifest import Manifest
+from hpc_train.ckpt.names import DEEPSPEED_TAG
 from hpc_train.config.job import MODEL_PRESETS
 from hpc_train.errors import ConfigError
 from hpc_train.run.files import MAX_RECORD_FILE, open_record
@@ -76,7 +77,6 @@ __all__ = [
     "rank_files",
 ]
 
-STATE_TAG = "state"  # DeepSpeed's tag folder inside a step folder (hpc_train.train.checkpointing.TAG)
 FORMATS = ("safetensors", "pt", "hf")
 DTYPES = ("fp32", "bf16")
 _LAYER_FILE = re.compile(r"^layer_([0-9]{2,})-(?:model_([0-9]{2,})-)?model_states\.pt$")
@@ -189,7 +189,7 @@ def _rank_view(files: list[Path]) -> Iterator[Path]:
     """A private temporary tag folder holding links to ``files`` only: one tensor rank's checkpoint, as DeepSpeed's
     consolidation reads it (it globs every ``*_optim_states.pt`` of the folder)."""
     with tempfile.TemporaryDirectory(prefix="hpc_train-export-") as tmp:  # mode 0700
-        view = Path(tmp) / STATE_TAG
+        view = Path(tmp) / DEEPSPEED_TAG
         view.mkdir(mode=0o700)
         for path in files:
             os.symlink(path.resolve(), view / path.name)
@@ -243,7 +243,7 @@ def _renamed(state: dict[str, Any], folder: Path) -> dict[str, Any]:
         return state
     from hpc_train.train.models import GPT_SPEC
 
-    blocks = len(_layer_files(folder / STATE_TAG, 0)) - 2
+    blocks = len(_layer_files(folder / DEEPSPEED_TAG, 0)) - 2
     return {GPT_SPEC.parameter_name(name, blocks): tensor for name, tensor in state.items()}
 
 
@@ -295,7 +295,7 @@ def _load_fp32(folder: Path, manifest: Manifest) -> dict[str, Any]:
     """The consolidated state as fresh contiguous tensors, floating point ones in fp32, integer buffers (a batch
     norm's count) as they are, so that ``load_state_dict(strict=True)`` finds every key (no views into
     DeepSpeed's flat buffers, which torch.save would otherwise write whole)."""
-    state_dir, tensor, loader = folder / STATE_TAG, manifest.layout["tensor"], _loader(manifest)
+    state_dir, tensor, loader = folder / DEEPSPEED_TAG, manifest.layout["tensor"], _loader(manifest)
     try:
         with _quiet():
             if (folder / DCP_DIR).is_dir():  # an FSDP2 run: DCP's shards, whole again without a process group

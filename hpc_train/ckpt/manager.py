@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import shutil
 import stat
 import threading
@@ -33,6 +32,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from hpc_train.ckpt.manifest import MANIFEST_NAME, FileEntry, Manifest, sha256_file
+from hpc_train.ckpt.names import LATEST_NAME, STEP_FOLDER, TMP_FOLDER, TRASH_FOLDER, step_folder_name
 from hpc_train.errors import ConfigError
 from hpc_train.run.files import atomic_write, open_record, refuse_shared_writable
 
@@ -42,10 +42,6 @@ __all__ = ["LATEST_NAME", "CheckpointError", "CheckpointInfo", "CheckpointManage
 log = logging.getLogger(__name__)
 
 VerifyLevel = Literal["size", "sha256"]
-LATEST_NAME = "latest"
-_STEP = re.compile(r"^step-([0-9]{8,})$")
-_TMP = re.compile(r"^\.tmp-step-([0-9]{8,})-([0-9]+)$")
-_TRASH = re.compile(r"^\.trash-step-([0-9]{8,})-([0-9]+)$")
 
 
 class CheckpointError(RuntimeError):
@@ -65,10 +61,6 @@ class CheckpointInfo:
     @property
     def verified(self) -> bool:
         return self.error is None
-
-
-def step_folder_name(step: int) -> str:
-    return f"step-{step:08d}"
 
 
 def fsync_path(path: Path) -> None:
@@ -193,7 +185,7 @@ def _read_manifest_text(path: Path) -> str:
 
 def inspect_checkpoint(folder: Path, level: VerifyLevel = "size") -> tuple[Manifest | None, str | None]:
     """Return ``(manifest or None, problem or None)`` for one step folder; never raises for a bad folder."""
-    match = _STEP.match(folder.name)
+    match = STEP_FOLDER.match(folder.name)
     try:
         info = folder.lstat()
     except OSError as error:
@@ -395,7 +387,7 @@ class CheckpointManager:
             return None
         except (OSError, UnicodeDecodeError):
             text = None
-        match = _STEP.match(text) if text else None
+        match = STEP_FOLDER.match(text) if text else None
         target = self.root / match.group(0) if match else None
         if match is None or target is None or not _is_real_dir(target):
             if warn:
@@ -407,7 +399,7 @@ class CheckpointManager:
     def _step_folders(self) -> list[tuple[int, Path]]:
         found = []
         for entry in os.scandir(self.root):
-            match = _STEP.match(entry.name)
+            match = STEP_FOLDER.match(entry.name)
             if match and entry.is_dir(follow_symlinks=False):
                 found.append((int(match.group(1)), Path(entry.path)))
         return sorted(found)
@@ -436,7 +428,7 @@ class CheckpointManager:
 
     def _own_tmp(self, tmp: Path) -> tuple[Path, int]:
         tmp = Path(tmp)
-        match = _TMP.match(tmp.name)
+        match = TMP_FOLDER.match(tmp.name)
         if match is None or tmp.parent.resolve() != self.root.resolve() or tmp.is_symlink() or not tmp.is_dir():
             raise CheckpointError(f"{tmp}: not a temporary folder made by begin() in {self.root}")
         return self.root / tmp.name, int(match.group(1))
@@ -445,7 +437,7 @@ class CheckpointManager:
         """Remove ``.tmp-*`` (crashed writers) and ``.trash-*`` (crashed deletes) folders owned by this user."""
         uid = os.getuid()
         for entry in os.scandir(self.root):
-            if not (_TMP.match(entry.name) or _TRASH.match(entry.name)):
+            if not (TMP_FOLDER.match(entry.name) or TRASH_FOLDER.match(entry.name)):
                 continue
             info = entry.stat(follow_symlinks=False)
             if stat.S_ISDIR(info.st_mode) and info.st_uid == uid:

@@ -5,11 +5,11 @@ range: a 400-digit step or a time of 1e308 is damage, never an OverflowError in 
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hpc_train.ckpt.names import LATEST_NAME, step_of
 from hpc_train.run.files import open_record, parse_json, time_value
 from hpc_train.run.paths import CHECKPOINTS_DIR
 
@@ -57,12 +57,11 @@ def _step(record: dict[str, Any]) -> int | None:
 
 def checkpoint_state(path: Path) -> CheckpointState | None:
     """``checkpoints/latest``: never through a link (``checkpoints/`` itself a link is another place's)."""
-    latest = path / CHECKPOINTS_DIR / "latest"
+    latest = path / CHECKPOINTS_DIR / LATEST_NAME
     try:
         with open_record(latest) as handle:
             name = handle.read(256).decode("utf-8", errors="replace").strip()
             moment = time_value(os.fstat(handle.fileno()).st_mtime)
     except OSError:
         return None
-    m = re.fullmatch(r"step-([0-9]{1,30})", name)
-    return CheckpointState(name, int(m[1]) if m else None, moment)
+    return CheckpointState(name, step_of(name), moment)

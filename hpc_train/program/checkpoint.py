@@ -22,6 +22,7 @@ import torch.distributed as dist
 from hpc_train.ckpt import MANIFEST_NAME, CheckpointError, Manifest
 from hpc_train.ckpt.dcp_state import DCP_DIR
 from hpc_train.ckpt.manifest import FileEntry
+from hpc_train.ckpt.names import DEEPSPEED_TAG
 from hpc_train.distributed.collectives import all_gather_objects
 from hpc_train.runtime import random_state
 from hpc_train.runtime.checkpoints import CheckpointTransaction
@@ -31,7 +32,6 @@ __all__ = ["UserCheckpoint"]
 
 RANKS_DIR = "ranks"
 ENGINES_DIR = "deepspeed"
-ENGINE_TAG = "state"  # DeepSpeed's tag inside each engine's folder, as the trainer's
 
 
 def _is_engine(value: Any) -> bool:
@@ -122,7 +122,7 @@ class UserCheckpoint:
             for name in sorted(state):
                 if _is_engine(state[name]):
                     _install(state[name], self._checkpointer)
-                    state[name].save_checkpoint(str(folder / ENGINES_DIR / name), tag=ENGINE_TAG)
+                    state[name].save_checkpoint(str(folder / ENGINES_DIR / name), tag=DEEPSPEED_TAG)
             if module is not None:
                 _dcp_save(state, module, optimizers, folder, self._checkpointer.files.entries)
             held = {module, *optimizers}
@@ -153,7 +153,7 @@ class UserCheckpoint:
         for name in sorted(state):
             if _is_engine(state[name]):
                 _install(state[name], self._checkpointer)
-                state[name].load_checkpoint(str(found / ENGINES_DIR / name), tag=ENGINE_TAG)
+                state[name].load_checkpoint(str(found / ENGINES_DIR / name), tag=DEEPSPEED_TAG)
         module, optimizers = _sharded(state)
         if module is not None:
             _dcp_load(state, module, optimizers, found)

@@ -33,6 +33,7 @@ import torch
 from hpc_train.ckpt import MANIFEST_NAME, CheckpointError, CheckpointManager, Manifest
 from hpc_train.ckpt.manager import inspect_checkpoint
 from hpc_train.ckpt.manifest import FileEntry
+from hpc_train.ckpt.names import DEEPSPEED_TAG
 from hpc_train.ckpt.universal import (
     cached_copy,
     clear_cache,
@@ -48,9 +49,8 @@ from hpc_train.runtime import random_state
 from hpc_train.runtime.checkpoints import CheckpointTransaction, Refusal, broadcast
 from hpc_train.train.checkpoint_files import install_file_engine
 
-__all__ = ["TAG", "Checkpointer"]
+__all__ = ["Checkpointer"]
 
-TAG = "state"  # DeepSpeed's tag inside a checkpoint folder: the folder name already says the step
 # Rank 0 converts while the others wait in a collective: it gives up a little before they would time out.
 _CONVERT_SHARE_OF_TIMEOUT = 0.9
 _CONVERT_WORKERS = 4
@@ -91,7 +91,7 @@ def _repair_zero3_universal_load(engine: Any, copy: Path) -> None:
     from deepspeed.runtime.zero.config import ZeroStageEnum
 
     with torch.serialization.safe_globals([LossScaler, ZeroStageEnum]):
-        state = torch.load(copy / TAG / "zero" / "optimizer_state.pt", map_location="cpu", weights_only=True)
+        state = torch.load(copy / DEEPSPEED_TAG / "zero" / "optimizer_state.pt", map_location="cpu", weights_only=True)
     optimizer = engine.optimizer.optimizer
     saved, groups = state["param_groups"], optimizer.param_groups
     if len(saved) != len(groups):
@@ -126,7 +126,7 @@ class Checkpointer(CheckpointTransaction):
         def write(tmp: Path) -> None:
             # the node's ranks meet first, before any file: a rank whose write fails leaves no peer in this gather
             states = self.node_states.gather(lambda: random_state.capture(engine.device))
-            engine.save_checkpoint(str(tmp), tag=TAG, client_state={"step": step, "sampler": sampler_state})
+            engine.save_checkpoint(str(tmp), tag=DEEPSPEED_TAG, client_state={"step": step, "sampler": sampler_state})
             if states is not None:
                 self.files.save(states, tmp / "rng" / self.node_states.file_name)
 
@@ -174,7 +174,7 @@ class Checkpointer(CheckpointTransaction):
             # A universal copy has no manifest: rank 0 verified its source before converting it.
             self.files.begin_load(None if chosen.universal else sealed, entries, self.check_sha256)
             with _universal_load(engine, chosen.universal):
-                _, client = engine.load_checkpoint(chosen.load_dir, tag=TAG)
+                _, client = engine.load_checkpoint(chosen.load_dir, tag=DEEPSPEED_TAG)
             if chosen.universal:
                 _repair_zero3_universal_load(engine, Path(chosen.load_dir))
             self.files.begin_load(sealed, entries, self.check_sha256)
@@ -229,14 +229,14 @@ class Checkpointer(CheckpointTransaction):
             return _Load(str(found), str(found), universal=False)
         head = f"checkpoint {found.name} was saved by {describe_layout(manifest.layout, manifest.world_size)}"
         now = describe_layout(layout, world)
-        if not optimizer_is_partitioned(found / TAG):
+        if not optimizer_is_partitioned(found / DEEPSPEED_TAG):
             self.log(f"{head}; its optimizer state is whole (ZeRO stage 0), so it loads as it is on {now}")
             return _Load(str(found), str(found), universal=False)
-        copy = cached_copy(found, TAG)
+        copy = cached_copy(found, DEEPSPEED_TAG)
         if copy is not None:
             self.log(f"{head}; loading the universal checkpoint converted from it earlier for {now}")
         else:
             self.log(f"{head}; converting to a universal checkpoint for {now}")
-            copy, _seconds = convert_to_universal(found, TAG, timeout_s=self.convert_timeout_s,
+            copy, _seconds = convert_to_universal(found, DEEPSPEED_TAG, timeout_s=self.convert_timeout_s,
                                                   workers=min(_CONVERT_WORKERS, len(os.sched_getaffinity(0))))
         return _Load(str(found), str(copy), universal=True)
