@@ -22,7 +22,7 @@ import os, sys, time
 start = float(sys.argv[1])
 import torch, torch.distributed as dist
 if sys.argv[2] == "hpc_train":
-    from hpc_train.distributed.bootstrap import bootstrap
+    from hpc_train.rank.distributed.bootstrap import bootstrap
     bootstrap()
 else:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{os.environ['MASTER_PORT']}",

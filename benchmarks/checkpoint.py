@@ -7,8 +7,8 @@
     .venv/bin/python benchmarks/checkpoint.py --engine fsdp2 --profile               # where a save's time goes
 
 ``--ranks`` ranks on this machine (gloo), a GPT built as the trainer builds it (ZeRO-2, torch AdamW, the
-model-parallel unit) and ``hpc_train.train.checkpointing.Checkpointer``; with ``--engine fsdp2`` the FSDP2 engine and
-``hpc_train.train.checkpointing_fsdp2.Fsdp2Checkpoints`` (the shards through ``torch.distributed.checkpoint`` inside
+model-parallel unit) and ``hpc_train.checkpoint.deepspeed.Checkpointer``; with ``--engine fsdp2`` the FSDP2 engine and
+``hpc_train.checkpoint.fsdp2.Fsdp2Checkpoints`` (the shards through ``torch.distributed.checkpoint`` inside
 the same transaction; a DCP file ``__R_N.distcp`` counts as rank R's, ``.metadata`` as rank 0's). After one
 untimed save:
 
@@ -61,7 +61,7 @@ CHUNK = 8 << 20
 # ----- the ranks -----
 
 def _job_config(args: dict[str, Any], async_save: bool) -> Any:
-    """The quick-start job with this benchmark's sizes, resolved as ``hpc_train.submit`` resolves it."""
+    """The quick-start job with this benchmark's sizes, resolved as ``hpc_train.login.submit`` resolves it."""
     from hpc_train.config.job import JobConfig
     from hpc_train.config.loader import build, load_toml
     from hpc_train.config.overrides import apply_overrides
@@ -79,7 +79,7 @@ def _timed_together(action: Callable[[], Any]) -> float:
     """Seconds from a common barrier until the last rank finished ``action``."""
     import torch.distributed as dist
 
-    from hpc_train.distributed.collectives import all_reduce_values
+    from hpc_train.rank.distributed.collectives import all_reduce_values
 
     dist.barrier()
     start = time.perf_counter()
@@ -164,8 +164,8 @@ def _my_sizes(checkpointer: Any, step: int) -> list[int]:
     nobody wrote through the writer, DCP's ``.metadata`` among them), from the committed manifest."""
     import torch.distributed as dist
 
-    from hpc_train.ckpt import Manifest
-    from hpc_train.distributed.collectives import all_gather_objects, broadcast_object
+    from hpc_train.checkpoint import Manifest
+    from hpc_train.rank.distributed.collectives import all_gather_objects, broadcast_object
 
     rank = dist.get_rank()
     manifest = None
@@ -207,10 +207,10 @@ def worker(args: dict[str, Any]) -> None:
     import torch
     import torch.distributed as dist
 
-    from hpc_train.distributed.mesh import ModelParallelUnit, ParallelGroups
-    from hpc_train.distributed.topology import Topology
-    from hpc_train.train.data import ResumableSampler, SyntheticTokens, batch
-    from hpc_train.train.model import GPT, GPTConfig, count_parameters
+    from hpc_train.common.topology import Topology
+    from hpc_train.rank.distributed.mesh import ModelParallelUnit, ParallelGroups
+    from hpc_train.rank.train.data import ResumableSampler, SyntheticTokens, batch
+    from hpc_train.rank.train.model import GPT, GPTConfig, count_parameters
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -221,13 +221,13 @@ def worker(args: dict[str, Any]) -> None:
     model = GPT(shape, groups.group("tp"), seed=1234)
     layout = SimpleNamespace(world=world, tensor=1, pipeline=1, data=world, context=1)
     if args["engine"] == "fsdp2":
-        from hpc_train.train.checkpointing_fsdp2 import Fsdp2Checkpoints as Checkpoints
-        from hpc_train.train.engine_fsdp2 import Fsdp2Engine
+        from hpc_train.checkpoint.fsdp2 import Fsdp2Checkpoints as Checkpoints
+        from hpc_train.rank.train.engine_fsdp2 import Fsdp2Engine
 
         engine = Fsdp2Engine(model, SimpleNamespace(config=config), groups, torch.device("cpu"))
     else:
-        from hpc_train.train.checkpointing import Checkpointer as Checkpoints
-        from hpc_train.train.engine import build_engine
+        from hpc_train.checkpoint.deepspeed import Checkpointer as Checkpoints
+        from hpc_train.rank.train.engine import build_engine
 
         engine = build_engine(model, config, world, ModelParallelUnit(groups), run_dir, int(os.environ["LOCAL_RANK"]))
     sync = Checkpoints(run_dir, config, layout, "benchmark")

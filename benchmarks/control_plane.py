@@ -157,7 +157,7 @@ def build_run_folder(run_dir: Path, world: int, node_records: bool = True) -> No
     """A run of ``world`` ranks whose attempt 1 ended with every rank's error record: in its node's error log,
     as the ranks below a node's agent write them (``retry.in_place``, the default), or with ``node_records``
     False one file per rank, as ranks without an agent do."""
-    from hpc_train.launch import _record_failure
+    from hpc_train.rank.entry import _record_failure
     from hpc_train.run.attempts import AttemptLog
     from hpc_train.run.folder import prepare_run_folder
 
@@ -184,9 +184,9 @@ def build_run_folder(run_dir: Path, world: int, node_records: bool = True) -> No
 _CLASSIFY = """
 import sys
 from pathlib import Path
-from hpc_train.ops.classify import classify
-from hpc_train.ops.evidence import collect_evidence
-from hpc_train.ops.scheduler import SlurmRecord
+from hpc_train.failures.classify import classify
+from hpc_train.failures.evidence import collect_evidence
+from hpc_train.backends.scheduler import SlurmRecord
 run, job, nodes = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
 record = SlurmRecord(job, "FAILED", "1:0", nodes, raw_id=job)
 print(classify(record, collect_evidence(run, job, 0)).reason)
@@ -196,7 +196,7 @@ import io, sys
 from pathlib import Path
 from types import SimpleNamespace
 from rich.console import Console
-from hpc_train.slurm.follow import FollowedJob, _report_failure
+from hpc_train.login.slurm.follow import FollowedJob, _report_failure
 job = FollowedJob(SimpleNamespace(job_id=sys.argv[2]), Path(sys.argv[1]), submitted_at=0.0, state="FAILED")
 failed = bool(job.rank_errors())
 decision = job.cancel_decision()
@@ -207,8 +207,8 @@ print(failed, decision.cancel, len(out.getvalue()))
 _LOOK_BACK = """
 import subprocess, sys
 from pathlib import Path
-from hpc_train.ops import recovery
-from hpc_train.ops.policy import RetryPolicy
+from hpc_train.login.ops import recovery
+from hpc_train.failures.policy import RetryPolicy
 from hpc_train.run.error_records import ranks_with_records
 run, job, nodes, failed = Path(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4])
 rows = [f"{job}|{job}|{state}|1:0|{nodes}|None|2026-11-30T03:15:03|2026-11-30T03:25:03|00:10:00|10:00:00"

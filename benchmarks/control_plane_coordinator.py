@@ -1,8 +1,8 @@
 """The coordinator section of benchmarks/control_plane.py: the job's coordinator (hpc_train.control) with emulated
-agents on this machine, one per node as a job of N nodes runs (hpc_train.agent: one agent per node, however many
+agents on this machine, one per node as a job of N nodes runs (hpc_train.rank.agent: one agent per node, however many
 ranks it starts).
 
-Each emulated agent is what a real one does on the network (hpc_train.agent_control): it connects with the
+Each emulated agent is what a real one does on the network (hpc_train.rank.agent.link): it connects with the
 job's token, watches its attempt's keys and the lost ones, arrives at the start barrier, then waits for a restart
 notice, arrives at the restart's barrier and waits for its decision. The agents run as threads in 16 worker
 processes; the coordinator runs in this process, on its own thread, as in the first node's agent. Measured:

@@ -5,7 +5,7 @@ checkpoints, no monitoring.
     python benchmarks/gpu_baseline.py --model 125M --seq-len 1024 --micro-batch 8 --steps 20 [--compile]
 
 Prints one JSON line: tokens/s over the timed steps, the model's parameters and FLOPs per token, and MFU against
-the device's dense peak (:func:`hpc_train.runtime.flops.peak_flops`).
+the device's dense peak (:func:`hpc_train.rank.runtime.flops.peak_flops`).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import time
 
 import torch
 
-from hpc_train.runtime.flops import flops_per_token, mfu, peak_flops
-from hpc_train.train.model import GPT, GPTConfig, count_parameters
+from hpc_train.rank.runtime.flops import flops_per_token, mfu, peak_flops
+from hpc_train.rank.train.model import GPT, GPTConfig, count_parameters
 
 VOCAB = 50304  # GPT-2's vocabulary rounded up to a multiple of 64, as nanoGPT does
 

@@ -204,7 +204,7 @@ def _exported(check: Check, run_dir: Path) -> dict[str, Any]:
     """``python -m hpc_train ckpt export RUN_DIR``, in this process (torch is imported here already)."""
     import torch
 
-    from hpc_train.__main__ import main as hpc_train_main
+    from hpc_train.login.main import main as hpc_train_main
 
     out = check.work / f"{run_dir.name}.pt"
     if hpc_train_main(["ckpt", "export", str(run_dir), "--out", str(out)]) != 0:
@@ -317,7 +317,7 @@ def step_mfu(check: Check) -> dict[str, Any]:
                            data={"vocab_size": vocab}, monitor={"log_every": 4})
             row["fsdp2"] = {**fsdp2, "ratio_to_deepspeed": fsdp2["tokens_per_s"] / ours["tokens_per_s"]}
         if check.dry:
-            row["fsdp2_compiled"] = ("skipped: inductor compiles about 30 s a rank on a CPU (tests/train/"
+            row["fsdp2_compiled"] = ("skipped: inductor compiles about 30 s a rank on a CPU (tests/rank/train/"
                                      "test_compiling.py runs the path with aot_eager)")
         else:  # FSDP2 again with train.compile (inductor, each block): the first logged window holds the compile
             compiled = _train(check, f"mfu-{model}-fsdp2-compiled",

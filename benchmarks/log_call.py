@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 from rich.console import Console
 
-from hpc_train.runtime.health import HealthCheck, RecordHealth, Thresholds
-from hpc_train.runtime.monitor import Monitor
+from hpc_train.rank.runtime.health import HealthCheck, RecordHealth, Thresholds
+from hpc_train.rank.runtime.monitor import Monitor
 
 
 def _hpc_train(folder: Path, calls: int) -> float:

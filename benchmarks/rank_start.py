@@ -23,7 +23,7 @@ from pathlib import Path
 from hpc_train.run.node_log import rank_log_text
 
 REPO = Path(__file__).resolve().parent.parent
-LADDER = ("torch", "deepspeed", "hpc_train.train.trainer", "torch._dynamo", "torch._inductor.compile_fx")
+LADDER = ("torch", "deepspeed", "hpc_train.rank.train.trainer", "torch._dynamo", "torch._inductor.compile_fx")
 _LADDER_CODE = """
 import importlib, sys, time
 for name in sys.argv[1:]:

@@ -13,7 +13,7 @@ import statistics
 import time
 from collections import defaultdict
 
-from hpc_train.distributed.topology import AXES, Topology
+from hpc_train.common.topology import AXES, Topology
 
 LAYOUTS = {"16,384 ranks (tp 8, pp 16, dp 128)": (16384, 8, 16), "131,072 ranks (tp 8, pp 16, dp 1024)":
            (131072, 8, 16)}

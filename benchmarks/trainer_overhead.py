@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/trainer_overhead.py [--runs 3] [--steps 110] [--smoke]
 
-hpc_train runs the quick-start example through ``hpc_train.submit`` (local executor, ZeRO-2, ``auto`` precision,
+hpc_train runs the quick-start example through ``hpc_train.login.submit`` (local executor, ZeRO-2, ``auto`` precision,
 the breakdown and the health checks on); the raw loop builds the same GPT, the same DeepSpeed config, the precision
 hpc_train decides for ``auto`` on this CPU and AdamW, and feeds the same batches, with nothing else. Both time the
 steps after the first 10 (DeepSpeed warms up); runs alternate. Target: ratio <= 1.02.
@@ -34,17 +34,17 @@ import torch, torch.distributed as dist, deepspeed
 from hpc_train.config.job import JobConfig
 from hpc_train.config.loader import build, load_toml
 from hpc_train.config.overrides import apply_overrides
-from hpc_train.train.data import ResumableSampler, SyntheticTokens, batch
+from hpc_train.rank.train.data import ResumableSampler, SyntheticTokens, batch
 from hpc_train.config.deepspeed import deepspeed_config
-from hpc_train.train.engine import weight_decay_groups, lr_at
-from hpc_train.train.model import GPT, GPTConfig
+from hpc_train.rank.train.engine import weight_decay_groups, lr_at
+from hpc_train.rank.train.model import GPT, GPTConfig
 steps, warmup = int(sys.argv[2]), int(sys.argv[3])
 config = build(JobConfig, apply_overrides(load_toml(__import__("pathlib").Path(sys.argv[1]), "config"),
                                           [f"train.steps={steps}", *json.loads(sys.argv[4])], JobConfig))
 torch.set_num_threads(1)
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
-# As hpc_train does (hpc_train.train.dscomm): no DeepSpeed CPU shm all-reduce, which training never calls, so
+# As hpc_train does (hpc_train.rank.train.dscomm): no DeepSpeed CPU shm all-reduce, which training never calls, so
 # nothing is compiled before the first step (40 s or more on a fresh machine)
 import deepspeed.ops
 from deepspeed.accelerator import get_accelerator
@@ -54,7 +54,7 @@ if shm_builder is not None:
 # The precision hpc_train's ranks decide for "auto" on this hardware (bf16 where the CPU has native bf16, else
 # fp32): the same decision, or the two loops would not train the same arithmetic
 from hpc_train.config.job import MODEL_PRESETS
-from hpc_train.train.precision import agreed_precision
+from hpc_train.rank.train.precision import agreed_precision
 precision, _ = agreed_precision(config.train.precision, torch.device("cpu"),
                                 MODEL_PRESETS.get(config.train.model, {}).get("hidden"))
 config = dataclasses.replace(config, train=dataclasses.replace(config.train, precision=precision))

@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/user_model.py [--only overhead|data] [--runs 3] [--steps 60] [--smoke]
 
 overhead: the HF GPT-2 example (``examples/hf_gpt2``: a user factory and dataset through hpc_train's
-DataLoader stream, 2 ranks, ZeRO-2, fp32) through ``hpc_train.submit`` on the local executor, against a raw
+DataLoader stream, 2 ranks, ZeRO-2, fp32) through ``hpc_train.login.submit`` on the local executor, against a raw
 DeepSpeed loop of the same model, the same dataset and DeepSpeed config, a plain ``DataLoader`` over each
 rank's slice and nothing else. Both time the steps after the first 10. Target: ratio <= 1.03.
 
@@ -52,7 +52,7 @@ from hpc_train.config.job import JobConfig
 from hpc_train.config.loader import build, load_toml
 from hpc_train.config.overrides import apply_overrides
 from hpc_train.config.deepspeed import deepspeed_config
-from hpc_train.train.engine import weight_decay_groups, lr_at
+from hpc_train.rank.train.engine import weight_decay_groups, lr_at
 steps, warmup = int(sys.argv[2]), int(sys.argv[3])
 overrides = [f"train.steps={steps}", "train.precision=fp32", f"data.path={sys.argv[5]}", *json.loads(sys.argv[6])]
 config = build(JobConfig, apply_overrides(load_toml(__import__("pathlib").Path(sys.argv[1]), "config"), overrides,
@@ -60,7 +60,7 @@ config = build(JobConfig, apply_overrides(load_toml(__import__("pathlib").Path(s
 torch.set_num_threads(1)
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
-# As hpc_train does (hpc_train.train.dscomm): no DeepSpeed CPU shm all-reduce, which training never calls, so
+# As hpc_train does (hpc_train.rank.train.dscomm): no DeepSpeed CPU shm all-reduce, which training never calls, so
 # nothing is compiled before the first step (40 s or more on a fresh machine)
 import deepspeed.ops
 from deepspeed.accelerator import get_accelerator

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from hpc_train.program.context import RunContext
+    from hpc_train.rank.program.context import RunContext
 
 __all__ = ["__version__", "context"]
 __version__ = "0.1.0"
@@ -18,6 +18,6 @@ __version__ = "0.1.0"
 def context() -> RunContext:
     """This rank's run context (``ctx`` of a function; in a script, the first call starts or joins the default
     process group). Works on ranks hpc_train started with ``job.program`` set to a function or a script."""
-    from hpc_train.program.context import context as rank_context  # torch only now, on a rank
+    from hpc_train.rank.program.context import context as rank_context  # torch only now, on a rank
 
     return rank_context()

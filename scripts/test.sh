@@ -13,7 +13,7 @@ if [ "$(id -u)" = 0 ]; then
         apt-get install -y -qq openmpi-bin >/dev/null 2>&1 \
             || { apt-get update -qq && apt-get install -y -qq openmpi-bin >/dev/null; }
     fi
-    if ! command -v strace >/dev/null; then  # tests/runtime/test_run_folder_ops.py traces the ranks with it
+    if ! command -v strace >/dev/null; then  # tests/rank/runtime/test_run_folder_ops.py traces the ranks with it
         export DEBIAN_FRONTEND=noninteractive
         apt-get install -y -qq strace >/dev/null 2>&1 \
             || { apt-get update -qq && apt-get install -y -qq strace >/dev/null; }
@@ -25,7 +25,7 @@ if [ "$(id -u)" = 0 ]; then
     export HPC_TRAIN_REQUIRE_SLURM=1
 fi
 
-# DeepSpeed's CPU shm all-reduce buffers (66 MB of RAM each) that runs before hpc_train.train.dscomm leaked
+# DeepSpeed's CPU shm all-reduce buffers (66 MB of RAM each) that runs before hpc_train.rank.train.dscomm leaked
 # would crowd out the tests' memory; an hour-old one belongs to no live test run.
 find /dev/shm -maxdepth 1 -name 'deepspeed_allreduce_buffer_*' -mmin +60 -delete 2>/dev/null || true
 

@@ -102,8 +102,8 @@ def free_port() -> int:
 
 def exported(run_dir: Path, out: Path, *extra: str) -> Path:
     """``python -m hpc_train ckpt export RUN_DIR --out OUT`` run in this process (the command's code without a
-    new interpreter's 4 s of torch and DeepSpeed imports; tests/ckpt/test_cli.py runs the command itself)."""
-    from hpc_train.__main__ import main
+    new interpreter's 4 s of torch and DeepSpeed imports; tests/login/test_ckpt_cli.py runs the command itself)."""
+    from hpc_train.login.main import main
 
     result = call_cli(main, ["ckpt", "export", str(run_dir), "--out", str(out), *extra], run_dir)
     assert result.code == 0, result.out + result.err

@@ -8,7 +8,7 @@ path lies under a folder, less one subfolder (checkpoints: saves are events, not
 files already open are not counted: they cost the data servers, not the metadata server. A stat of an open file
 by its descriptor alone (``fstat``, ``newfstatat(fd, "", AT_EMPTY_PATH)``) is left out for the same reason.
 
-Not a test file: tests/runtime/test_run_folder_ops.py uses it, and a person can too::
+Not a test file: tests/rank/runtime/test_run_folder_ops.py uses it, and a person can too::
 
     .venv/bin/python -m tests.strace_ops RUN_DIR SECONDS PID [PID ...]
 """

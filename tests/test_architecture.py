@@ -17,16 +17,15 @@ from tests.conftest import REPO
 
 PACKAGE = REPO / "hpc_train"
 HEAVY = ("torch", "deepspeed", "numpy", "mpi4py")
-# The rooms a login node runs (docs/architecture.md): none of their modules may import a heavy package at
-# module level, directly or through any hpc_train module they import at module level. Work that needs torch
-# imports it inside the function that runs on a rank (ckpt export, bench, the probe task).
-LOGIN_ROOMS = ("hpc_train", "hpc_train.__main__", "hpc_train.submit", "hpc_train.errors", "hpc_train.resources",
-               "hpc_train.backends", "hpc_train.ckpt.names",
-               "hpc_train.config", "hpc_train.run", "hpc_train.slurm", "hpc_train.cli", "hpc_train.ops",
-               "hpc_train.doctor", "hpc_train.fabric", "hpc_train.ckpt.cli", "hpc_train.ckpt.manifest",
-               "hpc_train.bench.cli", "hpc_train.bench.report", "hpc_train.launch", "hpc_train.agent",
-               "hpc_train.agent_setup", "hpc_train.agent_control", "hpc_train.control",
-               "hpc_train.integrations")
+# The modules a login node loads, and the node agents (which must start in moments): none of them may import a heavy
+# package at module level, directly or through any hpc_train module they import at module level. Work that needs
+# torch imports it inside the function that runs on a rank (ckpt export, bench, the probe task).
+LOGIN_ROOMS = ("hpc_train", "hpc_train.__main__", "hpc_train.submit", "hpc_train.launch", "hpc_train.agent",
+               "hpc_train.errors", "hpc_train.resources", "hpc_train.common", "hpc_train.run", "hpc_train.control",
+               "hpc_train.fabric", "hpc_train.backends", "hpc_train.config", "hpc_train.failures", "hpc_train.login",
+               "hpc_train.checkpoint.names", "hpc_train.checkpoint.manifest", "hpc_train.checkpoint.manager",
+               "hpc_train.checkpoint.writer", "hpc_train.bench.cli", "hpc_train.bench.report", "hpc_train.rank.entry",
+               "hpc_train.rank.agent", "hpc_train.integrations")
 MAX_FILE_LINES = 500
 MAX_FUNCTION_LINES = 60
 
@@ -158,7 +157,7 @@ def _is_login(name: str) -> bool:
 def test_login_node_modules_reach_no_heavy_package() -> None:
     modules = import_graph()
     login = [name for name in modules if _is_login(name)]
-    assert "hpc_train.submit" in login and "hpc_train.config.plan" in login
+    assert "hpc_train.login.submit" in login and "hpc_train.config.plan" in login
     bad = {}
     for name in login:
         for loaded in sorted(_loaded_at_import(name, modules)):
@@ -170,7 +169,7 @@ def test_login_node_modules_reach_no_heavy_package() -> None:
 
 def test_config_imports_nothing_above_it() -> None:
     allowed = ("hpc_train.config", "hpc_train.errors", "hpc_train.resources", "hpc_train.run", "hpc_train.backends",
-               "hpc_train.distributed.topology", "hpc_train.distributed.hostlist", "hpc_train.terminal")
+               "hpc_train.common")
     offenders = {name: sorted(t for t in m.anywhere if not t.startswith(allowed) and t != "hpc_train")
                  for name, m in import_graph().items() if name.startswith("hpc_train.config")}
     assert not {k: v for k, v in offenders.items() if v}
@@ -181,47 +180,47 @@ def test_config_imports_nothing_above_it() -> None:
 # side above the config; nothing below imports anything above it.
 ROOMS = {  # room: module prefixes, longest match wins
     "base": ("hpc_train", "hpc_train.errors", "hpc_train.resources"),
+    "doors": ("hpc_train.__main__", "hpc_train.submit", "hpc_train.launch", "hpc_train.agent"),
+    "pure": ("hpc_train.common",),
     "run": ("hpc_train.run",),
-    "backends": ("hpc_train.backends",),
     "control": ("hpc_train.control",),
-    "pure": ("hpc_train.distributed.hostlist", "hpc_train.distributed.topology", "hpc_train.terminal"),
     "fabric": ("hpc_train.fabric",),
+    "backends": ("hpc_train.backends",),
     "config": ("hpc_train.config",),
-    "ops": ("hpc_train.ops",),
-    "slurm": ("hpc_train.slurm",),
-    "doctor": ("hpc_train.doctor",),
-    "commands": ("hpc_train.cli", "hpc_train.submit", "hpc_train.__main__", "hpc_train.ckpt.cli"),
-    "launch": ("hpc_train.launch", "hpc_train.agent", "hpc_train.agent_setup", "hpc_train.agent_spares",
-               "hpc_train.agent_control"),
-    "distributed": ("hpc_train.distributed",),
-    "runtime": ("hpc_train.runtime",),
-    "train": ("hpc_train.train",),
-    "program": ("hpc_train.program",),
-    "ckpt": ("hpc_train.ckpt",),
-    "export": ("hpc_train.ckpt.export",),
+    "failures": ("hpc_train.failures",),
+    "checkpoint": ("hpc_train.checkpoint",),
+    "login": ("hpc_train.login",),
     "bench": ("hpc_train.bench",),
+    "entry": ("hpc_train.rank", "hpc_train.rank.entry", "hpc_train.rank.agent"),
+    "distributed": ("hpc_train.rank.distributed",),
+    "runtime": ("hpc_train.rank.runtime",),
+    "train": ("hpc_train.rank.train",),
+    "program": ("hpc_train.rank.program",),
     "integrations": ("hpc_train.integrations",),
 }
-_LOW = {"base", "run", "pure", "fabric", "control", "backends"}
+_LOW = {"base", "pure", "run", "control", "fabric", "backends"}
+_SHARED = _LOW | {"config", "failures"}  # what both sides stand on
+RANK = {"entry", "distributed", "runtime", "train", "program"}  # hpc_train/rank/
 ALLOWED = {
     "base": {"program"},  # hpc_train.context(), inside the function: import hpc_train stays light
-    "pure": {"base"}, "fabric": {"base"}, "run": {"base", "pure", "control"}, "control": set(),
-    "backends": {"base", "pure", "run"},  # where the job runs: its identity and its requeue
-    "config": {"base", "run", "pure", "backends"},
-    "ops": _LOW | {"config", "ckpt"},  # ckpt: the checkpoint folder's names (ckpt.names), no torch
-    "slurm": _LOW | {"config", "launch"},  # launch: the callable submitit pickles (RankEntry)
-    "doctor": _LOW | {"config"},
-    "launch": _LOW | {"config", "ops", "distributed", "runtime", "train", "program"},
-    # train only inside a function: the DeepSpeed file engine, for an engine a program hands to ctx.checkpoint
-    "program": _LOW | {"config", "distributed", "ckpt", "runtime", "train"},
-    "runtime": _LOW | {"config", "distributed", "ckpt"},
-    "distributed": _LOW | {"config"},
-    "ckpt": _LOW | {"config"},
-    "train": _LOW | {"config", "distributed", "ckpt", "runtime"},
-    "export": _LOW | {"config", "ckpt", "runtime", "train"},
+    # the names people and scripts type; launch and agent reach the rank side only inside their functions
+    "doors": {"base", "run", "login", "entry"},
+    "pure": {"base"}, "fabric": {"base"}, "control": set(), "run": {"base", "pure", "control"},
+    "backends": {"base", "pure", "run"},
+    "config": {"base", "pure", "run", "backends"},
+    "failures": _LOW | {"config"},
+    # the format (names, manifest, manager, writer) stands on the low rooms; the transaction and the engines'
+    # adapters on the rank side's collectives and runtime, export on the model specs
+    "checkpoint": _SHARED | {"distributed", "runtime", "train"},
+    "login": _SHARED | {"checkpoint", "bench", "doors"},  # doors: the callable submitit pickles (RankEntry)
     "bench": _LOW | {"distributed"},
+    "entry": _SHARED | {"checkpoint", "distributed", "runtime", "train", "program"},
+    "distributed": _LOW | {"config"},
+    "runtime": _SHARED | {"distributed"},
+    "train": _SHARED | {"checkpoint", "distributed", "runtime"},
+    # train only inside a function: the DeepSpeed file engine, for an engine a program hands to ctx.checkpoint
+    "program": _SHARED | {"checkpoint", "distributed", "runtime", "train"},
     "integrations": {"base", "program"},  # program only inside functions: importable on a login node
-    "commands": _LOW | {"config", "ops", "slurm", "doctor", "ckpt", "export", "bench", "train", "distributed"},
 }
 
 
@@ -270,7 +269,7 @@ def test_ruff_lints_every_python_file() -> None:
 
 def test_programs_stand_on_the_runtime_not_on_the_trainer() -> None:
     """A rank program (your function or script) takes its preemption watch, watchdog, stops, attempts, checkpoint
-    transaction, random state, monitor and entry-point loader from hpc_train.runtime; the DeepSpeed trainer's room
+    transaction, random state, monitor and entry-point loader from hpc_train.rank.runtime; the DeepSpeed trainer's room
     is imported only inside the function that installs DeepSpeed's file engine on an engine a program hands over.
     The runtime itself knows no engine."""
     graph = import_graph()
@@ -283,3 +282,17 @@ def test_programs_stand_on_the_runtime_not_on_the_trainer() -> None:
     deepspeed_at_top = sorted(name for name, module in graph.items() if room_of(name) == "runtime"
                               and "deepspeed" in module.heavy_top)
     assert not deepspeed_at_top, deepspeed_at_top
+
+
+def _side(name: str) -> str | None:
+    return next((side for side in ("login", "rank") if name.startswith(f"hpc_train.{side}")), None)
+
+
+def test_the_login_side_and_the_rank_side_never_import_each_other() -> None:
+    """hpc_train/login/ and hpc_train/rank/ are a folder boundary a newcomer sees: neither imports the other, not
+    even inside a function. What both need lives below them (config, run, failures, checkpoint's format); the
+    doors at the top (``python -m hpc_train.launch``, submitit's RankEntry) name the rank side for the login
+    side."""
+    crossing = sorted(f"{name} imports {target}" for name, module in import_graph().items()
+                      for target in module.anywhere if _side(name) and _side(target) and _side(name) != _side(target))
+    assert not crossing, "imports across the login/rank boundary:\n" + "\n".join(crossing)

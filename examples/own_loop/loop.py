@@ -17,7 +17,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 if TYPE_CHECKING:
-    from hpc_train.program.context import RunContext
+    from hpc_train.rank.program.context import RunContext
 
 
 def batch(step: int, rank: int, size: int = 32) -> tuple[torch.Tensor, torch.Tensor]:

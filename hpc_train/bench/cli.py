@@ -2,7 +2,8 @@
 
 Two ways to run: ``--ranks N`` (default 2 outside a job) spawns N local processes in a gloo group over
 127.0.0.1; inside a job (RANK/WORLD_SIZE or SLURM_PROCID set, no ``--ranks``) every rank joins the job's
-process group through :func:`hpc_train.distributed.bootstrap.bootstrap` (NCCL on GPUs) and rank 0 prints. Under srun
+process group through :func:`hpc_train.rank.distributed.bootstrap.bootstrap` (NCCL on GPUs) and rank 0 prints.
+Under srun
 nothing needs setting: the rendezvous is the job's first node and a port derived from the job id, e.g.
 
     sbatch -N2 --ntasks-per-node=1 --wrap "srun python -m hpc_train bench allreduce --out bench.json"
@@ -27,8 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from hpc_train.bench.collectives import OPS, BenchError, Result
+from hpc_train.common.terminal import json_text, plain
 from hpc_train.errors import ConfigError, did_you_mean
-from hpc_train.terminal import json_text, plain
 
 __all__ = ["add_parser", "format_size", "format_table", "parse_size", "parse_sizes"]
 
@@ -142,7 +143,7 @@ def _in_job_results(args: argparse.Namespace, sizes: list[int]) -> tuple[list[Re
 
     from hpc_train.bench import report
     from hpc_train.bench.collectives import measure
-    from hpc_train.distributed.bootstrap import bootstrap, shutdown
+    from hpc_train.rank.distributed.bootstrap import bootstrap, shutdown
 
     log_dir = tempfile.mkdtemp(prefix="hpc_train-bench-")
     try:
@@ -166,7 +167,7 @@ def _in_job_results(args: argparse.Namespace, sizes: list[int]) -> tuple[list[Re
 
 def _gather(mine: Any, world_size: int) -> list[Any]:
     """Every rank's ``mine``, in rank order, on every rank."""
-    from hpc_train.distributed.collectives import all_gather_objects
+    from hpc_train.rank.distributed.collectives import all_gather_objects
 
     everyone = all_gather_objects(mine)
     if len(everyone) != world_size:
@@ -214,8 +215,8 @@ def _speak(args: argparse.Namespace, results: list[Result], about: dict[str, Any
 
 def _run(args: argparse.Namespace) -> int:
     sizes = _checked(args)
-    from hpc_train.distributed.launchers import LaunchError
-    from hpc_train.distributed.rendezvous import RendezvousError
+    from hpc_train.rank.distributed.launchers import LaunchError
+    from hpc_train.rank.distributed.rendezvous import RendezvousError
 
     try:
         if args.ranks is None and _in_job(os.environ):

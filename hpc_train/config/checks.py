@@ -10,8 +10,8 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
-from hpc_train.distributed.hostlist import first_host
-from hpc_train.terminal import UNSAFE_IN_LINE
+from hpc_train.common.hostlist import first_host
+from hpc_train.common.terminal import UNSAFE_IN_LINE
 
 __all__ = [
     "Check",
@@ -41,7 +41,7 @@ Check = Callable[[str], "tuple[str, str] | None"]
 # A free table's check returns None, else (the key path below the table, problem, fix).
 TableCheck = Callable[[dict], "tuple[str, str, str] | None"]
 
-_CONTROL = UNSAFE_IN_LINE  # control characters, line separators, bidirectional overrides (hpc_train.terminal)
+_CONTROL = UNSAFE_IN_LINE  # control characters, line separators, bidirectional overrides (hpc_train.common.terminal)
 _SLURM_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,127}")
 _CONSTRAINT = re.compile(r"[A-Za-z0-9._+\-&|\[\]*:()]{1,256}")
 _HOSTLIST = re.compile(r"[A-Za-z0-9._\-\[\],]{1,4096}")

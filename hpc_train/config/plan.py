@@ -105,7 +105,7 @@ class Plan:
 
     @property
     def node_agents(self) -> bool:
-        """Whether a Slurm step runs one agent per node (``hpc_train.agent``) that starts, watches and restarts
+        """Whether a Slurm step runs one agent per node (``hpc_train.rank.agent``) that starts, watches and restarts
         that node's ranks inside the job (``retry.in_place``, spares, ``retry.shrink``), rather than one task per
         rank: the step then has one task per node with the node's CPUs."""
         return self.config.retry.in_place > 0 and self.config.job.program != "smoke"
@@ -119,7 +119,7 @@ class Plan:
     @property
     def survives_lost_node(self) -> bool:
         """Whether the job goes on inside its allocation when a node is lost (a spare, or a smaller size): Slurm
-        must not end it, and the agents on every node decide who holds the ranks (hpc_train.agent_spares)."""
+        must not end it, and the agents on every node decide who holds the ranks (hpc_train.rank.agent.spares)."""
         return bool(self.resources.spare_nodes) or self.config.retry.shrink
 
     @property

@@ -14,8 +14,8 @@ import math
 import re
 from typing import Any
 
+from hpc_train.common.terminal import UNSAFE_IN_LINE, UNSAFE_IN_TEXT
 from hpc_train.config.secrets import secret_name, secret_value
-from hpc_train.terminal import UNSAFE_IN_LINE, UNSAFE_IN_TEXT
 
 __all__ = ["MAX_DEPTH", "MULTILINE_SECTIONS", "check_portable"]
 

@@ -9,12 +9,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from hpc_train.common.topology import Topology
 from hpc_train.config.checks import parse_time_seconds
 from hpc_train.config.env_policy import refused_env_name, secret_reason
 from hpc_train.config.job import MAX_WORLD, MODEL_PRESETS, FsdpSection, JobConfig, ZeroSection
 from hpc_train.config.shrink import ShrinkRule
 from hpc_train.config.site import SiteConfig
-from hpc_train.distributed.topology import Topology
 from hpc_train.errors import ConfigError, did_you_mean
 
 __all__ = ["MAX_WORLD", "SLURM_SIGNAL_SLACK_S", "validate"]

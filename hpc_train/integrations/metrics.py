@@ -13,7 +13,7 @@ __all__ = ["scalars", "started_context"]
 def started_context() -> Any:
     """``hpc_train.context()`` on a rank hpc_train started; None elsewhere (the same script under plain
     ``torchrun`` or ``python``), where an integration does nothing."""
-    from hpc_train.program.context import context, current_session
+    from hpc_train.rank.program.context import context, current_session
 
     return context() if current_session() is not None else None
 

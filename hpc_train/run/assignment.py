@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from hpc_train.distributed.hostlist import compress
+from hpc_train.common.hostlist import compress
 from hpc_train.run.files import read_json_object, read_record_text
 from hpc_train.run.paths import HEARTBEAT_DIR
 

@@ -2,7 +2,7 @@
 
 Rank 0 writes a line with outcome ``running`` when an attempt starts and rewrites it when the attempt ends
 (``completed``, ``preempted``, ``failed``, ``hang``; the next attempt may name a ``node_failure`` or an
-``infrastructure`` fault it found, ``hpc_train.ops.recovery``); a line still ``running`` when the next attempt
+``infrastructure`` fault it found, ``hpc_train.failures.recovery``); a line still ``running`` when the next attempt
 starts was killed without a word (SIGKILL, node failure, a requeue without a signal) and becomes ``killed``. The
 measured step and save times feed the preemption lead time of the next submission. Plain JSON, no torch: the
 login node reads it.
@@ -43,7 +43,7 @@ class Attempt:
     step_s_max: float | None = None
     save_s_max: float | None = None
     note: str = ""
-    in_place: int = 0  # the restart inside the same Slurm attempt (hpc_train.agent) this attempt was
+    in_place: int = 0  # the restart inside the same Slurm attempt (hpc_train.rank.agent.agent) this attempt was
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Attempt:

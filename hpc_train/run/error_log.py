@@ -7,7 +7,7 @@ next attempt's look-back. One file per node is 2,048 on 8-GPU nodes, created onl
 
 Who writes, who clears: each rank appends its record as one JSON line in one ``write()`` on an ``O_APPEND``
 descriptor (as the node's log: :mod:`hpc_train.run.node_log`), so records of one node's ranks never mix. The
-node's agent (:mod:`hpc_train.agent`) empties the file before each life of its ranks starts, so it holds the
+node's agent (:mod:`hpc_train.rank.agent.agent`) empties the file before each life of its ranks starts, so it holds the
 current life's records only; at the first life of a requeued attempt it moves it aside to
 ``prev-errors-FIRST-LAST.jsonl`` for rank 0's look-back (:mod:`hpc_train.run.error_records`). The agent is the
 only one that clears, and does so before its ranks run: no rank's record is lost to another's clearing. Ranks

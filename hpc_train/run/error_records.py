@@ -1,7 +1,7 @@
 """The error records of a requeued attempt's predecessor: kept aside as its ranks start, read and cleared by rank 0.
 
 Each rank that fails writes ``logs/rank-N.error.json``, stamped with its Slurm job and restart. A requeued
-attempt's rank 0 reads the previous attempt's records to decide what follows (:mod:`hpc_train.ops.recovery`):
+attempt's rank 0 reads the previous attempt's records to decide what follows (:mod:`hpc_train.failures.recovery`):
 only the ranks that left one, found in one listing of ``logs/``, so the look-back costs O(failed ranks) rather
 than a read of every rank's log. The attempt's other ranks must not remove their records before rank 0 has read
 them, nor leave them where the follower and ``status`` take them for this attempt's failures: each moves its own

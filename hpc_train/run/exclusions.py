@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from hpc_train.distributed.hostlist import compress, expand  # pure standard library
+from hpc_train.common.hostlist import compress, expand  # pure standard library
 from hpc_train.run.files import atomic_write, parse_json, read_record_text, warn_bad_record
 from hpc_train.run.paths import EXCLUDED_FILE
 

@@ -21,9 +21,9 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from hpc_train.common.terminal import plain
 from hpc_train.errors import ConfigError
 from hpc_train.run.paths import CHECKPOINTS_DIR, FLIGHT_RECORDER_DIR, HEARTBEAT_DIR, LOGS_DIR, SUBMITIT_DIR, WANDB_DIR
-from hpc_train.terminal import plain
 
 __all__ = [
     "MAX_LINE",

@@ -1,6 +1,6 @@
 """The log lines the login side parses, each defined once: the writer's formatter beside the reader's pattern.
 
-Ranks write these lines into their node's ``logs/ranks-FIRST-LAST.log``; ``hpc_train.ops`` finds an attempt's
+Ranks write these lines into their node's ``logs/ranks-FIRST-LAST.log``; ``hpc_train.login.ops`` finds an attempt's
 part of a rank's lines, the step a signal saved and the ranks a hang names by reading them back. A formatter and
 its parser live side by side here (and a test formats and parses each), so that rewording a line cannot silently
 blind the reader.
@@ -135,7 +135,7 @@ def parse_host_oom(line: str) -> tuple[int, float, float | None, float | None] |
 
 # -- the batch step's output ------------------------------------------------------------------------------------
 
-LAUNCH_ERROR_PREFIX = "hpc_train.launch: "  # a wrong launch, said in one line on every rank's stderr
+LAUNCH_ERROR_PREFIX = "hpc_train.rank.entry: "  # a wrong launch, said in one line on every rank's stderr
 BATCH_START = re.compile(r"hpc_train: job \S+ restart [0-9]+")  # echoed by sbatch_templates/_preamble.j2
 
 

@@ -4,7 +4,7 @@ Why: a process that imported torch and DeepSpeed spends 1-2 s at exit tearing do
 CPUs: 0.8 s after ``import torch`` alone, 1.5-1.9 s after ``deepspeed.initialize``), after its work, results
 and logs are written. Every job waits for its slowest rank to exit, and so does whoever follows it. Once a
 rank has finished well, :func:`exit_quickly_when_done` arranges that the process ends with status 0 as soon
-as the code that called the rank (submitit, which writes its result file first, or ``hpc_train.launch``)
+as the code that called the rank (submitit, which writes its result file first, or ``hpc_train.rank.entry``)
 returns: the last registered ``atexit`` handler runs first, finalizes MPI if mpi4py started it, flushes the
 logs and the standard streams and calls ``os._exit(0)``. An exception that reaches the top of the process
 turns it off: that exit is left alone.

@@ -33,7 +33,7 @@ PHASES = ("stopping", "done")
 
 def attempt_key(job_id: str | None, restart: int, in_place: int = 0) -> str:
     """How the ranks of one attempt name it in their coordination files (the watchdog's too); a restart in
-    place (:mod:`hpc_train.agent`) is an attempt of its own."""
+    place (:mod:`hpc_train.rank.agent.agent`) is an attempt of its own."""
     return f"{job_id or 'local'}.{restart}" + (f".{in_place}" if in_place else "")
 
 

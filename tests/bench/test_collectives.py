@@ -12,12 +12,12 @@ from typing import Any
 
 import pytest
 
-from hpc_train import __main__ as hpc_main
 from hpc_train.bench.cli import format_size, parse_sizes
 from hpc_train.bench.collectives import bandwidths, bus_factor, element_counts, parse_nccl_log, transport_from_nccl_log
 from hpc_train.errors import ConfigError
+from hpc_train.login import main as hpc_main
 from tests.conftest import PYTHON, REPO, call_cli
-from tests.distributed.multiproc import run_workers
+from tests.rank.distributed.multiproc import run_workers
 
 # ------------------------------------------------------------------------------------------- formulas
 
@@ -217,7 +217,7 @@ def test_bad_input_exits_2_with_one_message(tmp_path: Path, args: list[str], mes
 
 
 def test_help_and_bad_input_never_import_torch() -> None:
-    script = ("import contextlib, io, json, sys\nfrom hpc_train.__main__ import main\ncodes = []\n"
+    script = ("import contextlib, io, json, sys\nfrom hpc_train.login.main import main\ncodes = []\n"
               f"for args in {[a for a, _ in BAD] + [['bench', '--help']]!r}:\n"
               "    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):\n"
               "        try:\n            codes.append(main(args))\n"

@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from hpc_train import __main__ as hpc_main
 from hpc_train.bench import report
 from hpc_train.bench.collectives import Result
+from hpc_train.login import main as hpc_main
 from tests.bench.test_collectives import FALLBACK_LOG, IB_LOG, SINGLE_NODE_LOG
 from tests.conftest import call_cli
 
@@ -104,9 +104,9 @@ def _fake_bootstrap(seen: dict[str, Any]) -> Any:
     def bootstrap() -> Any:
         import torch.distributed as dist
 
-        from hpc_train.distributed.bootstrap import DistContext
-        from hpc_train.distributed.launchers import detect_launch
-        from hpc_train.distributed.rendezvous import Rendezvous
+        from hpc_train.rank.distributed.bootstrap import DistContext
+        from hpc_train.rank.distributed.launchers import detect_launch
+        from hpc_train.rank.distributed.rendezvous import Rendezvous
 
         seen["NCCL_DEBUG"] = os.environ["NCCL_DEBUG"]
         pattern = os.environ["NCCL_DEBUG_FILE"]
@@ -134,7 +134,7 @@ def test_job_path_reads_nccls_log_and_flags_the_fall_back(tmp_path: Path, monkey
                         "HPC_TRAIN_SYSFS": str(_ib_node(tmp_path / "sys"))}.items():  # the node has IB
         monkeypatch.setenv(name, value)
     seen: dict[str, Any] = {}
-    monkeypatch.setattr("hpc_train.distributed.bootstrap.bootstrap", _fake_bootstrap(seen))
+    monkeypatch.setattr("hpc_train.rank.distributed.bootstrap.bootstrap", _fake_bootstrap(seen))
     monkeypatch.setattr("hpc_train.bench.collectives.measure", _fake_measure)
     result = call_cli(hpc_main.main, ["bench", "allreduce", "--sizes", "4K", "--json", "--out", "bench.json"],
                       tmp_path)

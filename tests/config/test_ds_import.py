@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from hpc_train import __main__ as hpc_main
 from hpc_train.config.ds_import import import_deepspeed_config
 from hpc_train.config.plan import load_job
 from hpc_train.errors import ConfigError
+from hpc_train.login import main as hpc_main
 from tests.conftest import REPO, call_cli
 
 SEED_FILE = REPO / "examples" / "hf_gpt2" / "ds_config.json"

@@ -9,11 +9,11 @@ import pytest
 
 from hpc_train.config.job import JobConfig
 from hpc_train.config.loader import build
+from hpc_train.config.memory import assumed_precision, memory_plan
+from hpc_train.config.memory_rows import memory_rows
 from hpc_train.config.plan import make_plan
 from hpc_train.config.sites import load_site
 from hpc_train.errors import ConfigError
-from hpc_train.train.memory import assumed_precision, memory_plan
-from hpc_train.train.memory_rows import memory_rows
 
 
 def _plan(tmp_path: Path, precision: str | None):

@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from hpc_train import submit
 from hpc_train.config.job import JobConfig
 from hpc_train.config.loader import build
 from hpc_train.config.overrides import apply_overrides
 from hpc_train.config.params import check_params
 from hpc_train.config.program import Program, check_program, parse_program, resolve_program
 from hpc_train.errors import ConfigError
+from hpc_train.login import submit
 from tests.conftest import call_cli
 
 

@@ -12,10 +12,10 @@ from typing import Any, get_args, get_origin
 
 import pytest
 
-from hpc_train import __main__ as hpc_main
 from hpc_train.config.job import JobConfig
 from hpc_train.config.loader import field_types
 from hpc_train.config.site import SiteConfig
+from hpc_train.login import main as hpc_main
 from tests.conftest import call_cli
 
 

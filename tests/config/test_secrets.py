@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from hpc_train import __main__ as hpc_main
-from hpc_train import submit as hpc_submit
 from hpc_train.config.deepspeed import deepspeed_config
 from hpc_train.config.plan import load_job
 from hpc_train.config.secrets import REDACTED, redact, secret_name, secret_reason
 from hpc_train.errors import ConfigError
+from hpc_train.login import main as hpc_main
+from hpc_train.login import submit as hpc_submit
 from tests.conftest import call_cli
 
 WANDB_KEY = "0123456789abcdef0123456789abcdef01234567"  # a W&B key: 40 hex characters, a secret by its name only

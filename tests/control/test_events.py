@@ -48,8 +48,8 @@ def test_without_a_coordinator_the_run_folder_is_read(tmp_path: Path, monkeypatc
 
 
 def test_every_watchdog_hears_the_first_hang_from_the_coordinator(tmp_path: Path, coordinator: ControlServer) -> None:
+    from hpc_train.rank.runtime.watchdog import Hang, Timeouts, Watchdog
     from hpc_train.run.paths import HEARTBEAT_DIR, hang_marker_path
-    from hpc_train.runtime.watchdog import Hang, Timeouts, Watchdog
 
     (tmp_path / HEARTBEAT_DIR).mkdir(mode=0o700)
     long = Timeouts(startup=60, step=60, checkpoint=60)
@@ -68,8 +68,8 @@ def test_every_rank_hears_rank_0_s_hang_decision_from_the_coordinator(tmp_path: 
                                                                      coordinator: ControlServer) -> None:
     """The decision file is the record; the ranks waiting for it hear it pushed (16,384 of them would otherwise
     read the file five times a second each)."""
+    from hpc_train.rank.runtime.watchdog import Hang, Timeouts, Watchdog
     from hpc_train.run.paths import HEARTBEAT_DIR, hang_decision_path
-    from hpc_train.runtime.watchdog import Hang, Timeouts, Watchdog
 
     (tmp_path / HEARTBEAT_DIR).mkdir(mode=0o700)
     long = Timeouts(startup=60, step=60, checkpoint=60)

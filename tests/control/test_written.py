@@ -10,10 +10,10 @@ from types import SimpleNamespace
 
 import pytest
 
+from hpc_train.checkpoint.rank_files import WRITTEN_DIR, RankFiles, written_marker
+from hpc_train.checkpoint.transaction import CheckpointTransaction
 from hpc_train.control.server import ControlServer
 from hpc_train.control.written import WrittenWatch, publish_written
-from hpc_train.runtime.checkpoints import CheckpointTransaction
-from hpc_train.runtime.rank_files import WRITTEN_DIR, RankFiles, written_marker
 
 SAVE = "4242-0123456789abcdef"
 
@@ -93,7 +93,7 @@ def test_a_step_saved_again_in_the_same_folder_name_waits_for_this_save_s_record
                                                                                   ) -> None:
     """The review's case: the same step saved twice by the same process gets the same folder name, and the
     coordinator still holds every rank's record of the first save; only records of this save's id count."""
-    from hpc_train.runtime import checkpoints
+    from hpc_train.checkpoint import transaction as checkpoints
 
     watch = WrittenWatch.open()
     tmp = tmp_path / ".tmp-step-00000100-4242"

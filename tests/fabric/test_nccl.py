@@ -199,7 +199,7 @@ def test_a_matching_environment_has_no_findings(tmp_path: Path) -> None:
 def test_launch_completes_and_reports_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The rank-side hook: NCCL_IB_HCA from the node, a warning for a user value that contradicts it, and
     logs/fabric-HOST.json for doctor and later debugging."""
-    from hpc_train.launch import _prepare_fabric
+    from hpc_train.rank.entry import _prepare_fabric
 
     sysfs = tmp_path / "sys"
     ndr_node(sysfs, down=("mlx5_7",))

@@ -101,11 +101,11 @@ def test_the_file_is_never_reached_through_a_link(tmp_path: Path) -> None:
 def test_every_reader_takes_the_nodes_files(tmp_path: Path) -> None:
     """Ranks 0-3 on node n0 and 4-7 on n1 failed alike after rank 5's fault; rank 2 wrote an older per-rank file
     (a run folder of an earlier version): the follower, the cancel policy, logs, status and the evidence see all."""
-    from hpc_train.ops.evidence import collect_evidence
-    from hpc_train.ops.logs import _rank_errors
+    from hpc_train.failures.evidence import collect_evidence
+    from hpc_train.login.ops.logs import _rank_errors
+    from hpc_train.login.slurm.cancel_policy import read_failures
+    from hpc_train.login.slurm.follow import ErrorRecords
     from hpc_train.run.error_records import clear_kept, ranks_with_records
-    from hpc_train.slurm.cancel_policy import read_failures
-    from hpc_train.slurm.follow import ErrorRecords
 
     run_dir = _folder(tmp_path)
     for rank in (0, 1, 3, 4, 5, 6, 7):

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from hpc_train.ops.evidence import RankReport
-from hpc_train.ops.signal_deaths import oom_peaks
+from hpc_train.failures.evidence import RankReport
+from hpc_train.failures.signal_deaths import oom_peaks
 from hpc_train.run.host_memory import memory_cgroup, memory_peak, oom_kills
 from hpc_train.run.loglines import parse_host_oom
 from hpc_train.run.node_log import rank_log_text
@@ -58,7 +58,7 @@ AGENT = textwrap.dedent("""
     from pathlib import Path
     with open(os.path.join(sys.argv[1], "cgroup.procs"), "w") as procs:
         procs.write(str(os.getpid()))  # the agent and everything it starts live in the small cgroup
-    from hpc_train.agent import AgentSetup, supervise
+    from hpc_train.rank.agent.agent import AgentSetup, supervise
     sys.exit(supervise(AgentSetup(Path(sys.argv[2]), 0, ("n0",), 1, "7", 0, 2, "USR2"), sys.argv[3:]))
 """)
 RANK = textwrap.dedent("""

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from hpc_train.rank.runtime.preemption import decide_requeue
 from hpc_train.run.jobid import scontrol_job_id
-from hpc_train.runtime.preemption import decide_requeue
 
 ARRAY_TASK = {"SLURM_JOB_ID": "171", "SLURM_ARRAY_JOB_ID": "171", "SLURM_ARRAY_TASK_ID": "1"}
 

@@ -29,17 +29,17 @@ import pytest
 import rich.console
 import submitit
 
-import hpc_train.ckpt.cli
-import hpc_train.ops.status
-import hpc_train.slurm.render
-from hpc_train import __main__ as hpc_main
-from hpc_train import submit as hpc_submit
+import hpc_train.login.ckpt_cli
+import hpc_train.login.ops.status
+import hpc_train.login.slurm.render
+from hpc_train.login import main as hpc_main
+from hpc_train.login import submit as hpc_submit
 from tests.conftest import PYTHON, chdir
 
 __all__ = ["Case", "Outcome", "World", "cases_ids", "make_stubs", "make_world", "run_case"]
 
 # Imported once here so that a case's 2 s budget measures the command, not the first import of rich or submitit.
-_ = (hpc_train.ckpt.cli, hpc_train.ops.status, hpc_train.slurm.render, rich.console, submitit)
+_ = (hpc_train.login.ckpt_cli, hpc_train.login.ops.status, hpc_train.login.slurm.render, rich.console, submitit)
 LIMIT_S = 2.0
 SCRIPT_TIMEOUT_S = 10
 JOB_NAME = "hpc-train"
@@ -220,7 +220,7 @@ def _limit_memory() -> None:
 
 
 def _isolated(case: Case, argv: list[str], world: World) -> Outcome:
-    module = "hpc_train.submit" if case.entry == "submit" else "hpc_train"
+    module = "hpc_train.login.submit" if case.entry == "submit" else "hpc_train"
     start = time.monotonic()
     try:
         done = subprocess.run([PYTHON, "-m", module, *argv], cwd=world.work, capture_output=True, text=True,

@@ -3,7 +3,7 @@
 Why: each reader of a run folder once had its own checks, and the same few holes came back reader by reader (a
 link below the run folder followed, a number no float or C long holds, a long line that hid the records after
 it, a FIFO that hung). Here a generator of our own (``random.Random(seed)``, no new dependency) writes run folders
-in the real writers' formats (:mod:`tests.ops.fixtures`, :class:`~hpc_train.run.attempts.AttemptLog`), damages
+in the real writers' formats (:mod:`tests.failures.fixtures`, :class:`~hpc_train.run.attempts.AttemptLog`), damages
 each in a few random ways, and runs ``status``, ``status --json``, ``logs`` (plain, ``--errors-only``,
 ``--rank 0``, ``--json``), ``ckpt ls --json``, ``ckpt verify``, plot's data reader and the follower's poll on
 it. Every case asserts: exit 0 or 2 (``ckpt verify``: 1 too, no checkpoint resumes), no traceback, no
@@ -34,12 +34,12 @@ from typing import Any
 import pytest
 from rich.console import Console
 
-from hpc_train import __main__ as hpc_main
 from hpc_train.errors import ConfigError
-from hpc_train.ops.plot_data import read_run
+from hpc_train.login import main as hpc_main
+from hpc_train.login.ops.plot_data import read_run
+from hpc_train.login.slurm import follow
 from hpc_train.run.attempts import AttemptLog
-from hpc_train.slurm import follow
-from tests.ops.fixtures import (
+from tests.failures.fixtures import (
     T0,
     Rank,
     comm_traceback,

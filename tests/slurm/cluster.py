@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from hpc_train.slurm.jobstate import query_states
+from hpc_train.login.slurm.jobstate import query_states
 
 
 def cluster_problem() -> str:

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
+from hpc_train.login.slurm.cancel_policy import REQUEUING_STATES, CancelFacts, decide_cancel, read_facts
+from hpc_train.login.slurm.jobstate import FINAL_STATES
 from hpc_train.run.attempts import Attempt, AttemptLog
 from hpc_train.run.paths import rank_consequence_path, rank_error_path, recovery_claim_path
 from hpc_train.run.stops import StopNotice, attempt_key, publish_notice
-from hpc_train.slurm.cancel_policy import REQUEUING_STATES, CancelFacts, decide_cancel, read_facts
-from hpc_train.slurm.jobstate import FINAL_STATES
 
 FAILURE = {"rank": 1, "host": "n2", "time": 100.0, "error": "ValueError('loss is nan')", "requeued": False}
 PEER_LOST = {"rank": 0, "host": "n1", "time": 99.0, "error": "RuntimeError('[gloo/transport/tcp/pair.cc:553] "

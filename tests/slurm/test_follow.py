@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from hpc_train.slurm import follow
-from hpc_train.slurm.cancel_policy import read_failures
+from hpc_train.login.slurm import follow
+from hpc_train.login.slurm.cancel_policy import read_failures
 
 T0 = 1_796_000_000.0
 

@@ -20,7 +20,7 @@ from hpc_train.config.loader import build
 from hpc_train.config.plan import make_plan
 from hpc_train.config.sites import load_site
 from hpc_train.errors import ConfigError
-from hpc_train.slurm.render import TEMPLATES, render_script
+from hpc_train.login.slurm.render import TEMPLATES, render_script
 
 PAYLOADS = [
     "x\ntouch {c}\n#",
@@ -155,7 +155,7 @@ def test_accepted_values_really_are_exercised(tmp_path: Path) -> None:
     assert _run_script(tmp_path, text).returncode == 0
     assert (tmp_path / "env").read_text() == "$(touch X) `y` 'q'"
     # The script's rendezvous is the one every rank computes in Python (one formula, two places).
-    from hpc_train.distributed.rendezvous import derive_port
+    from hpc_train.rank.distributed.rendezvous import derive_port
 
     assert (tmp_path / "env.rdzv").read_text() == f"n1 {derive_port('4242', 0, 20000, 32768)}"
     assert not (tmp_path / "X").exists()
@@ -172,7 +172,7 @@ def test_hostile_values_never_execute_through_submitit(tmp_path: Path, table: st
     submitit itself and run it with bash."""
     from submitit.slurm.slurm import _make_sbatch_string
 
-    from hpc_train.slurm.executors import submitit_parameters
+    from hpc_train.login.slurm.executors import submitit_parameters
 
     _stub_bin(tmp_path)
     canary = tmp_path / "PWNED"

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from hpc_train.slurm import jobstate
-from hpc_train.slurm.follow import FollowedJob, follow
+from hpc_train.login.slurm import jobstate
+from hpc_train.login.slurm.follow import FollowedJob, follow
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("slurm_cluster")]
 

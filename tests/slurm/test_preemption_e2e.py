@@ -22,12 +22,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from hpc_train.checkpoint.transaction import WRITTEN_OVER_COORDINATOR
 from hpc_train.run.node_log import log_ranks, rank_log_text
 from hpc_train.run.procs import environment, processes
 from hpc_train.run.watch import last_logged_step
-from hpc_train.runtime.checkpoints import WRITTEN_OVER_COORDINATOR
 from tests.conftest import REPO, exported
-from tests.runtime.wandb_records import read_offline_run
+from tests.rank.runtime.wandb_records import read_offline_run
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("slurm_cluster")]
 EXAMPLE = str(REPO / "examples" / "tiny_gpt.toml")
@@ -36,7 +36,7 @@ BASE = ["--site", "local-slurm", "--set", "job.nodes=2", "--set", "job.tasks_per
         "train.precision=fp32", "--set", "train.seq_len=64", "--set", "monitor.log_every=1", "--set",
         "monitor.eval_every=0", "--set", "train.warmup_steps=2", "--set", "checkpoint.every_steps=10"]
 # 56 samples of 64 byte tokens (the first 3,585 bytes of examples/corpus/hpc_train_docs.txt through
-# hpc_train.train.prepare): 3 global batches of 16 an epoch and 8 left over, so every run here crosses an epoch's
+# hpc_train.login.prepare): 3 global batches of 16 an epoch and 8 left over, so every run here crosses an epoch's
 # end every 3 steps, and a smaller life's 8-sample micro-steps would take the left-over 8 if the sampler cut epochs
 # by micro-step (the shrink test's weights would then leave the uninterrupted run's).
 TOKENS = REPO / "tests" / "slurm" / "data" / "short-epochs.u16"
@@ -131,7 +131,7 @@ def test_a_hugging_face_gpt2_sent_usr2_by_scancel_exports_the_uninterrupted_weig
     per rank, W&B offline): ``scancel --signal=USR2``, saved, requeued by Slurm, resumed; the export is bitwise
     that of an uninterrupted run and loads strictly into ``GPT2LMHeadModel``, and both attempts are one W&B run
     with every step once. (ZeRO-2 on Slurm: the tiny GPT's tests below; the GPT-2 on ZeRO-2 preempted at random
-    steps: tests/train/test_hf_gpt2.py.)"""
+    steps: tests/rank/train/test_hf_gpt2.py.)"""
     transformers = pytest.importorskip("transformers", reason="the hf extra (pip install 'hpc_train[hf]') is missing")
     tokens = tmp_path / "corpus.u16"
     subprocess.run([sys.executable, "-m", "hpc_train.train.prepare", str(REPO / "examples" / "corpus" /

@@ -11,8 +11,8 @@ import pytest
 
 from hpc_train.config.sites import available_sites, load_site
 from hpc_train.errors import ConfigError
+from hpc_train.login.slurm.render import TEMPLATES, render_script, template_names
 from hpc_train.resources import shipped_dir
-from hpc_train.slurm.render import TEMPLATES, render_script, template_names
 from tests.slurm.helpers import plan_for
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -96,7 +96,7 @@ def test_torchrun_asks_one_task_per_node_with_all_cores() -> None:
 def test_forwarded_variables_are_named_never_written(monkeypatch: pytest.MonkeyPatch) -> None:
     """The value of a forwarded variable is in the submitting shell: neither the script, nor the plan, nor the
     submitit parameters may carry it; only its name travels (sbatch --export)."""
-    from hpc_train.slurm.executors import submitit_parameters
+    from hpc_train.login.slurm.executors import submitit_parameters
 
     monkeypatch.setenv("WANDB_API_KEY", "secret-value-123")
     job = {"job": {"nodes": 1, "tasks_per_node": 2, "forward_env": ["WANDB_API_KEY", "HOME"]}}
@@ -110,7 +110,7 @@ def test_forwarded_variables_are_named_never_written(monkeypatch: pytest.MonkeyP
 
 
 def test_gres_sites_ask_for_gres() -> None:
-    from hpc_train.slurm.directives import sbatch_directives
+    from hpc_train.login.slurm.directives import sbatch_directives
 
     for name in SHIPPED_SITES:
         site = load_site(name)
@@ -126,7 +126,7 @@ def test_a_site_without_requeue_submits_no_requeue_and_tells_the_ranks(tmp_path:
     from hpc_train.config.job import JobConfig
     from hpc_train.config.loader import build
     from hpc_train.config.plan import make_plan
-    from hpc_train.slurm.executors import submitit_parameters
+    from hpc_train.login.slurm.executors import submitit_parameters
 
     base = load_site("local-slurm")
     site = dataclasses.replace(base, slurm=dataclasses.replace(base.slurm, requeue="dependency"))
@@ -144,7 +144,7 @@ def test_hot_spares_are_allocated_kept_alive_and_settled(tmp_path: Path) -> None
     from hpc_train.config.job import JobConfig
     from hpc_train.config.loader import build
     from hpc_train.config.plan import make_plan
-    from hpc_train.slurm.executors import submitit_parameters
+    from hpc_train.login.slurm.executors import submitit_parameters
 
     cfg = build(JobConfig, {"job": {"nodes": 2, "spare_nodes": 1, "partition": "spares"}})
     plan = make_plan(cfg, load_site("local-slurm"), "slurm", cwd=tmp_path)
@@ -173,7 +173,7 @@ def test_shrink_keeps_the_job_alive_without_spares_and_settles(tmp_path: Path) -
     from hpc_train.config.job import JobConfig
     from hpc_train.config.loader import build
     from hpc_train.config.plan import make_plan
-    from hpc_train.slurm.executors import submitit_parameters
+    from hpc_train.login.slurm.executors import submitit_parameters
 
     cfg = build(JobConfig, {"job": {"nodes": 2}, "retry": {"shrink": True}})
     plan = make_plan(cfg, load_site("local-slurm"), "slurm", cwd=tmp_path)

@@ -18,7 +18,7 @@ import torch
 
 from hpc_train.run.node_log import rank_log_text
 from tests.conftest import REPO, torchrun
-from tests.program.test_runner_local import OWN_LOOP, attempts, final_model
+from tests.rank.program.test_runner_local import OWN_LOOP, attempts, final_model
 from tests.slurm.test_preemption_e2e import _state, _wait_for_step, _wait_until_completed
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("slurm_cluster")]

@@ -1,0 +1,298 @@
+"""How a rank writes and reads the files of a checkpoint: once each, hashed on the way, in the background.
+
+:class:`RankFiles` is one rank's part of a save. Every file goes through :func:`hpc_train.checkpoint.writer.write_file`
+(``torch.save`` into a hashing, fsyncing writer), so the rank knows each file's size and sha256 when the file is
+on disk and the commit reads nothing back. An engine's own files take the same path (DeepSpeed's through
+:class:`hpc_train.checkpoint.deepspeed_files.FileCheckpointEngine`, its pluggable checkpoint engine).
+
+Asynchronous saves (``checkpoint.async_save``): :meth:`RankFiles.save` copies the state into host memory (pinned
+memory on a GPU, the copy queued on the current CUDA stream and waited for by the writer thread through an
+event, so the step after the save does not wait for it; on a CPU a plain copy) and hands it to the rank's
+writer thread; training goes on as soon as every file is staged. When there is not enough free memory for the
+copy, that file is written at once instead. :meth:`RankFiles.announce` queues, after this rank's last file,
+``.written/rank-N.json`` (the entries, or the error), which rank 0's commit thread waits for; where the job has
+a coordinator and rank 0 watches it, the same record goes over it instead (:mod:`hpc_train.control.written`).
+
+Loading reads every file once (:func:`hpc_train.checkpoint.writer.read_file`): size always checked against the
+manifest, sha256 too when ``checkpoint.verify = "sha256"``, before a byte is deserialized, and deserialized with
+``torch.load(weights_only=True)``, DeepSpeed's few non-tensor classes allowed by name (when it is installed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import logging
+import os
+import queue
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hpc_train.checkpoint.manifest import FileEntry
+from hpc_train.checkpoint.writer import CorruptFileError, ViewReader, read_file, write_file
+from hpc_train.control.written import publish_written
+from hpc_train.run.files import atomic_write
+
+__all__ = ["WRITTEN_DIR", "RankFiles", "load_safely", "written_marker"]
+
+log = logging.getLogger(__name__)
+
+WRITTEN_DIR = ".written"  # per-rank completion markers of an asynchronous save, removed before the commit
+_MEMORY_SHARE = 0.5  # stage a file only while it takes at most this share of the memory still available
+
+
+def written_marker(folder: Path, rank: int) -> Path:
+    return folder / WRITTEN_DIR / f"rank-{rank}.json"
+
+
+def _safe_globals() -> list[Any]:
+    """The non-tensor classes DeepSpeed pickles into its checkpoints (0.16-0.19), allowed for weights_only."""
+    allowed: list[Any] = []
+    for module, names in (("deepspeed.runtime.fp16.loss_scaler", ("LossScaler", "DynamicLossScaler")),
+                          ("deepspeed.runtime.zero.config", ("ZeroStageEnum",)),
+                          ("deepspeed.utils.tensor_fragment", ("fragment_address",))):
+        try:
+            imported = __import__(module, fromlist=list(names))
+        except ImportError:
+            continue
+        allowed += [getattr(imported, name) for name in names if hasattr(imported, name)]
+    return allowed
+
+
+def load_safely(data: Any, map_location: Any = None) -> Any:
+    """``torch.load`` of bytes already read and checked, with ``weights_only=True``; each record is copied once,
+    into its tensor (:class:`~hpc_train.checkpoint.writer.ViewReader`)."""
+    with torch.serialization.safe_globals(_safe_globals()), memoryview(data) as view:
+        return torch.load(ViewReader(view.cast("B")), map_location=map_location, weights_only=True)
+
+
+def _available_memory() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _tensor_bytes(value: Any) -> int:
+    if torch.is_tensor(value):
+        return value.numel() * value.element_size()
+    if isinstance(value, Mapping):
+        return sum(_tensor_bytes(item) for item in value.values())
+    if isinstance(value, list | tuple):
+        return sum(_tensor_bytes(item) for item in value)
+    return 0
+
+
+class _Buffers:
+    """The host buffers one file was staged into last time, handed out again in the same order when the next
+    save stages the same file with the same shapes: no allocation per save (a fresh allocation is slow on a
+    VM that handed the memory back, and pinned memory is slow to allocate on any GPU machine)."""
+
+    def __init__(self, previous: list[torch.Tensor], pinned: bool) -> None:
+        self.previous = previous
+        self.pinned = pinned
+        self.used: list[torch.Tensor] = []
+
+    def copy(self, tensor: torch.Tensor) -> torch.Tensor:
+        index = len(self.used)
+        host = self.previous[index] if index < len(self.previous) else None
+        if host is None or host.shape != tensor.shape or host.dtype != tensor.dtype:
+            host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu",
+                               pin_memory=self.pinned and tensor.device.type == "cuda")
+        # On a GPU the copy is queued on the current stream; the writer thread waits for the event recorded after.
+        host.copy_(tensor.detach(), non_blocking=tensor.device.type == "cuda" and host.is_pinned())
+        self.used.append(host)
+        return host
+
+
+def _stage(value: Any, buffers: _Buffers, memo: dict[int, Any] | None = None) -> Any:
+    """A copy of ``value`` that no longer changes with training: tensors copied into host buffers, dicts, lists
+    and tuples rebuilt around them, other mutable objects deep-copied. An object met twice is copied once (its
+    pickle then holds one object and a reference, as the original's would); immutable tuple kinds (torch.Size,
+    named tuples) stay as they are."""
+    memo = {} if memo is None else memo
+    if id(value) in memo:
+        return memo[id(value)]
+    kind = type(value)
+    if torch.is_tensor(value):
+        copied: Any = buffers.copy(value)
+    elif kind is dict or kind is OrderedDict:
+        copied = kind((key, _stage(item, buffers, memo)) for key, item in value.items())
+    elif kind is list:
+        copied = [_stage(item, buffers, memo) for item in value]
+    elif kind is tuple:
+        copied = tuple(_stage(item, buffers, memo) for item in value)
+    elif value is None or isinstance(value, bool | int | float | complex | str | bytes | tuple | torch.dtype):
+        return value
+    else:
+        try:  # a NumPy array, a set, an object of the user's: training may change it in place
+            copied = copy.deepcopy(value)
+        except (TypeError, copy.Error, RuntimeError):  # cannot be copied: written as it is then
+            copied = value
+    memo[id(value)] = copied
+    return copied
+
+
+class RankFiles:
+    """One rank's files of the checkpoint being saved (entries for the manifest) or loaded (checked reads)."""
+
+    def __init__(self, rank: int, async_save: bool) -> None:
+        self.rank = rank
+        self.async_save = async_save
+        self.folder: Path | None = None
+        self.entries: list[FileEntry] = []
+        self._staging = False
+        self._jobs: queue.Queue[tuple[bool, Callable[[], None]]] = queue.Queue()
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        self._reading: tuple[Path, dict[str, FileEntry], bool] | None = None
+        self.load_problems: list[str] = []
+        self._buffers: dict[str, list[torch.Tensor]] = {}  # staging buffers per file, reused by the next save
+        self._read_buffer: bytearray | None = None  # one buffer every load of this rank reads into
+        self._save_id = ""  # the current save's id: its written record goes over the coordinator
+
+    # ----- saving -----
+
+    def begin(self, folder: Path, staged: bool, save_id: str = "") -> None:
+        """Start this rank's part of the save into ``folder``; ``staged``: write it in the background; ``save_id``:
+        rank 0 hears this rank's written record, carrying it, over the coordinator (no marker file)."""
+        self.drain()
+        self.folder, self.entries, self._error = folder, [], None
+        self._staging = staged and self.async_save
+        self._save_id = save_id
+
+    def save(self, state: Any, path: Path) -> None:
+        """``torch.save(state, path)`` as part of the current save: hashed while written, or staged."""
+        folder = self._folder()
+        relative = Path(os.path.abspath(path)).relative_to(os.path.abspath(folder)).as_posix()
+        if self._staging and self._fits(state, relative):
+            on_gpu = any(torch.is_tensor(t) and t.device.type == "cuda" for t in _leaves(state))
+            buffers = _Buffers(self._buffers.get(relative, []), pinned=on_gpu)
+            copy = _stage(state, buffers)
+            self._buffers[relative] = buffers.used
+            event = torch.cuda.Event() if on_gpu else None
+            if event is not None:
+                event.record()  # the host copies are done when this event is: the writer waits for it
+            self._start()
+            self._jobs.put((False, lambda: self._write(folder, relative, copy, event)))
+        elif self._staging:  # too big to stage: DeepSpeed skipped its clone for us, so make it here
+            from deepspeed.checkpoint.utils import clone_tensors_for_torch_save
+
+            self._write(folder, relative, clone_tensors_for_torch_save(state), None)
+        else:
+            self._write(folder, relative, state, None)
+
+    def after(self, wait: Callable[[], Any]) -> None:
+        """Files a library writes in the background itself (DCP's asynchronous save): the writer thread calls
+        ``wait()`` (the library's future) before this rank's marker, so rank 0 commits only once they are on disk;
+        what ``wait`` raises is reported through the marker like a failed write."""
+        self._start()
+        self._jobs.put((False, wait))
+
+    def announce(self) -> None:
+        """After this rank's last file of an asynchronous save: its marker for rank 0's commit thread."""
+        folder = self._folder()
+        self._start()
+        self._jobs.put((True, lambda: self._mark(folder)))
+
+    def drain(self) -> None:
+        """Wait until every queued write of this rank is on disk (the marker too)."""
+        if self._thread is not None:
+            self._jobs.join()
+
+    @property
+    def staging(self) -> bool:
+        """Whether the current save stages its files (DeepSpeed then need not clone its state first)."""
+        return self._staging
+
+    def _fits(self, state: Any, relative: str) -> bool:
+        available = _available_memory()
+        needed = _tensor_bytes(state) - sum(t.numel() * t.element_size() for t in self._buffers.get(relative, []))
+        if available is None or needed <= available * _MEMORY_SHARE:
+            return True
+        log.warning("checkpoint: %.1f GB to stage, %.1f GB of memory available: writing this file before training "
+                    "goes on", needed / 1e9, available / 1e9)
+        return False
+
+    def _write(self, folder: Path, relative: str, state: Any, event: Any) -> None:
+        if event is not None:
+            event.synchronize()
+        entry = write_file(folder, relative, lambda sink: torch.save(state, sink))
+        self.entries.append(entry)
+
+    def _mark(self, folder: Path) -> None:
+        record: dict[str, Any] = {"rank": self.rank}
+        if self._error is not None:
+            record["error"] = f"rank {self.rank}: {type(self._error).__name__}: {self._error}"
+        else:
+            record["files"] = [{"path": e.path, "size": e.size, "sha256": e.sha256} for e in self.entries]
+        if self._save_id and publish_written(self.rank, self._save_id, record):
+            return  # rank 0 has it in memory: no file created, renamed and removed on the metadata server
+        marker = written_marker(folder, self.rank)
+        marker.parent.mkdir(mode=0o700, exist_ok=True)
+        atomic_write(marker, json.dumps(record) + "\n")
+
+    def _start(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._run, name=f"checkpoint-writer-rank{self.rank}", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            is_marker, job = self._jobs.get()
+            try:
+                if is_marker or self._error is None:  # after a failure only the marker, which reports it
+                    job()
+            except BaseException as error:  # reported to rank 0 through the marker, then to every rank
+                self._error = error
+                log.error("checkpoint: writing in the background failed on rank %d: %s", self.rank, error)
+            finally:
+                self._jobs.task_done()
+
+    def _folder(self) -> Path:
+        if self.folder is None:
+            raise RuntimeError("RankFiles.save outside a checkpoint save (begin() first)")
+        return self.folder
+
+    # ----- loading -----
+
+    def begin_load(self, folder: Path | None, entries: list[FileEntry], check_sha256: bool) -> None:
+        """Loads below ``folder`` are checked against ``entries`` (None: a folder without a manifest, read as it
+        is). A file whose sha256 differs is still deserialized and handed back (the load it is part of has
+        collectives every rank must reach) and its problem kept in ``load_problems`` for the ranks to agree on."""
+        self._reading = None if folder is None else (folder, {e.path: e for e in entries}, check_sha256)
+
+    def load(self, path: Path, map_location: Any = None) -> Any:
+        """Read ``path`` once, check it against the manifest, then deserialize it with ``weights_only=True``."""
+        entry, check, relative = None, False, str(path)
+        if self._reading is not None:
+            folder, entries, check = self._reading
+            with contextlib.suppress(ValueError):  # not below the checked folder: nothing to check it against
+                relative = Path(os.path.abspath(path)).relative_to(os.path.abspath(folder)).as_posix()
+            entry = entries.get(relative)
+        try:
+            self._read_buffer, view = read_file(Path(path), entry, check, self._read_buffer)
+        except CorruptFileError as error:
+            self.load_problems.append(f"{relative} is corrupt: sha256 differs from the manifest")
+            self._read_buffer, view = error.buffer, error.view
+        try:
+            return load_safely(view, map_location)
+        finally:
+            view.release()  # the buffer is read into again by the next load
+
+
+def _leaves(value: Any) -> list[Any]:
+    if isinstance(value, Mapping):
+        return [leaf for item in value.values() for leaf in _leaves(item)]
+    if isinstance(value, list | tuple):
+        return [leaf for item in value for leaf in _leaves(item)]
+    return [value]

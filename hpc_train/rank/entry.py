@@ -1,0 +1,356 @@
+"""The entry point every rank runs, from any launcher: ``python -m hpc_train.launch RUN_DIR``.
+
+It reads ``plan.json`` from the run folder (plain JSON, no pickles), finds its rank, appends its log lines to
+its node's log ``logs/ranks-FIRST-LAST.log`` (:mod:`hpc_train.run.node_log`) and runs the job. Submitit calls the
+same code through :class:`hpc_train.launch.RankEntry`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import socket
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any, NoReturn
+
+from hpc_train.backends import backend_of
+from hpc_train.config.plan import Plan, plan_for_life
+from hpc_train.errors import ConfigError
+from hpc_train.rank.runtime.preemption import PreemptionWatch
+from hpc_train.run.error_log import CONSEQUENCES, ERROR_LOG_ENV, ERRORS, append_error, error_log_ranks
+from hpc_train.run.exit_codes import EXIT_NOT_RETRIED, EXIT_RESTART_IN_PLACE, EXIT_STOPPED
+from hpc_train.run.files import atomic_write
+from hpc_train.run.folder import check_run_folder
+from hpc_train.run.in_place import in_place_left
+from hpc_train.run.loglines import format_launch_error, format_start, format_stopped, rank_log_format
+from hpc_train.run.node import node_name
+from hpc_train.run.node_log import NodeLogHandler, node_log_path, ranks_per_log
+from hpc_train.run.paths import (
+    PLAN_FILE,
+    PROGRAM_FILE,
+    SMOKE_FILE,
+    TRAIN_FILE,
+    fabric_report_path,
+    rank_consequence_path,
+    rank_error_path,
+)
+from hpc_train.run.quick_exit import exit_quickly_when_done, leave_now
+from hpc_train.run.stops import StopConsequence
+
+__all__ = ["main", "run_rank"]
+
+
+def _rank_logger(run_dir: Path, rank: int, per_node: int) -> logging.Logger:
+    """Each rank logs into its node's log (``logs/ranks-FIRST-LAST.log``, each line carrying the rank); only rank 0
+    also speaks on stdout, other ranks stay quiet."""
+    logger = logging.getLogger(f"hpc_train.rank{rank}")
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    formatter = logging.Formatter(rank_log_format(rank))
+    handler = NodeLogHandler(node_log_path(run_dir, rank, per_node))
+    handler.setFormatter(formatter)
+    logger.addHandler(handler)
+    if rank == 0:
+        stream = logging.StreamHandler(sys.stdout)
+        stream.setFormatter(formatter)
+        logger.addHandler(stream)
+    return logger
+
+
+def run_rank(run_dir: Path) -> dict[str, Any]:
+    """Run this rank's share of the job in ``run_dir``; return its result."""
+    os.umask(0o077)  # logs and results of a run are private, like the run folder
+    check_run_folder(run_dir)  # never reached through a link, nor writable by others: ranks run what it holds
+    plan = plan_for_life(Plan.from_json((run_dir / PLAN_FILE).read_text(encoding="utf-8")), os.environ)
+    if plan.config.job.program == "smoke":  # nothing to save: signals keep their usual meaning
+        return _run_rank(run_dir, plan, None)
+    with PreemptionWatch([plan.signal]) as watch:  # first thing: a signal while starting up is kept for later
+        return _run_rank(run_dir, plan, watch)
+
+
+def _run_rank(run_dir: Path, plan: Plan, watch: PreemptionWatch | None) -> dict[str, Any]:
+    from hpc_train.rank.distributed.launchers import Geometry, check_geometry, detect_launch
+    from hpc_train.rank.distributed.smoke import run_smoke  # the trainer is imported only when the job trains
+
+    info = detect_launch(expected_world=plan.layout.world)
+    logger = _rank_logger(run_dir, info.rank, ranks_per_log(info.rank, info.local_rank, plan.resources.tasks_per_node))
+    on_slurm = backend_of(os.environ).on_slurm
+    program = plan.config.job.program
+    looks_back = on_slurm and program != "smoke" and not info.in_place  # in place: the agent looked at a restart
+    _clear_own_records(run_dir, info.rank, keep_error=looks_back and info.restart > 0)
+    logger.info("%s", format_start(info.launcher, info.rank, info.world_size, info.local_rank, info.local_world_size,
+                                   info.node_rank, info.num_nodes, info.job_id, info.restart, node_name()))
+    looking = LookBack.start(run_dir, plan, info, logger) if looks_back and info.rank == 0 else None
+    _prepare_fabric(run_dir, plan, info.local_rank, logger)
+    if looking is not None:  # the look-back runs while this rank imports torch (the other ranks wait for rank 0's
+        looking.settle(while_importing=program)  # store either way); its verdict is carried out before any group
+    try:
+        check_geometry(info, Geometry(plan.resources.nodes, plan.resources.tasks_per_node,
+                                      plan.resources.gpus_per_node))  # before any process group
+        if program == "smoke":
+            result = run_smoke(plan, info)
+        elif program == "train":
+            from hpc_train.rank.train.trainer import train
+
+            result = train(plan, info, run_dir, logger.info, watch)
+        else:
+            from hpc_train.rank.program.runner import run_program
+
+            result = run_program(plan, info, run_dir, logger.info, watch)
+    except StopConsequence as stop:  # a peer had left on the stop: the stop's status, not a failure's
+        _record_consequence(run_dir, info.rank, stop, logger)
+        _leave(info, stop.notice.exit_code)
+    except BaseException as error:
+        if _record_failure(run_dir, plan, info, error, on_slurm and program != "smoke", logger):
+            _leave(info, EXIT_RESTART_IN_PLACE)  # the agent above this rank starts every rank again
+        raise
+    if "stopped" in result:  # saved after a preemption signal: leave without a result, with the agreed status
+        stopped = result["stopped"]
+        logger.info("%s", format_stopped(stopped["step"], stopped["signal"], stopped["requeue"], stopped["reason"],
+                                         stopped["exit_code"]))
+        _leave(info, stopped["exit_code"])
+    if "all_reduce" in result:
+        logger.info("smoke: all_reduce of ranks = %s (expected %s) over %s, rendezvous %s; groups %s",
+                    result["all_reduce"], result["expected"], result["backend"], result["rendezvous"],
+                    "checked" if result["groups"] else "not checked")
+    elif "program" in result:
+        logger.info("program %s completed%s", result["program"],
+                    f" after step {result['step']}" if result["step"] is not None else "")
+    elif result["steps"] > result["start_step"]:
+        evaluated = math.isfinite(result["eval_loss"])  # nan: no evaluation ran (eval off, or none was due)
+        logger.info("trained steps %d-%d: loss %.4f" + (", eval loss %.4f" if evaluated else ""),
+                    result["start_step"] + 1, result["steps"], result["final_loss"],
+                    *((result["eval_loss"],) if evaluated else ()))
+    if info.rank == 0:
+        name = SMOKE_FILE if "all_reduce" in result else PROGRAM_FILE if "program" in result else TRAIN_FILE
+        atomic_write(run_dir / name, json.dumps(result, indent=2) + "\n")
+    if info.launcher != "single":  # a launcher's rank process, not someone's own Python calling run_rank
+        exit_quickly_when_done()
+    return result
+
+
+def _leave(info: Any, code: int) -> NoReturn:
+    """A stopped rank's exit with the agreed status: at once from a launcher's rank process (inside the signal
+    handlers, see :func:`leave_now`), as ``SystemExit`` where someone's own Python called :func:`run_rank`."""
+    if info.launcher != "single":
+        leave_now(code)
+    raise SystemExit(code)
+
+
+def _record_failure(run_dir: Path, plan: Plan, info: Any, error: BaseException, may_retry: bool,
+                    logger: logging.Logger) -> bool:
+    """The rank's traceback in its log and ``rank-N.error.json``, written after the retry policy has acted and
+    saying what it did: a follower on the login node never cancels a job that one of its ranks is requeuing.
+    True when an in-place restart mends the error (a network fault, a peer that went away) and this rank leaves
+    for its agent to start it again, instead of a requeue."""
+    from hpc_train.failures.recovery import mended_in_place
+
+    text = _traceback_text(error)
+    logger.error("failed:\n%s", text)
+    requeued = in_place = False
+    if may_retry and not isinstance(error, SystemExit):
+        in_place = in_place_left(os.environ) > 0 and mended_in_place(info.rank, node_name(), repr(error), text)
+        if not in_place:
+            requeued = _requeue_after_error(run_dir, plan, info, repr(error), text, logger)
+    report = {"rank": info.rank, "host": node_name(), "time": time.time(), "job_id": info.job_id,
+              "restart": info.restart, "error": repr(error),
+              "traceback": text, "requeued": requeued, "restart_in_place": in_place, "in_place": info.in_place}
+    _write_record(run_dir, info.rank, rank_error_path(run_dir, info.rank), report)
+    if in_place:
+        logger.info("leaving for an in-place restart (the agent starts every rank again from the last checkpoint)")
+    return in_place
+
+
+def _record_consequence(run_dir: Path, rank: int, stop: StopConsequence, logger: logging.Logger) -> None:
+    """One warning line in the rank's log and ``rank-N.consequence.json`` with the traceback: what the program
+    raised once its attempt had stopped, recorded as such."""
+    notice = stop.notice
+    logger.warning("after the stop on %s (%s: %s): %r; a consequence of the stop (the other ranks left), not "
+                   "a failure", notice.signal, notice.action, notice.reason, stop.error)
+    text = "".join(traceback.format_exception(stop.error))
+    report = {"rank": rank, "host": node_name(), "time": time.time(), "error": repr(stop.error), "traceback": text,
+              "consequence": f"the attempt had stopped on {notice.signal} ({notice.action}: {notice.reason})"}
+    _write_record(run_dir, rank, rank_consequence_path(run_dir, rank), report, CONSEQUENCES)
+
+
+def _write_record(run_dir: Path, rank: int, own: Path, report: dict[str, Any], kind: str = ERRORS) -> None:
+    """A rank's record: appended to its node's file where the node's agent keeps one (:mod:`hpc_train.run.
+    error_log`: one file per node, not per rank), else its own file ``own``."""
+    node_file = _node_record_file(rank, kind)
+    if node_file:
+        append_error(run_dir, node_file, report)
+    else:
+        atomic_write(own, json.dumps(report, indent=2) + "\n")
+
+
+def _node_record_file(rank: int, kind: str) -> str:
+    """The node's record file its agent named for this rank (``HPC_TRAIN_ERROR_LOG``), or "" without one."""
+    name = os.environ.get(ERROR_LOG_ENV, "")
+    holds = error_log_ranks(name)
+    if holds is None or rank not in holds or not name.startswith(f"{ERRORS}-"):
+        return ""
+    return name.replace(f"{ERRORS}-", f"{kind}-", 1)
+
+
+def _traceback_text(error: BaseException) -> str:
+    """The traceback worth reading. A user program that could not start or exited badly (``UserCodeError``):
+    its own traceback (an import error, ``user_cause``), if any, and our one line; anything else: all of it."""
+    if not hasattr(error, "user_cause"):
+        return traceback.format_exc()
+    cause = error.user_cause
+    own = "".join(traceback.format_exception(cause)) if isinstance(cause, BaseException) else ""
+    return own + f"{type(error).__name__}: {error}\n"
+
+
+def _clear_own_records(run_dir: Path, rank: int, keep_error: bool) -> None:
+    """Remove this rank's records of an earlier attempt; with ``keep_error`` (a requeued attempt) its error record
+    is moved aside for rank 0's look-back, which removes it once read (:mod:`hpc_train.run.error_records`)."""
+    if _node_record_file(rank, ERRORS):
+        return  # the node's agent cleared (or kept aside) the node's file before this rank started
+    if keep_error:
+        from hpc_train.run.error_records import keep_aside
+
+        keep_aside(run_dir, rank)
+    else:
+        rank_error_path(run_dir, rank).unlink(missing_ok=True)
+    rank_consequence_path(run_dir, rank).unlink(missing_ok=True)
+
+
+def _import_quietly(program: str) -> None:
+    """Import the module that runs ``program`` (torch, DeepSpeed: seconds); a failure shows again where the rank
+    imports it for real, and is recorded there as the rank's error."""
+    import importlib
+
+    with contextlib.suppress(Exception):
+        importlib.import_module("hpc_train.rank.train.trainer" if program == "train"
+                                else "hpc_train.rank.program.runner")
+
+
+class LookBack:
+    """A requeued attempt's rank 0 acting on why the previous attempt ended (node failure, infrastructure), in a
+    thread beside the rank's own start-up: off the start-up path while it takes less than the imports do."""
+
+    def __init__(self, run_dir: Path, plan: Plan, info: Any, logger: logging.Logger) -> None:
+        self._args = (run_dir, plan, info, logger)
+        self._exit: int | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="hpc_train-look-back", daemon=True)
+
+    @classmethod
+    def start(cls, run_dir: Path, plan: Plan, info: Any, logger: logging.Logger) -> LookBack:
+        looking = cls(run_dir, plan, info, logger)
+        looking._thread.start()
+        return looking
+
+    def settle(self, while_importing: str | None = None) -> None:
+        """Wait for the verdict (after importing what runs ``while_importing``, a program kind): go on, or leave
+        with the status it chose (SystemExit), or its own error."""
+        if while_importing is not None:
+            _import_quietly(while_importing)
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        if self._exit is not None:
+            raise SystemExit(self._exit)
+
+    def _run(self) -> None:
+        try:
+            self._exit = _look_back(*self._args)
+        except BaseException as error:  # carried to the rank's main thread by settle()
+            self._error = error
+
+
+def _look_back(run_dir: Path, plan: Plan, info: Any, logger: logging.Logger) -> int | None:
+    """A requeued attempt: act on why the previous one ended (node failure, infrastructure) before training; the
+    exit status to leave with, or None to go on (then the previous attempt's records kept aside are removed)."""
+    from hpc_train.common.hostlist import expand
+    from hpc_train.failures.policy import RetryPolicy
+    from hpc_train.failures.recovery import look_back
+    from hpc_train.run.error_records import clear_kept, ranks_with_records
+
+    recorded = ranks_with_records(run_dir) if info.restart > 0 else []
+    recovery = look_back(run_dir, info.job_id, info.restart, RetryPolicy.from_section(plan.config.retry),
+                         expand(info.nodelist) if info.nodelist else [socket.gethostname()], logger.info,
+                         failed_ranks=recorded)
+    if recovery.failure_class:  # the message may already begin with the class ("preempted: the run was ...")
+        said = recovery.message if recovery.message.startswith(f"{recovery.failure_class}:") else \
+            f"{recovery.failure_class}: {recovery.message}"
+        logger.info("previous attempt: %s", said)
+    if recovery.action == "stop":
+        logger.error("not retried: %s", recovery.message)
+        return EXIT_NOT_RETRIED  # the records stay: they say why the run stopped
+    if recovery.action == "requeue":
+        logger.info("%s", recovery.message)
+        return EXIT_STOPPED
+    clear_kept(run_dir)
+    return None
+
+
+def _requeue_after_error(run_dir: Path, plan: Plan, info: Any, error: str, text: str,
+                         logger: logging.Logger) -> bool:
+    """An infrastructure fault on this rank (not the program's error): exclude this node and requeue. True when
+    the job was requeued."""
+    from hpc_train.failures.policy import RetryPolicy
+    from hpc_train.failures.recovery import requeue_after_error
+
+    recovery = requeue_after_error(run_dir, info.job_id, info.restart, info.rank, node_name(), error, text,
+                                   RetryPolicy.from_section(plan.config.retry), logger.info, in_place=info.in_place)
+    if recovery.failure_class:
+        logger.info("%s: %s", recovery.failure_class, recovery.message)
+    return recovery.action == "requeue"
+
+
+_FABRIC_VARIABLES = ("NCCL_", "GLOO_", "TORCH_NCCL_", "TORCH_FR_")
+
+
+def _prepare_fabric(run_dir: Path, plan: Plan, local_rank: int, logger: logging.Logger) -> None:
+    """Complete the NCCL environment from this node's fabric before torch starts, and say what contradicts it.
+
+    The first rank of each node also leaves ``logs/fabric-HOST.json`` (what the node showed, what was set, what
+    was found) for ``doctor`` and for whoever debugs a slow or hung job later.
+    """
+    from hpc_train.fabric.nccl import prepare_node_env
+    from hpc_train.fabric.sysfs import read_fabric
+
+    fabric = read_fabric(os.environ.get("HPC_TRAIN_SYSFS", "/sys"))
+    node = prepare_node_env(os.environ, plan.interconnect, plan.nccl_detect, fabric)
+    for name, value in node.detected.items():
+        logger.info("fabric: %s=%s (detected on this node)", name, value)
+    for finding in node.findings:
+        logger.warning("fabric: %s: %s; fix: %s", finding.variable, finding.message, finding.fix)
+    if local_rank == 0:
+        report = {"host": socket.gethostname(), "kind": fabric.kind,
+                  "active_ports": [f"{d.name}:{p.number}" for d, p in fabric.active_ib_ports()],
+                  "detected": node.detected, "findings": [vars(f) for f in node.findings],
+                  "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith(_FABRIC_VARIABLES)}}
+        atomic_write(fabric_report_path(run_dir, socket.gethostname()), json.dumps(report, indent=2) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m hpc_train.launch RUN_DIR", file=sys.stderr)
+        return 2
+    from hpc_train.rank.distributed.launchers import LaunchError
+    from hpc_train.rank.distributed.rendezvous import RendezvousError
+
+    try:
+        run_rank(Path(args[0]))
+    except (LaunchError, RendezvousError) as error:  # a wrong launch, said in one line on every rank
+        print(format_launch_error(error), file=sys.stderr)
+        return 1
+    except ConfigError as error:  # the run folder was refused
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

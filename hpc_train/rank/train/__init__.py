@@ -1,0 +1,8 @@
+"""Compute-node training code: data, model, engine and loop. Only ``prepare`` is meant for login nodes.
+
+:func:`load_exported` rebuilds the built-in GPT from a ``ckpt export`` file (it imports torch when called, so
+``import hpc_train.rank.train`` stays light)."""
+
+from hpc_train.checkpoint.exported import load_exported
+
+__all__ = ["load_exported"]
