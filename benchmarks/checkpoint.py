@@ -61,7 +61,7 @@ CHUNK = 8 << 20
 # ----- the ranks -----
 
 def _job_config(args: dict[str, Any], async_save: bool) -> Any:
-    """The quick-start job with this benchmark's sizes, resolved as ``hpc_train.login.submit`` resolves it."""
+    """The quick-start job with this benchmark's sizes, resolved as ``hpc_train.submit`` resolves it."""
     from hpc_train.config.job import JobConfig
     from hpc_train.config.loader import build, load_toml
     from hpc_train.config.overrides import apply_overrides

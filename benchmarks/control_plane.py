@@ -207,7 +207,7 @@ print(failed, decision.cancel, len(out.getvalue()))
 _LOOK_BACK = """
 import subprocess, sys
 from pathlib import Path
-from hpc_train.login.ops import recovery
+from hpc_train.failures import recovery
 from hpc_train.failures.policy import RetryPolicy
 from hpc_train.run.error_records import ranks_with_records
 run, job, nodes, failed = Path(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4])

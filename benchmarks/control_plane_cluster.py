@@ -71,11 +71,11 @@ def _trace(job_id: str, run_dir: Path, seconds: float, exclude: tuple[str, ...])
 
 
 def _kill_rank(job_id: str, rank: int) -> None:
-    """SIGKILL to rank ``rank``'s process (the agent's child running hpc_train.rank.entry), as a crash would."""
+    """SIGKILL to rank ``rank``'s process (the agent's child running hpc_train.launch), as a crash would."""
     for process in processes():
         env = environment(process.pid) or {}
         if (env.get(b"SLURM_JOB_ID") == job_id.encode() and env.get(b"SLURM_PROCID") == str(rank).encode()
-                and b"hpc_train.rank.entry" in (command_line(process.pid) or b"")):
+                and b"hpc_train.launch" in (command_line(process.pid) or b"")):
             os.kill(process.pid, signal.SIGKILL)
             return
     raise RuntimeError(f"rank {rank} of job {job_id} was not found")

@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/fsdp2.py [--runs 2] [--steps 40] [--ranks 2 4] [--smoke]
 
-Each run is the quick-start example through ``hpc_train.login.submit`` on the local executor (fp32, one thread a rank,
+Each run is the quick-start example through ``hpc_train.submit`` on the local executor (fp32, one thread a rank,
 the global batch kept at 8 sequences whatever the rank count), once with ``train.engine = "fsdp2"`` and once
 with ``zero.stage = 3``; the two alternate, so a machine that drifts hits both. Step time: the median of
 ``step_time_s`` in ``metrics.jsonl`` after the first 5 steps (the engines warm up). Peak memory: the largest

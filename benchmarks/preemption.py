@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/preemption.py [--runs 3] [--at 30] [--smoke]
 
-Each run trains the quick-start example through ``hpc_train.login.submit`` (local executor, 2 ranks, ZeRO-2) with no
+Each run trains the quick-start example through ``hpc_train.submit`` (local executor, 2 ranks, ZeRO-2) with no
 periodic checkpoints, sends SIGUSR2 to rank 1 once step ``--at`` is logged, and times until ``checkpoints/latest``
 names the new checkpoint (the moment it is durable: fsynced, sealed, renamed). Steps lost = the last step logged
 when the signal was sent minus the step saved (0 or less: nothing to redo). The baseline is the same run's own

@@ -1,10 +1,10 @@
-"""Submit-to-first-output on the local Slurm cluster: hpc_train.login.submit against a hand-written sbatch script.
+"""Submit-to-first-output on the local Slurm cluster: hpc_train.submit against a hand-written sbatch script.
 
     scripts/local_slurm.sh up && .venv/bin/python benchmarks/submit_latency.py [--runs 7] [--smoke]
 
 Both run the same work on 2 nodes x 2 ranks (start, import torch, join one gloo group, all-reduce) and write
 rank 0's first line to a file. The clock starts before the submitting command and stops when that line
-appears, and again when the job's last line appears. hpc_train.login.submit runs as users run it, following the job.
+appears, and again when the job's last line appears. hpc_train.submit runs as users run it, following the job.
 Slurm starts queued jobs on a tick of about a second, so each run waits a random part of a second first (the
 same sequence for both paths) and the runs alternate: both paths meet every phase of the tick alike.
 Target: ratio <= 1.2.
@@ -81,7 +81,7 @@ def run_hpc_train(work: Path, index: int, tasks_per_node: int) -> tuple[float, f
     first = _wait_for_line(rank0, "start:", start, f"rank 0's log in {run_dir}")
     done = _wait_for_line(rank0, "smoke:", start, f"rank 0's log in {run_dir}")
     if command.wait(timeout=120) != 0:
-        raise RuntimeError(f"hpc_train.login.submit failed in {folder}")
+        raise RuntimeError(f"hpc_train.submit failed in {folder}")
     return first, done
 
 
@@ -108,7 +108,7 @@ def main() -> None:
     tasks_per_node, warmups = (1, 0) if args.smoke else (2, 1)
     if args.smoke:
         args.runs = 1
-    results: dict[str, list[tuple[float, float]]] = {"hpc_train.login.submit": [], "hand-written sbatch": []}
+    results: dict[str, list[tuple[float, float]]] = {"hpc_train.submit": [], "hand-written sbatch": []}
     phases = random.Random(0)  # noqa: S311 - benchmark phases, not secrets
     with tempfile.TemporaryDirectory(prefix="hpc_train-submit-latency-") as tmp:
         work = Path(tmp)
@@ -117,7 +117,7 @@ def main() -> None:
             run_baseline(work, 99 - index, tasks_per_node)  # warm-up: page cache, torch import
         for index in range(args.runs):
             jitter = phases.random()
-            order = [("hpc_train.login.submit", run_hpc_train), ("hand-written sbatch", run_baseline)]
+            order = [("hpc_train.submit", run_hpc_train), ("hand-written sbatch", run_baseline)]
             for name, runner in order if index % 2 == 0 else order[::-1]:
                 _idle(jitter)
                 results[name].append(runner(work, index, tasks_per_node))

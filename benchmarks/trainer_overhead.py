@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/trainer_overhead.py [--runs 3] [--steps 110] [--smoke]
 
-hpc_train runs the quick-start example through ``hpc_train.login.submit`` (local executor, ZeRO-2, ``auto`` precision,
+hpc_train runs the quick-start example through ``hpc_train.submit`` (local executor, ZeRO-2, ``auto`` precision,
 the breakdown and the health checks on); the raw loop builds the same GPT, the same DeepSpeed config, the precision
 hpc_train decides for ``auto`` on this CPU and AdamW, and feeds the same batches, with nothing else. Both time the
 steps after the first 10 (DeepSpeed warms up); runs alternate. Target: ratio <= 1.02.

@@ -188,7 +188,7 @@ def _first_hpc_train(folder: Path, steps: int, hidden: int) -> dict[str, float]:
                                                                        "events": str(events)}))
     start = time.time()
     process = _start([sys.executable, "-m", "hpc_train.submit", "job.toml", "--site", "local"], folder)
-    _finish(process, "hpc_train.login.submit", folder)
+    _finish(process, "hpc_train.submit", folder)
     first = next(r for r in _jsonl(folder / "runs" / "first" / "metrics.jsonl") if r.get("step") == 1)
     entered = next(r for r in _jsonl(events) if r["event"] == "enter")
     return {"entered": entered["time"] - start, "first": first["time"] - start}
@@ -221,7 +221,7 @@ def _first_submitit(folder: Path, steps: int, hidden: int) -> dict[str, float]:
 
 
 FIRST_PATHS: dict[str, Callable[[Path, int, int], dict[str, float]]] = {
-    "hpc_train.login.submit (local executor)": _first_hpc_train,
+    "hpc_train.submit (local executor)": _first_hpc_train,
     "torchrun --nproc_per_node=2": _first_torchrun,
     "submitit LocalExecutor, Checkpointable": _first_submitit,
 }
@@ -262,7 +262,7 @@ def measure_overhead(work: Path, runs: int, args: argparse.Namespace) -> None:
                   "hidden": args.hidden, "out": str(out)}
         (folder / "job.toml").write_text(_job_toml("overhead", "overhead", 1, 2, params))
         process = _start([sys.executable, "-m", "hpc_train.submit", "job.toml", "--site", "local"], folder)
-        _finish(process, "hpc_train.login.submit (overhead)", folder, timeout=1800)
+        _finish(process, "hpc_train.submit (overhead)", folder, timeout=1800)
         blocks += [dict(block, run=index) for block in json.loads(out.read_text())["blocks"]]
     per_step = {v: [b["seconds"] / b["steps"] for b in blocks if b["variant"] == v] for v in OVERHEAD_VARIANTS}
     rounds: dict[tuple[int, int], dict[str, float]] = {}
@@ -356,7 +356,7 @@ def _preempt_hpc_train(folder: Path, args: argparse.Namespace) -> dict[str, Any]
 
     try:
         job_id, at_signal, sent = _signalled(process, submitted, lambda: last_logged_step(run_dir), args.at,
-                                             "hpc_train.login.submit (Slurm)", folder)
+                                             "hpc_train.submit (Slurm)", folder)
     finally:
         reader.join(timeout=5)
     (folder / "submit.out").write_text("".join(output))
@@ -399,7 +399,7 @@ def _preempt_submitit(folder: Path, args: argparse.Namespace) -> dict[str, Any]:
 
 
 PREEMPT_PATHS: dict[str, Callable[[Path, argparse.Namespace], dict[str, Any]]] = {
-    "hpc_train.login.submit (Slurm)": _preempt_hpc_train,
+    "hpc_train.submit (Slurm)": _preempt_hpc_train,
     "submitit Checkpointable (Slurm)": _preempt_submitit,
 }
 

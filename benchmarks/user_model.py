@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/user_model.py [--only overhead|data] [--runs 3] [--steps 60] [--smoke]
 
 overhead: the HF GPT-2 example (``examples/hf_gpt2``: a user factory and dataset through hpc_train's
-DataLoader stream, 2 ranks, ZeRO-2, fp32) through ``hpc_train.login.submit`` on the local executor, against a raw
+DataLoader stream, 2 ranks, ZeRO-2, fp32) through ``hpc_train.submit`` on the local executor, against a raw
 DeepSpeed loop of the same model, the same dataset and DeepSpeed config, a plain ``DataLoader`` over each
 rank's slice and nothing else. Both time the steps after the first 10. Target: ratio <= 1.03.
 
@@ -180,7 +180,7 @@ def run_raw(work: Path, tokens: Path, steps: int, shape: Shape) -> float:
 def overhead(runs: int, steps: int, shape: Shape) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         tokens = Path(tmp) / "corpus.u16"
-        subprocess.run([sys.executable, "-m", "hpc_train.train.prepare", str(REPO / "examples" / "corpus" /
+        subprocess.run([sys.executable, "-m", "hpc_train.login.prepare", str(REPO / "examples" / "corpus" /
                         "hpc_train_docs.txt"), str(tokens)], check=True, capture_output=True)
         ours, raw = [], []
         for index in range(runs):  # alternate, so that a busy moment does not favour one side

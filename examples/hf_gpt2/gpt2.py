@@ -1,6 +1,6 @@
 """A Hugging Face GPT-2, built from a small config (nothing is downloaded), trained on a byte-level token file.
 
-    python -m hpc_train.train.prepare examples/corpus/hpc_train_docs.txt corpus.u16
+    python -m hpc_train.login.prepare examples/corpus/hpc_train_docs.txt corpus.u16
     python -m hpc_train.submit examples/hf_gpt2/job.toml --site local
 
 ``model(ctx)`` is the factory of ``[train] model``, ``dataset(ctx, split)`` the dataset of ``[data] source``;

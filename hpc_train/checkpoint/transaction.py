@@ -63,7 +63,7 @@ class Refusal:
 
 class _ToLog(logging.Handler):
     """The checkpoint manager's warnings (a checkpoint skipped on resume, and why) in the rank-0 log that
-    ``hpc_train.login.submit`` follows, not only on the rank's stderr."""
+    ``hpc_train.submit`` follows, not only on the rank's stderr."""
 
     def __init__(self, log: Callable[[str], None]) -> None:
         super().__init__(logging.WARNING)

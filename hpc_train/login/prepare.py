@@ -1,4 +1,4 @@
-"""``python -m hpc_train.train.prepare TEXT_FILE OUT_FILE``: text to a byte-level uint16 token file.
+"""``python -m hpc_train.login.prepare TEXT_FILE OUT_FILE``: text to a byte-level uint16 token file.
 
 Runs on a login node, so it imports only the standard library (no numpy, no torch). Each byte of the text is one
 token (vocab 256), stored as little-endian uint16 — the format :class:`hpc_train.rank.train.data.TokenFile` maps.
@@ -102,7 +102,7 @@ def prepare_text(text_path: str | os.PathLike[str], out_path: str | os.PathLike[
 
 def main(argv: list[str] | None = None) -> int:
     """Command line: exit 0 done, 1 an I/O failure while writing, 2 bad input (one ``error:`` line)."""
-    parser = argparse.ArgumentParser(prog="python -m hpc_train.train.prepare",
+    parser = argparse.ArgumentParser(prog="python -m hpc_train.login.prepare",
                                      description="Write a text file as a byte-level uint16 token file.")
     parser.add_argument("text_file", type=Path, help="text to tokenize, one token per byte")
     parser.add_argument("out_file", type=Path, help="token file to write (uint16, vocab 256)")

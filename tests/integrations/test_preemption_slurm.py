@@ -1,5 +1,5 @@
 """Lightning, Hugging Face Trainer and accelerate scripts on 2 nodes of the local Slurm cluster, sent USR2 once and
-followed as users run them (``hpc_train.login.submit`` without ``--no-follow``), with and without hpc_train's
+followed as users run them (``hpc_train.submit`` without ``--no-follow``), with and without hpc_train's
 integration: ``submit`` exits 0, the run was preempted, requeued and completed, ``logs --errors-only`` shows no
 failure, and the final weights are bitwise equal to an uninterrupted ``torchrun`` of the same script. With the
 integration, no step is lost or trained twice and every step is in the metrics exactly once.

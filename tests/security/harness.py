@@ -220,7 +220,7 @@ def _limit_memory() -> None:
 
 
 def _isolated(case: Case, argv: list[str], world: World) -> Outcome:
-    module = "hpc_train.login.submit" if case.entry == "submit" else "hpc_train"
+    module = "hpc_train.submit" if case.entry == "submit" else "hpc_train"
     start = time.monotonic()
     try:
         done = subprocess.run([PYTHON, "-m", module, *argv], cwd=world.work, capture_output=True, text=True,

@@ -134,7 +134,7 @@ def test_a_hugging_face_gpt2_sent_usr2_by_scancel_exports_the_uninterrupted_weig
     steps: tests/rank/train/test_hf_gpt2.py.)"""
     transformers = pytest.importorskip("transformers", reason="the hf extra (pip install 'hpc_train[hf]') is missing")
     tokens = tmp_path / "corpus.u16"
-    subprocess.run([sys.executable, "-m", "hpc_train.train.prepare", str(REPO / "examples" / "corpus" /
+    subprocess.run([sys.executable, "-m", "hpc_train.login.prepare", str(REPO / "examples" / "corpus" /
                     "hpc_train_docs.txt"), str(tokens)], check=True, capture_output=True, timeout=60)
     hf = ["--set", f"data.path={tokens}", "--set", "data.num_workers=2", "--set", "checkpoint.every_steps=100",
           "--set", "monitor.eval_every=10", "--set", "train.engine=fsdp2"]

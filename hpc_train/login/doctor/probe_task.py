@@ -1,4 +1,5 @@
-"""``python -m hpc_train.doctor.probe_task DIR SIGNAL [CODE_PATH]``: one task of doctor's signal-delivery probe job.
+"""``python -m hpc_train.login.doctor.probe_task DIR SIGNAL [CODE_PATH]``: one task of doctor's signal-delivery
+probe job.
 
 Every task installs a handler for SIGNAL first (as a training rank does, so an early signal is kept), reads the
 token doctor wrote into DIR, and reports ``DIR/ready-<procid>.json``. When the signal arrives it reports
@@ -41,7 +42,7 @@ def _read_token(folder: Path) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) not in (2, 3):
-        print("usage: python -m hpc_train.doctor.probe_task DIR SIGNAL [CODE_PATH]", file=sys.stderr)
+        print("usage: python -m hpc_train.login.doctor.probe_task DIR SIGNAL [CODE_PATH]", file=sys.stderr)
         return 2
     folder, name = Path(args[0]), args[1].upper().removeprefix("SIG")
     signum = getattr(signal, f"SIG{name}", None)

@@ -55,7 +55,7 @@ TENSORBOARD_FLUSH_S = 30  # the events file reaches the disk this often (and at 
 
 class LogLines(io.TextIOBase):
     """A text stream that hands each complete line to ``log``: progress goes into the rank-0 log, which
-    ``hpc_train.login.submit`` follows on the login node (a rank's stdout is a file on the compute node)."""
+    ``hpc_train.submit`` follows on the login node (a rank's stdout is a file on the compute node)."""
 
     def __init__(self, log: Callable[[str], None]) -> None:
         self._log = log

@@ -6,7 +6,7 @@ would have used. So samples are addressed by index only (a source is a pure func
 a seeded permutation per epoch shared by all ranks, and the sampler's state is the global position
 ``(epoch, offset)``, identical on every rank and independent of the data-parallel size.
 
-Token files are raw little-endian uint16, one token per element (``python -m hpc_train.train.prepare`` writes
+Token files are raw little-endian uint16, one token per element (``python -m hpc_train.login.prepare`` writes
 them from text, byte-level, vocab 256). numpy is needed here; torch only in :func:`batch`.
 """
 
@@ -122,7 +122,7 @@ class TokenFile:
 
     def _open(self) -> np.memmap:
         """Map the file after checking that it exists and holds whole uint16 tokens."""
-        fix = f"write it with: python -m hpc_train.train.prepare TEXT_FILE {self.path}"
+        fix = f"write it with: python -m hpc_train.login.prepare TEXT_FILE {self.path}"
         if not os.path.isfile(self.path):
             raise ConfigError(self.path, "no such token file", fix + ", or set data.path to an existing file")
         size = os.path.getsize(self.path)
@@ -182,7 +182,7 @@ def make_source(source: str, path: str, vocab_size: int, seed: int) -> TokenSour
     if source == "tokens":
         if not path:
             raise ConfigError("data.path", "is empty but data.source is tokens",
-                              "set data.path to a token file from python -m hpc_train.train.prepare")
+                              "set data.path to a token file from python -m hpc_train.login.prepare")
         return TokenFile(path, vocab_size)
     raise ConfigError("data.source", f'unknown source "{source}"',
                       did_you_mean(source, SOURCES) or f"use one of: {', '.join(SOURCES)}")

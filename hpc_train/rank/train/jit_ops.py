@@ -5,7 +5,7 @@ torch's extension folder, guarded by a ``lock`` file that the builder deletes wh
 while compiling (preempted, timed out, Ctrl-C) leaves that file behind, and from then on every job of that user
 waits for it without end and without a word. Here the ops a job's optimizer needs are built before
 ``deepspeed.initialize`` by one rank per node while the others wait at a barrier, and a lock older than any
-build is removed with a warning. ``python -m hpc_train.train.jit_ops cpu_adam`` does the same from a shell.
+build is removed with a warning. ``python -m hpc_train.rank.train.jit_ops cpu_adam`` does the same from a shell.
 """
 
 from __future__ import annotations

@@ -25,9 +25,9 @@ print("HEAVY=" + json.dumps(heavy[:5]), "CODE=" + str(code), file=sys.stderr)
 """
 EXAMPLE = str(REPO / "examples" / "tiny_gpt.toml")
 COMMANDS = {
-    "submit-help": ["hpc_train.login.submit", "--help"],
-    "submit-dry-run": ["hpc_train.login.submit", EXAMPLE, "--site", "local", "--dry-run"],
-    "submit-dry-run-json": ["hpc_train.login.submit", EXAMPLE, "--site", "local-slurm", "--dry-run", "--json",
+    "submit-help": ["hpc_train.submit", "--help"],
+    "submit-dry-run": ["hpc_train.submit", EXAMPLE, "--site", "local", "--dry-run"],
+    "submit-dry-run-json": ["hpc_train.submit", EXAMPLE, "--site", "local-slurm", "--dry-run", "--json",
                             "--executor", "local"],
     "main-help": ["hpc_train", "--help"],
     "main-submit-dry-run": ["hpc_train", "submit", EXAMPLE, "--site", "local", "--dry-run"],

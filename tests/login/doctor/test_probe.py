@@ -40,8 +40,8 @@ def test_script_holds_only_checked_values() -> None:
                           "#SBATCH --chdir=/scratch/runs/.doctor/0123abcd", "#SBATCH --partition=batch",
                           "#SBATCH --account=proj1"]
     assert "module load cuda/12.4" in lines
-    assert lines[-1] == ("srun --kill-on-bad-exit=0 --mpi=pmi2 /opt/venv/bin/python -m hpc_train.doctor.probe_task "
-                         "/scratch/runs/.doctor/0123abcd USR2")
+    assert lines[-1] == ("srun --kill-on-bad-exit=0 --mpi=pmi2 /opt/venv/bin/python -m "
+                         "hpc_train.login.doctor.probe_task /scratch/runs/.doctor/0123abcd USR2")
     assert any(line.startswith("trap ") and line.endswith(" USR2") for line in lines)
     plain = probe_script(request(signal="sigterm"), Path("/scratch/runs/.doctor/x"))
     assert plain.startswith("#!/bin/bash\n") and plain.rstrip().endswith(" TERM")
@@ -75,7 +75,8 @@ def test_probe_folder_is_private_and_new(tmp_path: Path) -> None:
 
 def _start_task(folder: Path, rank: str = "3", signal_name: str = "USR2", *code: str) -> subprocess.Popen[str]:
     env = {**os.environ, "SLURM_PROCID": rank, "SLURMD_NODENAME": "n7", "SLURM_JOB_ID": "42"}
-    return subprocess.Popen([sys.executable, "-m", "hpc_train.doctor.probe_task", str(folder), signal_name, *code],
+    return subprocess.Popen([sys.executable, "-m", "hpc_train.login.doctor.probe_task", str(folder), signal_name,
+                             *code],
                             cwd=REPO, env=env, stderr=subprocess.PIPE, text=True)
 
 

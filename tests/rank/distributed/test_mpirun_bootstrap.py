@@ -30,7 +30,7 @@ def test_mpirun_np4_bootstrap(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MASTER_", "RANK", "WORLD_SIZE"))}
     env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMP_NUM_THREADS="1")
     result = subprocess.run(["mpirun", "-np", "4", "--oversubscribe", "--bind-to", "none", sys.executable, "-m",
-                             "hpc_train.rank.entry", run_dir], env=env, capture_output=True, text=True, timeout=180,
+                             "hpc_train.launch", run_dir], env=env, capture_output=True, text=True, timeout=180,
                             check=False)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     smoke = json.loads((Path(run_dir) / "smoke.json").read_text())

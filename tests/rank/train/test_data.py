@@ -121,7 +121,7 @@ def token_file(tmp_path: Path, payload: bytes) -> Path:
 
 
 @pytest.mark.parametrize(("payload", "vocab", "seq_len", "message"), [
-    (None, 256, 8, r"bad.u16: no such token file.*Fix: write it with: python -m hpc_train.train.prepare"),
+    (None, 256, 8, r"bad.u16: no such token file.*Fix: write it with: python -m hpc_train.login.prepare"),
     (b"", 256, 8, r"bad.u16: token file is empty.*Fix: write it with"),
     (b"\x01\x00\x02", 256, 8, r"bad.u16: size 3 bytes is odd.*Fix: write it with"),
     (np.array([1, 2, 300], dtype="<u2").tobytes(), 256, 1,

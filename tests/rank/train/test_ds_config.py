@@ -23,7 +23,7 @@ EXAMPLE = REPO / "examples" / "hf_gpt2"
 
 def test_the_seed_ds_config_trains_the_hf_gpt2_on_two_ranks(tmp_path: Path) -> None:
     tokens = tmp_path / "corpus.u16"
-    subprocess.run([sys.executable, "-m", "hpc_train.train.prepare", str(REPO / "examples" / "corpus" /
+    subprocess.run([sys.executable, "-m", "hpc_train.login.prepare", str(REPO / "examples" / "corpus" /
                     "hpc_train_docs.txt"), str(tokens)], check=True, capture_output=True, timeout=60)
     job = tmp_path / "job.toml"
     job.write_text((EXAMPLE / "job.toml").read_text().replace("[zero]\nstage = 2\n", "").replace(

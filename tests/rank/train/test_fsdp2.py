@@ -189,7 +189,7 @@ def test_a_hugging_face_gpt2_with_tied_weights_follows_zero3_and_exports_for_fro
     ``_no_split_modules``, is each block). On 2 and on 4 ranks (the same global batch of 16)."""
     transformers = pytest.importorskip("transformers", reason="the hf extra (pip install 'hpc_train[hf]') is missing")
     tokens = tmp_path / "corpus.u16"
-    subprocess.run([sys.executable, "-m", "hpc_train.train.prepare", str(REPO / "examples" / "corpus" /
+    subprocess.run([sys.executable, "-m", "hpc_train.login.prepare", str(REPO / "examples" / "corpus" /
                     "hpc_train_docs.txt"), str(tokens)], check=True, capture_output=True, timeout=60)
     losses = {}
     for engine, extra in (("fsdp2", "train.engine=fsdp2"), ("zero3", "zero.stage=3")):

@@ -37,7 +37,7 @@ ARGS = ["--site", "local", "--set", f"train.steps={STEPS}", "--set", "train.prec
 @pytest.fixture(scope="module")
 def tokens(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("corpus") / "corpus.u16"
-    subprocess.run([sys.executable, "-m", "hpc_train.train.prepare", str(REPO / "examples" / "corpus" /
+    subprocess.run([sys.executable, "-m", "hpc_train.login.prepare", str(REPO / "examples" / "corpus" /
                     "hpc_train_docs.txt"), str(path)], check=True, capture_output=True, timeout=60)
     return path
 

@@ -92,9 +92,9 @@ def test_torch_builds_again_past_a_lock_left_by_a_killed_build(tmp_path: Path) -
 
 def test_the_command_builds_only_what_an_optimizer_needs() -> None:
     """Nothing to build for torch's AdamW (and no shm all-reduce any more); an unknown name is refused."""
-    done = subprocess.run([sys.executable, "-m", "hpc_train.train.jit_ops", "torch_adamw"], cwd=REPO,
+    done = subprocess.run([sys.executable, "-m", "hpc_train.rank.train.jit_ops", "torch_adamw"], cwd=REPO,
                           capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0 and "none needed" in done.stdout, done.stderr[-2000:]
-    wrong = subprocess.run([sys.executable, "-m", "hpc_train.train.jit_ops", "adam"], cwd=REPO,
+    wrong = subprocess.run([sys.executable, "-m", "hpc_train.rank.train.jit_ops", "adam"], cwd=REPO,
                            capture_output=True, text=True, timeout=120, check=False)
     assert wrong.returncode == 2 and "unknown optimizer 'adam'" in wrong.stderr

@@ -1,4 +1,4 @@
-"""The real trainer through ``hpc_train.login.submit`` on the local executor: every layout follows the loss
+"""The real trainer through ``hpc_train.submit`` on the local executor: every layout follows the loss
 trajectory of one rank (fp32, same global batch), and the loss falls on the shipped corpus.
 
 Tolerance: 2e-5 absolute per logged step over 8 steps in fp32 (reductions sum in a different order across
@@ -59,7 +59,7 @@ def test_layout_follows_one_rank(tmp_path: Path, reference: list[float], name: s
 
 def test_loss_falls_on_the_shipped_corpus(tmp_path: Path) -> None:
     tokens = tmp_path / "corpus.u16"
-    subprocess.run([sys.executable, "-m", "hpc_train.train.prepare", str(REPO / "examples" / "corpus" /
+    subprocess.run([sys.executable, "-m", "hpc_train.login.prepare", str(REPO / "examples" / "corpus" /
                     "hpc_train_docs.txt"), str(tokens)], check=True, capture_output=True, timeout=60)
     result = subprocess.run([sys.executable, "-m", "hpc_train.submit", EXAMPLE, "--site", "local",
                              "--set", "data.source=tokens", "--set", f"data.path={tokens}", "--set", "train.steps=60",

@@ -1,4 +1,4 @@
-"""Your own model (and data) in the real trainer, through ``hpc_train.login.submit`` on the local executor.
+"""Your own model (and data) in the real trainer, through ``hpc_train.submit`` on the local executor.
 
 Two models from files: a language model built from hpc_train's tensor-parallel layers, on the trainer's own
 synthetic tokens, and a small CNN classifier on its own tensor dataset with its own collate function. The
