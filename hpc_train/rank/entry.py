@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import math
 import os
 import socket
 import sys
@@ -34,14 +33,12 @@ from hpc_train.run.node import node_name
 from hpc_train.run.node_log import NodeLogHandler, node_log_path, ranks_per_log
 from hpc_train.run.paths import (
     PLAN_FILE,
-    PROGRAM_FILE,
-    SMOKE_FILE,
-    TRAIN_FILE,
     fabric_report_path,
     rank_consequence_path,
     rank_error_path,
 )
 from hpc_train.run.quick_exit import exit_quickly_when_done, leave_now
+from hpc_train.run.results import Stopped, rank_result
 from hpc_train.run.stops import StopConsequence
 
 __all__ = ["main", "run_rank"]
@@ -111,26 +108,14 @@ def _run_rank(run_dir: Path, plan: Plan, watch: PreemptionWatch | None) -> dict[
         if _record_failure(run_dir, plan, info, error, on_slurm and program != "smoke", logger):
             _leave(info, EXIT_RESTART_IN_PLACE)  # the agent above this rank starts every rank again
         raise
-    if "stopped" in result:  # saved after a preemption signal: leave without a result, with the agreed status
-        stopped = result["stopped"]
-        logger.info("%s", format_stopped(stopped["step"], stopped["signal"], stopped["requeue"], stopped["reason"],
-                                         stopped["exit_code"]))
-        _leave(info, stopped["exit_code"])
-    if "all_reduce" in result:
-        logger.info("smoke: all_reduce of ranks = %s (expected %s) over %s, rendezvous %s; groups %s",
-                    result["all_reduce"], result["expected"], result["backend"], result["rendezvous"],
-                    "checked" if result["groups"] else "not checked")
-    elif "program" in result:
-        logger.info("program %s completed%s", result["program"],
-                    f" after step {result['step']}" if result["step"] is not None else "")
-    elif result["steps"] > result["start_step"]:
-        evaluated = math.isfinite(result["eval_loss"])  # nan: no evaluation ran (eval off, or none was due)
-        logger.info("trained steps %d-%d: loss %.4f" + (", eval loss %.4f" if evaluated else ""),
-                    result["start_step"] + 1, result["steps"], result["final_loss"],
-                    *((result["eval_loss"],) if evaluated else ()))
+    typed = rank_result(result)
+    if isinstance(typed, Stopped):  # saved after a preemption signal: leave without a result, with the agreed status
+        logger.info("%s", format_stopped(typed.step, typed.signal, typed.requeue, typed.reason, typed.exit_code))
+        _leave(info, typed.exit_code)
+    if (line := typed.summary()) is not None:
+        logger.info("%s", line)
     if info.rank == 0:
-        name = SMOKE_FILE if "all_reduce" in result else PROGRAM_FILE if "program" in result else TRAIN_FILE
-        atomic_write(run_dir / name, json.dumps(result, indent=2) + "\n")
+        atomic_write(run_dir / typed.file, json.dumps(result, indent=2) + "\n")
     if info.launcher != "single":  # a launcher's rank process, not someone's own Python calling run_rank
         exit_quickly_when_done()
     return result

@@ -20,6 +20,7 @@ from typing import Any
 
 from hpc_train.config.plan import Plan
 from hpc_train.config.program import Program, parse_program
+from hpc_train.failures.policy import RetryPolicy
 from hpc_train.rank.distributed.bootstrap import shutdown
 from hpc_train.rank.distributed.launchers import LaunchInfo
 from hpc_train.rank.distributed.rendezvous import check_resolves, choose_rendezvous, export_rendezvous
@@ -50,7 +51,8 @@ class _LazyWatchdog:
         self.watchdog: Watchdog | None = None
 
     def _decide(self, hang: Any) -> tuple[int, str]:
-        return decide_hang(self.run_dir, self.info, self.recorder, hang, self.plan.config.retry.hang, self.log)
+        policy = RetryPolicy.from_section(self.plan.config.retry)
+        return decide_hang(self.run_dir, self.info, self.recorder, hang, policy, self.log)
 
     def start(self) -> Watchdog | None:
         wcfg, info = self.plan.config.watchdog, self.info

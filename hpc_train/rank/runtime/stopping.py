@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from hpc_train.failures.policy import RetryPolicy
 from hpc_train.rank.distributed.collectives import broadcast_object
 from hpc_train.rank.distributed.launchers import LaunchInfo
 from hpc_train.rank.runtime.preemption import Requeue, decide_requeue, perform_requeue
@@ -122,11 +123,11 @@ class AttemptRecorder:
         return broadcast_object(decision, src=0)
 
 
-def decide_hang(run_dir: Path, info: LaunchInfo, recorder: AttemptRecorder | None, hang: Hang, retries: int,
+def decide_hang(run_dir: Path, info: LaunchInfo, recorder: AttemptRecorder | None, hang: Hang, policy: RetryPolicy,
                 log: Callable[[str], None]) -> tuple[int, str]:
-    """Rank 0, from the watchdog thread: record the attempt as ``hang`` and requeue while ``[retry] hang``
-    allows (counted per job, or per chain of jobs where requeue is forbidden: a new submission starts again).
-    Returns the exit status and why.
+    """Rank 0, from the watchdog thread: record the attempt as ``hang`` and requeue while the retry policy
+    allows (``[retry] hang``, counted per job, or per chain of jobs where requeue is forbidden: a new submission
+    starts again). Returns the exit status and why.
 
     No collectives here: the other ranks are stuck, or waiting for this decision in a file."""
     attempts = AttemptLog(run_dir)
@@ -135,7 +136,7 @@ def decide_hang(run_dir: Path, info: LaunchInfo, recorder: AttemptRecorder | Non
         current = attempts.begin(job_id=info.job_id or "", restart=info.restart, host=node_name(),
                                  started=time.time(), start_step=hang.step, in_place=info.in_place)
     # retry.hang counts requeues: a hang restarted in place (retry.in_place) is not one
-    env = dict(os.environ)
+    env, retries = dict(os.environ), policy.limit("hang")
     jobs = {current.job_id, *(jobs_before(run_dir, current.job_id) if env.get(REQUEUE_ENV) == "dependency" else ())}
     hangs = sum(1 for a in attempts.read() if a.outcome == "hang" and a.requeued and a.job_id in jobs)
     in_place = in_place_left(env) > 0  # an agent starts every rank again inside this job: no requeue

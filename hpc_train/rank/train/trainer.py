@@ -23,6 +23,7 @@ from rich.console import Console
 from hpc_train.common.topology import Topology
 from hpc_train.config.job import MODEL_PRESETS
 from hpc_train.config.plan import Plan
+from hpc_train.failures.policy import RetryPolicy
 from hpc_train.rank.distributed.bootstrap import bootstrap, shutdown
 from hpc_train.rank.distributed.collectives import all_reduce_values
 from hpc_train.rank.distributed.context import RankContext
@@ -203,10 +204,10 @@ def _watchdog(rank: _Rank) -> Watchdog | None:
     wcfg = plan.config.watchdog
     if not wcfg.enabled:
         return None
-    retries = plan.config.retry.hang
+    policy = RetryPolicy.from_section(plan.config.retry)
 
     def decide(hang: Any) -> tuple[int, str]:
-        return decide_hang(run_dir, info, rank.recorder, hang, retries, log)
+        return decide_hang(run_dir, info, rank.recorder, hang, policy, log)
 
     return Watchdog(run_dir, info.rank, info.world_size, attempt_key(info.job_id, info.restart, info.in_place),
                     Timeouts(wcfg.startup_timeout_s, wcfg.step_timeout_s, wcfg.checkpoint_timeout_s),

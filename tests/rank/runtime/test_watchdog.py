@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from hpc_train.failures.policy import RetryPolicy
 from hpc_train.rank.distributed import faults
 from hpc_train.rank.distributed.launchers import LaunchInfo
 from hpc_train.rank.runtime.stopping import decide_hang
@@ -144,15 +145,15 @@ def _info(job_id: str = "42") -> LaunchInfo:
 def test_decide_hang_requeues_up_to_the_limit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SUBMITIT_EXECUTOR", "local")
     hang = Hang(1, "n2", "step", 14, 31.0, 30.0, time.time(), suspects="rank 1 in data.py")
-    code, why = decide_hang(tmp_path, _info(), None, hang, 1, lambda _: None)
+    code, why = decide_hang(tmp_path, _info(), None, hang, RetryPolicy(max_hang=1), lambda _: None)
     assert code == LOCAL_REQUEUE_EXIT and "restarts" in why
-    code, why = decide_hang(tmp_path, _info(), None, hang, 1, lambda _: None)
+    code, why = decide_hang(tmp_path, _info(), None, hang, RetryPolicy(max_hang=1), lambda _: None)
     assert code == EXIT_HUNG and "retry.hang = 1" in why
     attempts = AttemptLog(tmp_path).read()
     assert [(a.outcome, a.requeued) for a in attempts] == [("hang", True), ("hang", False)]
     assert "rank 1 in data.py" in attempts[0].note and attempts[0].end_step == 14
     # A new submission (another job id) starts counting again.
-    code, _ = decide_hang(tmp_path, _info("43"), None, hang, 1, lambda _: None)
+    code, _ = decide_hang(tmp_path, _info("43"), None, hang, RetryPolicy(max_hang=1), lambda _: None)
     assert code == LOCAL_REQUEUE_EXIT
 
 
@@ -160,7 +161,7 @@ def test_decide_hang_outside_a_scheduler_fails(tmp_path: Path, monkeypatch: pyte
     for name in ("SUBMITIT_EXECUTOR", "SLURM_JOB_ID"):
         monkeypatch.delenv(name, raising=False)
     hang = Hang(0, "n1", "startup", 0, 31.0, 30.0, time.time())
-    code, why = decide_hang(tmp_path, _info(), None, hang, 2, lambda _: None)
+    code, why = decide_hang(tmp_path, _info(), None, hang, RetryPolicy(max_hang=2), lambda _: None)
     assert code == EXIT_HUNG and "not under Slurm" in why
 
 
