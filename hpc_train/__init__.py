@@ -8,11 +8,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from hpc_train._moved import install as _keep_old_import_paths
+
 if TYPE_CHECKING:
     from hpc_train.rank.program.context import RunContext
 
 __all__ = ["__version__", "context"]
 __version__ = "0.1.0"
+_keep_old_import_paths()
 
 
 def context() -> RunContext:

@@ -179,7 +179,7 @@ def test_config_imports_nothing_above_it() -> None:
 # run folder's protocol and the pure helpers at the bottom, the config above them, the login commands and the rank
 # side above the config; nothing below imports anything above it.
 ROOMS = {  # room: module prefixes, longest match wins
-    "base": ("hpc_train", "hpc_train.errors", "hpc_train.resources"),
+    "base": ("hpc_train", "hpc_train._moved", "hpc_train.errors", "hpc_train.resources"),
     "doors": ("hpc_train.__main__", "hpc_train.submit", "hpc_train.launch", "hpc_train.agent"),
     "pure": ("hpc_train.common",),
     "run": ("hpc_train.run",),

@@ -34,6 +34,7 @@ from hpc_train.rank.runtime.cadence import PROBE_STEPS, SaveCadence
 from hpc_train.rank.runtime.node_states import NodeStates
 from hpc_train.run.attempts import AttemptLog, measured_save_s
 from hpc_train.run.files import open_record
+from hpc_train.run.paths import CHECKPOINTS_DIR
 
 __all__ = ["CheckpointTransaction", "Refusal", "broadcast"]
 
@@ -98,7 +99,7 @@ class CheckpointTransaction:
         self.rank = dist.get_rank()
         # The trainer's progress log; by default the rank's own logger, which hpc_train.rank.entry sets up.
         self.log = log or logging.getLogger(f"hpc_train.rank{self.rank}").info
-        self.manager = CheckpointManager(run_dir / "checkpoints", keep=checkpoint.keep, verify=checkpoint.verify,
+        self.manager = CheckpointManager(run_dir / CHECKPOINTS_DIR, keep=checkpoint.keep, verify=checkpoint.verify,
                                          background_prune=True) if self.rank == 0 else None
         self.world = dist.get_world_size()
         self.check_sha256 = checkpoint.verify == "sha256"

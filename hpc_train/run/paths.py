@@ -12,6 +12,7 @@ __all__ = [
     "ATTEMPTS_FILE",
     "CHECKPOINTS_DIR",
     "CONFIG_FILE",
+    "DEEPSPEED_CONFIG_FILE",
     "EXCLUDED_FILE",
     "FLIGHT_RECORDER_DIR",
     "HEARTBEAT_DIR",
@@ -53,6 +54,7 @@ RESULT_FILES = (SMOKE_FILE, TRAIN_FILE, PROGRAM_FILE)
 HEALTH_FILE = "health.json"  # rank 0's health checks: the findings now and when each tripped or cleared
 WANDB_DIR = "wandb"  # W&B's offline runs and logs ([monitor] wandb), for wandb sync
 WANDB_STATE_FILE = "wandb.json"  # the W&B run id and the last step sent, kept across attempts
+DEEPSPEED_CONFIG_FILE = "deepspeed_config.json"  # the DeepSpeed config the engine was built from, by rank 0
 MODEL_FILE = "model.json"  # what export needs to know of a trained model (a Hugging Face config), by rank 0
 LOGS_DIR = "logs"  # node logs (hpc_train.run.node_log), error files, stacks, fabric reports, Slurm's batch output
 CHECKPOINTS_DIR = "checkpoints"

@@ -49,6 +49,11 @@ def leave_now(code: int) -> None:
     """Leave at once with ``code``, logs and streams flushed: a rank that stopped on a signal, while its signal
     handlers still hold SIGTERM (the requeue rank 0 asked for sends it to every rank; a rank that took it in the
     interpreter's teardown would end "Terminated", which srun reports as an error)."""
+    _exit_flushed(code)
+
+
+def _exit_flushed(code: int) -> None:
+    """``os._exit(code)`` after the save writer, MPI, logging and the standard streams have had their say."""
     _flush_on_leave()
     _finalize_mpi()
     logging.shutdown()
@@ -68,15 +73,8 @@ def exit_quickly_when_done() -> None:
         previous(*details)
 
     def leave() -> None:
-        if failed:
-            return
-        _flush_on_leave()
-        _finalize_mpi()
-        logging.shutdown()
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):
-                stream.flush()
-        os._exit(0)
+        if not failed:
+            _exit_flushed(0)
 
     sys.excepthook = note_failure
     atexit.register(leave)

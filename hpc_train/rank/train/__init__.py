@@ -1,4 +1,4 @@
-"""Compute-node training code: data, model, engine and loop. Only ``prepare`` is meant for login nodes.
+"""The built-in trainer, its engines, models and data: code that runs on the ranks.
 
 :func:`load_exported` rebuilds the built-in GPT from a ``ckpt export`` file (it imports torch when called, so
 ``import hpc_train.rank.train`` stays light)."""

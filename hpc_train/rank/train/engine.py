@@ -14,6 +14,7 @@ import torch
 from hpc_train.config.deepspeed import deepspeed_config
 from hpc_train.config.job import JobConfig, TrainSection
 from hpc_train.run.files import atomic_write
+from hpc_train.run.paths import DEEPSPEED_CONFIG_FILE
 
 __all__ = ["build_engine", "deepspeed_config", "lr_at", "weight_decay_groups"]
 
@@ -59,7 +60,7 @@ def build_engine(model: torch.nn.Module, config: JobConfig, data_parallel: int, 
                                       betas=(train.beta1, train.beta2), eps=train.eps)
         ds["zero_allow_untested_optimizer"] = True
     if run_dir is not None and dist.get_rank() == 0:
-        atomic_write(run_dir / "deepspeed_config.json", json.dumps(ds, indent=2, sort_keys=True) + "\n")
+        atomic_write(run_dir / DEEPSPEED_CONFIG_FILE, json.dumps(ds, indent=2, sort_keys=True) + "\n")
     def schedule(basic_optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
         return torch.optim.lr_scheduler.LambdaLR(basic_optimizer, lambda step: lr_at(step, train) / train.lr)
 
