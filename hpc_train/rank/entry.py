@@ -116,7 +116,7 @@ def _run_rank(run_dir: Path, plan: Plan, watch: PreemptionWatch | None) -> dict[
         logger.info("%s", line)
     if info.rank == 0:
         atomic_write(run_dir / typed.file, json.dumps(result, indent=2) + "\n")
-    if info.launcher != "single":  # a launcher's rank process, not someone's own Python calling run_rank
+    if info.kind.own_process:  # a launcher's rank process, not someone's own Python calling run_rank
         exit_quickly_when_done()
     return result
 
@@ -124,7 +124,7 @@ def _run_rank(run_dir: Path, plan: Plan, watch: PreemptionWatch | None) -> dict[
 def _leave(info: Any, code: int) -> NoReturn:
     """A stopped rank's exit with the agreed status: at once from a launcher's rank process (inside the signal
     handlers, see :func:`leave_now`), as ``SystemExit`` where someone's own Python called :func:`run_rank`."""
-    if info.launcher != "single":
+    if info.kind.own_process:
         leave_now(code)
     raise SystemExit(code)
 

@@ -69,7 +69,7 @@ def bootstrap(info: LaunchInfo | None = None, expected_world: int | None = None,
     if backend == "nccl":
         torch.cuda.set_device(info.local_rank)
     timeout = timedelta(seconds=timeout_s)
-    if info.launcher == "torchrun" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+    if info.kind.agent_store and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         dist.init_process_group(backend, init_method="env://", timeout=timeout)  # the agent hosts the store
     else:
         store = _store(info, rendezvous, timedelta(seconds=init_timeout_s))

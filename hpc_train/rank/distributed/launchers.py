@@ -15,11 +15,39 @@ from dataclasses import dataclass
 
 from hpc_train.run.in_place import in_place_index
 
-__all__ = ["Geometry", "LaunchError", "LaunchInfo", "check_geometry", "detect_launch", "tasks_on_node"]
+__all__ = ["LAUNCHERS", "Geometry", "LaunchError", "LaunchInfo", "Launcher", "check_geometry", "detect_launch",
+           "tasks_on_node"]
 
 
 class LaunchError(RuntimeError):
     """The launcher's variables are missing or do not add up."""
+
+
+@dataclass(frozen=True)
+class Launcher:
+    """What hpc_train must know of the launcher that started a rank, one per launcher: the rest of the rank side
+    asks these, never the launcher's name."""
+
+    name: str
+    allocated: bool = False  # node count and ranks per node come from a scheduler's allocation: checked vs the plan
+    srun: bool = False  # Slurm's own tasks: the step's node list is checked too
+    sets_rendezvous: bool = False  # it exports MASTER_ADDR and MASTER_PORT itself
+    mpi: bool = False  # the mpirun template exports the rendezvous; without it, mpi4py broadcasts rank 0's
+    this_machine: bool = False  # every rank on this machine: the rendezvous is 127.0.0.1
+    agent_store: bool = False  # torchrun's agent may host the store (TORCHELASTIC_USE_AGENT_STORE)
+    own_process: bool = True  # False: someone's own Python called the rank's entry (no launcher at all)
+
+
+LAUNCHERS = {launcher.name: launcher for launcher in (
+    Launcher("srun", allocated=True, srun=True),
+    Launcher("torchrun", allocated=True, sets_rendezvous=True, agent_store=True),
+    Launcher("deepspeed", allocated=True, sets_rendezvous=True),
+    Launcher("openmpi", allocated=True, mpi=True),
+    Launcher("mpich", allocated=True, mpi=True),
+    Launcher("submitit-local", this_machine=True),
+    Launcher("env", sets_rendezvous=True),  # RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set by hand
+    Launcher("single", this_machine=True, own_process=False),
+)}
 
 
 @dataclass(frozen=True)
@@ -40,6 +68,11 @@ class LaunchInfo:
     master_addr: str = ""
     master_port: int = 0
     in_place: int = 0  # the in-place restart of this Slurm attempt (hpc_train.rank.agent.agent); 0 before any
+
+    @property
+    def kind(self) -> Launcher:
+        """What the launcher that started this rank implies (a name of no launcher known here: nothing)."""
+        return LAUNCHERS.get(self.launcher) or Launcher(self.launcher)
 
 
 def _int(env: Mapping[str, str], *names: str) -> int:
@@ -147,16 +180,12 @@ class Geometry:
     gpus_per_node: int
 
 
-# Launchers whose node count and ranks per node come from the scheduler's allocation (not one local process tree)
-_ALLOCATED = ("srun", "torchrun", "openmpi", "mpich", "deepspeed")
-
-
 def check_geometry(info: LaunchInfo, expected: Geometry, env: Mapping[str, str] | None = None) -> None:
     """Before any process group starts: the tasks the launcher gave this rank match the plan (nodes, tasks per
     node, the step's node list, GPUs on this node), so a wrong allocation after a restart or a requeue is one
     message naming both sides instead of a hang in ``init_process_group``."""
     env = os.environ if env is None else env
-    if info.launcher not in _ALLOCATED:
+    if not info.kind.allocated:
         return
     problems = []
     if info.num_nodes != expected.nodes:
@@ -166,7 +195,7 @@ def check_geometry(info: LaunchInfo, expected: Geometry, env: Mapping[str, str] 
         problems.append(f"{info.local_world_size} rank{'s' if info.local_world_size != 1 else ''} on node "
                         f"{info.node_rank} but the plan has {expected.tasks_per_node} (job.tasks_per_node)")
     listed = env.get("SLURM_STEP_NODELIST") or ""
-    if listed and info.launcher == "srun":
+    if listed and info.kind.srun:
         from hpc_train.common.hostlist import expand
 
         hosts = expand(listed)

@@ -17,9 +17,6 @@ from hpc_train.rank.distributed.launchers import LaunchError, LaunchInfo
 
 __all__ = ["Rendezvous", "RendezvousError", "choose_rendezvous", "derive_port", "export_rendezvous"]
 
-_OWN_RENDEZVOUS = ("torchrun", "deepspeed", "env")
-
-
 class RendezvousError(RuntimeError):
     """The rendezvous address does not resolve, the port is taken, or rank 0 cannot be reached."""
 
@@ -53,14 +50,15 @@ def choose_rendezvous(info: LaunchInfo, port_range: tuple[int, int] = (20000, 32
                       fabric_suffix: str = "") -> Rendezvous:
     """The address and port every rank of this job computes alike."""
     low, high = port_range
-    if info.launcher in _OWN_RENDEZVOUS:
+    kind = info.kind
+    if kind.sets_rendezvous:
         return Rendezvous(info.master_addr, info.master_port)
-    if info.launcher in ("openmpi", "mpich") and info.master_addr and info.master_port:
+    if kind.mpi and info.master_addr and info.master_port:
         return Rendezvous(info.master_addr, info.master_port)  # exported by the mpirun template
-    if info.launcher in ("submitit-local", "single"):
+    if kind.this_machine:
         return Rendezvous("127.0.0.1", derive_port(info.job_id, info.restart, low, high, info.in_place))
     if not info.nodelist or not info.job_id:
-        if info.launcher in ("openmpi", "mpich"):
+        if kind.mpi:
             return _mpi_bcast_rendezvous(info, low, high)
         raise LaunchError(f"{info.launcher}: SLURM_JOB_NODELIST and SLURM_JOB_ID are needed to find rank 0")
     port = derive_port(info.job_id, info.restart, low, high, info.in_place)

@@ -115,3 +115,17 @@ def test_the_allocation_must_match_the_plan_before_any_process_group(env: dict[s
     with pytest.raises(LaunchError) as error:
         check_geometry(info, geometry, env)
     assert message in str(error.value) and "the allocation and the plan disagree" in str(error.value)
+
+
+def test_every_launcher_detect_launch_names_has_its_kind() -> None:
+    """The rank side asks a launcher's kind (allocated, its own rendezvous, MPI, this machine), never its name;
+    each name detect_launch can give is in the table, and a name it does not know implies nothing."""
+    from hpc_train.rank.distributed.launchers import LAUNCHERS, LaunchInfo
+
+    assert set(LAUNCHERS) == {"srun", "torchrun", "deepspeed", "openmpi", "mpich", "submitit-local", "env", "single"}
+    assert [name for name, kind in LAUNCHERS.items() if kind.allocated] == ["srun", "torchrun", "deepspeed", "openmpi",
+                                                                           "mpich"]
+    assert [name for name, kind in LAUNCHERS.items() if kind.this_machine] == ["submitit-local", "single"]
+    assert not LAUNCHERS["single"].own_process and all(k.own_process for n, k in LAUNCHERS.items() if n != "single")
+    unknown = LaunchInfo("pbsdsh", 0, 0, 1, 1, 0, 1, "", "", "", 0).kind
+    assert unknown.own_process and not (unknown.allocated or unknown.sets_rendezvous or unknown.this_machine)
