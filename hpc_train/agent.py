@@ -4,6 +4,7 @@ kept as the door to :mod:`hpc_train.rank.agent.agent` so that scripts rendered b
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 __all__ = ["main"]
 
@@ -12,6 +13,13 @@ def main(argv: list[str] | None = None) -> int:
     from hpc_train.rank.agent.agent import main as agent_main
 
     return agent_main(argv)
+
+
+def __getattr__(name: str) -> Any:
+    """The rest of ``hpc_train.rank.agent.agent``, for code written against the old name."""
+    import importlib
+
+    return getattr(importlib.import_module("hpc_train.rank.agent.agent"), name)
 
 
 if __name__ == "__main__":

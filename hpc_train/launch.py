@@ -48,5 +48,12 @@ def main(argv: list[str] | None = None) -> int:
     return rank_main(argv)
 
 
+def __getattr__(name: str) -> Any:
+    """The rest of ``hpc_train.rank.entry``, for code written against the old name."""
+    import importlib
+
+    return getattr(importlib.import_module("hpc_train.rank.entry"), name)
+
+
 if __name__ == "__main__":
     sys.exit(main())

@@ -41,3 +41,15 @@ def test_python_dash_m_of_an_old_name_runs_the_new_module() -> None:
     result = subprocess.run([sys.executable, "-m", "hpc_train.train.prepare", "--help"], cwd=REPO,
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and "python -m hpc_train.login.prepare" in result.stdout, result.stderr
+
+
+def test_the_doors_still_hand_out_what_their_modules_held() -> None:
+    import hpc_train.agent
+    import hpc_train.launch
+    import hpc_train.submit
+    from hpc_train.login.submit import build_parser
+    from hpc_train.rank.agent.agent import supervise
+    from hpc_train.rank.entry import run_rank
+
+    assert hpc_train.launch.run_rank is run_rank and hpc_train.agent.supervise is supervise
+    assert hpc_train.submit.build_parser is build_parser

@@ -135,8 +135,10 @@ class SlurmBackend(Backend):
                                                  "itself; resubmit to resume")
         try:
             result = run(["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=60, check=False)
-        except (OSError, subprocess.TimeoutExpired):
+        except subprocess.TimeoutExpired:
             return Requeue("none", EXIT_STOPPED, f"scontrol requeue {job_id} did not answer within 60 s")
+        except OSError as error:
+            return Requeue("none", EXIT_STOPPED, f"scontrol requeue {job_id} could not start: {error.strerror}")
         if result.returncode < 0:
             # scontrol runs inside the job's step, so the requeue it asked for ends it too: killed by a signal with
             # nothing said means Slurm is requeuing (seen under load: "STEP CANCELLED DUE TO JOB REQUEUE").

@@ -75,7 +75,7 @@ class _ToLog(logging.Handler):
 
 
 def _forward_manager_warnings(log: Callable[[str], None]) -> None:
-    logger = logging.getLogger("hpc_train.checkpoint")
+    logger = logging.getLogger("hpc_train.checkpoint.manager")
     for handler in [h for h in logger.handlers if isinstance(h, _ToLog)]:
         logger.removeHandler(handler)
     logger.addHandler(_ToLog(log))

@@ -31,7 +31,7 @@ the batch output Slurm and srun wrote). The first rule that matches decides; the
    minutes and 10 % of its time limit; with ``CANCELLED`` it is **cancelled** (scancel, which the run saved for).
 8. ``CANCELLED`` with nothing above: **cancelled** (someone ran scancel; never retried).
 9. A rank that ended on a signal without a traceback: **killed** (SIGKILL, SIGTERM) or **crashed** (SIGSEGV, ...).
-10. Status 126/127 (command not found) or a launch error line ("hpc_train.rank.entry: ..."): **user_error**.
+10. Status 126/127 (command not found) or a launch error line ("hpc_train.launch: ..."): **user_error**.
 11. Anything else: **unknown** (ranks that only lost their peers name the silent ranks' nodes, not excluded).
 
 Suspect nodes are Slurm node names (what ``--exclude`` takes): a rank's host when it is one of the allocation's

@@ -135,7 +135,7 @@ def parse_host_oom(line: str) -> tuple[int, float, float | None, float | None] |
 
 # -- the batch step's output ------------------------------------------------------------------------------------
 
-LAUNCH_ERROR_PREFIX = "hpc_train.rank.entry: "  # a wrong launch, said in one line on every rank's stderr
+LAUNCH_ERROR_PREFIX = "hpc_train.launch: "  # a wrong launch, said in one line on every rank's stderr
 BATCH_START = re.compile(r"hpc_train: job \S+ restart [0-9]+")  # echoed by sbatch_templates/_preamble.j2
 
 

@@ -42,3 +42,16 @@ def test_a_rank_of_the_smaller_life_plans_the_same_global_batch_with_more_accumu
         plan_for_life(plan, {SHRUNK_NODES_ENV: "one"})
     with pytest.raises(ConfigError, match=r"HPC_TRAIN_SHRUNK_NODES='3': 3 node\(s\) cannot keep .* Fix: unset"):
         plan_for_life(plan, {SHRUNK_NODES_ENV: "3"})
+
+
+def test_a_plan_json_of_the_earlier_layout_still_loads(tmp_path: Path) -> None:
+    """Before retry.shrink was held once, plan.json carried it in resources too: such a run folder still reads."""
+    import json
+
+    from hpc_train.config.plan import Plan
+
+    plan = make_plan(build(JobConfig, {"job": {"nodes": 2}, "retry": {"shrink": True}}), load_site("local-slurm"),
+                     "slurm", cwd=tmp_path)
+    data = json.loads(plan.to_json())
+    data["resources"]["shrink"] = True
+    assert Plan.from_json(json.dumps(data)) == plan and plan.survives_lost_node

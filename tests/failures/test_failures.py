@@ -339,7 +339,7 @@ def test_the_agents_peak_line_says_how_close_the_rank_came_to_the_limit(tmp_path
 
 def test_ranks_that_could_not_start(tmp_path: Path) -> None:
     assert classify(record("575", "FAILED", "127:0"), Evidence()).failure_class == "user_error"
-    evidence = Evidence(batch_log="hpc_train.rank.entry: WORLD_SIZE=4 but the plan has 8 ranks\n")
+    evidence = Evidence(batch_log="hpc_train.launch: WORLD_SIZE=4 but the plan has 8 ranks\n")
     found = classify(record("576", "FAILED", "1:0"), evidence)
     assert found.failure_class == "user_error" and "WORLD_SIZE=4" in found.reason
 

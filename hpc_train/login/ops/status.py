@@ -26,7 +26,7 @@ from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
 
-from hpc_train.backends import executor_backend, scheduler
+from hpc_train.backends import LocalBackend, executor_backend, scheduler
 from hpc_train.common.terminal import plain, shown
 from hpc_train.errors import ConfigError
 from hpc_train.failures.classify import Classification, classify
@@ -61,6 +61,12 @@ _ENDED_BADLY = {"FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", 
 _FAILED_OUTCOMES = ("failed", "killed", "crashed", "infrastructure", "hang")
 _SPARK_POINTS = 24  # status --watch draws the loss of this many recent records
 _SPARKS = "▁▂▃▄▅▆▇█"
+
+
+def _has_job_ids(executor: str) -> bool:
+    """Whether a run folder's jobs are Slurm's to ask about: every executor but the local one, a folder whose
+    plan names none (torn, or another version's) included."""
+    return executor_backend(executor) is not LocalBackend
 
 
 def sparkline(values: list[float]) -> str:
@@ -184,7 +190,7 @@ def read_folder(path: Path) -> RunFolder:
         steps = None  # a user program: train.steps is the built-in trainer's, its own total is unknown
     executor = str(plan.get("executor", ""))
     attempts = AttemptLog(path).read(warn=True)
-    ids = _folder_job_ids(path, attempts) if executor_backend(executor).job_ids else []
+    ids = _folder_job_ids(path, attempts) if _has_job_ids(executor) else []
     try:
         excluded = [e.node for e in read_exclusions(path)]
     except ConfigError as error:
@@ -251,7 +257,7 @@ def collect(run_dirs: list[Path], poll: Poll = scheduler.poll) -> tuple[list[Run
     """Read every run folder, poll the scheduler once for all of them, and join the two (``poll``: a fake
     scheduler in tests)."""
     folders = [read_folder(path) for path in run_dirs]
-    slurm_runs = [f for f in folders if executor_backend(f.executor).job_ids]
+    slurm_runs = [f for f in folders if _has_job_ids(f.executor)]
     if slurm_runs:
         answer = poll([i for f in slurm_runs for i in f.job_ids], [f.path for f in slurm_runs])
     else:
@@ -263,7 +269,7 @@ def build_status(folder: RunFolder, answer: scheduler.SchedulerAnswer) -> RunSta
     """One run's row: its newest job's state and nodes, telemetry, attempts and the class of a failure."""
     notes = list(folder.notes)
     ids = list(folder.job_ids)
-    if executor_backend(folder.executor).job_ids:
+    if _has_job_ids(folder.executor):
         ids += [i for e in answer.queue if scheduler.queue_matches(e, folder.path) for i in [e.array_id or e.job_id]
                 if i and i not in ids and _JOB_ID.fullmatch(i)]
     ids.sort(key=_id_key)
@@ -291,7 +297,7 @@ def _state(folder: RunFolder, answer: scheduler.SchedulerAnswer, job_id: str,
            notes: list[str]) -> tuple[str, str, str, scheduler.SlurmRecord | None]:
     """State, nodes and reason of the run's newest job: the queue first (live), then accounting, then the run
     folder (the local executor, or no Slurm here)."""
-    if executor_backend(folder.executor).job_ids and answer.available and job_id:
+    if _has_job_ids(folder.executor) and answer.available and job_id:
         queued = answer.queued(job_id)
         record = answer.last_record(job_id)
         if queued is not None:
@@ -302,7 +308,7 @@ def _state(folder: RunFolder, answer: scheduler.SchedulerAnswer, job_id: str,
     last = folder.attempts[-1] if folder.attempts else None
     if last is None:
         return (folder.finished.upper() or ("NO JOB" if not job_id else "UNKNOWN")), "", "", None
-    if last.outcome == "running" and not executor_backend(folder.executor).on_slurm and not _alive(last):
+    if last.outcome == "running" and executor_backend(folder.executor) is LocalBackend and not _alive(last):
         return "KILLED", last.host, "", None
     state = {"running": "RUNNING", "completed": "COMPLETED", "preempted": "STOPPED", "failed": "FAILED",
              "killed": "KILLED", "hang": "HUNG"}.get(last.outcome, last.outcome.upper())

@@ -73,7 +73,7 @@ def _logger(run_dir: Path, rank: int, per_node: int, slot: int | None = None) ->
     """The agent's lines as rank ``rank``'s (its node's first rank) in its node's log (rank 0's also on stdout,
     the batch output), or with ``slot`` the lines of a node's agent in a job with spares, which may hold no rank
     in a life: ``nodeK`` lines in ``logs/agents-FIRST-LAST.log``."""
-    name = f"hpc_train.rank.agent.agent{rank}" if slot is None else f"hpc_train.rank.agent.agent-node{slot}"
+    name = f"hpc_train.agent{rank}" if slot is None else f"hpc_train.agent-node{slot}"
     logger = logging.getLogger(name)
     if not logger.handlers:
         logger.setLevel(logging.INFO)
