@@ -22,7 +22,7 @@ from hpc_train.run.exit_codes import EXIT_STOPPED, LOCAL_REQUEUE_EXIT
 from hpc_train.run.jobid import scontrol_job_id
 
 __all__ = ["EXECUTORS", "Backend", "LocalBackend", "NoBackend", "Requeue", "Runner", "SlurmBackend", "backend_of",
-           "executor_backend"]
+           "default_executor", "executor_backend"]
 
 Runner = Callable[..., "subprocess.CompletedProcess[str]"]
 
@@ -160,6 +160,11 @@ def backend_of(env: Mapping[str, str]) -> Backend:
     if env.get("SLURM_JOB_ID"):
         return SlurmBackend(env)
     return NoBackend(env)
+
+
+def default_executor(slurm_enabled: bool) -> str:
+    """The executor ``--executor auto`` means: Slurm on a site with Slurm, else the local one."""
+    return (SlurmBackend if slurm_enabled else LocalBackend).executor
 
 
 def executor_backend(executor: str) -> type[Backend]:

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from hpc_train import __version__
+from hpc_train.backends import default_executor
 from hpc_train.bench.cli import add_parser as add_bench_parser
 from hpc_train.common.terminal import plain, print_json, shown
 from hpc_train.login.ckpt_cli import add_parser as add_ckpt_parser
@@ -69,7 +70,7 @@ def _planned_executor(args: argparse.Namespace) -> str:
 
     if args.executor != "auto":
         return args.executor
-    return "slurm" if load_site(args.site).slurm.enabled else "local"
+    return default_executor(load_site(args.site).slurm.enabled)
 
 
 def _memory(args: argparse.Namespace) -> int:

@@ -69,3 +69,10 @@ def test_carrying_out_a_decision_without_slurm_changes_nothing(tmp_path: Path) -
     chained = SlurmBackend({"SLURM_JOB_ID": "42", REQUEUE_ENV: "dependency"})
     refused = chained.requeue(chained.next_attempt(), None)
     assert refused.action == "none" and "no run folder" in refused.reason
+
+
+def test_auto_is_slurm_on_a_site_with_slurm_and_local_elsewhere() -> None:
+    from hpc_train.backends import default_executor
+
+    assert executor_backend(default_executor(True)) is SlurmBackend
+    assert executor_backend(default_executor(False)) is LocalBackend

@@ -11,6 +11,7 @@ import os
 import sys
 from pathlib import Path
 
+from hpc_train.backends import default_executor
 from hpc_train.common.terminal import print_json
 from hpc_train.config.environment import detected_on_node, network_env
 from hpc_train.config.plan import Plan, load_job, make_plan
@@ -53,7 +54,7 @@ def _checked(args: argparse.Namespace) -> None:
 
 
 def _plan(args: argparse.Namespace, site: SiteConfig) -> Plan:
-    return make_plan(load_job(args.config, args.overrides), site, "slurm" if site.slurm.enabled else "local",
+    return make_plan(load_job(args.config, args.overrides), site, default_executor(site.slurm.enabled),
                      config_dir=args.config.resolve().parent)
 
 

@@ -13,7 +13,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from hpc_train.backends import LocalBackend, SlurmBackend, executor_backend
+from hpc_train.backends import default_executor, executor_backend
 from hpc_train.config.plan import Plan
 from hpc_train.errors import ConfigError
 from hpc_train.login.slurm.directives import container_srun_flags, export_directive
@@ -28,7 +28,7 @@ def resolve_executor(requested: str, slurm_enabled: bool) -> str:
     job (maybe 32 GPU ranks) is never quietly started as local processes instead."""
     has_sbatch = shutil.which("sbatch") is not None
     if requested == "auto":
-        requested = (SlurmBackend if slurm_enabled else LocalBackend).executor
+        requested = default_executor(slurm_enabled)
     if executor_backend(requested).on_slurm and not has_sbatch:
         raise ConfigError("--executor", "slurm, but sbatch is not on PATH (is this a login node?)",
                           "run on a Slurm login node, or use --executor local")
