@@ -40,7 +40,6 @@ MOVED = {  # old module or package -> new; the longest match wins, and a package
     "hpc_train.runtime.dcp_files": "hpc_train.checkpoint.dcp_files",
     "hpc_train.train": "hpc_train.rank.train",
     "hpc_train.train.prepare": "hpc_train.login.prepare",
-    "hpc_train.train.exported": "hpc_train.checkpoint.exported",
     "hpc_train.train.checkpointing": "hpc_train.checkpoint.deepspeed",
     "hpc_train.train.checkpoint_files": "hpc_train.checkpoint.deepspeed_files",
     "hpc_train.train.checkpointing_fsdp2": "hpc_train.checkpoint.fsdp2",

@@ -211,7 +211,7 @@ ALLOWED = {
     "failures": _LOW | {"config"},
     # the format (names, manifest, manager, writer) stands on the low rooms; the transaction and the engines'
     # adapters on the rank side's collectives and runtime, export on the model specs
-    "checkpoint": _SHARED | {"distributed", "runtime", "train"},
+    "checkpoint": _SHARED | {"distributed", "runtime"},
     "login": _SHARED | {"checkpoint", "bench", "doors"},  # doors: the callable submitit pickles (RankEntry)
     "bench": _LOW | {"distributed"},
     "entry": _SHARED | {"checkpoint", "distributed", "runtime", "train", "program"},

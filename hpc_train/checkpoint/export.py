@@ -60,6 +60,7 @@ from hpc_train.checkpoint.manager import fsync_path
 from hpc_train.checkpoint.manifest import Manifest
 from hpc_train.checkpoint.names import DEEPSPEED_TAG
 from hpc_train.config.job import MODEL_PRESETS
+from hpc_train.config.model_shapes import gpt_parameter_name
 from hpc_train.errors import ConfigError
 from hpc_train.run.files import MAX_RECORD_FILE, open_record
 from hpc_train.run.paths import MODEL_FILE
@@ -241,10 +242,8 @@ def _renamed(state: dict[str, Any], folder: Path) -> dict[str, Any]:
     they are (``nn.Sequential(*layers)``'s names) for a user's layers."""
     if _card(folder).get("model", "tiny") not in MODEL_PRESETS:
         return state
-    from hpc_train.rank.train.models import GPT_SPEC
-
     blocks = len(_layer_files(folder / DEEPSPEED_TAG, 0)) - 2
-    return {GPT_SPEC.parameter_name(name, blocks): tensor for name, tensor in state.items()}
+    return {gpt_parameter_name(name, blocks): tensor for name, tensor in state.items()}
 
 
 def merge_tensor_parallel(states: list[dict[str, Any]], split_dims: dict[str, Any], shapes: dict[str, Any],

@@ -1,5 +1,5 @@
-"""The built-in GPT back from a ``python -m hpc_train ckpt export`` file, for inference anywhere (one process, no
-DeepSpeed, no run folder): :func:`load_exported`.
+"""The format of a ``python -m hpc_train ckpt export`` file, read back: its description and its tensors
+(:func:`hpc_train.rank.train.exported.load_exported` builds the built-in GPT from them).
 
 What an export carries besides its tensors (the writer is :mod:`hpc_train.checkpoint.export`, the reader here, so
 both use the names below): a ``str -> str`` description, the safetensors file's own metadata, or for ``--format
@@ -8,7 +8,7 @@ pt`` (a plain ``dict`` of tensors, as ``torch.load(weights_only=True)`` wants it
 ``hpc_train.dtype``, ``hpc_train.step`` and, for the built-in GPT, ``hpc_train.gpt_config`` (its
 :class:`~hpc_train.rank.train.model.GPTConfig` as JSON).
 
-torch, safetensors and the GPT are imported inside the functions: ``import hpc_train.rank.train`` stays light.
+torch and safetensors are imported inside the functions.
 """
 
 from __future__ import annotations
@@ -21,13 +21,13 @@ from typing import Any
 from hpc_train.errors import ConfigError
 from hpc_train.run.files import open_record
 
-__all__ = ["DTYPE_KEY", "EXPORT_KEY", "EXPORT_VERSION", "GPT_CONFIG_KEY", "MODEL_KEY", "STEP_KEY", "load_exported",
-           "read_description", "sidecar_path"]
+__all__ = ["DTYPE_KEY", "EXPORT_FIX", "EXPORT_KEY", "EXPORT_VERSION", "GPT_CONFIG_KEY", "MODEL_KEY", "STEP_KEY",
+           "read_description", "read_tensors", "sidecar_path"]
 
 EXPORT_KEY, EXPORT_VERSION = "hpc_train.export", "1"
 MODEL_KEY, DTYPE_KEY, STEP_KEY, GPT_CONFIG_KEY = "hpc_train.model", "hpc_train.dtype", "hpc_train.step", \
     "hpc_train.gpt_config"
-_EXPORT_FIX = "export the run again: python -m hpc_train ckpt export RUN --format safetensors --out model.safetensors"
+EXPORT_FIX = "export the run again: python -m hpc_train ckpt export RUN --format safetensors --out model.safetensors"
 _MAX_SIDECAR = 1 << 20
 
 
@@ -51,7 +51,7 @@ def _safetensors_description(path: Path) -> dict[str, str]:
             return dict(handle.metadata() or {})
     except Exception as error:  # safetensors raises its own SafetensorError for a bad header
         raise ConfigError(str(path), f"is not a readable safetensors file ({type(error).__name__}: {error})",
-                          _EXPORT_FIX) from None
+                          EXPORT_FIX) from None
 
 
 def _sidecar_description(path: Path) -> dict[str, str]:
@@ -61,11 +61,11 @@ def _sidecar_description(path: Path) -> dict[str, str]:
             data = json.loads(handle.read(_MAX_SIDECAR).decode("utf-8"))
     except FileNotFoundError:
         raise ConfigError(str(path), f"has no {side.name} beside it (the model description ckpt export writes "
-                          "with --format pt)", f"keep the two files together, or {_EXPORT_FIX}") from None
+                          "with --format pt)", f"keep the two files together, or {EXPORT_FIX}") from None
     except (OSError, ValueError) as error:
-        raise ConfigError(str(side), f"cannot be read as the export's description ({error})", _EXPORT_FIX) from None
+        raise ConfigError(str(side), f"cannot be read as the export's description ({error})", EXPORT_FIX) from None
     if not isinstance(data, dict) or not all(isinstance(v, str) for v in data.values()):
-        raise ConfigError(str(side), "is not an export description (a JSON object of strings)", _EXPORT_FIX)
+        raise ConfigError(str(side), "is not an export description (a JSON object of strings)", EXPORT_FIX)
     return data
 
 
@@ -78,25 +78,13 @@ def read_description(path: str | os.PathLike[str]) -> dict[str, str]:
     description = _safetensors_description(path) if _is_safetensors(path) else _sidecar_description(path)
     if description.get(EXPORT_KEY) != EXPORT_VERSION:
         raise ConfigError(str(path), "is not an hpc_train export (its description has no "
-                          f'"{EXPORT_KEY}": "{EXPORT_VERSION}")', _EXPORT_FIX)
+                          f'"{EXPORT_KEY}": "{EXPORT_VERSION}")', EXPORT_FIX)
     return description
 
 
-def _gpt_config(path: Path, description: dict[str, str]) -> Any:
-    from hpc_train.rank.train.model import GPTConfig
-
-    text = description.get(GPT_CONFIG_KEY)
-    if text is None:
-        raise ConfigError(str(path), f"is an export of train.model = {description.get(MODEL_KEY, '?')!r}, not of "
-                          "the built-in GPT", "load it into your own module: model.load_state_dict("
-                          "safetensors.torch.load_file(FILE)) or torch.load(FILE, weights_only=True)")
-    try:
-        return GPTConfig(**json.loads(text))
-    except (ValueError, TypeError) as error:
-        raise ConfigError(str(path), f"records a GPT config that cannot be read ({error})", _EXPORT_FIX) from None
-
-
-def _tensors(path: Path) -> dict[str, Any]:
+def read_tensors(path: Path) -> dict[str, Any]:
+    """An export's tensors (safetensors, or a pt file through ``torch.load(weights_only=True)``); ConfigError naming
+    the file when it cannot be read or is not a state dict."""
     import pickle
 
     import torch
@@ -109,36 +97,7 @@ def _tensors(path: Path) -> dict[str, Any]:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except (OSError, RuntimeError, ValueError, EOFError, pickle.UnpicklingError) as error:
         raise ConfigError(str(path), f"cannot be read ({type(error).__name__}: {error})".replace("\n", " "),
-                          _EXPORT_FIX) from None
+                          EXPORT_FIX) from None
     if not isinstance(state, dict):
-        raise ConfigError(str(path), f"holds a {type(state).__name__}, not a state dict", _EXPORT_FIX)
+        raise ConfigError(str(path), f"holds a {type(state).__name__}, not a state dict", EXPORT_FIX)
     return state
-
-
-def load_exported(path: str | os.PathLike[str], device: Any = "cpu") -> Any:
-    """The built-in GPT of an export (``--format safetensors`` or ``pt``, fp32 or bf16), whole in this process,
-    its weights in the export's dtype on ``device``, in eval mode: ``model(tokens, targets)`` is the mean
-    next-token loss. A pt file is read with ``torch.load(weights_only=True)``.
-
-    ConfigError (a ValueError) naming the file and the fix for a file that is not an hpc_train export of the
-    built-in GPT, or whose tensors do not fit the GPT it describes."""
-    import torch
-    import torch.distributed as dist
-
-    from hpc_train.rank.train.model import GPT
-
-    path = Path(path)
-    description = read_description(path)
-    config = _gpt_config(path, description)
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        raise ConfigError(str(path), "load_exported builds the whole GPT in one process, but torch.distributed is "
-                          "initialised with more than one rank (the GPT's layers would shard over them)",
-                          "load it in a process without a process group, or destroy it first")
-    with torch.device("meta"):  # no random init of weights that are replaced at once
-        model = GPT(config, None)
-    try:
-        model.load_state_dict(_tensors(path), strict=True, assign=True)
-    except RuntimeError as error:
-        raise ConfigError(str(path), f"does not fit the GPT its description records ({error})".replace("\n", " "),
-                          _EXPORT_FIX) from None
-    return model.to(device).eval()

@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 from hpc_train.config.job import MODEL_PRESETS
 
-__all__ = ["Param", "gpt_stage_parameters", "require_positive"]
+__all__ = ["Param", "gpt_parameter_name", "gpt_stage_parameters", "require_positive"]
 
 
 def require_positive(**values: int) -> None:
@@ -75,3 +75,14 @@ def gpt_stage_parameters(preset: str, vocab_size: int, seq_len: int, tensor: int
         stages.append(params)
         first += count
     return stages
+
+
+def gpt_parameter_name(name: str, layers: int) -> str:
+    """The name in ``GPT.named_parameters()`` of a pipeline parameter (``"1.attn.qkv.weight"`` ->
+    ``"blocks.0.attn.qkv.weight"``), for comparing weights and converting checkpoints."""
+    index, _, rest = name.partition(".")
+    if not (index.isascii() and index.isdigit()) or not rest or not 0 <= int(index) <= layers + 1:
+        raise ValueError(f"{name!r} is not a parameter of a {layers}-block pipeline GPT")
+    if 1 <= int(index) <= layers:
+        return f"blocks.{int(index) - 1}.{rest}"
+    return rest

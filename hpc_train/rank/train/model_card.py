@@ -11,7 +11,7 @@ cannot learn from DeepSpeed's files without importing the user's code.
   parameter marked sharded that carries a ``partition_dim`` (Megatron's attribute) is cut along it. A
   pipeline's layers on other stages are built on the meta device (no memory, no collective) to be walked.
 * ``gpt_config``: for the built-in GPT, its :class:`~hpc_train.rank.train.model.GPTConfig`, so an export can rebuild it
-  (:func:`hpc_train.checkpoint.exported.load_exported`).
+  (:func:`hpc_train.rank.train.exported.load_exported`).
 * ``hf_config``: for a Hugging Face model (a module with a ``config`` that has ``to_dict`` and a
   ``save_pretrained``), its config as ``config.json`` of a ``save_pretrained`` folder holds it.
 """

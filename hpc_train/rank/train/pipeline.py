@@ -39,6 +39,7 @@ from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 from torch import nn
 
 from hpc_train.common.topology import Topology
+from hpc_train.config.model_shapes import gpt_parameter_name
 from hpc_train.rank.distributed.tensor_parallel import (
     ColumnParallelLinear,
     tp_rank,
@@ -156,17 +157,6 @@ def build_pipeline_model(config: GPTConfig, topology: Topology, tp_group: Any, s
                            partition_method="parameters")
     mark_replicated(model, tp_group)
     return model
-
-
-def gpt_parameter_name(name: str, layers: int) -> str:
-    """The name in ``GPT.named_parameters()`` of a pipeline parameter (``"1.attn.qkv.weight"`` ->
-    ``"blocks.0.attn.qkv.weight"``), for comparing weights and converting checkpoints."""
-    index, _, rest = name.partition(".")
-    if not (index.isascii() and index.isdigit()) or not rest or not 0 <= int(index) <= layers + 1:
-        raise ValueError(f"{name!r} is not a parameter of a {layers}-block pipeline GPT")
-    if 1 <= int(index) <= layers:
-        return f"blocks.{int(index) - 1}.{rest}"
-    return rest
 
 
 def _take(engine: deepspeed.PipelineEngine, batches: Iterator[Batch], count: int) -> list[Batch]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from hpc_train.config.model_shapes import gpt_parameter_name
 from hpc_train.config.model_shapes import gpt_stage_parameters as stage_parameters
 from hpc_train.rank.train.models.spec import ModelSpec
 
@@ -49,11 +50,5 @@ def _flops_per_token(config: JobConfig, model: Any = None) -> float:
     return flops_per_token(matmul_params, shape.layers, shape.hidden, config.train.seq_len)
 
 
-def _parameter_name(name: str, layers: int) -> str:
-    from hpc_train.rank.train.pipeline import gpt_parameter_name
-
-    return gpt_parameter_name(name, layers)
-
-
 GPT_SPEC = ModelSpec(name="gpt", build=_build, flops_per_token=_flops_per_token, stage_parameters=stage_parameters,
-                     parameter_name=_parameter_name)
+                     parameter_name=gpt_parameter_name)
