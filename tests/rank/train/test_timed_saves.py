@@ -18,7 +18,10 @@ from tests.conftest import REPO
 
 pytestmark = pytest.mark.slow
 STEPS = 100
-MTBF_HOURS = 0.01  # 36 s between failures: intervals of seconds, so that a short run saves several times
+# 7.2 s between failures: intervals of a second or two, so that a short run saves several times even when a loaded
+# machine makes each save cost several times what it costs on a quiet one
+MTBF_HOURS = 0.002
+SLOW_SAVE_MS = 1000  # the injected cost: the interval grows by sqrt((c + 1 s) / c), at least 2x for any c <= 0.33 s
 DECISION = re.compile(r"checkpoint cadence: every (\d+) steps \(~([\d.]+) s; auto: sqrt\(2 x ([\d.]+) s a save x "
                       rf"{MTBF_HOURS} h between failures\)\)")
 
@@ -59,10 +62,10 @@ def test_saves_fall_at_the_young_daly_interval_and_slower_saves_get_a_longer_one
     (tmp_path / "plain").mkdir()
     (tmp_path / "slow").mkdir()
     plain, plain_saved = _run(tmp_path / "plain", "none")
-    slow, slow_saved = _run(tmp_path / "slow", "slow_save:0:400")
+    slow, slow_saved = _run(tmp_path / "slow", f"slow_save:0:{SLOW_SAVE_MS}")
     _check(plain, plain_saved)
     _check(slow, slow_saved)
-    assert min(cost for _s, _i, cost in slow) >= 0.4
+    assert min(cost for _s, _i, cost in slow) >= SLOW_SAVE_MS / 1000
     plain_interval = sum(i for _s, i, _c in plain) / len(plain)
     slow_interval = sum(i for _s, i, _c in slow) / len(slow)
     assert slow_interval > 1.5 * plain_interval, (plain, slow)
