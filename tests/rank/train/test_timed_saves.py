@@ -69,4 +69,6 @@ def test_saves_fall_at_the_young_daly_interval_and_slower_saves_get_a_longer_one
     plain_interval = sum(i for _s, i, _c in plain) / len(plain)
     slow_interval = sum(i for _s, i, _c in slow) / len(slow)
     assert slow_interval > 1.5 * plain_interval, (plain, slow)
-    assert len(plain_saved) > 2 and len(slow_saved) < len(plain_saved), (plain_saved, slow_saved)
+    # several saves fall inside the run; how many more the plain run makes than the slow one is not asserted: in
+    # 100 steps that count depends on each run's step time as much as on its interval (a tie was seen in CI)
+    assert len(plain_saved) > 2, (plain_saved, slow_saved)
