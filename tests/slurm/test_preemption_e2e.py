@@ -63,8 +63,9 @@ def _state(job_id: str) -> str:
 def _logs(run_dir: Path) -> str:
     parts = [p.read_text(errors="replace")[-3000:] for p in sorted((run_dir / "logs").glob("rank*.log"))
              if log_ranks(p.name) is not None]  # each node's log (and any one-rank log of an older version)
+    stacks = [p.read_text(errors="replace")[-6000:] for p in sorted((run_dir / "logs").glob("stacks-rank-*.txt"))]
     attempts = run_dir / "attempts.jsonl"
-    return "\n".join([*parts, attempts.read_text() if attempts.exists() else "no attempts.jsonl"])
+    return "\n".join([*parts, *stacks, attempts.read_text() if attempts.exists() else "no attempts.jsonl"])
 
 
 def _wait_for_step(job_id: str, run_dir: Path, step: int, timeout_s: float = 180) -> None:
@@ -147,10 +148,13 @@ def test_a_hugging_face_gpt2_sent_usr2_by_scancel_exports_the_uninterrupted_weig
     run_dir = interrupted / "runs" / "hf-gpt2"
     seed = int(time.time())  # printed on failure: the step is reproducible
     at_step = random.Random(seed).randint(5, STEPS // 2)  # noqa: S311 - not a secret
-    job_id = _submit(interrupted, STEPS, *hf, "--set", "monitor.wandb=offline", example=example)
+    # a hang (one CI run stalled in the evaluation at step 50) leaves the watchdog's stacks for the message below
+    job_id = _submit(interrupted, STEPS, *hf, "--set", "monitor.wandb=offline", "--set", "watchdog.step_timeout_s=120",
+                     example=example)
     _wait_for_step(job_id, run_dir, at_step)
     subprocess.run(["scancel", "--signal=USR2", job_id], check=True, timeout=30)
     _wait_until_completed(job_id, run_dir)
+    assert not [run for run in _attempts(run_dir) if run["outcome"] == "hang"], _logs(run_dir)
     first = _finished_run(run_dir, job_id)[0]
     assert first["outcome"] == "preempted" and first["signal"] == "SIGUSR2" and first["requeued"], (seed, first)
     assert _attempts(run_dir)[1]["start_step"] == first["end_step"]  # saved at the signal: no step lost
@@ -223,7 +227,10 @@ def test_a_rank_killed_at_a_random_step_restarts_inside_the_same_job(uninterrupt
     assert first["outcome"] == "killed" and first["in_place"] == 0 and not first["requeued"], (seed, first)
     assert "SIGKILL" in str(first["note"]) and "restarted in place (1 of retry.in_place = 2)" in str(first["note"])
     assert second["in_place"] == 1 and second["restart"] == 0, (seed, second)  # the same Slurm attempt
-    assert second["start_step"] == (at_step - 1) // 10 * 10, (seed, second)  # the last checkpoint before the kill
+    # the last checkpoint committed before the kill: the one before at_step, or the one before that when the kill
+    # lands while that step's asynchronous save is still writing (a step later, on a loaded machine)
+    newest_before = (at_step - 1) // 10 * 10
+    assert second["start_step"] in (newest_before, newest_before - 10), (seed, second)
     rows = subprocess.run(["sacct", "-n", "-P", "-X", "-D", "-j", job_id, "-o", "State"], capture_output=True,
                           text=True, timeout=30, check=True).stdout.split()
     assert rows == ["COMPLETED"], rows  # never requeued: one allocation from start to end
@@ -252,7 +259,7 @@ def test_a_rank_killed_under_the_srun_template_restarts_inside_the_same_job(
     _wait_until_completed(job_id, run_dir)
     first, second = _finished_run(run_dir, job_id)
     assert first["outcome"] == "killed" and "restarted in place" in str(first["note"]), first
-    assert second["in_place"] == 1 and second["start_step"] == 20, second
+    assert second["in_place"] == 1 and second["start_step"] in (20, 10), second  # 10: step 20's save still writing
     rows = subprocess.run(["sacct", "-n", "-P", "-X", "-D", "-j", job_id, "-o", "State"], capture_output=True,
                           text=True, timeout=30, check=True).stdout.split()
     assert rows == ["COMPLETED"], rows

@@ -8,6 +8,7 @@ evaluation.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -85,8 +86,17 @@ def build_data(ctx: RankContext, groups: ParallelGroups, device: Any,
                                    grad_accum=grad_accum)
         return BatchStream(dataset, sampler, settings, device, seed)
 
+    in_process = dataclasses.replace(settings, num_workers=0, prefetch_factor=0, persistent_workers=False)
+
     def eval_stream() -> BatchStream | None:
+        """The evaluation's few micro-batches, loaded in the training process: worker processes started for
+        them cost more than they save, and each would be a fork of a process whose threads (W&B, the checkpoint
+        writer, the coordinator's reader) may hold a lock the child then waits on for ever."""
         dataset = evaluation()
-        return None if dataset is None else stream(dataset, train.seed + EVAL_SEED_OFFSET, 1)
+        if dataset is None:
+            return None
+        sampler = ResumableSampler(len(dataset), dp_rank, dp_size, train.micro_batch, seed=train.seed +
+                                   EVAL_SEED_OFFSET, grad_accum=1)
+        return BatchStream(dataset, sampler, in_process, device, train.seed + EVAL_SEED_OFFSET)
 
     return RankData(stream(training, train.seed, train.grad_accum), eval_stream)

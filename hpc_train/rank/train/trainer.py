@@ -93,6 +93,7 @@ def _evaluate(engine: Any, data: RankData, groups: ParallelGroups, watch: Preemp
                 total += float(forward_loss(engine, next(stream), said))
     finally:
         engine.train()
+        stream.close()
     return _mean_over(total / batches, groups.group("dp"))
 
 

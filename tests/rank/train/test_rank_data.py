@@ -66,3 +66,18 @@ def test_the_built_in_tokens_are_a_dataset_of_input_and_target_pairs(tmp_path: P
     assert torch.equal(inputs[:, 1:], targets[:, :-1])
     evaluation = data.eval_stream()
     assert evaluation is not None and not torch.equal(next(evaluation)[0], inputs)  # its own order
+
+
+def test_the_evaluation_loads_in_the_training_process_whatever_the_workers(tmp_path: Path,
+                                                                            groups: ParallelGroups) -> None:
+    """Training gets its two workers; the evaluation's four micro-batches start none (a fork per evaluation cost
+    more than it saved, and forked a process with running threads), and give the same batches each time."""
+    ctx = _ctx(tmp_path, groups, {"source": "synthetic", "vocab_size": 32, "num_workers": 2, "prefetch_factor": 2,
+                                  "persistent_workers": True})
+    data = build_data(ctx, groups, torch.device("cpu"))
+    first, second = data.eval_stream(), data.eval_stream()
+    assert first is not None and second is not None
+    assert data.train.settings.num_workers == 2 and first.settings.num_workers == 0
+    assert torch.equal(next(first)[0], next(second)[0])  # the same evaluation batches every time
+    first.close()
+    second.close()
