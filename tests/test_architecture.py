@@ -202,7 +202,7 @@ _LOW = {"base", "pure", "run", "control", "fabric", "backends"}
 _SHARED = _LOW | {"config", "failures"}  # what both sides stand on
 RANK = {"entry", "distributed", "runtime", "train", "program"}  # hpc_train/rank/
 ALLOWED = {
-    "base": {"program"},  # hpc_train.context(), inside the function: import hpc_train stays light
+    "base": {"program", "login"},  # hpc_train.context() and hpc_train.Executor, inside functions: import stays light
     # the names people and scripts type; launch and agent reach the rank side only inside their functions
     "doors": {"base", "run", "login", "entry"},
     "pure": {"base"}, "fabric": {"base"}, "control": set(), "run": {"base", "pure", "control"},

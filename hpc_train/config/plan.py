@@ -144,14 +144,15 @@ class Plan:
         return cls(**data)
 
 
-def load_job(path: Path, overrides: list[str]) -> JobConfig:
+def load_job(path: Path | None, overrides: list[str]) -> JobConfig:
     """Read a job file (with the ``ds_config.json`` its ``train.deepspeed_config`` names, in the file or in
     ``--set``: both are read the same way, relative to the job file's folder), apply ``--set`` overrides and
     type-check every key. Credentials are found first (:mod:`hpc_train.config.screen`), so no message after
-    it can say one."""
-    data, redacted = screen_job(load_toml(path, "config"))
+    it can say one. Without a file (``hpc_train.Executor()``), every key is its default or an override, and
+    relative paths start in the current folder."""
+    data, redacted = screen_job(load_toml(path, "config") if path is not None else {})
     view, _ = screen_job(apply_overrides(data, overrides, JobConfig))  # --set names the file, or a secret
-    imported = imported_for(view, path.resolve().parent)
+    imported = imported_for(view, path.resolve().parent if path is not None else Path.cwd())
     if imported is not None:
         data = merge_imported(data, imported, frozenset(item.partition("=")[0].strip() for item in overrides))
     data, given = screen_job(checked_portable(apply_overrides(data, overrides, JobConfig)))

@@ -11,7 +11,7 @@ the module imports and the function takes its arguments is found on the ranks.
 
 from __future__ import annotations
 
-import importlib.machinery
+import importlib.util
 import os
 import stat
 import sys
@@ -20,10 +20,11 @@ from pathlib import Path
 
 from hpc_train.errors import ConfigError, did_you_mean
 
-__all__ = ["BUILTIN_PROGRAMS", "Program", "check_entry_point", "check_program", "parse_entry_point", "parse_program",
-           "resolve_entry_point", "resolve_program"]
+__all__ = ["API_PROGRAM", "BUILTIN_PROGRAMS", "Program", "check_entry_point", "check_program", "parse_entry_point",
+           "parse_program", "resolve_entry_point", "resolve_program"]
 
 BUILTIN_PROGRAMS = ("train", "smoke")
+API_PROGRAM = "hpc_train.rank.program.pickled:call"  # job.program of hpc_train.Executor.submit's functions
 _FORMS = ('"train", "smoke", "package.module:function", "path/to/file.py:function" or "path/to/script.py"')
 _FUNCTION_FORMS = '"package.module:function" or "path/to/file.py:function"'
 # "module", "file" and "script" are the user's code; any other kind is a built-in name ("train", "tiny", ...).
@@ -143,7 +144,10 @@ def _find_module(module: str, config_dir: str) -> str | None:
     found = _under(parts, [config_dir])
     if found or parts[0] in sys.builtin_module_names:
         return found or module
-    spec = importlib.machinery.PathFinder.find_spec(parts[0], [entry for entry in sys.path if entry])
+    try:  # every finder of this Python (an editable install's too); a top-level name imports nothing to be found
+        spec = importlib.util.find_spec(parts[0])
+    except (ImportError, ValueError):
+        spec = None
     if spec is None:
         return None
     if len(parts) == 1:

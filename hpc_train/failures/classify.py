@@ -343,7 +343,7 @@ def _signalled_stop(a: _Attempt) -> Classification | None:
 
 
 def _cancelled(a: _Attempt) -> Classification | None:
-    if a.state != "CANCELLED":
+    if a.state != "CANCELLED" and a.evidence.outcome != "cancelled":  # the latter: a local run's cancel
         return None
     return a.result("cancelled", f"cancelled: {_cancelled_by(a)}; no rank reported an error")
 
@@ -420,10 +420,10 @@ def _error_records(lines: Iterable[str], lowest: str = "ERROR") -> list[str]:
 
 
 def _cancelled_by(a: _Attempt) -> str:
-    """Who cancelled: hpc_train's own follower (with its reason), or someone's scancel (the uid sacct names)."""
+    """Who cancelled: the user or the follower through hpc_train (with the reason), or a scancel's uid."""
     by = a.record.state.partition(" by ")[2] if a.record else ""
     if a.evidence.cancelled_by:
-        return f"by hpc_train's follower on the login node: {a.evidence.cancelled_by}"
+        return a.evidence.cancelled_by
     return f"scancel by uid {by}" if by else "the job was cancelled"
 
 

@@ -74,7 +74,7 @@ class Evidence:
     batch_log: str = ""
     outcome: str = ""  # what rank 0 wrote into attempts.jsonl for this attempt (hang, preempted, failed, ...)
     note: str = ""
-    cancelled_by: str = ""  # why hpc_train's follower cancelled this job, when it did (logs/follower-cancel.json)
+    cancelled_by: str = ""  # who cancelled this job through hpc_train and why (logs/follower-cancel.json)
     ranks_per_task: int = 1  # an srun task's ranks: a node's where its agent starts them (Plan.node_agents)
 
 
@@ -285,11 +285,15 @@ def _attempt_error(current: dict[str, Any], kept: dict[str, Any], newest: bool, 
 
 
 def _follower_cancel(run_dir: Path, job_id: str | None) -> str:
-    """The follower's reason, when it cancelled ``job_id`` itself (``status`` names it, not a uid)."""
+    """Who cancelled ``job_id`` through hpc_train and why: its follower, or the user (``Job.cancel()``), so that
+    ``status`` names them, not a uid."""
     record = read_json_object(follower_cancel_path(run_dir))
     if job_id is None or job_id not in (str(record.get("job_id", "")), str(record.get("attempt_job_id", ""))):
         return ""
-    return str(record.get("reason", ""))[:500] or "no reason recorded"
+    reason = str(record.get("reason", ""))[:500] or "no reason recorded"
+    if record.get("by") == "user":
+        return f"by the user: {reason}"
+    return f"by hpc_train's follower on the login node: {reason}"
 
 
 @dataclass(frozen=True)

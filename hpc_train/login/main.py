@@ -21,7 +21,7 @@ from hpc_train.login.cli.common import (
     run_command,
 )
 from hpc_train.login.doctor.cli import add_parser as add_doctor_parser
-from hpc_train.login.ops.cli import add_logs_parser, add_plot_parser, add_status_parser
+from hpc_train.login.ops.cli import add_cancel_parser, add_logs_parser, add_plot_parser, add_status_parser
 from hpc_train.login.submit import SUMMARY as SUBMIT_SUMMARY
 from hpc_train.login.submit import add_submit_arguments
 
@@ -206,6 +206,7 @@ def _build_parser() -> ArgumentParser:
     add_bench_parser(commands)
     add_logs_parser(commands)
     add_status_parser(commands)
+    add_cancel_parser(commands)
     add_plot_parser(commands)
     add_doctor_parser(commands)
     return parser

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from hpc_train.backends import executor_backend
 from hpc_train.common.terminal import plain
@@ -21,7 +25,10 @@ from hpc_train.login.cli.common import (
 )
 from hpc_train.run.node_log import node_log_path
 
-__all__ = ["add_submit_arguments", "build_parser", "main", "run_submit"]
+if TYPE_CHECKING:
+    from hpc_train.login.slurm.follow import FollowedJob
+
+__all__ = ["Submitted", "add_submit_arguments", "build_parser", "main", "run_submit", "submit_plans"]
 
 SUMMARY = "show the plan, submit it (Slurm or the local executor) and follow it to the end"
 
@@ -92,24 +99,95 @@ def run_submit(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.text import Text
 
-    from hpc_train.login.cli.undo import Undo
-    from hpc_train.login.slurm.executors import submit, submitit_folder
-    from hpc_train.login.slurm.follow import FollowedJob, follow
+    from hpc_train.login.slurm.follow import follow
     from hpc_train.login.slurm.jobstate import check_slurm_available
 
     executor = plans[0].executor
-    if executor_backend(executor).on_slurm and not args.no_follow:
+    on_slurm = executor_backend(executor).on_slurm
+    if on_slurm and not args.no_follow:
         check_slurm_available()
-    if executor_backend(executor).on_slurm:
-        _refuse_busy_run_folders(plans)
     console = Console(stderr=args.json, soft_wrap=True)  # job output lines are never re-wrapped
     os.umask(0o077)  # submitit's folder and the ranks' files stay private
+    submitted = submit_plans(plans)
+    for one in submitted:
+        console.print(Text.assemble("submitted job ", (plain(one.job.job_id), "bold"), f" ({executor}); run folder ",
+                                    plain(one.run_dir)))
+    if args.no_follow:
+        return 0
+    followed = [one.followed() for one in submitted]
+    try:
+        with _hangup_as_interrupt(on_slurm):
+            # Local jobs cost nothing to poll: back off to 1 s at most, so a laptop run ends when its ranks do.
+            return follow(followed, executor, console, max_poll_s=5.0 if on_slurm else 1.0)
+    except KeyboardInterrupt:
+        ids = ",".join(job.job_id for job in followed)
+        if on_slurm:
+            console.print(f"stopped following; job {ids} keeps running: 'hpc_train cancel RUN_DIR' (or 'scancel "
+                          f"{ids}') stops it, 'hpc_train status RUN_DIR' shows it")
+            return 130
+        from hpc_train.login.ops.cancel import cancel_local
+
+        for job in followed:
+            if not job.job.done():
+                cancel_local(job.run_dir, int(job.job_id), "Ctrl-C to submit")
+        console.print(f"stopped job {ids} with Ctrl-C: its ranks are ended and the attempt is recorded as cancelled "
+                      "by the user; the same command resumes from the last checkpoint")
+        return 130
+
+
+@contextlib.contextmanager
+def _hangup_as_interrupt(on_slurm: bool) -> Iterator[None]:
+    """While a local job is followed, a closed terminal (SIGHUP) or a kill (SIGTERM) ends it as Ctrl-C does: its
+    ranks lead a session of their own and would otherwise train on without anyone following."""
+    if on_slurm:
+        yield
+        return
+    import signal
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = {number: signal.signal(number, interrupt) for number in (signal.SIGHUP, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+
+
+@dataclass
+class Submitted:
+    """One submitted job (or array task) with its run folder, and where its rank-0 log stood at submission."""
+
+    job: Any
+    run_dir: Path
+    plan: Plan
+    log_offset: int
+
+    def followed(self) -> FollowedJob:
+        from hpc_train.login.slurm.follow import FollowedJob
+
+        return FollowedJob(self.job, self.run_dir, label=self.run_dir.name, requeue=self.plan.requeue,
+                           log_offset=self.log_offset, tasks_per_node=self.plan.resources.tasks_per_node)
+
+
+def submit_plans(plans: list[Plan], before_submit: Callable[[list[Path]], None] | None = None) -> list[Submitted]:
+    """Prepare each plan's run folder, run ``before_submit`` on them, and submit: the command's and
+    ``hpc_train.Executor``'s one way. A refusal (sbatch's, or a ConfigError) takes back what this submission wrote
+    and is raised as a ConfigError naming the fix."""
+    from hpc_train.login.cli.undo import Undo
+    from hpc_train.login.slurm.executors import submit, submitit_folder
+
+    if plans[0].backend.on_slurm:
+        _refuse_busy_run_folders(plans)
     undo = Undo.record([*(Path(plan.run_dir) for plan in plans), submitit_folder(plans)],
                        roots=[Path(plans[0].run_dir).parent])
     try:
         run_dirs = [prepare_plan_folder(plan) for plan in plans]
         offsets = [_size(node_log_path(Path(run_dir), 0, plan.resources.tasks_per_node))  # follow only new lines
                    for run_dir, plan in zip(run_dirs, plans, strict=True)]
+        if before_submit is not None:
+            before_submit([Path(run_dir) for run_dir in run_dirs])
         jobs = submit(plans)
     except Exception as error:  # sbatch said no (submitit's FailedJobError): bad partition, account, limits
         refused = type(error).__name__ in ("FailedJobError", "CalledProcessError")
@@ -120,23 +198,8 @@ def run_submit(args: argparse.Namespace) -> int:
         detail = [line for line in str(error).splitlines() if line.strip()]
         raise ConfigError("sbatch", "refused the job" + (f": {detail[-1].strip()}" if detail else ""),
                           "check the partition, account, QoS and limits (sinfo, sacctmgr show assoc)") from None
-    for job, run_dir in zip(jobs, run_dirs, strict=True):
-        console.print(Text.assemble("submitted job ", (plain(job.job_id), "bold"), f" ({executor}); run folder ",
-                                    plain(run_dir)))
-    if args.no_follow:
-        return 0
-    followed = [FollowedJob(job, Path(run_dir), label=Path(run_dir).name, requeue=plan.requeue, log_offset=offset,
-                            tasks_per_node=plan.resources.tasks_per_node)
-                for job, run_dir, plan, offset in zip(jobs, run_dirs, plans, offsets, strict=True)]
-    on_slurm = executor_backend(executor).on_slurm
-    try:
-        # Local jobs cost nothing to poll: back off to 1 s at most, so a laptop run ends when its ranks do.
-        return follow(followed, executor, console, max_poll_s=5.0 if on_slurm else 1.0)
-    except KeyboardInterrupt:
-        ids = ",".join(job.job_id for job in followed)
-        console.print(f"stopped following; job {ids} " + ("keeps running: 'scancel " + ids + "' stops it"
-                                                          if on_slurm else "was stopped with it"))
-        return 130
+    return [Submitted(job, Path(run_dir), plan, offset)
+            for job, run_dir, plan, offset in zip(jobs, run_dirs, plans, offsets, strict=True)]
 
 
 # A job in these states is on its way out: its ranks have stopped writing, and the new job starts after it.

@@ -22,7 +22,7 @@ from hpc_train.run.paths import ATTEMPTS_FILE
 __all__ = ["ATTEMPTS_FILE", "Attempt", "AttemptLog", "measured_save_s", "recommended_lead_seconds", "requeues_so_far"]
 
 OUTCOMES = ("running", "completed", "preempted", "failed", "hang", "node_failure", "infrastructure", "killed",
-            "crashed")
+            "crashed", "cancelled")  # cancelled: by the user (hpc_train cancel, Job.cancel()) on the local executor
 
 
 @dataclass(frozen=True)

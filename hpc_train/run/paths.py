@@ -15,6 +15,7 @@ __all__ = [
     "DEEPSPEED_CONFIG_FILE",
     "EXCLUDED_FILE",
     "FLIGHT_RECORDER_DIR",
+    "FUNCTION_FILE",
     "HEARTBEAT_DIR",
     "LOGS_DIR",
     "METRICS_FILE",
@@ -27,6 +28,7 @@ __all__ = [
     "STACKS_GLOB",
     "SUBMITIT_DIR",
     "TRAIN_FILE",
+    "VALUE_FILE",
     "control_address_path",
     "fabric_report_path",
     "follower_cancel_path",
@@ -50,6 +52,8 @@ METRICS_FILE = "metrics.jsonl"  # rank 0's progress records
 SMOKE_FILE = "smoke.json"  # rank 0's result of a smoke job
 TRAIN_FILE = "train.json"  # rank 0's result of a training job
 PROGRAM_FILE = "program.json"  # rank 0's result of a user program (a function or a script)
+FUNCTION_FILE = "function.pkl"  # hpc_train.Executor.submit's function and arguments, which every rank calls
+VALUE_FILE = "value.pkl"  # what that function returned on rank 0: Job.result()
 RESULT_FILES = (SMOKE_FILE, TRAIN_FILE, PROGRAM_FILE)
 HEALTH_FILE = "health.json"  # rank 0's health checks: the findings now and when each tripped or cleared
 WANDB_DIR = "wandb"  # W&B's offline runs and logs ([monitor] wandb), for wandb sync

@@ -16,7 +16,7 @@ from typing import Any
 from hpc_train.common.terminal import plain, print_json
 from hpc_train.errors import ConfigError
 
-__all__ = ["add_logs_parser", "add_plot_parser", "add_status_parser"]
+__all__ = ["add_cancel_parser", "add_logs_parser", "add_plot_parser", "add_status_parser"]
 
 _LOGS_ABOUT = ("Every rank's log lines of a run (the nodes' logs/ranks-FIRST-LAST.log, each line naming its rank, or "
                "an older run's logs/rank-N.log; and Slurm's logs/slurm-*.out/err) as one timeline with rank "
@@ -135,3 +135,21 @@ def add_status_parser(commands: Any) -> None:
                                                             "--watch)")
     parser.add_argument("--watch", type=float, metavar="SECONDS", help="poll every SECONDS and redraw until Ctrl-C")
     parser.set_defaults(run=_status)
+
+
+def _cancel(args: argparse.Namespace) -> int:
+    from hpc_train.login.ops.cancel import cancel_run
+
+    print(plain(cancel_run(args.run_dir), one_line=True))
+    return 0
+
+
+def add_cancel_parser(commands: Any) -> None:
+    """Register ``cancel`` on the main CLI's subcommands."""
+    about = ("End a run's current job (on Slurm the job now carrying it, an array task's own; on the local "
+             "executor its processes) and record it as cancelled by the user, which status then says. Exit status "
+             "2 when no job of the run is queued or running. See docs/operations.md.")
+    parser = commands.add_parser("cancel", help="end a run's current job, recorded as cancelled by the user",
+                                 description=about)
+    parser.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="the run folder, like runs/tiny-gpt")
+    parser.set_defaults(run=_cancel)

@@ -6,10 +6,12 @@ submitit; :func:`submit` then hands them to submitit unchanged.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import shlex
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -143,8 +145,41 @@ def _submit(plans: list[Plan]) -> list[Any]:
     else:
         executor = submitit.SlurmExecutor(folder=folder, max_num_timeout=first.max_requeues, python=first.python)
     executor.update_parameters(**submitit_parameters(first))
-    if len(plans) == 1:
-        return [executor.submit(RankEntry(first.run_dir))]
-    with executor.batch():
-        jobs = [executor.submit(RankEntry(plan.run_dir)) for plan in plans]
+    with _local_controllers_in_their_own_session(not first.backend.on_slurm):
+        if len(plans) == 1:
+            return [executor.submit(RankEntry(first.run_dir))]
+        with executor.batch():
+            jobs = [executor.submit(RankEntry(plan.run_dir)) for plan in plans]
     return jobs
+
+
+class _SessionPopen:
+    """submitit's local module's view of ``subprocess``: every process it starts leads a session of its own."""
+
+    def __init__(self, real: Any) -> None:
+        self._real = real
+
+    def Popen(self, *args: Any, **kwargs: Any) -> Any:  # noqa: N802 - subprocess's own name
+        return self._real.Popen(*args, start_new_session=True, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+
+@contextlib.contextmanager
+def _local_controllers_in_their_own_session(local: bool) -> Iterator[None]:
+    """Start the local executor's controller (and so its ranks) outside the terminal's process group, so that a
+    Ctrl-C reaches ``submit`` alone: it then ends the ranks and records the cancel (:mod:`hpc_train.login.ops.cancel`)
+    instead of submitit's controller printing a KeyboardInterrupt traceback while the ranks record a failure.
+    Only submitit's local module sees the change, for the length of the submission."""
+    if not local:
+        yield
+        return
+    from submitit.local import local as submitit_local
+
+    real = submitit_local.subprocess
+    submitit_local.subprocess = _SessionPopen(real)  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        submitit_local.subprocess = real

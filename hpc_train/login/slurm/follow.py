@@ -36,6 +36,7 @@ from hpc_train.run.files import (
     open_folder,
     open_record,
     parse_json,
+    read_json_object,
     read_record_text,
 )
 from hpc_train.run.node_log import node_log_path, split_by_rank
@@ -46,7 +47,7 @@ from hpc_train.run.paths import (
     follower_cancel_path,
 )
 
-__all__ = ["FollowedJob", "LogTail", "follow"]
+__all__ = ["FollowedJob", "LogTail", "follow", "poll", "record_cancel"]
 
 _SUCCESS = {"COMPLETED", "FINISHED"}
 _CLOCK_SLACK_S = 30.0
@@ -189,7 +190,7 @@ class FollowedJob:
                                         failures=self.rank_errors()))
 
 
-def _poll(jobs: list[FollowedJob], executor: str) -> None:
+def poll(jobs: list[FollowedJob], executor: str) -> None:
     """Update every job's state: one sacct call for all Slurm jobs; local jobs ask their processes."""
     if executor_backend(executor).on_slurm:
         states = query_states([job.job_id for job in jobs if not job.done])
@@ -257,9 +258,23 @@ def _hung_attempt(run_dir: Path) -> Attempt | None:
     return last if last is not None and last.outcome == "hang" and not last.requeued else None
 
 
+def _cancelled_by_user(job: FollowedJob) -> str:
+    """The reason the user gave hpc_train for cancelling this job (``hpc_train cancel``, ``Job.cancel()``,
+    Ctrl-C to submit), or ""."""
+    record = read_json_object(follower_cancel_path(job.run_dir))
+    if record.get("by") != "user" or str(record.get("job_id", "")) != job.job_id:
+        return ""
+    return str(record.get("reason", ""))[:200] or "no reason recorded"
+
+
 def _report_failure(console: Console, job: FollowedJob) -> None:
     errors = job.rank_errors()
     name = f"job {job.job_id}" + (f" ({job.label})" if job.label else "")
+    by_user = "" if errors else _cancelled_by_user(job)
+    if by_user:
+        console.print(f"[bold yellow]{name} cancelled[/] by the user ({escape(by_user)}); the same command "
+                      "resumes it from its last checkpoint")
+        return
     hung = None if errors else _hung_attempt(job.run_dir)
     if hung is not None:
         console.print(f"[bold red]{name} hung[/]: {escape(hung.note)}. Every rank's Python stacks are in "
@@ -311,15 +326,21 @@ def _cancel_or_keep(console: Console, job: FollowedJob) -> None:
         job.kept_for = decision.reason
         return
     console.print(f"[red]job {job.job_id}: cancelling it: {escape(decision.reason)}[/]")
-    attempts = AttemptLog(job.run_dir).read()
-    record = {"job_id": job.job_id, "attempt_job_id": attempts[-1].job_id if attempts else "",
-              "time": time.time(), "by": "follower", "reason": decision.reason}
     try:
-        atomic_write(follower_cancel_path(job.run_dir), json.dumps(record) + "\n")
+        record_cancel(job.run_dir, job.job_id, "follower", decision.reason)
     except OSError as error:
         console.print(f"[yellow]could not record the cancel in the run folder: {escape(str(error))}[/]")
     job.job.cancel(check=False)
     job.failed_at = float("inf")
+
+
+def record_cancel(run_dir: Path, job_id: str, by: str, reason: str) -> None:
+    """Say in the run folder who cancelled the job through hpc_train (``follower`` or ``user``) and why, so that
+    ``status`` names them and not a uid."""
+    attempts = AttemptLog(run_dir).read()
+    record = {"job_id": job_id, "attempt_job_id": attempts[-1].job_id if attempts else "", "time": time.time(),
+              "by": by, "reason": reason}
+    atomic_write(follower_cancel_path(run_dir), json.dumps(record) + "\n")
 
 
 def follow(jobs: list[FollowedJob], executor: str, console: Console, poll_s: float = 0.5, max_poll_s: float = 5.0,
@@ -339,7 +360,7 @@ def follow(jobs: list[FollowedJob], executor: str, console: Console, poll_s: flo
         while True:
             before = [(job.state, job.done) for job in jobs]
             try:
-                _poll(jobs, executor)
+                poll(jobs, executor)
                 failing_since = None
             except SlurmQueryError as error:
                 failing_since = failing_since or time.monotonic()

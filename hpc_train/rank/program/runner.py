@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from hpc_train.config.plan import Plan
-from hpc_train.config.program import Program, parse_program
+from hpc_train.config.program import API_PROGRAM, Program, parse_program
 from hpc_train.failures.policy import RetryPolicy
 from hpc_train.rank.distributed.bootstrap import shutdown
 from hpc_train.rank.distributed.launchers import LaunchInfo
@@ -31,6 +31,7 @@ from hpc_train.rank.runtime.monitor import LogLines
 from hpc_train.rank.runtime.preemption import PreemptionWatch, Requeue
 from hpc_train.rank.runtime.stopping import AttemptRecorder, decide_hang, signal_name
 from hpc_train.rank.runtime.watchdog import Timeouts, Watchdog
+from hpc_train.run.pickled import write_value
 from hpc_train.run.stops import StopNotice, attempt_key, publish_notice, wait_for_done
 
 __all__ = ["UserCodeError", "run_program"]
@@ -82,11 +83,12 @@ def _exited(exit: SystemExit, what: str) -> None:
         raise UserCodeError(f"{what} exited with status {exit.code}") from None
 
 
-def _call(function: Callable[[Any], Any], program: Program) -> None:
+def _call(function: Callable[[Any], Any], program: Program) -> Any:
     try:
-        function(context())
+        return function(context())
     except SystemExit as exit:
         _exited(exit, f"function {program.text()}")
+    return None
 
 
 def _run_script(plan: Plan, info: LaunchInfo, program: Program) -> None:
@@ -136,14 +138,15 @@ def run_program(plan: Plan, info: LaunchInfo, run_dir: Path, log: Callable[[str]
     try:
         # The program's prints go to its rank's log (rank 0's is what the login node follows), line by line.
         with unasked, contextlib.redirect_stdout(LogLines(log)):
+            value = None
             if function is None:
                 _run_script(plan, info, program)
             else:
-                _call(function, program)
+                value = _call(function, program)
             notice = unasked.returned_meanwhile()
         if notice is not None:  # rank 0 stopped the attempt: leave with it, never as completed
             return _stopped_meanwhile(session, program, notice)
-        return _finish(session, program)
+        return _finish(session, program, value)
     except BaseException as error:
         consequence = unasked.consequence(error)
         if consequence is not None:
@@ -182,8 +185,9 @@ def _stopped_meanwhile(session: Session, program: Program, notice: StopNotice) -
                                              "exit_code": notice.exit_code, "reason": notice.reason}}
 
 
-def _finish(session: Session, program: Program) -> dict[str, Any]:
-    """Completed, or stopped after ``should_stop()`` said True (rank 0 records and requeues)."""
+def _finish(session: Session, program: Program, value: Any = None) -> dict[str, Any]:
+    """Completed, or stopped after ``should_stop()`` said True (rank 0 records and requeues). Rank 0 keeps the
+    return value of ``Executor.submit``'s function (``Job.result()``) before the attempt is recorded completed."""
     ctx: RunContext | None = session.context
     info = session.info
     step = ctx.step if ctx is not None and ctx.step_known else None
@@ -197,5 +201,9 @@ def _finish(session: Session, program: Program) -> dict[str, Any]:
         result["stopped"] = {"signal": signal_name(ctx.stop.signum), "step": step, "requeue": done.action,
                              "exit_code": done.exit_code, "reason": done.reason}
         return result
+    if info.rank == 0 and program.text() == API_PROGRAM:
+        kept = write_value(session.run_dir, value)
+        if kept.problem:
+            session.log(f"warning: {kept.problem}; Job.result() raises JobFailed")
     session.recorder.completed(step)
     return result

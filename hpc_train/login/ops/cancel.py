@@ -1,0 +1,122 @@
+"""``hpc_train cancel RUN_DIR`` and ``Job.cancel()``: end a run's current job, say so in the run folder.
+
+On Slurm it is ``scancel`` of the job now carrying the run (a chain's newest, an array task's own id), with the
+cancel recorded first so that ``status`` says "cancelled: by the user" and the follower does not call it a
+failure. On the local executor the job is a submitit controller process on this machine with the ranks below
+it: the controller goes first (so it neither restarts the ranks nor prints a traceback), then the ranks, and the
+attempt they leave ``running`` is closed as ``cancelled``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from hpc_train.backends import LocalBackend, executor_backend
+from hpc_train.errors import ConfigError
+from hpc_train.login.slurm.follow import record_cancel
+from hpc_train.run.attempts import AttemptLog
+from hpc_train.run.files import refuse_link, run_file_stat, small_int
+from hpc_train.run.paths import PLAN_FILE, SUBMITIT_DIR
+
+__all__ = ["cancel_local", "cancel_run"]
+
+REASON = "hpc_train cancel"
+
+
+def cancel_run(run_dir: Path, reason: str = REASON) -> str:
+    """Cancel the run's current job and return what was done, in one line; ConfigError when no job of the run
+    is queued or running (exit 2: nothing to cancel)."""
+    from hpc_train.login.ops import status
+
+    run_dir = Path(run_dir)
+    refuse_link(run_dir)
+    if run_file_stat(run_dir / PLAN_FILE) is None:
+        raise ConfigError(str(run_dir), f"is not a run folder (no {PLAN_FILE})", "give a run folder, like "
+                          "runs/tiny-gpt (hpc_train status lists them)")
+    executor = status.read_folder(run_dir).executor
+    if executor_backend(executor) is LocalBackend:
+        attempts = AttemptLog(run_dir).read()
+        running = [a for a in attempts if a.outcome == "running"]
+        pid = small_int(running[-1].job_id) if running else None
+        if pid is None or not _is_controller(pid, run_dir):
+            raise ConfigError(str(run_dir), "has no local job running here", "nothing to cancel; hpc_train status "
+                              f"{run_dir} shows how it ended")
+        cancel_local(run_dir, pid, reason)
+        return f"cancelled local job {pid}; run folder {run_dir}"
+    found = status.collect([run_dir])[0][0]
+    if found.state.split()[0].upper() not in _ACTIVE or not found.job_id:
+        raise ConfigError(str(run_dir), f"has no job queued or running (its newest job {found.job_id or '?'} is "
+                          f"{found.state})", f"nothing to cancel; hpc_train status {run_dir} shows how it ended")
+    record_cancel(run_dir, found.job_id, "user", reason)
+    result = subprocess.run(["scancel", found.job_id], capture_output=True, text=True, timeout=60, check=False)
+    if result.returncode != 0:
+        raise ConfigError(f"scancel {found.job_id}", (result.stderr or result.stdout).strip()[:300] or
+                          f"exit status {result.returncode}", "check the job with squeue; only its owner may "
+                          "cancel it")
+    return f"cancelled job {found.job_id} ({found.state}); run folder {run_dir}"
+
+
+_ACTIVE = {"PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESIZING",
+           "SUSPENDED", "STOPPED", "PREEMPTED"}
+
+
+def _is_controller(pid: int, run_dir: Path) -> bool:
+    """Whether ``pid`` is submitit's local controller of this run (never another process that got its id)."""
+    try:
+        words = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    folder = str(run_dir.resolve() / SUBMITIT_DIR).encode()
+    return any(b"submitit" in word for word in words) and any(word.rstrip(b"/") == folder for word in words)
+
+
+def _children(pid: int) -> list[int]:
+    """``pid``'s processes below it, deepest last (the ranks, their loader workers)."""
+    found: list[int] = []
+    try:
+        threads = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return found
+    for thread in threads:
+        try:
+            text = Path(f"/proc/{pid}/task/{thread}/children").read_text()
+        except OSError:
+            continue
+        for child in (int(word) for word in text.split()):
+            found += [child, *_children(child)]
+    return found
+
+
+def cancel_local(run_dir: Path, pid: int, reason: str = REASON, wait_s: float = 10.0) -> None:
+    """Record the cancel, stop the controller ``pid`` and every process below it, close the attempt."""
+    record_cancel(run_dir, str(pid), "user", reason)
+    below = _children(pid)
+    for process in [pid, *below]:  # the controller first: it would restart the ranks, or print a traceback
+        try:
+            os.kill(process, signal.SIGKILL)
+        except OSError:
+            continue
+    deadline = time.monotonic() + wait_s
+    while any(_exists(process) for process in below) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    log = AttemptLog(run_dir)
+    for attempt in log.read():
+        if attempt.outcome == "running":
+            log.finish(attempt, outcome="cancelled", ended=time.time(), note=f"cancelled by the user ({reason})")
+
+
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    try:  # a zombie (its parent, the controller, is gone too, so init reaps it) has ended
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
