@@ -59,3 +59,15 @@ def test_a_leaked_master_addr_does_not_win(tmp_path: Path) -> None:
                             env=env, capture_output=True, text=True, timeout=240, check=False)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "rendezvous 127.0.0.1:" in result.stdout
+
+
+def test_the_quick_start_says_no_health_finding(tmp_path: Path) -> None:
+    """The quick start's job (scripts/quickstart.sh, fewer steps): two CPU ranks on one node over gloo are not
+    a network problem, so the comm check does not flag their expected traffic, and nothing else trips."""
+    result = subprocess.run([sys.executable, "-m", "hpc_train.submit", EXAMPLE, "--site", "local", "--set",
+                             "checkpoint.resume=false", "--set", "train.steps=80"], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "health:" not in result.stdout, result.stdout
+    health = tmp_path / "runs" / "tiny-gpt" / "health.json"  # written once a check trips
+    assert not health.exists() or json.loads(health.read_text())["findings"] == [], health.read_text()

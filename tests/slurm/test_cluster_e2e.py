@@ -120,7 +120,7 @@ def test_sweep_on_the_local_executor(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("site", ["local-slurm", "local"])
-def test_a_rank_that_raises_ends_the_command_within_30_s(tmp_path: Path, site: str) -> None:
+def test_a_rank_that_raises_ends_the_command_long_before_a_hang_would(tmp_path: Path, site: str) -> None:
     start = time.monotonic()
     result = _submit(tmp_path, "--site", site, *(TWO_BY_TWO if site == "local-slurm" else
                                                  ["--set", "job.tasks_per_node=4", *SMOKE]),

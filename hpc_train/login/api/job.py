@@ -51,7 +51,7 @@ class Job:
     @property
     def state(self) -> str:
         """The scheduler's state now (PENDING, RUNNING, COMPLETED, FAILED, CANCELLED, ...; local: RUNNING,
-        FINISHED or FAILED), asked once per read."""
+        COMPLETED or FAILED), asked once per read."""
         if self._ended is None:
             from hpc_train.login.slurm.follow import poll
 

@@ -49,7 +49,7 @@ from hpc_train.run.paths import (
 
 __all__ = ["FollowedJob", "LogTail", "follow", "poll", "record_cancel"]
 
-_SUCCESS = {"COMPLETED", "FINISHED"}
+_SUCCESS = {"COMPLETED"}
 _CLOCK_SLACK_S = 30.0
 
 
@@ -202,7 +202,8 @@ def poll(jobs: list[FollowedJob], executor: str) -> None:
     for job in jobs:
         if not job.done:
             job.done = job.job.done()
-            job.state = job.job.state if not job.done else ("FINISHED" if _local_ok(job) else "FAILED")
+            # one word for an end everywhere: status, sacct and the attempts say COMPLETED (submitit: FINISHED)
+            job.state = job.job.state if not job.done else ("COMPLETED" if _local_ok(job) else "FAILED")
 
 
 def _follow_chains(jobs: list[FollowedJob], console: Console) -> None:

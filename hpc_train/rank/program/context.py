@@ -149,8 +149,10 @@ class RunContext(RankContext):
         exporters."""
         plan = self._session.plan
         monitor = plan.config.monitor
+        gpus = self.device.type == "cuda"
         limits = Thresholds(monitor.health_data_share, monitor.health_loss_spike, monitor.health_memory_growth,
-                            -1, monitor.health_comm_share)  # -1: the program's own loader
+                            -1, monitor.health_comm_share, gpus=gpus,  # -1: the program's own loader
+                            network=gpus or plan.resources.nodes > 1)
         health = RecordHealth(HealthCheck(self.run_dir, limits, self._session.log), every=monitor.log_every)
         return [health, *build_exporters(plan, self.run_dir, self._session.log)]
 

@@ -311,7 +311,8 @@ def _health(rank: _Rank) -> HealthCheck:
     monitor, data = rank.plan.config.monitor, rank.plan.config.data
     limits = Thresholds(monitor.health_data_share, monitor.health_loss_spike, monitor.health_memory_growth,
                         data.num_workers, monitor.health_comm_share, monitor.health_gpu_utilisation,
-                        monitor.health_gpu_memory, dist.get_backend() == "nccl")
+                        monitor.health_gpu_memory, dist.get_backend() == "nccl",
+                        dist.get_backend() == "nccl" or rank.plan.resources.nodes > 1)
     return HealthCheck(rank.run_dir, limits, rank.log, writer=rank.info.rank == 0)
 
 

@@ -82,7 +82,7 @@ def test_a_function_s_result_its_failure_and_an_array_on_the_local_executor(here
     executor = hpc_train.Executor(**LOCAL)
     job = executor.submit(add, 2, b=3)
     assert job.result() == {"sum": 5, "rank": 0, "world": 2}  # rank 0's return value
-    assert job.done() and job.state == "FINISHED" and [a.outcome for a in job.attempts] == ["completed"]
+    assert job.done() and job.state == "COMPLETED" and [a.outcome for a in job.attempts] == ["completed"]
     assert job.run_dir.parent == here / "runs" and job.run_dir.name.startswith("add-")  # a new run per submit
     failed = executor.submit(fails)
     with pytest.raises(hpc_train.JobFailed) as error:
