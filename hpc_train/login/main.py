@@ -20,6 +20,7 @@ from hpc_train.login.cli.common import (
     prepare_plan_folder,
     run_command,
 )
+from hpc_train.login.cli.run import add_run_parser
 from hpc_train.login.doctor.cli import add_parser as add_doctor_parser
 from hpc_train.login.ops.cli import add_cancel_parser, add_logs_parser, add_plot_parser, add_status_parser
 from hpc_train.login.submit import SUMMARY as SUBMIT_SUMMARY
@@ -186,6 +187,7 @@ def _build_parser() -> ArgumentParser:
     submit = commands.add_parser("submit", help=SUBMIT_SUMMARY, description=SUBMIT_SUMMARY)
     add_submit_arguments(submit)
     submit.set_defaults(run=_submit)
+    add_run_parser(commands, _submit)
     validate = commands.add_parser("validate", help="check a job config against a site and show the plan")
     add_plan_arguments(validate)
     validate.add_argument("--json", action="store_true", help="print the plan as JSON")

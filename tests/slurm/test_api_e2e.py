@@ -117,3 +117,13 @@ def test_hpc_train_cancel_ends_the_job_and_status_names_the_user(here: Path) -> 
     again = subprocess.run([sys.executable, "-m", "hpc_train", "cancel", str(job.run_dir)], capture_output=True,
                            text=True, timeout=120, check=False)
     assert again.returncode == 2 and "has no job queued or running" in again.stderr, again.stderr
+
+
+def test_hpc_train_run_launches_an_unmodified_script_on_two_nodes_from_one_line(here: Path) -> None:
+    script = str(Path(__file__).resolve().parents[2] / "examples" / "ddp_script" / "train_cnn.py")
+    result = subprocess.run([sys.executable, "-m", "hpc_train", "run", "--site", "local-slurm", "--nodes", "2",
+                             "--tasks-per-node", "1", "--cpus-per-task", "1", "--time", "00:10:00", script,
+                             "--epochs", "1"], cwd=here, capture_output=True, text=True, timeout=400, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "epoch 0: mean loss" in result.stdout and "COMPLETED" in result.stdout, result.stdout
+    assert (here / "runs" / "train_cnn" / "attempts.jsonl").exists()

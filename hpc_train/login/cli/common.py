@@ -66,9 +66,10 @@ def plan_from_args(args: argparse.Namespace, executor: str | None = None) -> Pla
     from hpc_train.login.slurm.executors import resolve_executor
 
     site = load_site(args.site)
-    cfg = load_job(args.config, args.overrides)
+    cfg = load_job(args.config, args.overrides)  # config None: ``hpc_train run``, every key from the flags
     chosen = executor or resolve_executor(getattr(args, "executor", "auto"), site.slurm.enabled)
-    return make_plan(cfg, site, chosen, config_dir=args.config.resolve().parent)  # names ds_config.json's keys
+    folder = args.config.resolve().parent if args.config is not None else Path.cwd()
+    return make_plan(cfg, site, chosen, config_dir=folder)  # names ds_config.json's keys
 
 
 def prepare_plan_folder(plan: Plan) -> Path:
