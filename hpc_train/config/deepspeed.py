@@ -9,11 +9,33 @@ from typing import Any
 from hpc_train.config.job import JobConfig
 from hpc_train.config.secrets import REDACTED
 
-__all__ = ["deepspeed_config", "merge_user_table", "without_redacted"]
+__all__ = ["HIDDEN_SIZE_KEYS", "SCHEDULER_PARAMS", "deepspeed_config", "merge_user_table", "schedule_words",
+           "unfilled_auto", "without_redacted"]
+
+# DeepSpeed's schedulers (deepspeed.runtime.lr_schedules) and the parameters each takes: a ds_config.json's
+# "scheduler" reaches DeepSpeed as written, and DeepSpeed builds it, so a run trains DeepSpeed's own schedule.
+SCHEDULER_PARAMS: dict[str, tuple[str, ...]] = {
+    "WarmupLR": ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type", "last_batch_iteration"),
+    "WarmupDecayLR": ("total_num_steps", "warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type",
+                      "last_batch_iteration"),
+    "WarmupCosineLR": ("total_num_steps", "warmup_min_ratio", "warmup_num_steps", "cos_min_ratio", "warmup_type",
+                       "last_batch_iteration"),
+    "OneCycle": ("cycle_min_lr", "cycle_max_lr", "decay_lr_rate", "cycle_first_step_size", "cycle_second_step_size",
+                 "cycle_first_stair_count", "cycle_second_stair_count", "decay_step_size", "cycle_momentum",
+                 "cycle_min_mom", "cycle_max_mom", "decay_mom_rate", "last_batch_iteration"),
+    "LRRangeTest": ("lr_range_test_min_lr", "lr_range_test_step_size", "lr_range_test_step_rate",
+                    "lr_range_test_staircase", "last_batch_iteration"),
+}
+# zero_optimization keys whose "auto" the Hugging Face integration fills from the model's hidden size h
+HIDDEN_SIZE_KEYS = {"reduce_bucket_size": lambda h: h * h, "stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),
+                    "stage3_param_persistence_threshold": lambda h: 10 * h}
+_QUIET = 10**9  # DeepSpeed prints nothing of its own per step: hpc_train logs progress (a user's value wins)
 
 
-def deepspeed_config(config: JobConfig, data_parallel: int) -> dict[str, Any]:
-    """The DeepSpeed JSON for a resolved job config (``plan.config``)."""
+def deepspeed_config(config: JobConfig, data_parallel: int, hidden_size: int | None = None) -> dict[str, Any]:
+    """The DeepSpeed JSON for a resolved job config (``plan.config``), every ``"auto"`` filled as the Hugging Face
+    integration fills it (:func:`_fill_auto`); ``hidden_size``: the model's, for the keys that depend on it (None
+    on the login node, where a model of the user's is not built: those stay ``"auto"`` until the ranks)."""
     train, zero = config.train, config.zero
     stage = zero.stage
     ds: dict[str, Any] = {
@@ -21,7 +43,6 @@ def deepspeed_config(config: JobConfig, data_parallel: int) -> dict[str, Any]:
         "gradient_accumulation_steps": train.grad_accum,
         "train_batch_size": train.micro_batch * train.grad_accum * data_parallel,
         "gradient_clipping": train.grad_clip,
-        "steps_per_print": 10**9,
         "zero_optimization": {"stage": stage},
         "bf16": {"enabled": train.precision == "bf16"},
         "fp16": {"enabled": train.precision == "fp16"},
@@ -40,7 +61,61 @@ def deepspeed_config(config: JobConfig, data_parallel: int) -> dict[str, Any]:
                            "params": {"lr": train.lr, "betas": [train.beta1, train.beta2],
                                       "eps": train.eps, "weight_decay": train.weight_decay,
                                       **({"adam_w_mode": True} if train.optimizer == "fused_adam" else {})}}
-    return merge_user_table(ds, without_redacted(config.deepspeed))
+    merged = merge_user_table(ds, without_redacted(config.deepspeed))
+    merged.setdefault("steps_per_print", _QUIET)
+    return _fill_auto(merged, config, hidden_size)
+
+
+def _fill_auto(ds: dict[str, Any], config: JobConfig, hidden_size: int | None) -> dict[str, Any]:
+    """The ``"auto"`` values the typed keys do not already give, filled by the Hugging Face integration's rules:
+    a scheduler's warm-up floor 0, its peak ``train.lr``, its warm-up ``train.warmup_steps`` (at least 1) and its
+    total ``train.steps``; the ZeRO-3 sizes from the model's hidden size (:data:`HIDDEN_SIZE_KEYS`)."""
+    train = config.train
+    params = ds.get("scheduler", {}).get("params", {}) if isinstance(ds.get("scheduler"), dict) else {}
+    fills = {"warmup_min_lr": 0, "warmup_max_lr": train.lr, "warmup_num_steps": max(1, train.warmup_steps),
+             "total_num_steps": train.steps}
+    for key, value in fills.items():
+        if params.get(key) == "auto":
+            params[key] = value
+    zero = ds.get("zero_optimization", {})
+    if hidden_size is not None and isinstance(zero, dict):
+        for key, rule in HIDDEN_SIZE_KEYS.items():
+            if zero.get(key) == "auto":
+                zero[key] = rule(hidden_size)
+    return ds
+
+
+def unfilled_auto(ds: dict[str, Any]) -> list[str]:
+    """The keys still ``"auto"`` (DeepSpeed itself would refuse them), as ``section.key``."""
+    found: list[str] = []
+
+    def walk(node: Any, where: str) -> None:
+        if isinstance(node, dict):
+            for key, value in node.items():
+                walk(value, f"{where}.{key}" if where else str(key))
+        elif node == "auto":
+            found.append(where)
+
+    walk(ds, "")
+    return found
+
+
+def schedule_words(config: JobConfig) -> str:
+    """The learning-rate schedule in the words of what trains it: DeepSpeed's scheduler with its parameters as
+    DeepSpeed names them, or hpc_train's warm-up and decay."""
+    scheduler = deepspeed_config(config, 1).get("scheduler")
+    train = config.train
+    if not isinstance(scheduler, dict):
+        return f"{train.warmup_steps} warm-up steps, then {train.decay} to {train.min_lr:g}"
+    kind, params = scheduler.get("type", "?"), scheduler.get("params", {})
+    shown = ", ".join(f"{key}={value}" for key, value in params.items())
+    if "warmup_type" in SCHEDULER_PARAMS.get(str(kind), ()) and "warmup_type" not in params:
+        shown += (", " if shown else "") + "warmup_type=log (DeepSpeed's default)"
+    what = {"WarmupLR": "warm up, then hold", "WarmupDecayLR": "warm up, then linear decay to 0 at total_num_steps",
+            "WarmupCosineLR": "warm up, then cosine to cos_min_ratio x lr at total_num_steps",
+            "OneCycle": "one cycle between cycle_min_lr and cycle_max_lr, then decay",
+            "LRRangeTest": "a learning-rate range test: rising from lr_range_test_min_lr"}.get(str(kind), "")
+    return f"DeepSpeed {kind}({shown})" + (f": {what}" if what else "")
 
 
 def without_redacted(value: Any) -> Any:

@@ -1,8 +1,10 @@
 """A DeepSpeed user's ``ds_config.json`` as the job's config: ``[train] deepspeed_config = "ds_config.json"``.
 
 The keys hpc_train models become the typed keys they mean (the micro batch, accumulation, global batch, clipping,
-the number format, the ZeRO stage and offload, AdamW's settings, a warm-up schedule), so the checks, the plan
-and the memory estimate see them; every other key passes through to DeepSpeed as a ``[deepspeed]`` table does.
+the number format, the ZeRO stage and offload, AdamW's settings), so the checks, the plan and the memory estimate
+see them; every other key passes through to DeepSpeed as a ``[deepspeed]`` table does, ``steps_per_print`` and
+the scheduler included: DeepSpeed builds its own scheduler, so a ``WarmupLR`` warms up and holds as DeepSpeed
+means it (its warm-up and peak are also read into ``train.warmup_steps`` and ``train.lr`` for the plan's checks).
 The job file and the JSON must agree: a key both set to different values is refused, naming the key in the
 file; ``--set`` on the command line wins over both (how a CPU trial runs a GPU file in fp32). Pure Python: the
 login node reads the file before anything is submitted.
@@ -18,17 +20,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hpc_train.config.deepspeed import SCHEDULER_PARAMS
 from hpc_train.config.ds_semantics import check_semantics
 from hpc_train.config.portable import MAX_DEPTH, check_portable
 from hpc_train.config.secrets import redact, shown_value
 from hpc_train.errors import ConfigError
 
-__all__ = ["Imported", "import_deepspeed_config", "imported_for", "merge_imported", "named_in_file"]
+__all__ = ["PLAIN_KEYS", "Imported", "import_deepspeed_config", "imported_for", "merge_imported", "named_in_file"]
 
 _MAX_BYTES = 1 << 20
 _ADAM = ("adam", "adamw")
 # DeepSpeed key path -> the typed key it means (values copied as they are)
-_PLAIN: dict[tuple[str, ...], str] = {
+PLAIN_KEYS: dict[tuple[str, ...], str] = {
     ("train_micro_batch_size_per_gpu",): "train.micro_batch",
     ("gradient_accumulation_steps",): "train.grad_accum",
     ("train_batch_size",): "train.global_batch",
@@ -49,6 +52,9 @@ _CONSUMED = {("optimizer", "type"), ("optimizer", "params", "betas"), ("fp16", "
                                                                                 "total_num_steps")}
 
 
+_AUTO_SCHEDULE = ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "total_num_steps")  # deepspeed._fill_auto
+
+
 @dataclass
 class Imported:
     """What the file says: typed values by ``section.key``, where each came from (``file: key``), and the keys that
@@ -59,6 +65,7 @@ class Imported:
     origin: dict[str, str] = field(default_factory=dict)
     passthrough: dict[str, Any] = field(default_factory=dict)
     redacted: list[str] = field(default_factory=list)  # keys whose credential is written as "<redacted>"
+    auto: list[str] = field(default_factory=list)  # the keys the file gives as "auto" (the plan shows their values)
 
 
 def _text(path: Path, shown: str) -> str:
@@ -133,24 +140,22 @@ def import_deepspeed_config(path: Path, shown: str) -> Imported:
     found = Imported(source=shown)
     data = redact(_read(path, shown), found=found.redacted)  # before anything reads a value, or says one
     flat = _flat(check_semantics(data, shown))
+    found.auto = [".".join(key) for key, value in flat.items() if value == "auto"]
 
     def put(typed: str, value: Any, key: tuple[str, ...]) -> None:
         found.typed[typed] = value
         found.origin[typed] = f"{shown}: {'.'.join(key)}"
 
-    for key, typed in _PLAIN.items():
+    for key, typed in PLAIN_KEYS.items():
         if key in flat and flat[key] != "auto":
             put(typed, flat[key], key)
-    for key in flat:  # hpc_train builds the optimizer and the schedule: a setting of theirs it cannot honour is refused
-        if key[0] in ("optimizer", "scheduler") and key not in _PLAIN and key not in _CONSUMED:
-            raise ConfigError(f"{shown}: {'.'.join(key)}", "is a setting of DeepSpeed's optimizer or scheduler, which "
-                              "hpc_train builds itself (AdamW with train.lr, beta1, beta2, eps, weight_decay; warm-up "
-                              "then train.decay)", "remove it, or set the train key it stands for")
-    kind = flat.get(("scheduler", "type"))
-    if kind is not None and kind not in ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR"):
-        raise ConfigError(f"{shown}: scheduler.type", f'"{str(kind)[:80]}" is not a schedule hpc_train runs',
-                          'use "WarmupDecayLR" (warm-up, then train.decay), or remove the scheduler')
+    for key in flat:  # hpc_train builds the optimizer: a setting of its it cannot honour is refused
+        if key[0] == "optimizer" and key not in PLAIN_KEYS and key not in _CONSUMED:
+            raise ConfigError(f"{shown}: {'.'.join(key)}", "is a setting of DeepSpeed's optimizer, which hpc_train "
+                              "builds itself (AdamW with train.lr, beta1, beta2, eps, weight_decay)",
+                              "remove it, or set the train key it stands for")
     _optimizer(flat, put, shown)
+    _scheduler(flat, shown)
     _precision(flat, put)
     for device_key, typed in ((("zero_optimization", "offload_optimizer", "device"), "zero.offload_optimizer"),
                               (("zero_optimization", "offload_param", "device"), "zero.offload_params")):
@@ -158,10 +163,33 @@ def import_deepspeed_config(path: Path, shown: str) -> Imported:
             put(typed, flat[device_key] == "cpu", device_key)
     if found.typed.get("zero.offload_optimizer"):
         put("train.optimizer", "cpu_adam", ("zero_optimization", "offload_optimizer", "device"))
-    found.passthrough = _nested({k: v for k, v in flat.items() if k not in _PLAIN and k not in _CONSUMED
+    found.passthrough = _nested({k: v for k, v in flat.items() if (k[0] == "scheduler" or (k not in PLAIN_KEYS and
+                                                                    k not in _CONSUMED))
                                  and k[:2] not in (("zero_optimization", "offload_optimizer"),
                                                    ("zero_optimization", "offload_param"))})
     return found
+
+
+def _scheduler(flat: dict[tuple[str, ...], Any], shown: str) -> None:
+    """A DeepSpeed scheduler reaches DeepSpeed as written (DeepSpeed builds it): its type and its parameters must
+    be ones DeepSpeed takes, and ``"auto"`` only where the Hugging Face integration fills it."""
+    keys = [key for key in flat if key[0] == "scheduler"]
+    if not keys:
+        return
+    kind = flat.get(("scheduler", "type"))
+    if kind not in SCHEDULER_PARAMS:
+        raise ConfigError(f"{shown}: scheduler.type", f'"{str(kind)[:80]}" is not one of DeepSpeed\'s schedulers',
+                          f"use one of {', '.join(SCHEDULER_PARAMS)} (deepspeed.runtime.lr_schedules)")
+    taken = SCHEDULER_PARAMS[str(kind)]
+    for key in keys:
+        if key == ("scheduler", "type"):
+            continue
+        if len(key) != 3 or key[1] != "params" or key[2] not in taken:
+            raise ConfigError(f"{shown}: {'.'.join(key)}", f"is not a parameter of DeepSpeed's {kind}",
+                              f"its parameters: {', '.join(taken)}")
+        if flat[key] == "auto" and key[2] not in _AUTO_SCHEDULE:
+            raise ConfigError(f"{shown}: {'.'.join(key)}", '"auto" has no value to take here (the Hugging Face '
+                              f"integration fills only {', '.join(_AUTO_SCHEDULE)})", "give the number")
 
 
 def _optimizer(flat: dict[tuple[str, ...], Any], put: Callable[[str, Any, tuple[str, ...]], None],
@@ -232,6 +260,13 @@ def named_in_file(error: ConfigError, imported: Imported | None, values: dict[st
     """A check's error on a typed key that came from the file, naming the key in the file (the typed key after).
     With ``values`` (the job's sections as tables), only when the job holds the file's value: a key ``--set``
     gave another value is the command line's, and named as it is."""
+    if imported is not None and error.where.startswith("deepspeed."):  # a key the file passed through
+        node: Any = imported.passthrough
+        for part in error.where.removeprefix("deepspeed.").split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        if node is not None:
+            return ConfigError(f"{imported.source}: {error.where.removeprefix('deepspeed.')}", error.problem,
+                               error.fix)
     if imported is None or error.where not in imported.origin:
         return error
     if values is not None:

@@ -28,7 +28,7 @@ from hpc_train.login.submit import add_submit_arguments
 
 __all__ = ["main"]
 
-_ABOUT = ("Submit, validate, render, follow and inspect hpc_train runs from a login node. "
+_ABOUT = ("Submit, run, validate, render, follow, cancel and inspect hpc_train runs from a login node. "
           "'hpc_train submit' is 'python -m hpc_train.submit'; 'hpc_train COMMAND --help' says more.")
 
 

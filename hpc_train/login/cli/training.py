@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from hpc_train.checkpoint.manager import CheckpointManager
+from hpc_train.config.deepspeed import schedule_words
 from hpc_train.config.job import MODEL_PRESETS
 from hpc_train.config.plan import Plan
 from hpc_train.config.program import parse_program
@@ -34,6 +35,7 @@ class TrainingSummary:
     checkpoint: dict[str, Any]
     resume: dict[str, Any]
     program: dict[str, Any]
+    auto: dict[str, str] = dataclasses.field(default_factory=dict)  # a ds_config.json's "auto" key -> its value
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -62,7 +64,39 @@ def training_summary(plan: Plan) -> TrainingSummary:
     checkpoint["cadence"] = _cadence(plan, model["parameters"])
     return TrainingSummary(kind, from_file, overridden, model, _data(plan), _engine(plan), _precision(plan),
                            steps,
-                           steps * plan.layout.global_batch * cfg.train.seq_len, checkpoint, resume, {})
+                           steps * plan.layout.global_batch * cfg.train.seq_len, checkpoint, resume, {},
+                           _auto_values(plan))
+
+
+def _auto_values(plan: Plan) -> dict[str, str]:
+    """What each ``"auto"`` of the job's ds_config.json becomes, as the Hugging Face integration fills it: from
+    the job's typed key, the scheduler's rule, or the model's hidden size (on the ranks for a model of yours)."""
+    if not plan.config.train.deepspeed_config:
+        return {}
+    from hpc_train.config.deepspeed import HIDDEN_SIZE_KEYS, deepspeed_config
+    from hpc_train.config.ds_import import PLAIN_KEYS, import_deepspeed_config
+
+    name = plan.config.train.deepspeed_config
+    imported = import_deepspeed_config(Path(plan.code_dir or ".") / name, name)
+    preset = MODEL_PRESETS.get(plan.config.train.model)
+    ds = deepspeed_config(plan.config, plan.layout.data, preset["hidden"] if preset else None)
+    values = dataclasses.asdict(plan.config)
+    shown: dict[str, str] = {}
+    for key in imported.auto:
+        typed = PLAIN_KEYS.get(tuple(key.split(".")))
+        node: Any = ds
+        for part in key.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        if typed is not None:
+            section, field = typed.split(".")
+            shown[key] = f"{values[section][field]!r} ({typed})"
+        elif key.rpartition(".")[2] in HIDDEN_SIZE_KEYS and node == "auto":
+            shown[key] = "from the model's hidden size, on the ranks"
+        elif node is not None and node != "auto":
+            shown[key] = repr(node)
+        else:
+            shown[key] = "from the job's keys (hpc_train builds it)"
+    return shown
 
 
 def _cadence(plan: Plan, parameters: int | None) -> dict[str, Any] | None:
@@ -126,7 +160,8 @@ def _engine(plan: Plan) -> dict[str, Any]:
             "offload_params": cfg.fsdp.offload if fsdp2 else cfg.zero.offload_params,
             "reshard_after_forward": cfg.fsdp.reshard_after_forward if fsdp2 else None,
             "optimizer": cfg.train.optimizer, "lr": cfg.train.lr,
-            "schedule": f"{cfg.train.warmup_steps} warm-up steps, then {cfg.train.decay} to {cfg.train.min_lr:g}",
+            "schedule": schedule_words(cfg) if not fsdp2 else f"{cfg.train.warmup_steps} warm-up steps, then "
+                                                               f"{cfg.train.decay} to {cfg.train.min_lr:g}",
             "pipeline": plan.layout.pipeline, "tensor": plan.layout.tensor,
             "compile": cfg.train.compile_backend if cfg.train.compile else None}
 
@@ -225,6 +260,8 @@ def training_rows(summary: TrainingSummary) -> list[tuple[str, str]]:
         rows.append((f"from {name}", ", ".join(sorted(summary.from_file))))
         for typed, value in sorted(summary.overridden.items()):
             rows.append(("overridden", f"{typed}: the file says {value!r}, --set gave another value"))
+    if summary.auto:
+        rows.append(('"auto"', ", ".join(f"{key} = {value}" for key, value in summary.auto.items())))
     if summary.checkpoint:
         ckpt = summary.checkpoint
         every = f"every {ckpt['every_steps']} steps" if ckpt["every_steps"] else "only on preemption and at the end"

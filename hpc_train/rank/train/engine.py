@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
-from hpc_train.config.deepspeed import deepspeed_config
-from hpc_train.config.job import JobConfig, TrainSection
+from hpc_train.config.deepspeed import deepspeed_config, unfilled_auto
+from hpc_train.config.job import MODEL_PRESETS, JobConfig, TrainSection
 from hpc_train.run.files import atomic_write
 from hpc_train.run.paths import DEEPSPEED_CONFIG_FILE
 
@@ -30,6 +30,21 @@ def lr_at(step: int, train: TrainSection) -> float:
     if train.decay == "linear":
         return peak - (peak - floor) * progress
     return floor + 0.5 * (peak - floor) * (1 + math.cos(math.pi * progress))
+
+
+def hidden_size(model: torch.nn.Module, config: JobConfig) -> int | None:
+    """The model's hidden size as the Hugging Face integration reads it (``config.hidden_size``, the largest of
+    ``hidden_sizes``, the same of a ``text_config``), else the built-in GPT's; None when neither says (a
+    ``ds_config.json`` that asks ``"auto"`` of a key that needs it is then refused, naming the keys)."""
+    found = getattr(model, "config", None)
+    for candidate in (found, getattr(found, "text_config", None)):
+        if isinstance(getattr(candidate, "hidden_size", None), int):
+            return int(candidate.hidden_size)
+        sizes = getattr(candidate, "hidden_sizes", None)
+        if isinstance(sizes, list | tuple) and sizes:
+            return int(max(sizes))
+    preset = MODEL_PRESETS.get(config.train.model)
+    return int(preset["hidden"]) if preset is not None else None
 
 
 def weight_decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
@@ -53,7 +68,11 @@ def build_engine(model: torch.nn.Module, config: JobConfig, data_parallel: int, 
     train = config.train
     init_deepspeed_comm(local_rank, OPTIMIZER_OPS[train.optimizer])
 
-    ds = deepspeed_config(config, data_parallel)
+    ds = deepspeed_config(config, data_parallel, hidden_size(model, config))
+    left = unfilled_auto(ds)
+    if left:
+        raise ValueError(f"the DeepSpeed config asks \"auto\" of {', '.join(left)}, which follow the model's hidden "
+                         "size, and the model's config says none (no hidden_size or hidden_sizes); give numbers")
     optimizer: Any = None
     if train.optimizer == "torch_adamw":
         optimizer = torch.optim.AdamW(weight_decay_groups(model, train.weight_decay), lr=train.lr,
@@ -64,8 +83,9 @@ def build_engine(model: torch.nn.Module, config: JobConfig, data_parallel: int, 
     def schedule(basic_optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
         return torch.optim.lr_scheduler.LambdaLR(basic_optimizer, lambda step: lr_at(step, train) / train.lr)
 
+    # A ds_config.json's own scheduler is DeepSpeed's to build (as it would without hpc_train); else ours
     engine, *_ = deepspeed.initialize(
-        model=model, optimizer=optimizer, config=ds, mpu=mpu, lr_scheduler=schedule,
+        model=model, optimizer=optimizer, config=ds, mpu=mpu, lr_scheduler=None if "scheduler" in ds else schedule,
         model_parameters=None if optimizer is not None else weight_decay_groups(model, train.weight_decay))
     _check_groups(engine, data_parallel, mpu)
     return engine

@@ -14,7 +14,7 @@ from tests.conftest import REPO
 
 CONSOLE = Path(sys.executable).parent / "hpc_train"  # installed by the editable install's entry point
 EXAMPLE = str(REPO / "examples" / "tiny_gpt.toml")
-COMMANDS = ("submit", "validate", "render", "ckpt", "bench", "logs", "status", "plot", "doctor")
+COMMANDS = ("submit", "run", "validate", "render", "ckpt", "bench", "logs", "status", "cancel", "plot", "doctor")
 CASES = {
     "dry-run": [EXAMPLE, "--site", "local", "--dry-run"],
     "dry-run-json": [EXAMPLE, "--site", "local", "--dry-run", "--json"],
