@@ -30,7 +30,7 @@ from typing import Any, Literal, get_args, get_origin
 import pytest
 
 from hpc_train.config.deepspeed import deepspeed_config
-from hpc_train.config.ds_import import _PLAIN
+from hpc_train.config.ds_import import PLAIN_KEYS
 from hpc_train.config.job import JobConfig
 from hpc_train.config.loader import field_types, rebuild
 from hpc_train.config.secrets import REDACTED
@@ -349,7 +349,7 @@ def file_honoured(fuzz: FuzzCase, printed: dict[str, Any]) -> None:
     config = plan["config"]
     given = {arg.partition("=")[0] for arg in fuzz.argv}
     flat = _flat(json.loads(fuzz.ds))
-    expected = [(typed, flat[path]) for path, typed in _PLAIN.items() if path in flat and flat[path] != "auto"]
+    expected = [(typed, flat[path]) for path, typed in PLAIN_KEYS.items() if path in flat and flat[path] != "auto"]
     betas = flat.get(("optimizer", "params", "betas"))
     if betas is not None and betas != "auto":
         assert isinstance(betas, list) and len(betas) == 2, f"accepted betas {betas} (DeepSpeed refuses them)"
