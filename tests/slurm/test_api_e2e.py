@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import cloudpickle
 import pytest
 import torch
 
@@ -16,6 +17,8 @@ import hpc_train
 from tests.slurm.test_preemption_e2e import _wait_for_step
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("slurm_cluster")]
+# the nodes run in a folder where this test module cannot be imported: its functions travel by value
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
 TWO_NODES = {"site": "local-slurm", "nodes": 2, "tasks_per_node": 1, "cpus_per_task": 1, "time": "00:10:00"}
 STEPS = 40
 

@@ -66,7 +66,8 @@ def job_overrides(job_keys: Mapping[str, Any]) -> list[str]:
 def _default_name(function: Callable[..., Any]) -> str:
     """A new run folder per submission, as submitit gives each job its own: the function's name, the time and a
     few random letters (``train-20261205-141502-3fa9``). Give ``name=`` to resume a run instead."""
-    base = re.sub(r"[^A-Za-z0-9_-]+", "", getattr(function, "__name__", "") or "")[:40] or "function"
+    name = re.sub(r"[^A-Za-z0-9_-]+", "", getattr(function, "__name__", "") or "").lstrip("_-")  # job.name's rule
+    base = name[:40] or "function"
     return f"{base}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
 
 

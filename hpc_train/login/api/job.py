@@ -8,6 +8,7 @@ asked; ``result()`` is rank 0's return value, or ``JobFailed`` with the failure'
 from __future__ import annotations
 
 import io
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +21,9 @@ if TYPE_CHECKING:
     from hpc_train.login.submit import Submitted
 
 __all__ = ["Job", "JobFailed"]
+
+_SETTLING = {"COMPLETING", "RUNNING", "PENDING", "CONFIGURING"}
+_SETTLE_S = 60.0
 
 
 class JobFailed(RuntimeError):  # noqa: N818 - the name the API promises, beside submitit's FailedJobError
@@ -117,10 +121,16 @@ class Job:
         """The failure as ``status`` classifies it; the follower's own words where it cannot."""
         from hpc_train.login.ops.status import collect
 
-        try:
-            found = collect([self.run_dir])[0][0]
-        except (ConfigError, OSError):
-            found = None
+        found = None
+        deadline = time.monotonic() + _SETTLE_S
+        while True:  # the follower saw the job end; accounting may still say COMPLETING for a moment
+            try:
+                found = collect([self.run_dir])[0][0]
+            except (ConfigError, OSError):
+                break
+            if found.state.split()[0].upper() not in _SETTLING or time.monotonic() > deadline:
+                break
+            time.sleep(1.0)
         if found is not None and found.failure is not None:
             return JobFailed(self.job_id, self.run_dir, found.failure.failure_class, found.failure.reason)
         lines = [line for line in self._report.splitlines() if line.strip()]
