@@ -108,7 +108,7 @@ def run_submit(args: argparse.Namespace) -> int:
         check_slurm_available()
     console = Console(stderr=args.json, soft_wrap=True)  # job output lines are never re-wrapped
     os.umask(0o077)  # submitit's folder and the ranks' files stay private
-    submitted = submit_plans(plans)
+    submitted = submit_plans(plans, tied=not args.no_follow)  # followed: it ends with this command
     for one in submitted:
         console.print(Text.assemble("submitted job ", (plain(one.job.job_id), "bold"), f" ({executor}); run folder ",
                                     plain(one.run_dir)))
@@ -171,10 +171,11 @@ class Submitted:
                            log_offset=self.log_offset, tasks_per_node=self.plan.resources.tasks_per_node)
 
 
-def submit_plans(plans: list[Plan], before_submit: Callable[[list[Path]], None] | None = None) -> list[Submitted]:
+def submit_plans(plans: list[Plan], before_submit: Callable[[list[Path]], None] | None = None,
+                 tied: bool = False) -> list[Submitted]:
     """Prepare each plan's run folder, run ``before_submit`` on them, and submit: the command's and
-    ``hpc_train.Executor``'s one way. A refusal (sbatch's, or a ConfigError) takes back what this submission wrote
-    and is raised as a ConfigError naming the fix."""
+    ``hpc_train.Executor``'s one way (``tied``: a local job ends with this process). A refusal (sbatch's, or a
+    ConfigError) takes back what this submission wrote and is raised as a ConfigError naming the fix."""
     from hpc_train.login.cli.undo import Undo
     from hpc_train.login.slurm.executors import submit, submitit_folder
 
@@ -188,7 +189,7 @@ def submit_plans(plans: list[Plan], before_submit: Callable[[list[Path]], None] 
                    for run_dir, plan in zip(run_dirs, plans, strict=True)]
         if before_submit is not None:
             before_submit([Path(run_dir) for run_dir in run_dirs])
-        jobs = submit(plans)
+        jobs = submit(plans, tied)
     except Exception as error:  # sbatch said no (submitit's FailedJobError): bad partition, account, limits
         refused = type(error).__name__ in ("FailedJobError", "CalledProcessError")
         if refused or isinstance(error, ConfigError):

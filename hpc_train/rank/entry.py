@@ -19,7 +19,7 @@ import traceback
 from pathlib import Path
 from typing import Any, NoReturn
 
-from hpc_train.backends import backend_of
+from hpc_train.backends import LocalBackend, backend_of
 from hpc_train.config.plan import Plan, plan_for_life
 from hpc_train.errors import ConfigError
 from hpc_train.rank.runtime.preemption import PreemptionWatch
@@ -37,6 +37,7 @@ from hpc_train.run.paths import (
     rank_consequence_path,
     rank_error_path,
 )
+from hpc_train.run.procs import die_with_parent
 from hpc_train.run.quick_exit import exit_quickly_when_done, leave_now
 from hpc_train.run.results import Stopped, rank_result
 from hpc_train.run.stops import StopConsequence
@@ -64,6 +65,8 @@ def _rank_logger(run_dir: Path, rank: int, per_node: int) -> logging.Logger:
 def run_rank(run_dir: Path) -> dict[str, Any]:
     """Run this rank's share of the job in ``run_dir``; return its result."""
     os.umask(0o077)  # logs and results of a run are private, like the run folder
+    if isinstance(backend_of(os.environ), LocalBackend):
+        die_with_parent()  # below the local executor's controller: a rank never outlives it
     check_run_folder(run_dir)  # never reached through a link, nor writable by others: ranks run what it holds
     plan = plan_for_life(Plan.from_json((run_dir / PLAN_FILE).read_text(encoding="utf-8")), os.environ)
     if plan.config.job.program == "smoke":  # nothing to save: signals keep their usual meaning

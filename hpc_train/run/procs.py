@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Process", "command_line", "cpu_shares", "descendants", "environment", "processes"]
+__all__ = ["Process", "command_line", "cpu_shares", "descendants", "die_with_parent", "environment", "processes"]
 
 _PROC = Path("/proc")
 
@@ -86,3 +86,16 @@ def cpu_shares(ranks: int) -> list[set[int]]:
         return []
     size = len(cpus) // ranks
     return [set(cpus[index * size:(index + 1) * size]) for index in range(ranks)]
+
+
+def die_with_parent(signum: int = 9) -> None:
+    """Ask Linux to send this process ``signum`` (default SIGKILL) when the thread that started it ends
+    (``prctl(PR_SET_PDEATHSIG)``): a local job's controller and ranks, in a session of their own, then never
+    train on unfollowed after ``submit`` is killed. A no-op where prctl is missing."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signum, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return

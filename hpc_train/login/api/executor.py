@@ -147,7 +147,7 @@ class Executor:
 
         old = os.umask(0o077)  # submitit's folder and the ranks' files stay private
         try:
-            submitted = submit_plans(plans, before_submit=write_calls)
+            submitted = submit_plans(plans, before_submit=write_calls, tied=True)  # local: ends with this Python
         finally:
             os.umask(old)
         return [Job(one) for one in submitted]

@@ -21,6 +21,7 @@ from hpc_train.login.slurm.follow import record_cancel
 from hpc_train.run.attempts import AttemptLog
 from hpc_train.run.files import refuse_link, run_file_stat, small_int
 from hpc_train.run.paths import PLAN_FILE, SUBMITIT_DIR
+from hpc_train.run.procs import command_line, descendants, processes
 
 __all__ = ["cancel_local", "cancel_run"]
 
@@ -66,35 +67,18 @@ _ACTIVE = {"PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "REQUE
 
 def _is_controller(pid: int, run_dir: Path) -> bool:
     """Whether ``pid`` is submitit's local controller of this run (never another process that got its id)."""
-    try:
-        words = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    except OSError:
+    line = command_line(pid)
+    if line is None:
         return False
+    words = line.split(b"\0")
     folder = str(run_dir.resolve() / SUBMITIT_DIR).encode()
     return any(b"submitit" in word for word in words) and any(word.rstrip(b"/") == folder for word in words)
-
-
-def _children(pid: int) -> list[int]:
-    """``pid``'s processes below it, deepest last (the ranks, their loader workers)."""
-    found: list[int] = []
-    try:
-        threads = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return found
-    for thread in threads:
-        try:
-            text = Path(f"/proc/{pid}/task/{thread}/children").read_text()
-        except OSError:
-            continue
-        for child in (int(word) for word in text.split()):
-            found += [child, *_children(child)]
-    return found
 
 
 def cancel_local(run_dir: Path, pid: int, reason: str = REASON, wait_s: float = 10.0) -> None:
     """Record the cancel, stop the controller ``pid`` and every process below it, close the attempt."""
     record_cancel(run_dir, str(pid), "user", reason)
-    below = _children(pid)
+    below = descendants(pid)
     for process in [pid, *below]:  # the controller first: it would restart the ranks, or print a traceback
         try:
             os.kill(process, signal.SIGKILL)
@@ -110,13 +94,5 @@ def cancel_local(run_dir: Path, pid: int, reason: str = REASON, wait_s: float = 
 
 
 def _exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True
-    try:  # a zombie (its parent, the controller, is gone too, so init reaps it) has ended
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
+    """Whether ``pid`` still runs (a zombie, reaped by init now that its parent is gone, has ended)."""
+    return any(process.pid == pid and process.state != "Z" for process in processes())

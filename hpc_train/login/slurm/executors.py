@@ -21,6 +21,7 @@ from hpc_train.errors import ConfigError
 from hpc_train.login.slurm.directives import container_srun_flags, export_directive
 from hpc_train.run.folder import private_folder
 from hpc_train.run.paths import SUBMITIT_DIR
+from hpc_train.run.procs import die_with_parent
 
 __all__ = ["resolve_executor", "submit", "submitit_folder", "submitit_parameters"]
 
@@ -112,21 +113,22 @@ def submitit_parameters(plan: Plan) -> dict[str, Any]:
     return params
 
 
-def submit(plans: list[Plan]) -> list[Any]:
+def submit(plans: list[Plan], tied: bool = False) -> list[Any]:
     """Submit the rank entry point of each plan through submitit; several plans become one job array.
+    ``tied``: a local job ends when this process does (``submit`` following it; the Python API).
 
     The plans of a sweep differ only in what runs, never in resources, so they share one executor: on Slurm
     that is one ``sbatch --array`` call, and each array task reads the plan in its own run folder.
     """
     saved = dict(os.environ)
     try:
-        return _submit(plans)
+        return _submit(plans, tied)
     finally:  # the local executor's processes took their environment at submit: this process gets its own back
         os.environ.clear()
         os.environ.update(saved)
 
 
-def _submit(plans: list[Plan]) -> list[Any]:
+def _submit(plans: list[Plan], tied: bool) -> list[Any]:
     first = plans[0]
     os.environ["SUBMITIT_PREEMPT_SIGNAL"] = first.signal  # submitit reads it when it writes the script
     import submitit
@@ -145,7 +147,7 @@ def _submit(plans: list[Plan]) -> list[Any]:
     else:
         executor = submitit.SlurmExecutor(folder=folder, max_num_timeout=first.max_requeues, python=first.python)
     executor.update_parameters(**submitit_parameters(first))
-    with _local_controllers_in_their_own_session(not first.backend.on_slurm):
+    with _local_controllers_in_their_own_session(not first.backend.on_slurm, tied):
         if len(plans) == 1:
             return [executor.submit(RankEntry(first.run_dir))]
         with executor.batch():
@@ -154,12 +156,15 @@ def _submit(plans: list[Plan]) -> list[Any]:
 
 
 class _SessionPopen:
-    """submitit's local module's view of ``subprocess``: every process it starts leads a session of its own."""
+    """submitit's local module's view of ``subprocess``: every process it starts leads a session of its own,
+    and when ``tied`` is killed when this process ends (its ranks follow it: they die with their parent)."""
 
-    def __init__(self, real: Any) -> None:
-        self._real = real
+    def __init__(self, real: Any, tied: bool) -> None:
+        self._real, self._tied = real, tied
 
     def Popen(self, *args: Any, **kwargs: Any) -> Any:  # noqa: N802 - subprocess's own name
+        if self._tied:
+            kwargs["preexec_fn"] = die_with_parent
         return self._real.Popen(*args, start_new_session=True, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
@@ -167,7 +172,7 @@ class _SessionPopen:
 
 
 @contextlib.contextmanager
-def _local_controllers_in_their_own_session(local: bool) -> Iterator[None]:
+def _local_controllers_in_their_own_session(local: bool, tied: bool) -> Iterator[None]:
     """Start the local executor's controller (and so its ranks) outside the terminal's process group, so that a
     Ctrl-C reaches ``submit`` alone: it then ends the ranks and records the cancel (:mod:`hpc_train.login.ops.cancel`)
     instead of submitit's controller printing a KeyboardInterrupt traceback while the ranks record a failure.
@@ -178,7 +183,7 @@ def _local_controllers_in_their_own_session(local: bool) -> Iterator[None]:
     from submitit.local import local as submitit_local
 
     real = submitit_local.subprocess
-    submitit_local.subprocess = _SessionPopen(real)  # type: ignore[assignment]
+    submitit_local.subprocess = _SessionPopen(real, tied)  # type: ignore[assignment]
     try:
         yield
     finally:

@@ -89,10 +89,10 @@ def test_a_function_s_result_its_failure_and_an_array_on_the_local_executor(here
         failed.result()
     assert error.value.failure_class == "user_error" and "ValueError('bad value 7')" in error.value.reason
     assert str(failed.run_dir) in str(error.value)
-    jobs = executor.map_array(lambda x, y: x * y, [1, 2, 3], [4, 5, 6])  # "<lambda>": named "function-..."
+    jobs = executor.map_array(lambda x, y: x * y, [1, 2, 3], [4, 5, 6])  # "<lambda>": named "lambda-..."
     assert [one.result() for one in jobs] == [4, 10, 18]
     assert [one.run_dir.name[-3:] for one in jobs] == ["000", "001", "002"]
-    assert jobs[0].run_dir.name.startswith("function-")
+    assert jobs[0].run_dir.name.startswith("lambda-")
 
 
 @pytest.mark.slow

@@ -3,6 +3,7 @@ is recorded as cancelled by the user, ``status`` says so, and no traceback reach
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -90,3 +91,24 @@ def test_hpc_train_cancel_ends_a_local_run_and_refuses_what_it_cannot_cancel(tmp
     linked = subprocess.run([*cancel[:-1], str(tmp_path / "link")], capture_output=True, text=True, timeout=60,
                             check=False)
     assert linked.returncode == 2 and "symbolic link" in linked.stderr and "Traceback" not in linked.stderr
+
+
+def test_a_killed_submit_takes_its_followed_local_job_with_it(tmp_path: Path) -> None:
+    """The ranks lead a session of their own (so Ctrl-C reaches submit alone), yet never train on unfollowed:
+    the controller dies with submit, and each rank with the controller (``PR_SET_PDEATHSIG``)."""
+    with (tmp_path / "submit.out").open("w") as out:
+        submit = subprocess.Popen([sys.executable, "-m", "hpc_train.submit", EXAMPLE, *LONG], cwd=tmp_path,
+                                  stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    run_dir = tmp_path / "runs" / "tiny-gpt"
+    try:
+        _wait_for_steps(run_dir)
+        assert _ranks_of(run_dir), "no rank found to follow"
+        submit.kill()  # SIGKILL: no handler runs
+        submit.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while _ranks_of(run_dir) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _ranks_of(run_dir), _ranks_of(run_dir)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(submit.pid, signal.SIGKILL)
