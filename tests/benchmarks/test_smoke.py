@@ -90,6 +90,9 @@ CASES = [  # the costliest first (CPU seconds here: 57, 52, 25, 23, 22, 14, 4, 0
                              rf"64 ranks \(tp 2, pp 4, dp 8\)\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}\s+\w+")),
     Case("submit_latency.py", (), (r"hpc_train\.submit\s+.*", r"hand-written sbatch\s+.*\s+1\.00\s+.*\s+1\.00"),
          slurm=True),
+    Case("api_vs_submitit.py", (), (r"hpc_train\s+first line: min .*", r"submitit\s+first line: min .*",
+                                    r"ratio hpc_train / submitit \(medians\): first line [\d.]+, result [\d.]+ .*"),
+         slurm=True),
     Case("control_plane.py", ("--section", "cluster"), (
         r"cluster: steady training: [\d.]+ run-folder operations per rank per second",
         r"cluster: a restart in place \(rank 1 killed\): [\d.]+ run-folder operations per rank per second",
