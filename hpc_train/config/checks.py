@@ -16,6 +16,7 @@ from hpc_train.common.terminal import UNSAFE_IN_LINE
 __all__ = [
     "Check",
     "TableCheck",
+    "as_slurm_name",
     "check_constraint",
     "check_env_name",
     "check_env_value",
@@ -90,6 +91,13 @@ def _allow_only(pattern: re.Pattern[str], problem: str, fix: str, empty_ok: bool
 
     check.__doc__ = doc
     return check
+
+
+def as_slurm_name(text: str, fallback: str, limit: int = 60) -> str:
+    """``text`` made a name ``check_slurm_name`` takes (a run's name from a script or a function's name):
+    other characters become "-", a leading one that is not a letter or digit goes; ``fallback`` when none is left."""
+    name = re.sub(r"[^A-Za-z0-9._+-]+", "-", text).lstrip("._+-")[:limit].rstrip("-")
+    return name if name and _SLURM_NAME.fullmatch(name) else fallback
 
 
 check_slurm_name = _allow_only(

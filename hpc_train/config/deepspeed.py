@@ -8,9 +8,10 @@ from typing import Any
 
 from hpc_train.config.job import JobConfig
 from hpc_train.config.secrets import REDACTED
+from hpc_train.errors import ConfigError
 
-__all__ = ["HIDDEN_SIZE_KEYS", "SCHEDULER_PARAMS", "deepspeed_config", "merge_user_table", "schedule_words",
-           "unfilled_auto", "without_redacted"]
+__all__ = ["AUTO_SCHEDULE_KEYS", "HIDDEN_SIZE_KEYS", "SCHEDULER_PARAMS", "check_scheduler", "deepspeed_config",
+           "merge_user_table", "schedule_words", "unfilled_auto", "without_redacted"]
 
 # DeepSpeed's schedulers (deepspeed.runtime.lr_schedules) and the parameters each takes: a ds_config.json's
 # "scheduler" reaches DeepSpeed as written, and DeepSpeed builds it, so a run trains DeepSpeed's own schedule.
@@ -27,8 +28,13 @@ SCHEDULER_PARAMS: dict[str, tuple[str, ...]] = {
                     "lr_range_test_staircase", "last_batch_iteration"),
 }
 # zero_optimization keys whose "auto" the Hugging Face integration fills from the model's hidden size h
-HIDDEN_SIZE_KEYS = {"reduce_bucket_size": lambda h: h * h, "stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),
+# (reduce_bucket_size is hpc_train's zero.bucket_size: its "auto" is that key's value)
+HIDDEN_SIZE_KEYS = {"stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),
                     "stage3_param_persistence_threshold": lambda h: 10 * h}
+# a scheduler's parameters whose "auto" is filled from the job's keys (the Hugging Face integration's rule)
+AUTO_SCHEDULE_KEYS = ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "total_num_steps")
+# a ds_config.json scheduler's values that are also typed keys (ds_import reads them in): --set of those wins
+_MIRRORED = {"warmup_max_lr": "lr", "warmup_num_steps": "warmup_steps", "warmup_min_lr": "min_lr"}
 _QUIET = 10**9  # DeepSpeed prints nothing of its own per step: hpc_train logs progress (a user's value wins)
 
 
@@ -72,17 +78,43 @@ def _fill_auto(ds: dict[str, Any], config: JobConfig, hidden_size: int | None) -
     total ``train.steps``; the ZeRO-3 sizes from the model's hidden size (:data:`HIDDEN_SIZE_KEYS`)."""
     train = config.train
     params = ds.get("scheduler", {}).get("params", {}) if isinstance(ds.get("scheduler"), dict) else {}
-    fills = {"warmup_min_lr": 0, "warmup_max_lr": train.lr, "warmup_num_steps": max(1, train.warmup_steps),
-             "total_num_steps": train.steps}
-    for key, value in fills.items():
-        if params.get(key) == "auto":
-            params[key] = value
+    fills = dict(zip(AUTO_SCHEDULE_KEYS, (0, train.lr, max(1, train.warmup_steps), train.steps), strict=True))
+    for key, value in params.items():
+        if value == "auto" and key in fills:
+            params[key] = fills[key]
+        elif key in _MIRRORED and train.deepspeed_config:  # the file's value, or what --set gave its typed key
+            params[key] = getattr(train, _MIRRORED[key])
     zero = ds.get("zero_optimization", {})
     if hidden_size is not None and isinstance(zero, dict):
         for key, rule in HIDDEN_SIZE_KEYS.items():
             if zero.get(key) == "auto":
                 zero[key] = rule(hidden_size)
     return ds
+
+
+def check_scheduler(scheduler: Any, where: str) -> None:
+    """ConfigError unless ``scheduler`` (a DeepSpeed config's ``"scheduler"``) is one DeepSpeed builds: one of its
+    types, only that type's parameters, and ``"auto"`` only where it is filled (:data:`AUTO_SCHEDULE_KEYS`).
+    ``where`` prefixes the key in messages (``ds_config.json: `` or ``deepspeed.``)."""
+    if scheduler is None:
+        return
+    kind = scheduler.get("type") if isinstance(scheduler, dict) else None
+    if kind not in SCHEDULER_PARAMS:
+        raise ConfigError(f"{where}scheduler.type", f'"{str(kind)[:80]}" is not one of DeepSpeed\'s schedulers',
+                          f"use one of {', '.join(SCHEDULER_PARAMS)} (deepspeed.runtime.lr_schedules)")
+    taken = SCHEDULER_PARAMS[str(kind)]
+    params = scheduler.get("params", {})
+    extra = [key for key in scheduler if key not in ("type", "params")]
+    if extra or not isinstance(params, dict):
+        raise ConfigError(f"{where}scheduler.{extra[0] if extra else 'params'}", "is not part of a DeepSpeed "
+                          "scheduler", 'write {"type": ..., "params": {...}}')
+    for key, value in params.items():
+        if key not in taken:
+            raise ConfigError(f"{where}scheduler.params.{key}", f"is not a parameter of DeepSpeed's {kind}",
+                              f"its parameters: {', '.join(taken)}")
+        if value == "auto" and key not in AUTO_SCHEDULE_KEYS:
+            raise ConfigError(f"{where}scheduler.params.{key}", '"auto" has no value to take here (the Hugging Face '
+                              f"integration fills only {', '.join(AUTO_SCHEDULE_KEYS)})", "give the number")
 
 
 def unfilled_auto(ds: dict[str, Any]) -> list[str]:
@@ -103,7 +135,7 @@ def unfilled_auto(ds: dict[str, Any]) -> list[str]:
 def schedule_words(config: JobConfig) -> str:
     """The learning-rate schedule in the words of what trains it: DeepSpeed's scheduler with its parameters as
     DeepSpeed names them, or hpc_train's warm-up and decay."""
-    scheduler = deepspeed_config(config, 1).get("scheduler")
+    scheduler = deepspeed_config(config, 1).get("scheduler") if config.train.engine == "deepspeed" else None
     train = config.train
     if not isinstance(scheduler, dict):
         return f"{train.warmup_steps} warm-up steps, then {train.decay} to {train.min_lr:g}"

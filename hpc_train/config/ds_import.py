@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hpc_train.config.deepspeed import SCHEDULER_PARAMS
+from hpc_train.config.deepspeed import check_scheduler
 from hpc_train.config.ds_semantics import check_semantics
 from hpc_train.config.portable import MAX_DEPTH, check_portable
 from hpc_train.config.secrets import redact, shown_value
@@ -50,9 +50,6 @@ _CONSUMED = {("optimizer", "type"), ("optimizer", "params", "betas"), ("fp16", "
              ("zero_optimization", "offload_optimizer", "device"), ("zero_optimization", "offload_param", "device"),
              ("scheduler", "type"), ("scheduler", "params", "warmup_max_lr"), ("scheduler", "params",
                                                                                 "total_num_steps")}
-
-
-_AUTO_SCHEDULE = ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "total_num_steps")  # deepspeed._fill_auto
 
 
 @dataclass
@@ -155,7 +152,7 @@ def import_deepspeed_config(path: Path, shown: str) -> Imported:
                               "builds itself (AdamW with train.lr, beta1, beta2, eps, weight_decay)",
                               "remove it, or set the train key it stands for")
     _optimizer(flat, put, shown)
-    _scheduler(flat, shown)
+    check_scheduler(data.get("scheduler"), f"{shown}: ")
     _precision(flat, put)
     for device_key, typed in ((("zero_optimization", "offload_optimizer", "device"), "zero.offload_optimizer"),
                               (("zero_optimization", "offload_param", "device"), "zero.offload_params")):
@@ -168,28 +165,6 @@ def import_deepspeed_config(path: Path, shown: str) -> Imported:
                                  and k[:2] not in (("zero_optimization", "offload_optimizer"),
                                                    ("zero_optimization", "offload_param"))})
     return found
-
-
-def _scheduler(flat: dict[tuple[str, ...], Any], shown: str) -> None:
-    """A DeepSpeed scheduler reaches DeepSpeed as written (DeepSpeed builds it): its type and its parameters must
-    be ones DeepSpeed takes, and ``"auto"`` only where the Hugging Face integration fills it."""
-    keys = [key for key in flat if key[0] == "scheduler"]
-    if not keys:
-        return
-    kind = flat.get(("scheduler", "type"))
-    if kind not in SCHEDULER_PARAMS:
-        raise ConfigError(f"{shown}: scheduler.type", f'"{str(kind)[:80]}" is not one of DeepSpeed\'s schedulers',
-                          f"use one of {', '.join(SCHEDULER_PARAMS)} (deepspeed.runtime.lr_schedules)")
-    taken = SCHEDULER_PARAMS[str(kind)]
-    for key in keys:
-        if key == ("scheduler", "type"):
-            continue
-        if len(key) != 3 or key[1] != "params" or key[2] not in taken:
-            raise ConfigError(f"{shown}: {'.'.join(key)}", f"is not a parameter of DeepSpeed's {kind}",
-                              f"its parameters: {', '.join(taken)}")
-        if flat[key] == "auto" and key[2] not in _AUTO_SCHEDULE:
-            raise ConfigError(f"{shown}: {'.'.join(key)}", '"auto" has no value to take here (the Hugging Face '
-                              f"integration fills only {', '.join(_AUTO_SCHEDULE)})", "give the number")
 
 
 def _optimizer(flat: dict[tuple[str, ...], Any], put: Callable[[str, Any, tuple[str, ...]], None],

@@ -18,7 +18,7 @@ from typing import Any
 
 from hpc_train.backends import Backend, executor_backend
 from hpc_train.config.checks import check_path, parse_time_seconds
-from hpc_train.config.deepspeed import HIDDEN_SIZE_KEYS, deepspeed_config, unfilled_auto
+from hpc_train.config.deepspeed import HIDDEN_SIZE_KEYS, check_scheduler, deepspeed_config, unfilled_auto
 from hpc_train.config.ds_import import Imported, import_deepspeed_config, imported_for, merge_imported, named_in_file
 from hpc_train.config.ds_semantics import check_semantics
 from hpc_train.config.environment import detected_on_node, rank_env
@@ -208,6 +208,7 @@ def _checked_deepspeed(cfg: JobConfig, data_parallel: int) -> None:
         raise ConfigError(where, problem.split(";")[0], "set it through its own key (zero.*, train.*) instead "
                           "of the [deepspeed] table") from None
     check_semantics(merged, "deepspeed", ".")
+    check_scheduler(merged.get("scheduler"), "deepspeed.")  # a [deepspeed] table's too: DeepSpeed builds it
     left = [key for key in unfilled_auto(merged) if key.removeprefix("zero_optimization.") not in HIDDEN_SIZE_KEYS]
     if left:  # the hidden-size keys are filled on the ranks, from the model (docs/configuration.md)
         raise ConfigError(f"deepspeed.{left[0]}", '"auto" has no value to take here: the Hugging Face integration '

@@ -147,7 +147,8 @@ def _hangup_as_interrupt(on_slurm: bool) -> Iterator[None]:
     def interrupt(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
 
-    previous = {number: signal.signal(number, interrupt) for number in (signal.SIGHUP, signal.SIGTERM)}
+    caught = [number for number in (signal.SIGHUP, signal.SIGTERM) if signal.getsignal(number) is not signal.SIG_IGN]
+    previous = {number: signal.signal(number, interrupt) for number in caught}  # nohup's ignored SIGHUP stays so
     try:
         yield
     finally:

@@ -37,7 +37,7 @@ from hpc_train.run.paths import (
     rank_consequence_path,
     rank_error_path,
 )
-from hpc_train.run.procs import die_with_parent
+from hpc_train.run.procs import parent_death_signal
 from hpc_train.run.quick_exit import exit_quickly_when_done, leave_now
 from hpc_train.run.results import Stopped, rank_result
 from hpc_train.run.stops import StopConsequence
@@ -66,7 +66,7 @@ def run_rank(run_dir: Path) -> dict[str, Any]:
     """Run this rank's share of the job in ``run_dir``; return its result."""
     os.umask(0o077)  # logs and results of a run are private, like the run folder
     if isinstance(backend_of(os.environ), LocalBackend):
-        die_with_parent()  # below the local executor's controller: a rank never outlives it
+        parent_death_signal()()  # below the local executor's controller: a rank never outlives it
     check_run_folder(run_dir)  # never reached through a link, nor writable by others: ranks run what it holds
     plan = plan_for_life(Plan.from_json((run_dir / PLAN_FILE).read_text(encoding="utf-8")), os.environ)
     if plan.config.job.program == "smoke":  # nothing to save: signals keep their usual meaning

@@ -9,7 +9,9 @@ job script runs before its ranks unpickle), never through a link, and within a s
 
 from __future__ import annotations
 
+import contextlib
 import os
+import secrets
 import stat
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,15 +50,21 @@ def _dumps(obj: Any) -> bytes:
 
 
 def _write(path: Path, data: bytes) -> None:
-    """Atomically, private, never through a link (the temporary name is opened with O_NOFOLLOW | O_EXCL)."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    """Atomically, private, never through a link: a new temporary name of its own (O_EXCL | O_NOFOLLOW, random,
+    so neither a planted file nor a stale one of another node's same pid is written through), renamed over."""
+    tmp = path.with_name(f".{path.name}.tmp-{secrets.token_hex(8)}")
     descriptor = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:
-        write_all(descriptor, data)
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
-    os.replace(tmp, path)
+        try:
+            write_all(descriptor, data)
+            os.fsync(descriptor)
+        finally:
+            os.close(descriptor)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
 
 
 def write_call(run_dir: Path, call: Call) -> None:

@@ -10,11 +10,12 @@ agent's CPUs are shared among the ranks it starts (:func:`cpu_shares`).
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Process", "command_line", "cpu_shares", "descendants", "die_with_parent", "environment", "processes"]
+__all__ = ["Process", "command_line", "cpu_shares", "descendants", "environment", "parent_death_signal",
+           "processes"]
 
 _PROC = Path("/proc")
 
@@ -88,14 +89,15 @@ def cpu_shares(ranks: int) -> list[set[int]]:
     return [set(cpus[index * size:(index + 1) * size]) for index in range(ranks)]
 
 
-def die_with_parent(signum: int = 9) -> None:
-    """Ask Linux to send this process ``signum`` (default SIGKILL) when the thread that started it ends
-    (``prctl(PR_SET_PDEATHSIG)``): a local job's controller and ranks, in a session of their own, then never
-    train on unfollowed after ``submit`` is killed. A no-op where prctl is missing."""
+def parent_death_signal(signum: int = 9) -> Callable[[], None]:
+    """A function that asks Linux to send the calling process ``signum`` (default SIGKILL) when the thread that
+    started it ends (``prctl(PR_SET_PDEATHSIG)``): a local job's controller and ranks, in a session of their own,
+    then never train on unfollowed after ``submit`` is killed. prctl is looked up here, in the parent, so that a
+    forked child (``preexec_fn``) only calls it; a no-op where prctl is missing."""
     import ctypes
 
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signum, 0, 0, 0)  # PR_SET_PDEATHSIG
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
     except (OSError, AttributeError):
-        return
+        return lambda: None
+    return lambda: prctl(1, signum, 0, 0, 0) and None  # 1: PR_SET_PDEATHSIG

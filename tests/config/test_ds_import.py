@@ -227,3 +227,24 @@ def test_what_deepspeed_takes_is_taken_bf16_beside_its_old_name_and_a_zero_min_l
     data = check_semantics({"bf16": {"enabled": False}, "bfloat16": {"enabled": True},
                             "fp16": {"enabled": True, "min_loss_scale": 0}}, "ds_config.json")
     assert "bfloat16" not in data and data["bf16"] == {"enabled": False}
+
+
+def test_set_of_a_scheduler_s_typed_key_reaches_deepspeed_s_scheduler(tmp_path: Path) -> None:
+    """A WarmupLR's peak and warm-up are read into train.lr and train.warmup_steps; --set of those (a sweep of
+    the learning rate) changes what DeepSpeed's scheduler gets, as --set wins over the file everywhere."""
+    from hpc_train.config.deepspeed import deepspeed_config
+
+    job = _job(tmp_path, "", {"scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 3e-4,
+                                                                           "warmup_num_steps": 20}}})
+    assert deepspeed_config(load_job(job, []), 1)["scheduler"]["params"] == {"warmup_max_lr": 3e-4,
+                                                                              "warmup_num_steps": 20}
+    changed = load_job(job, ["train.lr=1e-3", "train.warmup_steps=50"])
+    assert deepspeed_config(changed, 1)["scheduler"]["params"] == {"warmup_max_lr": 1e-3, "warmup_num_steps": 50}
+
+
+def test_a_scheduler_in_the_job_s_deepspeed_table_is_checked_as_the_file_s(tmp_path: Path) -> None:
+    job = tmp_path / "job.toml"
+    job.write_text('[deepspeed.scheduler]\ntype = "WarmupLR"\n[deepspeed.scheduler.params]\ncycle_min_lr = 0.1\n')
+    result = call_cli(hpc_main.main, ["validate", str(job), "--site", "local"], tmp_path)
+    assert result.code == 2 and "deepspeed.scheduler.params.cycle_min_lr: is not a parameter of DeepSpeed's " \
+                                "WarmupLR" in result.err, result.err

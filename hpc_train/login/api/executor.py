@@ -19,6 +19,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+from hpc_train.config.checks import as_slurm_name
 from hpc_train.config.job import JobSection
 from hpc_train.config.plan import Plan, load_job, make_plan
 from hpc_train.config.program import API_PROGRAM
@@ -66,8 +67,7 @@ def job_overrides(job_keys: Mapping[str, Any]) -> list[str]:
 def _default_name(function: Callable[..., Any]) -> str:
     """A new run folder per submission, as submitit gives each job its own: the function's name, the time and a
     few random letters (``train-20261205-141502-3fa9``). Give ``name=`` to resume a run instead."""
-    name = re.sub(r"[^A-Za-z0-9_-]+", "", getattr(function, "__name__", "") or "").lstrip("_-")  # job.name's rule
-    base = name[:40] or "function"
+    base = as_slurm_name(re.sub(r"[<>]", "", getattr(function, "__name__", "") or ""), "function", limit=40)
     return f"{base}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
 
 
@@ -147,7 +147,7 @@ class Executor:
 
         old = os.umask(0o077)  # submitit's folder and the ranks' files stay private
         try:
-            submitted = submit_plans(plans, before_submit=write_calls, tied=True)  # local: ends with this Python
+            submitted = submit_plans(plans, before_submit=write_calls)  # a local job outlives this Python
         finally:
             os.umask(old)
         return [Job(one) for one in submitted]

@@ -58,8 +58,12 @@ class Job:
         COMPLETED or FAILED), asked once per read."""
         if self._ended is None:
             from hpc_train.login.slurm.follow import poll
+            from hpc_train.run.chain import successor_of
 
             poll([self._followed], self._executor)
+            successor = successor_of(self.run_dir, self.job_id) if self._followed.done else None
+            if successor is not None:  # the run went on in the next job of its chain: that one is followed now
+                self._followed.chained, self._followed.done, self._followed.state = successor, False, "PENDING"
         return self._followed.state
 
     @property
@@ -96,9 +100,10 @@ class Job:
             raise self._failure()
         try:
             kept = read_value(self.run_dir)
-        except (OSError, ValueError) as error:
+        except Exception as error:  # unpickling can raise anything: a torch tensor on a login node without torch
             raise JobFailed(self.job_id, self.run_dir, "no_result", f"the job completed but its return value "
-                            f"cannot be read ({type(error).__name__}: {error})") from None
+                            f"cannot be read here ({type(error).__name__}: {error}); return plain values (numbers, "
+                            "strings, lists, dicts, CPU tensors where torch is installed)") from None
         if kept.problem:
             raise JobFailed(self.job_id, self.run_dir, "no_result", kept.problem)
         return kept.value
@@ -106,16 +111,14 @@ class Job:
     def cancel(self) -> None:
         """End the job now (Slurm: scancel of the job carrying the run; local: its processes), recorded in the
         run folder as the user's cancel, which ``status`` and ``JobFailed`` name."""
-        import subprocess
+        from hpc_train.login.ops.cancel import cancel_local, cancel_run
 
-        from hpc_train.login.ops.cancel import cancel_local
-        from hpc_train.login.slurm.follow import record_cancel
-
+        if self.done():
+            return  # nothing left to end, as submitit's cancel of an ended job
         if not executor_backend(self._executor).on_slurm:
-            cancel_local(self.run_dir, int(self.job_id), "Job.cancel()")
+            cancel_local(self.run_dir, int(self.job_id), "Job.cancel()")  # checks the pid is still its controller
             return
-        record_cancel(self.run_dir, self.job_id, "user", "Job.cancel()")
-        subprocess.run(["scancel", self.job_id], check=False, capture_output=True, timeout=60)
+        cancel_run(self.run_dir, "Job.cancel()")  # the job carrying the run now, as hpc_train cancel finds it
 
     def _failure(self) -> JobFailed:
         """The failure as ``status`` classifies it; the follower's own words where it cannot."""

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 from pathlib import Path
 from typing import Any
 
+from hpc_train.config.checks import as_slurm_name
 from hpc_train.errors import ConfigError
 
 __all__ = ["add_run_parser", "run_overrides"]
@@ -52,8 +52,7 @@ def _run_name(target: str) -> str:
     """``train.py`` -> ``train``; ``loop.py:main`` -> ``loop-main``; ``pkg.mod:main`` -> ``mod-main``."""
     where, _, function = target.partition(":")
     stem = Path(where).stem if where.endswith(".py") else where.rpartition(".")[2]
-    name = re.sub(r"[^A-Za-z0-9_-]+", "-", "-".join(part for part in (stem, function) if part)).strip("-")
-    return name[:60] or "run"
+    return as_slurm_name("-".join(part for part in (stem, function) if part), "run")
 
 
 def run_overrides(args: argparse.Namespace) -> list[str]:
@@ -61,7 +60,7 @@ def run_overrides(args: argparse.Namespace) -> list[str]:
     if args.target.startswith("-"):
         raise ConfigError(args.target, "is a flag where the script or function belongs", "put hpc_train's flags "
                           "before the script: hpc_train run --nodes 2 train.py --lr 3e-4")
-    overrides = [f"job.program={args.target}", f"job.args={json.dumps(list(args.args))}"]
+    overrides = [f"job.program={args.target}", f"job.args={json.dumps(list(args.args), ensure_ascii=False)}"]
     if args.name is None:
         overrides.append(f"job.name={_run_name(args.target)}")
     overrides += [f"job.{key}={getattr(args, key)}" for _, key in _JOB_FLAGS if getattr(args, key) is not None]

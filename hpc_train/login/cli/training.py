@@ -160,8 +160,7 @@ def _engine(plan: Plan) -> dict[str, Any]:
             "offload_params": cfg.fsdp.offload if fsdp2 else cfg.zero.offload_params,
             "reshard_after_forward": cfg.fsdp.reshard_after_forward if fsdp2 else None,
             "optimizer": cfg.train.optimizer, "lr": cfg.train.lr,
-            "schedule": schedule_words(cfg) if not fsdp2 else f"{cfg.train.warmup_steps} warm-up steps, then "
-                                                               f"{cfg.train.decay} to {cfg.train.min_lr:g}",
+            "schedule": schedule_words(cfg),
             "pipeline": plan.layout.pipeline, "tensor": plan.layout.tensor,
             "compile": cfg.train.compile_backend if cfg.train.compile else None}
 

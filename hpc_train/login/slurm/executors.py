@@ -21,7 +21,7 @@ from hpc_train.errors import ConfigError
 from hpc_train.login.slurm.directives import container_srun_flags, export_directive
 from hpc_train.run.folder import private_folder
 from hpc_train.run.paths import SUBMITIT_DIR
-from hpc_train.run.procs import die_with_parent
+from hpc_train.run.procs import parent_death_signal
 
 __all__ = ["resolve_executor", "submit", "submitit_folder", "submitit_parameters"]
 
@@ -163,8 +163,8 @@ class _SessionPopen:
         self._real, self._tied = real, tied
 
     def Popen(self, *args: Any, **kwargs: Any) -> Any:  # noqa: N802 - subprocess's own name
-        if self._tied:
-            kwargs["preexec_fn"] = die_with_parent
+        if self._tied:  # submit, single-threaded here: the tie is to its main thread, which follows the job
+            kwargs["preexec_fn"] = parent_death_signal()
         return self._real.Popen(*args, start_new_session=True, **kwargs)
 
     def __getattr__(self, name: str) -> Any:

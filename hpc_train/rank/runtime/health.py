@@ -18,8 +18,8 @@ Why a share check clears below three quarters of its threshold: a figure that ho
 communication share of 20-22 % on CPU ranks against 20 %) would trip and clear it at one logged step after
 another, ninety words each time; with two thresholds it trips once and clears once, when the figure really fell.
 
-Why health.json is not rewritten at every change: a figure that hovers around its threshold trips and clears the
-check at one logged step after another (gloo's communication share on CPU ranks does), and each rewrite is four
+Why health.json is not rewritten at every change: a figure may still swing across both thresholds from one
+logged step to the next (a share of 30 % then 10 % against 20 %), and each rewrite is four
 metadata operations on the shared file system (create, chmod, rename, the folder's fsync). A check's first trip
 in an attempt is written at once; later changes at most every :data:`_MIN_WRITE_S` (10 s), at the first logged
 step after it, and before the rank leaves (``quick_exit.on_leave``); the log says each change as it comes.
