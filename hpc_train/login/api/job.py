@@ -88,7 +88,8 @@ class Job:
             buffer = io.StringIO()
             console = Console(soft_wrap=True) if show else Console(file=buffer, soft_wrap=True, width=200)
             on_slurm = executor_backend(self._executor).on_slurm
-            self._ended = follow([self._followed], self._executor, console, max_poll_s=5.0 if on_slurm else 1.0)
+            # one job's sacct every 2 s at most (submit's follower backs off to 5 s): result() comes soon after
+            self._ended = follow([self._followed], self._executor, console, max_poll_s=2.0 if on_slurm else 1.0)
             self._report = buffer.getvalue()
         return self._ended == 0
 
