@@ -65,6 +65,19 @@ def _layout_for_world(args: argparse.Namespace) -> int:
     return 0
 
 
+def _at_world(args: argparse.Namespace) -> argparse.Namespace:
+    """``--memory --world N``: the job with ``job.nodes = N / tasks_per_node`` (its nodes' shape kept)."""
+    from hpc_train.config.plan import load_job
+    from hpc_train.errors import ConfigError
+
+    per_node = load_job(args.config, args.overrides).job.tasks_per_node
+    if args.world < 1 or args.world % per_node:
+        raise ConfigError("--world", f"{str(args.world)[:30]} ranks is not a whole number of nodes of "
+                          f"{per_node} tasks (job.tasks_per_node)", f"give a multiple of {per_node}, or "
+                          "--set job.tasks_per_node=... to change the nodes' shape")
+    return argparse.Namespace(**{**vars(args), "overrides": [*args.overrides, f"job.nodes={args.world // per_node}"]})
+
+
 def _planned_executor(args: argparse.Namespace) -> str:
     """The executor a plan is checked for; validate never submits, so sbatch need not be on PATH here."""
     from hpc_train.config.sites import load_site
@@ -118,6 +131,8 @@ def _memory(args: argparse.Namespace) -> int:
 
 
 def _validate(args: argparse.Namespace) -> int:
+    if args.world is not None and args.memory:
+        return _memory(_at_world(args))  # the memory plan at that many ranks, on the job's nodes of that size
     if args.world is not None:
         return _layout_for_world(args)
     if args.memory:

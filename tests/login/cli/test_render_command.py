@@ -96,3 +96,16 @@ def test_validate_and_memory_need_no_slurm_on_this_machine(tmp_path: Path) -> No
                                 env={"PATH": "/nonexistent"}, capture_output=True, text=True, timeout=60, check=False)
         assert result.returncode == 0, result.stderr
     assert "fits in" in result.stdout and "optimizer state" in result.stdout
+
+
+def test_validate_memory_at_another_world_plans_memory_at_that_size(tmp_path: Path) -> None:
+    """``--memory --world 64`` once printed the layout and dropped the memory plan without a word: it is the
+    memory plan at 64 ranks now (32 nodes of the job's 2 tasks), and a size that is no whole number of nodes is
+    refused naming the shape."""
+    result = call_cli(hpc_main.main, ["validate", EXAMPLE, "--site", "local", "--memory", "--world", "64", "--json"],
+                      tmp_path)
+    assert result.code == 0, result.err
+    memory = json.loads(result.out)
+    assert memory["data"] == 64 and memory["tensor"] == 1, memory
+    odd = call_cli(hpc_main.main, ["validate", EXAMPLE, "--site", "local", "--memory", "--world", "63"], tmp_path)
+    assert odd.code == 2 and "63 ranks is not a whole number of nodes of 2 tasks" in odd.err, odd.err
