@@ -165,14 +165,20 @@ def _render(args: argparse.Namespace) -> int:
     if args.stdout:
         print(script.text, end="")
         return 0
+    root = Path(plan.run_dir).parent
+    new_root = not root.exists()  # a site's /shared/... made on a laptop: said, as every folder render makes
     run_dir = prepare_plan_folder(plan)
     out = args.out or run_dir / f"job-{script.template}.sbatch"
     write_script(script, out)
     if args.json:
-        print_json({"script": str(out), "run_dir": str(run_dir)}, indent=None)
+        print_json({"script": str(out), "run_dir": str(run_dir), "created_run_root": str(root) if new_root else None},
+                   indent=None)
     else:
         import shlex
 
+        if new_root:
+            print(plain(f"created the run root {root} (it did not exist here; the nodes must see the same path: "
+                        "job.run_root, or the site's run_root)", one_line=True))
         print(plain(f"wrote {out}", one_line=True))
         print(plain(f"submit it with: sbatch {shlex.quote(str(out))}", one_line=True))
     return 0

@@ -109,3 +109,15 @@ def test_validate_memory_at_another_world_plans_memory_at_that_size(tmp_path: Pa
     assert memory["data"] == 64 and memory["tensor"] == 1, memory
     odd = call_cli(hpc_main.main, ["validate", EXAMPLE, "--site", "local", "--memory", "--world", "63"], tmp_path)
     assert odd.code == 2 and "63 ranks is not a whole number of nodes of 2 tasks" in odd.err, odd.err
+
+
+def test_render_says_when_it_creates_the_run_root(tmp_path: Path) -> None:
+    """A site's run root made on a laptop (``/shared/...``) was created without a word."""
+    first = call_cli(hpc_main.main, ["render", EXAMPLE, "--site", "local-slurm", "--json"], tmp_path)
+    assert first.code == 0, first.err
+    assert json.loads(first.out)["created_run_root"] == str(tmp_path / "runs")
+    again = call_cli(hpc_main.main, ["render", EXAMPLE, "--site", "local-slurm"], tmp_path)
+    assert again.code == 0 and "created the run root" not in again.out and again.out.startswith("wrote "), again.out
+    said = call_cli(hpc_main.main, ["render", EXAMPLE, "--site", "local-slurm", "--set", "job.run_root=new-root"],
+                    tmp_path)
+    assert said.out.startswith(f"created the run root {tmp_path / 'new-root'} (it did not exist here"), said.out
