@@ -115,7 +115,7 @@ def submitit_parameters(plan: Plan) -> dict[str, Any]:
 
 def submit(plans: list[Plan], tied: bool = False) -> list[Any]:
     """Submit the rank entry point of each plan through submitit; several plans become one job array.
-    ``tied``: a local job ends when this process does (``submit`` following it; the Python API).
+    ``tied``: a local job ends when this process does (``submit`` following it).
 
     The plans of a sweep differ only in what runs, never in resources, so they share one executor: on Slurm
     that is one ``sbatch --array`` call, and each array task reads the plan in its own run folder.
