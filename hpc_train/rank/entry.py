@@ -68,6 +68,7 @@ def run_rank(run_dir: Path) -> dict[str, Any]:
     if isinstance(backend_of(os.environ), LocalBackend):
         parent_death_signal()()  # below the local executor's controller: a rank never outlives it
     check_run_folder(run_dir)  # never reached through a link, nor writable by others: ranks run what it holds
+    os.environ["HPC_TRAIN_RUN_DIR"] = str(run_dir)  # for a script, whatever launched it (docs/your-own-code.md)
     plan = plan_for_life(Plan.from_json((run_dir / PLAN_FILE).read_text(encoding="utf-8")), os.environ)
     if plan.config.job.program == "smoke":  # nothing to save: signals keep their usual meaning
         return _run_rank(run_dir, plan, None)

@@ -58,6 +58,14 @@ def check_plot_out(out: Path) -> Path:
     return check_output(out, example="plot.png")
 
 
+def _label(panel: tuple[str, ...]) -> str:
+    """A panel's y-axis label, short enough for the panel's height (the legend names each line): five step
+    shares joined by " / " ran past the bottom panel and were clipped."""
+    if len(panel) <= 2:
+        return " / ".join(panel)
+    return "share of the step" if all(name.endswith("_share") for name in panel) else "\n".join(panel)
+
+
 def draw(runs: list[RunSeries], panels: list[tuple[str, ...]], out: Path) -> None:
     """One figure, a panel per row, every run in its own colour, the attempt marks on every panel, written
     through :func:`open_output` (matplotlib never opens ``out`` itself: the format is named, not guessed)."""
@@ -68,7 +76,7 @@ def draw(runs: list[RunSeries], panels: list[tuple[str, ...]], out: Path) -> Non
     for axis, panel in zip(axes[:, 0], panels, strict=True):
         for index, run in enumerate(runs):
             colour = colours[index % len(colours)]
-            for style, name in zip(("-", "--", "-.", ":", (0, (1, 3))), panel, strict=False):
+            for style, name in zip(("-", "--", "-.", ":", (0, (1, 3)), (0, (5, 1, 1, 1))), panel, strict=False):
                 if name in run.series:
                     steps, values = run.series[name]
                     label = name if len(runs) == 1 else f"{run.name}: {name}"
@@ -76,9 +84,10 @@ def draw(runs: list[RunSeries], panels: list[tuple[str, ...]], out: Path) -> Non
             for mark in run.marks:
                 mark_colour, line = _MARK_STYLE.get(mark.kind, ("tab:gray", ":"))
                 axis.axvline(mark.step, color=mark_colour, linestyle=line, linewidth=1, alpha=0.8)
-        axis.set_ylabel(" / ".join(panel), fontsize=8)
+        axis.set_ylabel(_label(panel), fontsize=8)
         axis.grid(alpha=0.3)
-        axis.legend(fontsize=7, loc="best")
+        # beside the panel, never over its lines; savefig's tight box keeps it and every label in the picture
+        axis.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     top = axes[0, 0]
     for run in runs:
         for mark in run.marks:
@@ -89,6 +98,6 @@ def draw(runs: list[RunSeries], panels: list[tuple[str, ...]], out: Path) -> Non
     figure.tight_layout()
     try:
         with open_output(out) as handle:
-            figure.savefig(handle, format=out.suffix.lower()[1:], dpi=110)
+            figure.savefig(handle, format=out.suffix.lower()[1:], dpi=110, bbox_inches="tight")
     finally:
         plt.close(figure)

@@ -20,7 +20,7 @@ __all__ = ["DEFAULT_PANELS", "Mark", "RunSeries", "read_run"]
 
 # The panels drawn by default, each a list of metrics sharing an axis; only those a run logged are drawn.
 DEFAULT_PANELS = (("loss", "eval_loss"), ("lr",), ("tokens_per_s",),
-                  ("data_share", "forward_share", "backward_share", "optimizer_share"))
+                  ("data_share", "forward_share", "backward_share", "optimizer_share", "comm_share"))
 _NOT_METRICS = ("step", "time")
 _ENDS = {"preempted": "preempted", "failed": "failed", "hang": "hung", "killed": "killed",
          "node_failure": "node failure", "infrastructure": "infrastructure fault"}

@@ -72,16 +72,18 @@ def test_importing_the_api_imports_no_torch() -> None:
 
 @pytest.mark.slow
 def test_a_function_s_result_its_failure_and_an_array_on_the_local_executor(here: Path) -> None:
-    def add(a: int, b: int = 0) -> dict[str, int]:
+    def add(a: int, b: int = 0) -> dict[str, object]:
+        import os
+
         ctx = hpc_train.context()
-        return {"sum": a + b, "rank": ctx.rank, "world": ctx.world_size}
+        return {"sum": a + b, "rank": ctx.rank, "world": ctx.world_size, "env": os.environ["HPC_TRAIN_RUN_DIR"]}
 
     def fails() -> None:
         raise ValueError("bad value 7")
 
     executor = hpc_train.Executor(**LOCAL)
     job = executor.submit(add, 2, b=3)
-    assert job.result() == {"sum": 5, "rank": 0, "world": 2}  # rank 0's return value
+    assert job.result() == {"sum": 5, "rank": 0, "world": 2, "env": str(job.run_dir)}  # rank 0's return value
     assert job.done() and job.state == "COMPLETED" and [a.outcome for a in job.attempts] == ["completed"]
     assert job.run_dir.parent == here / "runs" and job.run_dir.name.startswith("add-")  # a new run per submit
     failed = executor.submit(fails)

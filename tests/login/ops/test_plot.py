@@ -152,3 +152,21 @@ def test_a_run_folder_or_metrics_file_that_is_a_link_is_refused(tmp_path: Path) 
     (run_dir / "metrics.jsonl").symlink_to(tmp_path / "elsewhere.jsonl")
     with pytest.raises(ConfigError, match=r"metrics\.jsonl"):
         read_run(run_dir)
+
+
+def test_the_step_shares_panel_draws_comm_share_with_a_label_that_fits(tmp_path: Path) -> None:
+    """The trainer's breakdown logs five shares; comm_share was not drawn, and the five names joined as the
+    y-label ran past the bottom panel and were clipped (the legend, beside the panels, names each line)."""
+    from hpc_train.login.ops.plot import _label
+
+    run_dir = tmp_path / "shares"
+    run_dir.mkdir()
+    shares = {"data_share": 0.1, "forward_share": 0.3, "backward_share": 0.4, "optimizer_share": 0.2,
+              "comm_share": 0.15}
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "time": T0 + s, "loss": 1.0, **shares})
+                                                   + "\n" for s in range(1, 5)))
+    panels = choose_panels([read_run(run_dir)], None)
+    assert panels[-1] == ("data_share", "forward_share", "backward_share", "optimizer_share", "comm_share")
+    assert _label(panels[-1]) == "share of the step" and _label(("loss", "eval_loss")) == "loss / eval_loss"
+    result = _plot(str(run_dir), "--out", "shares.png", cwd=tmp_path)
+    assert result.returncode == 0 and (tmp_path / "shares.png").stat().st_size > 0, result.stderr
