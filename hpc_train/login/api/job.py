@@ -57,13 +57,10 @@ class Job:
         """The scheduler's state now (PENDING, RUNNING, COMPLETED, FAILED, CANCELLED, ...; local: RUNNING,
         COMPLETED or FAILED), asked once per read."""
         if self._ended is None:
-            from hpc_train.login.slurm.follow import poll
-            from hpc_train.run.chain import successor_of
+            from hpc_train.login.slurm.follow import poll, take_successor
 
             poll([self._followed], self._executor)
-            successor = successor_of(self.run_dir, self.job_id) if self._followed.done else None
-            if successor is not None:  # the run went on in the next job of its chain: that one is followed now
-                self._followed.chained, self._followed.done, self._followed.state = successor, False, "PENDING"
+            take_successor(self._followed)  # the run went on in the next job of its chain: that one is followed now
         return self._followed.state
 
     @property

@@ -59,30 +59,25 @@ def training_summary(plan: Plan) -> TrainingSummary:
         return TrainingSummary(kind, {}, {}, {}, {}, {}, {}, None, None, {} if script else checkpoint,
                                {} if script else resume, program)
     steps = cfg.train.steps
-    from_file, overridden = _from_file(plan)
+    from_file, overridden, auto = _from_file(plan)
     model = _model(plan)
     checkpoint["cadence"] = _cadence(plan, model["parameters"])
     return TrainingSummary(kind, from_file, overridden, model, _data(plan), _engine(plan), _precision(plan),
                            steps,
-                           steps * plan.layout.global_batch * cfg.train.seq_len, checkpoint, resume, {},
-                           _auto_values(plan))
+                           steps * plan.layout.global_batch * cfg.train.seq_len, checkpoint, resume, {}, auto)
 
 
-def _auto_values(plan: Plan) -> dict[str, str]:
-    """What each ``"auto"`` of the job's ds_config.json becomes, as the Hugging Face integration fills it: from
+def _auto_values(plan: Plan, auto: list[str]) -> dict[str, str]:
+    """What each ``"auto"`` key of the job's ds_config.json becomes, as the Hugging Face integration fills it: from
     the job's typed key, the scheduler's rule, or the model's hidden size (on the ranks for a model of yours)."""
-    if not plan.config.train.deepspeed_config:
-        return {}
     from hpc_train.config.deepspeed import HIDDEN_SIZE_KEYS, deepspeed_config
-    from hpc_train.config.ds_import import PLAIN_KEYS, import_deepspeed_config
+    from hpc_train.config.ds_import import PLAIN_KEYS
 
-    name = plan.config.train.deepspeed_config
-    imported = import_deepspeed_config(Path(plan.code_dir or ".") / name, name)
     preset = MODEL_PRESETS.get(plan.config.train.model)
     ds = deepspeed_config(plan.config, plan.layout.data, preset["hidden"] if preset else None)
     values = dataclasses.asdict(plan.config)
     shown: dict[str, str] = {}
-    for key in imported.auto:
+    for key in auto:
         typed = PLAIN_KEYS.get(tuple(key.split(".")))
         node: Any = ds
         for part in key.split("."):
@@ -117,10 +112,11 @@ def _cadence(plan: Plan, parameters: int | None) -> dict[str, Any] | None:
                                            plan.resources.nodes, plan.queue_wait_minutes))
 
 
-def _from_file(plan: Plan) -> tuple[dict[str, str], dict[str, Any]]:
-    """Which typed keys the job's ds_config.json set, and those --set changed (with the file's value)."""
+def _from_file(plan: Plan) -> tuple[dict[str, str], dict[str, Any], dict[str, str]]:
+    """Which typed keys the job's ds_config.json set, those --set changed (with the file's value), and what each
+    of its ``"auto"`` values became (:func:`_auto_values`): one read of the file."""
     if not plan.config.train.deepspeed_config:
-        return {}, {}
+        return {}, {}, {}
     from hpc_train.config.ds_import import import_deepspeed_config
 
     name = plan.config.train.deepspeed_config
@@ -128,7 +124,7 @@ def _from_file(plan: Plan) -> tuple[dict[str, str], dict[str, Any]]:
     values = dataclasses.asdict(plan.config)
     overridden = {typed: value for typed, value in imported.typed.items()
                   if values[typed.split(".")[0]][typed.split(".")[1]] != value}
-    return dict(imported.origin), overridden
+    return dict(imported.origin), overridden, _auto_values(plan, imported.auto)
 
 
 def _model(plan: Plan) -> dict[str, Any]:

@@ -93,7 +93,7 @@ def cancel_local(run_dir: Path, pid: int, reason: str = REASON, wait_s: float = 
         with contextlib.suppress(OSError):
             os.kill(process, signal.SIGKILL)
     deadline = time.monotonic() + wait_s
-    while any(_exists(process) for process in below) and time.monotonic() < deadline:
+    while _running(below) and time.monotonic() < deadline:
         time.sleep(0.05)
     log = AttemptLog(run_dir)
     running = [attempt for attempt in log.read() if attempt.outcome == "running"]
@@ -101,6 +101,8 @@ def cancel_local(run_dir: Path, pid: int, reason: str = REASON, wait_s: float = 
         log.finish(running[-1], outcome="cancelled", ended=time.time(), note=f"cancelled by the user ({reason})")
 
 
-def _exists(pid: int) -> bool:
-    """Whether ``pid`` still runs (a zombie, reaped by init now that its parent is gone, has ended)."""
-    return any(process.pid == pid and process.state != "Z" for process in processes())
+def _running(pids: list[int]) -> bool:
+    """Whether any of ``pids`` still runs, from one read of /proc (a zombie, which init reaps now that its parent
+    is gone, has ended)."""
+    wanted = set(pids)
+    return any(process.pid in wanted and process.state != "Z" for process in processes())

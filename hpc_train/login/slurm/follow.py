@@ -47,7 +47,7 @@ from hpc_train.run.paths import (
     follower_cancel_path,
 )
 
-__all__ = ["FollowedJob", "LogTail", "follow", "poll", "record_cancel"]
+__all__ = ["FollowedJob", "LogTail", "follow", "poll", "record_cancel", "take_successor"]
 
 _SUCCESS = {"COMPLETED"}
 _CLOCK_SLACK_S = 30.0
@@ -210,11 +210,19 @@ def _follow_chains(jobs: list[FollowedJob], console: Console) -> None:
     """A job that ended after submitting the next one of its chain (``[slurm] requeue = "dependency"``): follow
     that one from here, as the same run."""
     for job in jobs:
-        successor = successor_of(job.run_dir, job.job_id) if job.done else None
+        ended = job.job_id
+        successor = take_successor(job)
         if successor is not None:
-            console.print(f"[bold]job {job.job_id}[/]: goes on as job {successor} (a new job after this one: the "
+            console.print(f"[bold]job {ended}[/]: goes on as job {successor} (a new job after this one: the "
                           "site's requeue = \"dependency\")")
-            job.chained, job.done, job.state, job.failed_at = successor, False, "PENDING", None
+
+
+def take_successor(job: FollowedJob) -> str | None:
+    """When ``job`` ended having submitted the next job of its chain, follow that one instead; its id, or None."""
+    successor = successor_of(job.run_dir, job.job_id) if job.done else None
+    if successor is not None:
+        job.chained, job.done, job.state, job.failed_at = successor, False, "PENDING", None
+    return successor
 
 
 def _waiting_for_requeue(job: FollowedJob, patience_s: float = 300.0) -> bool:
