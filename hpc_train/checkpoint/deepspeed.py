@@ -107,6 +107,8 @@ class Checkpointer(CheckpointTransaction):
     """The transaction with DeepSpeed's engine in it: the trainer's save and its resume (at the same layout, or
     through a universal checkpoint at another data-parallel size)."""
 
+    ENGINE = "deepspeed"
+
     def __init__(self, run_dir: Path, config: JobConfig, layout: Any, config_hash: str,
                  log: Callable[[str], None] | None = None) -> None:
         super().__init__(run_dir, config, layout, config_hash, log)

@@ -57,7 +57,7 @@ from hpc_train.checkpoint.exported import (
     sidecar_path,
 )
 from hpc_train.checkpoint.manager import fsync_path
-from hpc_train.checkpoint.manifest import Manifest
+from hpc_train.checkpoint.manifest import Manifest, engine_text
 from hpc_train.checkpoint.names import DEEPSPEED_TAG
 from hpc_train.config.job import MODEL_PRESETS
 from hpc_train.config.model_shapes import gpt_parameter_name
@@ -69,6 +69,7 @@ __all__ = [
     "DTYPES",
     "FORMATS",
     "ExportResult",
+    "check_engine",
     "check_out_folder",
     "check_out_path",
     "check_supported",
@@ -122,7 +123,7 @@ def check_out_path(out: Path, force: bool, sidecar: bool = False) -> None:
 def _layout_text(manifest: Manifest) -> str:
     layout = manifest.layout
     return (f"tensor {layout['tensor']} x pipeline {layout['pipeline']} x data {layout['data']} x context "
-            f"{layout['context']}, ZeRO-{manifest.zero_stage}, {manifest.dtype}")
+            f"{layout['context']}, {engine_text(manifest.engine, manifest.zero_stage)}, {manifest.dtype}")
 
 
 def _card(folder: Path) -> dict[str, Any]:
@@ -157,10 +158,24 @@ def _tp_record(folder: Path, manifest: Manifest) -> dict[str, Any]:
     return {"split_dims": dims, "shapes": shapes}
 
 
+def check_engine(folder: Path, manifest: Manifest) -> None:
+    """Refuse a folder a user's program wrote through ``ctx.checkpoint``: it holds what each object's
+    ``state_dict()`` gave, by the names the program chose, so export cannot tell which is the model. Checked before
+    anything is hashed."""
+    if manifest.engine == "program":
+        raise ConfigError(str(folder), "was written by your program through ctx.checkpoint, so it holds your objects "
+                          "by the names you saved them with, and export cannot tell which one is the model",
+                          f"load rank 0's copy yourself: torch.load('{folder}/ranks/rank-0.pt', weights_only=True)"
+                          "['objects'][NAME] is the state_dict() of what you saved as NAME (a DeepSpeed engine's "
+                          "are under deepspeed/NAME/, an FSDP2 module's under dcp/)")
+
+
 def check_supported(folder: Path, manifest: Manifest) -> None:
     """Refuse, naming the layout and the way out, a checkpoint this exporter cannot consolidate exactly."""
+    check_engine(folder, manifest)
     layout, where = manifest.layout, str(folder)
-    if (layout["pipeline"] > 1 or manifest.zero_stage == 0) and manifest.dtype != "fp32":
+    if manifest.engine == "deepspeed" and (layout["pipeline"] > 1 or manifest.zero_stage == 0) \
+            and manifest.dtype != "fp32":
         raise ConfigError(where, f"its layout is {_layout_text(manifest)}; without ZeRO 1-3 on a single pipeline "
                           "stage the fp32 master weights sit in optimizer files export does not merge",
                           'export runs trained with train.precision = "fp32" there, or use zero.stage >= 1 '

@@ -48,6 +48,8 @@ def _done(future: Any) -> Any:
 class Fsdp2Checkpoints(CheckpointTransaction):
     """The trainer's save and resume for an :class:`~hpc_train.rank.train.engine_fsdp2.Fsdp2Engine`."""
 
+    ENGINE = "fsdp2"
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         import torch.distributed as dist
 

@@ -22,15 +22,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DTYPES", "FORMAT", "LAYOUT_AXES", "MANIFEST_NAME", "FileEntry", "Manifest", "check_relative_path",
-           "sha256_file"]
+__all__ = ["DTYPES", "ENGINES", "FORMAT", "LAYOUT_AXES", "MANIFEST_NAME", "FileEntry", "Manifest",
+           "check_relative_path", "engine_text", "sha256_file"]
 
 FORMAT = 1
 MANIFEST_NAME = "manifest.json"
 LAYOUT_AXES = ("tensor", "pipeline", "data", "context")
 DTYPES = ("bf16", "fp16", "fp32")
+# What wrote the folder: the trainer's DeepSpeed engine, the trainer's FSDP2 engine, or a user's own program through
+# ctx.checkpoint (its ranks/rank-N.pt, with any DeepSpeed engine or FSDP2 module it handed over inside).
+ENGINES = ("deepspeed", "fsdp2", "program")
 _CHUNK = 8 << 20  # 8 MiB: large enough for full disk bandwidth, small enough to keep memory flat
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
+_PROGRAM_FILE = re.compile(r"^ranks/rank-[0-9]+\.pt$")
 
 
 def sha256_file(path: Path, chunk: int = _CHUNK) -> tuple[int, str]:
@@ -85,6 +89,20 @@ def _exact_keys(where: str, data: object, keys: Sequence[str]) -> Mapping[str, A
     return data
 
 
+def _engine_of(entries: Sequence[FileEntry]) -> str:
+    """What wrote a folder whose manifest predates the ``engine`` key, told by its files: a program writes
+    ``ranks/rank-N.pt`` on every rank, the FSDP2 trainer ``dcp/``, the DeepSpeed trainer neither (the trainers'
+    ``ranks/ranks-FIRST-LAST.pt`` are a node's random states)."""
+    if any(_PROGRAM_FILE.match(entry.path) for entry in entries):
+        return "program"
+    return "fsdp2" if any(entry.path.startswith("dcp/") for entry in entries) else "deepspeed"
+
+
+def engine_text(engine: str, zero_stage: int) -> str:
+    """The engine as ``ckpt ls`` and export's messages name it: ``DeepSpeed ZeRO-2``, ``FSDP2``, ``program``."""
+    return {"deepspeed": f"DeepSpeed ZeRO-{zero_stage}", "fsdp2": "FSDP2"}.get(engine, "your program")
+
+
 @dataclass(frozen=True)
 class FileEntry:
     """One file of a checkpoint: path relative to the step folder, size in bytes, sha256 hex."""
@@ -119,6 +137,7 @@ class Manifest:
     config_hash: str
     created: float
     files: tuple[FileEntry, ...] = field(default=())
+    engine: str = "deepspeed"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "files", tuple(self.files))
@@ -135,6 +154,8 @@ class Manifest:
                              f"but world_size is {world}")
         if _int("manifest.zero_stage", self.zero_stage, 0) > 3:
             raise ValueError(f"manifest.zero_stage: must be 0-3, got {self.zero_stage}")
+        if self.engine not in ENGINES:
+            raise ValueError(f"manifest.engine: must be one of {', '.join(ENGINES)}, got {self.engine!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"manifest.dtype: must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         _str("manifest.config_hash", self.config_hash)
@@ -154,8 +175,8 @@ class Manifest:
 
     def to_dict(self) -> dict[str, Any]:
         return {"format": FORMAT, "step": self.step, "world_size": self.world_size, "layout": dict(self.layout),
-                "zero_stage": self.zero_stage, "dtype": self.dtype, "config_hash": self.config_hash,
-                "created": self.created,
+                "engine": self.engine, "zero_stage": self.zero_stage, "dtype": self.dtype,
+                "config_hash": self.config_hash, "created": self.created,
                 "files": [{"path": e.path, "size": e.size, "sha256": e.sha256} for e in self.files]}
 
     def to_json(self) -> str:
@@ -164,6 +185,8 @@ class Manifest:
     @classmethod
     def from_dict(cls, data: object) -> Manifest:
         keys = ("format", "step", "world_size", "layout", "zero_stage", "dtype", "config_hash", "created", "files")
+        if isinstance(data, Mapping) and "engine" in data:  # written since the engine was recorded
+            keys = (*keys, "engine")
         fields = _exact_keys("manifest", data, keys)
         if fields["format"] != FORMAT or isinstance(fields["format"], bool):
             raise ValueError(f"manifest.format: this version reads format {FORMAT}, got {fields['format']!r}")
@@ -171,9 +194,10 @@ class Manifest:
         if not isinstance(files, list):
             raise ValueError(f"manifest.files: must be a list, got {type(files).__name__}")
         entries = tuple(FileEntry.from_dict(item, f"manifest.files[{i}]") for i, item in enumerate(files))
+        engine = fields["engine"] if "engine" in fields else _engine_of(entries)
         return cls(step=fields["step"], world_size=fields["world_size"], layout=fields["layout"],
                    zero_stage=fields["zero_stage"], dtype=fields["dtype"], config_hash=fields["config_hash"],
-                   created=fields["created"], files=entries)
+                   created=fields["created"], files=entries, engine=engine)
 
     @classmethod
     def from_json(cls, text: str) -> Manifest:

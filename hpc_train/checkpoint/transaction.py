@@ -85,6 +85,8 @@ def _forward_manager_warnings(log: Callable[[str], None]) -> None:
 class CheckpointTransaction:
     """Rank 0 owns the checkpoint folder (one writer); every rank takes part in each save."""
 
+    ENGINE = "program"  # what the manifest says wrote the folder (manifest.ENGINES); the trainer's engines override it
+
     def __init__(self, run_dir: Path, config: JobConfig, layout: Any, config_hash: str,
                  log: Callable[[str], None] | None = None) -> None:
         checkpoint = config.checkpoint
@@ -106,7 +108,7 @@ class CheckpointTransaction:
         self.write_timeout_s = float(config.watchdog.checkpoint_timeout_s)
         if self.manager:
             _forward_manager_warnings(self.log)
-        self.fields = {"world_size": layout.world, "zero_stage": config.zero.stage,
+        self.fields = {"world_size": layout.world, "zero_stage": config.zero.stage, "engine": self.ENGINE,
                        "dtype": config.train.precision, "config_hash": config_hash,
                        "layout": {"tensor": layout.tensor, "pipeline": layout.pipeline, "data": layout.data,
                                   "context": layout.context}}

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from hpc_train.checkpoint.manager import LATEST_NAME, CheckpointInfo, CheckpointManager, VerifyLevel, inspect_checkpoint
+from hpc_train.checkpoint.manifest import engine_text
 from hpc_train.common.terminal import json_text, plain, print_json, shown
 from hpc_train.errors import ConfigError
 from hpc_train.run.outputs import check_output
@@ -125,7 +126,8 @@ def _row(info: CheckpointInfo, listing: Listing) -> dict[str, Any]:
             "bytes": manifest.total_bytes if manifest else None,
             "world_size": manifest.world_size if manifest else None,
             "layout": dict(manifest.layout) if manifest else None,
-            "zero_stage": manifest.zero_stage if manifest else None,
+            "engine": manifest.engine if manifest else None,
+            "zero_stage": manifest.zero_stage if manifest and manifest.engine == "deepspeed" else None,
             "dtype": manifest.dtype if manifest else None,
             "verified": info.verified, "problem": info.error, "latest": info.is_latest,
             "resume": listing.resume is not None and listing.resume.path == info.path}
@@ -147,18 +149,22 @@ def _layout_cell(row: dict[str, Any]) -> str:
     return text + (f" c{layout['context']}" if layout["context"] > 1 else "")
 
 
+def _engine_cell(row: dict[str, Any]) -> str:
+    return "-" if row["engine"] is None else engine_text(row["engine"], row["zero_stage"])
+
+
 def _print_table(listing: Listing) -> None:
     from rich.console import Console
     from rich.table import Table
 
     table = Table(title=shown(f"Checkpoints in {listing.root}"), title_justify="left")
-    for column in ("step", "folder", "size", "world = layout", "ZeRO", "dtype", f"verified ({listing.level})",
+    for column in ("step", "folder", "size", "world = layout", "engine", "dtype", f"verified ({listing.level})",
                    "latest", "resume"):
         table.add_column(column, overflow="fold")  # never cut a file name short
     for info in listing.infos:
         row = _row(info, listing)
         table.add_row(str(row["step"]), shown(row["folder"]), _human_bytes(row["bytes"]), shown(_layout_cell(row)),
-                      "-" if row["zero_stage"] is None else shown(row["zero_stage"]), shown(row["dtype"] or "-"),
+                      _engine_cell(row), shown(row["dtype"] or "-"),
                       "yes" if row["verified"] else shown(f"no: {row['problem']}"),
                       "<- latest" if row["latest"] else "", "<- resume" if row["resume"] else "")
     Console(width=max(120, Console().width)).print(table)
@@ -208,8 +214,14 @@ def _verdict(listing: Listing, level: str) -> str:
 
 def _export_source(target: Target) -> CheckpointInfo:
     """The step folder given, or the one resume would use, verified with sha256 before anything loads. Only the
-    folders tried are hashed: the first that passes ends the search."""
+    folders tried are hashed: the first that passes ends the search. A folder export cannot read is refused
+    before it is hashed."""
+    from hpc_train.checkpoint.export import check_engine
+
     listing = collect(target, "size")
+    first = listing.infos[0] if target.only is not None else (_resume_order(listing.infos) or [None])[0]
+    if first is not None and first.manifest is not None:
+        check_engine(first.path, first.manifest)
     if target.only is not None:
         info = _deepen(listing.infos[0], "sha256")
         if not info.verified:

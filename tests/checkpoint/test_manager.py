@@ -6,6 +6,7 @@ asking a fresh manager, as a requeued job would, what to resume from; one test S
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -494,6 +495,26 @@ def test_manifest_json_round_trip() -> None:
     assert manifest.total_bytes == 4
 
 
+@pytest.mark.parametrize(("files", "engine"), [
+    (["state/mp_rank_00_model_states.pt", "ranks/ranks-0-1.pt"], "deepspeed"),
+    (["dcp/__0_0.distcp", "dcp/.metadata", "ranks/ranks-0-1.pt"], "fsdp2"),
+    (["ranks/rank-0.pt", "ranks/rank-1.pt", "dcp/__0_0.distcp"], "program"),
+    (["ranks/rank-0.pt", "deepspeed/engine/state/mp_rank_00_model_states.pt"], "program"),
+])
+def test_a_manifest_from_before_the_engine_key_is_told_by_its_files(files: list[str], engine: str) -> None:
+    data = a_manifest().to_dict()
+    del data["engine"]
+    data["files"] = [{"path": path, "size": 1, "sha256": "0" * 64} for path in files]
+    assert Manifest.from_json(json.dumps(data)).engine == engine
+
+
+def test_the_engine_is_written_and_read_back() -> None:
+    for engine in ("deepspeed", "fsdp2", "program"):
+        manifest = dataclasses.replace(a_manifest(), engine=engine)
+        assert json.loads(manifest.to_json())["engine"] == engine
+        assert Manifest.from_json(manifest.to_json()).engine == engine
+
+
 def mutate(change) -> str:
     data = a_manifest().to_dict()
     change(data)
@@ -510,6 +531,8 @@ def mutate(change) -> str:
     (lambda d: d.update(world_size=4), "manifest.layout"),
     (lambda d: d["layout"].update(expert=1), "manifest.layout"),
     (lambda d: d.update(zero_stage=4), "manifest.zero_stage"),
+    (lambda d: d.update(engine="megatron"), "manifest.engine: must be one of deepspeed, fsdp2, program"),
+    (lambda d: d.update(engine=None), "manifest.engine"),
     (lambda d: d.update(created=float("nan")), "manifest.created"),
     (lambda d: d.update(config_hash=""), "manifest.config_hash"),
     (lambda d: d.update(files={}), "manifest.files"),

@@ -117,10 +117,11 @@ def test_ls_lists_both_checkpoints_with_latest_and_resume(zero2: Path) -> None:
     assert data["latest"] == data["resume"] == STEP4
     row = data["checkpoints"][1]
     assert row["latest"] and row["resume"] and row["verified"] and row["problem"] is None
-    assert (row["world_size"], row["zero_stage"], row["dtype"]) == (2, 2, "fp32")
+    assert (row["world_size"], row["engine"], row["zero_stage"], row["dtype"]) == (2, "deepspeed", 2, "fp32")
     assert row["layout"] == {"tensor": 1, "pipeline": 1, "data": 2, "context": 1} and row["bytes"] > 0
     table = _ckpt(zero2, "ls", str(zero2 / "checkpoints"))
     assert table.code == 0 and STEP2 in table.out and "<- latest" in table.out and "<- resume" in table.out
+    assert "DeepSpeed ZeRO-2" in table.out
     one = json.loads(_ckpt(zero2, "ls", str(zero2 / "checkpoints" / STEP2), "--json").out)
     assert [row["folder"] for row in one["checkpoints"]] == [STEP2] and one["resume"] == STEP4
 
@@ -258,15 +259,17 @@ def test_export_bf16_casts_the_fp32_export(zero2: Path, tmp_path: Path) -> None:
     assert torch.isfinite(model(tokens, tokens))
 
 
-def _fake_checkpoint(root: Path, layout: dict[str, int], dtype: str = "fp32", zero: int = 1) -> Path:
+def _fake_checkpoint(root: Path, layout: dict[str, int], dtype: str = "fp32", zero: int = 1,
+                     engine: str = "deepspeed") -> Path:
     """A committed checkpoint of placeholder files: enough for the refusals, which load nothing."""
     manager = CheckpointManager(root / "checkpoints", keep=2)
     tmp = manager.begin(2)
-    (tmp / "state").mkdir()
-    (tmp / "state" / "mp_rank_00_model_states.pt").write_bytes(b"not a pickle")
+    shard = tmp / ("ranks/rank-0.pt" if engine == "program" else "state/mp_rank_00_model_states.pt")
+    shard.parent.mkdir()
+    shard.write_bytes(b"not a pickle")
     world = layout["tensor"] * layout["pipeline"] * layout["data"]
     return manager.commit(tmp, {"world_size": world, "layout": {**layout, "context": 1}, "zero_stage": zero,
-                                "dtype": dtype, "config_hash": "x"})
+                                "dtype": dtype, "config_hash": "x", "engine": engine})
 
 
 # (case id, arguments with {t} for the test's folder, text the one message must contain)
@@ -281,7 +284,7 @@ BAD = [
     ("out-exists", ["export", "{t}/run", "--out", "exists.pt"], "exists.pt already exists"),
     ("out-is-folder", ["export", "{t}/run", "--out", "run"], "--out: run is a folder"),
     ("tensor-parallel-no-record", ["export", "{t}/run", "--out", "m.safetensors", "--format", "safetensors"],
-     "tensor 2 x pipeline 1 x data 1 x context 1, ZeRO-1, fp32, and its run's model.json records no "
+     "tensor 2 x pipeline 1 x data 1 x context 1, DeepSpeed ZeRO-1, fp32, and its run's model.json records no "
      "tensor-parallel split dims"),
     ("sidecar-exists", ["export", "{t}/run", "--out", "side.pt"], "side.pt.json already exists"),
     ("safetensors-exists", ["export", "{t}/run", "--out", "exists.pt", "--format", "safetensors"],
@@ -290,6 +293,9 @@ BAD = [
     ("bad-dtype", ["export", "{t}/run", "--out", "m.pt", "--dtype", "fp16"], "invalid choice: 'fp16'"),
     ("pipeline-bf16", ["export", "{t}/pipe", "--out", "m.pt"], 'export runs trained with train.precision = "fp32"'),
     ("no-out", ["export", "{t}/run"], "the following arguments are required: --out"),
+    ("own-program", ["export", "{t}/prog", "--out", "m.pt"],
+     "was written by your program through ctx.checkpoint, so it holds your objects by the names you saved them "
+     "with, and export cannot tell which one is the model. Fix: load rank 0's copy yourself: torch.load('"),
 ]
 
 
@@ -297,6 +303,7 @@ BAD = [
 def test_bad_input_exits_2_and_writes_nothing(tmp_path: Path, argv: list[str], message: str) -> None:
     _fake_checkpoint(tmp_path / "run", {"tensor": 2, "pipeline": 1, "data": 1})
     _fake_checkpoint(tmp_path / "pipe", {"tensor": 1, "pipeline": 2, "data": 1}, dtype="bf16")
+    _fake_checkpoint(tmp_path / "prog", {"tensor": 1, "pipeline": 1, "data": 2}, engine="program")
     (tmp_path / "bare" / "checkpoints" / STEP2).mkdir(parents=True)
     (tmp_path / "exists.pt").write_bytes(b"keep me")
     (tmp_path / "side.pt.json").write_bytes(b"keep me")

@@ -148,6 +148,11 @@ def test_a_function_stopped_at_random_steps_ends_with_the_uninterrupted_weights(
         ("preempted", runs[0]["end_step"], 1), ("start", runs[1]["start_step"], 2),
         ("preempted", runs[1]["end_step"], 2), ("start", runs[2]["start_step"], 3)]
     assert drawn["points"]["loss"] == STEPS and (tmp_path / "run.png").read_bytes()[:4] == b"\x89PNG"
+    # ckpt ls names what wrote the folders: the function, not a ZeRO stage of an engine it never had
+    listed = subprocess.run([sys.executable, "-m", "hpc_train", "ckpt", "ls", str(run_dir), "--json"],
+                            capture_output=True, text=True, timeout=120, check=True)
+    rows = json.loads(listed.stdout)["checkpoints"]
+    assert rows and {(row["engine"], row["zero_stage"]) for row in rows} == {("program", None)}, listed.stdout
 
 
 UNASKED = """
