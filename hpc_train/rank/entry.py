@@ -189,12 +189,15 @@ def _node_record_file(rank: int, kind: str) -> str:
 
 
 def _traceback_text(error: BaseException) -> str:
-    """The traceback worth reading. A user program that could not start or exited badly (``UserCodeError``):
-    its own traceback (an import error, ``user_cause``), if any, and our one line; anything else: all of it."""
+    """The traceback worth reading, from the first frame of the user's code (:func:`user_traceback`). A user
+    program that could not start or exited badly (``UserCodeError``): its own traceback (an import error,
+    ``user_cause``), if any, and our one line."""
+    from hpc_train.rank.program.tracebacks import user_traceback
+
     if not hasattr(error, "user_cause"):
-        return traceback.format_exc()
+        return user_traceback(error)
     cause = error.user_cause
-    own = "".join(traceback.format_exception(cause)) if isinstance(cause, BaseException) else ""
+    own = user_traceback(cause) if isinstance(cause, BaseException) else ""
     return own + f"{type(error).__name__}: {error}\n"
 
 

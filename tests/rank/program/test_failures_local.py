@@ -53,6 +53,10 @@ def test_a_failing_program_says_why_once_and_is_not_requeued(tmp_path: Path, cas
     assert len(failed) == 1 and said in failed[0], output[-3000:]
     if case == "rank-1-raises":
         assert "rank 1 on" in failed[0]  # the rank that raised, not rank 0 that lost its peer
+        # its traceback starts at the user's function, not in hpc_train's entry and runner
+        shown = output.split(failed[0], 1)[1].splitlines()
+        first = next(line for line in shown if line.strip().startswith("File "))
+        assert f"{tmp_path}/code.py" in first and "before your code left out" in output, output[-3000:]
     runs = attempts(tmp_path / "runs" / "bad")
     assert len(runs) == 1 and runs[0]["outcome"] == "failed" and not runs[0]["requeued"], runs
     logs = subprocess.run([sys.executable, "-m", "hpc_train", "logs", str(tmp_path / "runs" / "bad"), "--errors-only"],
