@@ -69,5 +69,8 @@ def test_the_quick_start_says_no_health_finding(tmp_path: Path) -> None:
                             capture_output=True, text=True, timeout=300, check=False)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "health:" not in result.stdout, result.stdout
+    lines = result.stdout.splitlines()  # the ranks' last lines come before the state they ended in
+    ended = next(i for i, line in enumerate(lines) if line.startswith("job ") and line.endswith(": COMPLETED"))
+    assert not [line for line in lines[ended:] if line.startswith("rank0 |")], lines[ended - 3:]
     health = tmp_path / "runs" / "tiny-gpt" / "health.json"  # written once a check trips
     assert not health.exists() or json.loads(health.read_text())["findings"] == [], health.read_text()

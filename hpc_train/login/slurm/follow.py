@@ -381,11 +381,11 @@ def follow(jobs: list[FollowedJob], executor: str, console: Console, poll_s: flo
                 console.print(f"[yellow]sacct failed, retrying: {escape(str(error).splitlines()[0])}[/]")
             changed = before != [(job.state, job.done) for job in jobs]
             for job, (old_state, _) in zip(jobs, before, strict=True):
-                if job.state != old_state:
-                    console.print(f"[bold]job {job.job_id}[/]{f' ({job.label})' if many else ''}: {job.state}")
-                for line in job.tail.new_lines():
+                for line in job.tail.new_lines():  # what the ranks wrote before the state they ended in
                     changed = True
                     console.out(f"{job.label + ' ' if many else ''}rank0 | {line}", highlight=False)
+                if job.state != old_state:
+                    console.print(f"[bold]job {job.job_id}[/]{f' ({job.label})' if many else ''}: {job.state}")
                 if not job.done and job.failed_at is None and job.rank_errors():
                     job.failed_at = job.first_failure_at = time.monotonic()
                     console.print(f"[red]job {job.job_id}: a rank failed; waiting for the others to stop[/]")
