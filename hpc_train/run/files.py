@@ -13,6 +13,7 @@ import json
 import math
 import os
 import re
+import secrets
 import stat
 import sys
 import threading
@@ -58,16 +59,24 @@ def write_all(descriptor: int, data: bytes | memoryview) -> None:
         written += os.write(descriptor, data[written:])
 
 
-def atomic_write(path: Path, text: str, mode: int = 0o600) -> None:
-    """Write to a temporary name, fsync, rename over ``path`` and fsync the folder: never a half file."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    descriptor = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, mode)
-    with open(descriptor, "w", encoding="utf-8") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.chmod(tmp, mode)
-    os.replace(tmp, path)
+def atomic_write(path: Path, data: str | bytes, mode: int = 0o600) -> None:
+    """Write ``data`` (text as UTF-8) to a new temporary name of its own, fsync, rename over ``path`` and fsync the
+    folder: never a half file. The temporary name is random and created exclusively, never through a link, so
+    neither a planted file nor a stale one of another node's same pid is written through."""
+    tmp = path.with_name(f".{path.name}.tmp-{secrets.token_hex(8)}")
+    descriptor = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | _CLOEXEC, mode)
+    try:
+        try:
+            write_all(descriptor, data.encode("utf-8") if isinstance(data, str) else data)
+            os.fchmod(descriptor, mode)  # whatever the umask took away
+            os.fsync(descriptor)
+        finally:
+            os.close(descriptor)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
     folder = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(folder)

@@ -9,16 +9,14 @@ job script runs before its ranks unpickle), never through a link, and within a s
 
 from __future__ import annotations
 
-import contextlib
 import os
-import secrets
 import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from hpc_train.errors import ConfigError
-from hpc_train.run.files import open_record, write_all
+from hpc_train.run.files import atomic_write, open_record
 from hpc_train.run.paths import FUNCTION_FILE, VALUE_FILE
 
 __all__ = ["Call", "ReturnedValue", "read_call", "read_value", "write_call", "write_value"]
@@ -49,24 +47,6 @@ def _dumps(obj: Any) -> bytes:
     return cloudpickle.dumps(obj)
 
 
-def _write(path: Path, data: bytes) -> None:
-    """Atomically, private, never through a link: a new temporary name of its own (O_EXCL | O_NOFOLLOW, random,
-    so neither a planted file nor a stale one of another node's same pid is written through), renamed over."""
-    tmp = path.with_name(f".{path.name}.tmp-{secrets.token_hex(8)}")
-    descriptor = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    try:
-        try:
-            write_all(descriptor, data)
-            os.fsync(descriptor)
-        finally:
-            os.close(descriptor)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
-
-
 def write_call(run_dir: Path, call: Call) -> None:
     """Pickle the call into ``run_dir``; ConfigError naming what did not pickle (nothing is submitted then)."""
     try:
@@ -78,7 +58,7 @@ def write_call(run_dir: Path, call: Call) -> None:
     if len(data) > MAX_PICKLE:
         raise ConfigError("Executor.submit", f"{_name(call.function)} with its arguments pickles to "
                           f"{len(data) / 2**30:.1f} GiB", "pass a path and read large data inside the function")
-    _write(Path(run_dir) / FUNCTION_FILE, data)
+    atomic_write(Path(run_dir) / FUNCTION_FILE, data)
 
 
 def write_value(run_dir: Path, value: Any) -> ReturnedValue:
@@ -94,7 +74,7 @@ def write_value(run_dir: Path, value: Any) -> ReturnedValue:
         kept = ReturnedValue(None, f"the return value pickles to {len(data) / 2**30:.1f} GiB, more than the "
                                    f"{MAX_PICKLE >> 30} GiB kept; write it to a file and return the path")
         data = _dumps(kept)
-    _write(Path(run_dir) / VALUE_FILE, data)
+    atomic_write(Path(run_dir) / VALUE_FILE, data)
     return kept
 
 
