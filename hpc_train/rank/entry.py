@@ -37,7 +37,7 @@ from hpc_train.run.paths import (
     rank_consequence_path,
     rank_error_path,
 )
-from hpc_train.run.procs import parent_death_signal
+from hpc_train.run.procs import parent_death_signal, tie_to_parent
 from hpc_train.run.quick_exit import exit_quickly_when_done, leave_now
 from hpc_train.run.results import Stopped, rank_result
 from hpc_train.run.stops import StopConsequence
@@ -62,11 +62,21 @@ def _rank_logger(run_dir: Path, rank: int, per_node: int) -> logging.Logger:
     return logger
 
 
+def _tie_to_local_controller() -> None:
+    """Below the local executor's controller a rank never outlives it: killed with it, or, when the controller
+    ended while this rank was still importing, gone at once (no one is left to follow or to stop it)."""
+    controller = os.environ.get("SUBMITIT_LOCAL_JOB_ID", "")  # submitit names a local job by its controller's pid
+    if controller.isdigit() and not tie_to_parent(int(controller)):
+        raise SystemExit(f"hpc_train: the local job's controller (pid {controller}) ended before this rank started")
+    if not controller.isdigit():
+        parent_death_signal()()
+
+
 def run_rank(run_dir: Path) -> dict[str, Any]:
     """Run this rank's share of the job in ``run_dir``; return its result."""
     os.umask(0o077)  # logs and results of a run are private, like the run folder
     if isinstance(backend_of(os.environ), LocalBackend):
-        parent_death_signal()()  # below the local executor's controller: a rank never outlives it
+        _tie_to_local_controller()
     check_run_folder(run_dir)  # never reached through a link, nor writable by others: ranks run what it holds
     os.environ["HPC_TRAIN_RUN_DIR"] = str(run_dir)  # for a script, whatever launched it (docs/your-own-code.md)
     plan = plan_for_life(Plan.from_json((run_dir / PLAN_FILE).read_text(encoding="utf-8")), os.environ)

@@ -14,8 +14,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Process", "command_line", "cpu_shares", "descendants", "environment", "parent_death_signal",
-           "processes"]
+__all__ = ["Process", "command_line", "cpu_shares", "descendants", "environment", "parent_death_signal", "processes",
+           "tie_to_parent"]
 
 _PROC = Path("/proc")
 
@@ -101,3 +101,18 @@ def parent_death_signal(signum: int = 9) -> Callable[[], None]:
     except (OSError, AttributeError):
         return lambda: None
     return lambda: prctl(1, signum, 0, 0, 0) and None  # 1: PR_SET_PDEATHSIG
+
+
+def tie_to_parent(parent: int, signum: int = 9) -> bool:
+    """Ask for ``signum`` when the parent ends (:func:`parent_death_signal`), then close the window before the
+    request: False when ``parent`` had already ended (the caller was reparented, and no signal will ever come)."""
+    parent_death_signal(signum)()
+    if os.getppid() == parent:
+        return True
+    try:
+        os.kill(parent, 0)  # a parent that is alive but not ours (a shell between) still ties through it
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

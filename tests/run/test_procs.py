@@ -43,3 +43,34 @@ def test_a_node_s_cpus_are_shared_in_consecutive_blocks_one_per_rank(monkeypatch
     assert cpu_shares(2) == [{8, 9, 10, 11}, {12, 13, 14, 15}]
     assert cpu_shares(3) == [{8, 9}, {10, 11}, {12, 13}]  # the 2 left over are not given twice
     assert cpu_shares(1) == [] and cpu_shares(9) == []  # one rank keeps the step's; too few CPUs: no binding
+
+
+TIED = "import os, sys, time; from hpc_train.run.procs import tie_to_parent; " \
+       "print(tie_to_parent(int(sys.argv[1])), flush=True); time.sleep(60)"
+
+
+def test_a_process_tied_to_its_parent_dies_with_it() -> None:
+    """The parent starts the tied child and is then killed: the child goes too (PR_SET_PDEATHSIG)."""
+    parent = subprocess.Popen([sys.executable, "-c", "import os, subprocess, sys, time; "
+                               f"subprocess.Popen([sys.executable, '-c', {TIED!r}, str(os.getpid())]); "
+                               "time.sleep(60)"], stdout=subprocess.PIPE, text=True, cwd=os.getcwd())
+    try:
+        assert parent.stdout is not None and parent.stdout.readline().strip() == "True"
+        (child,) = descendants(parent.pid)
+    finally:
+        parent.kill()
+        parent.wait()
+    deadline = time.monotonic() + 30
+    while command_line(child) is not None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert command_line(child) is None, "the tied child outlived its parent"
+
+
+def test_a_parent_gone_before_the_tie_is_said() -> None:
+    """A rank that was still importing when its controller ended is told so, not left waiting for a signal that
+    will never come."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    tied = subprocess.run([sys.executable, "-c", TIED.replace("time.sleep(60)", "pass"), str(gone.pid)],
+                          capture_output=True, text=True, timeout=60, check=True)
+    assert tied.stdout.strip() == "False"
