@@ -1,6 +1,6 @@
 """``hpc_train.Executor`` on the real local Slurm cluster, 2 nodes of one rank each: a function's result, a
 failure's class, a function preempted with ``scancel --signal=USR2``, requeued by Slurm and resumed from its own
-checkpoint whose result is the uninterrupted one, an array of 3, and ``hpc_train cancel``."""
+checkpoint whose result is the uninterrupted one, an array of 3, ``hpc_train cancel`` and ``Job.cancel()``."""
 
 from __future__ import annotations
 
@@ -120,6 +120,14 @@ def test_hpc_train_cancel_ends_the_job_and_status_names_the_user(here: Path) -> 
     again = subprocess.run([sys.executable, "-m", "hpc_train", "cancel", str(job.run_dir)], capture_output=True,
                            text=True, timeout=120, check=False)
     assert again.returncode == 2 and "has no job queued or running" in again.stderr, again.stderr
+    # and the API's own Job.cancel(), as a sweep script calls it
+    other = _executor().submit(_train, 100_000, 0.1)
+    _wait_for_step(other.job_id, other.run_dir, 3)
+    other.cancel()
+    with pytest.raises(hpc_train.JobFailed) as error:
+        other.result()
+    assert error.value.failure_class == "cancelled" and "by the user: Job.cancel()" in error.value.reason
+    other.cancel()  # an ended job: nothing to do, as submitit's
 
 
 def test_hpc_train_run_launches_an_unmodified_script_on_two_nodes_from_one_line(here: Path) -> None:
