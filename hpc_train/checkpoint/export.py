@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from hpc_train.checkpoint.dcp_state import DCP_DIR, dcp_model_state
+from hpc_train.checkpoint.export_checks import check_engine, check_out_folder, check_out_path
 from hpc_train.checkpoint.exported import (
     DTYPE_KEY,
     EXPORT_KEY,
@@ -102,24 +103,6 @@ class ExportResult:
     dtype: str = "fp32"
 
 
-def check_out_path(out: Path, force: bool, sidecar: bool = False) -> None:
-    """Refuse an output path (and with ``sidecar`` its ``FILE.json``) that cannot be written as asked, before
-    anything is loaded."""
-    parent = out.parent if str(out.parent) else Path(".")
-    if not parent.is_dir():
-        raise ConfigError("--out", f"the folder {parent} does not exist", f"create it (mkdir -p {parent}) or pick "
-                          "a path in an existing folder")
-    if out.is_dir():
-        raise ConfigError("--out", f"{out} is a folder", "give a file name, like model.safetensors")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise ConfigError("--out", f"the folder {parent} is not writable for you", "pick a folder you can write")
-    for path in (out, sidecar_path(out)) if sidecar else (out,):
-        if path.is_dir() and not path.is_symlink():
-            raise ConfigError("--out", f"{path} is a folder", "pick another name")
-        if (path.exists() or path.is_symlink()) and not force:
-            raise ConfigError("--out", f"{path} already exists", "pick another name, or pass --force to replace it")
-
-
 def _layout_text(manifest: Manifest) -> str:
     layout = manifest.layout
     return (f"tensor {layout['tensor']} x pipeline {layout['pipeline']} x data {layout['data']} x context "
@@ -156,18 +139,6 @@ def _tp_record(folder: Path, manifest: Manifest) -> dict[str, Any]:
                           "VocabParallelEmbedding, or set param.partition_dim, then train one more step")
     shapes = record.get("shapes") if isinstance(record.get("shapes"), dict) else {}
     return {"split_dims": dims, "shapes": shapes}
-
-
-def check_engine(folder: Path, manifest: Manifest) -> None:
-    """Refuse a folder a user's program wrote through ``ctx.checkpoint``: it holds what each object's
-    ``state_dict()`` gave, by the names the program chose, so export cannot tell which is the model. Checked before
-    anything is hashed."""
-    if manifest.engine == "program":
-        raise ConfigError(str(folder), "was written by your program through ctx.checkpoint, so it holds your objects "
-                          "by the names you saved them with, and export cannot tell which one is the model",
-                          f"load rank 0's copy yourself: torch.load('{folder}/ranks/rank-0.pt', weights_only=True)"
-                          "['objects'][NAME] is the state_dict() of what you saved as NAME (a DeepSpeed engine's "
-                          "are under deepspeed/NAME/, an FSDP2 module's under dcp/)")
 
 
 def check_supported(folder: Path, manifest: Manifest) -> None:
@@ -462,19 +433,6 @@ def _hf_config(folder: Path) -> tuple[dict[str, Any], list[str]]:
                           "export it with --format safetensors or pt, under the module's own names")
     tied = card.get("tied", [])
     return config, [name for name in tied if isinstance(name, str)]
-
-
-def check_out_folder(out: Path, force: bool) -> None:
-    """Refuse an output folder (``--format hf``) that cannot be written as asked, before anything is loaded."""
-    parent = out.parent if str(out.parent) else Path(".")
-    if not parent.is_dir():
-        raise ConfigError("--out", f"the folder {parent} does not exist", f"create it (mkdir -p {parent})")
-    if out.is_symlink() or (out.exists() and not out.is_dir()):
-        raise ConfigError("--out", f"{out} exists and is not a folder", "give a new folder name, like model-hf")
-    if out.exists() and not force:
-        raise ConfigError("--out", f"{out} already exists", "pick another name, or pass --force to replace it")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise ConfigError("--out", f"the folder {parent} is not writable for you", "pick a folder you can write")
 
 
 def export_hf(folder: Path, manifest: Manifest, out: Path, force: bool = False, dtype: str = "fp32") -> ExportResult:

@@ -216,7 +216,7 @@ def _export_source(target: Target) -> CheckpointInfo:
     """The step folder given, or the one resume would use, verified with sha256 before anything loads. Only the
     folders tried are hashed: the first that passes ends the search. A folder export cannot read is refused
     before it is hashed."""
-    from hpc_train.checkpoint.export import check_engine
+    from hpc_train.checkpoint.export_checks import check_engine
 
     listing = collect(target, "size")
     first = listing.infos[0] if target.only is not None else (_resume_order(listing.infos) or [None])[0]
@@ -242,7 +242,8 @@ def _export_source(target: Target) -> CheckpointInfo:
 def _check_export_out(args: argparse.Namespace) -> None:
     """``--out`` (and with pt its ``FILE.json``) through the one check of outputs (:func:`check_output`), then
     the exporter's own (which writes by rename, refusing a file that appeared since without ``--force``)."""
-    from hpc_train.checkpoint.export import check_out_folder, check_out_path, sidecar_path
+    from hpc_train.checkpoint.export_checks import check_out_folder, check_out_path
+    from hpc_train.checkpoint.exported import sidecar_path
 
     if args.format == "hf":
         check_output(args.out, example="model-hf", replace=args.force, folder=True)

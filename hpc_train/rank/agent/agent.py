@@ -28,8 +28,10 @@ from types import FrameType
 from typing import Any
 
 from hpc_train.control.client import ControlError
+from hpc_train.rank.agent.agent_log import agent_logger
 from hpc_train.rank.agent.link import AgentLink
 from hpc_train.rank.agent.setup import AgentSetup, Spares, agent_setup
+from hpc_train.rank.agent.standby import StandbyPool
 from hpc_train.run.assignment import Assignment, rank_environments
 from hpc_train.run.attempts import AttemptLog
 from hpc_train.run.chain import successor_of
@@ -46,9 +48,8 @@ from hpc_train.run.in_place import (
     ready_count,
     request_restart,
 )
-from hpc_train.run.loglines import format_host_oom, rank_log_format
+from hpc_train.run.loglines import format_host_oom
 from hpc_train.run.node import node_name
-from hpc_train.run.node_log import NodeLogHandler, node_log_name, node_log_path
 from hpc_train.run.paths import LOGS_DIR, rank_error_path
 from hpc_train.run.peer_errors import lost_its_peer
 from hpc_train.run.procs import cpu_shares, descendants
@@ -69,31 +70,6 @@ _TASK_ONLY = ("PMI_RANK", "PMI_SIZE", "PMI_FD", "PMI_JOBID", "PMIX_RANK", "OMPI_
               "SLURM_CPU_BIND", "SLURM_TASK_PID", "SLURM_LAUNCH_NODE_IPADDR")
 
 
-def _logger(run_dir: Path, rank: int, per_node: int, slot: int | None = None) -> logging.Logger:
-    """The agent's lines as rank ``rank``'s (its node's first rank) in its node's log (rank 0's also on stdout,
-    the batch output), or with ``slot`` the lines of a node's agent in a job with spares, which may hold no rank
-    in a life: ``nodeK`` lines in ``logs/agents-FIRST-LAST.log``."""
-    name = f"hpc_train.agent{rank}" if slot is None else f"hpc_train.agent-node{slot}"
-    logger = logging.getLogger(name)
-    if not logger.handlers:
-        logger.setLevel(logging.INFO)
-        logger.propagate = False
-        (run_dir / LOGS_DIR).mkdir(mode=0o700, exist_ok=True)
-        if slot is None:
-            path, line = node_log_path(run_dir, rank, per_node), rank_log_format(rank)
-        else:
-            name = node_log_name(slot * per_node, per_node).replace("ranks-", "agents-", 1)
-            path, line = run_dir / LOGS_DIR / name, f"%(asctime)s node{slot} %(levelname)s %(message)s"
-        handler = NodeLogHandler(path)
-        handler.setFormatter(logging.Formatter(line))
-        logger.addHandler(handler)
-        if rank == 0 and slot is None:
-            stream = logging.StreamHandler(sys.stdout)
-            stream.setFormatter(logging.Formatter(rank_log_format(rank)))
-            logger.addHandler(stream)
-    return logger
-
-
 Children = dict[int, "subprocess.Popen[bytes]"]  # a life's ranks on this node, by rank
 
 
@@ -106,25 +82,35 @@ class Agent:
         per_node = setup.tasks_per_node
         self.rank = setup.node * per_node  # this node's first rank (with spares, in this life's assignment; -1: none)
         self.attempt = attempt_key(setup.job_id, setup.restart)
-        self.log = _logger(setup.run_dir, self.rank, per_node, setup.node if setup.spares else None)
+        self.log = agent_logger(setup.run_dir, self.rank, per_node, setup.node if setup.spares else None)
         self.stopping: int | None = None  # a signal from Slurm (preemption, requeue, cancel): no more restarts
         self._successor: str | None = None  # the next job of a chain this one handed the run to
         self._handed_at = 0.0  # when this agent first saw that (monotonic)
         self.link: AgentLink | None = None  # the job's coordinator; None: the run folder's files
         self.holding_nodes: set[str] | None = None  # with spares: the nodes that hold this life's ranks
         self._gone_before = 0  # agents gone when this life began (the coordinator counts them per attempt)
+        self.standby: StandbyPool | None = None  # retry.standby: the next life's ranks, imports done
 
     def logger_for(self, rank: int) -> logging.Logger:
         """The log of rank ``rank`` (with spares, this node's first rank in a life)."""
-        return _logger(self.setup.run_dir, rank, self.setup.tasks_per_node)
+        return agent_logger(self.setup.run_dir, rank, self.setup.tasks_per_node)
+
+    def node_environment(self) -> dict[str, str]:
+        """What every rank of this node shares: the step's environment and the rank's share of the CPUs."""
+        cpus = {"SLURM_CPUS_PER_TASK": str(self.setup.cpus_per_rank)} if self.setup.cpus_per_rank else {}
+        return {**{name: value for name, value in os.environ.items() if not name.startswith(_TASK_ONLY)}, **cpus}
 
     def rank_environments(self, places: dict[int, dict[str, str]], extra: dict[str, str]) -> dict[int, dict[str, str]]:
-        """Each rank's environment: the step's, its ``SLURM_*`` place, its share of the node's CPUs, ``extra``."""
-        cpus = {"SLURM_CPUS_PER_TASK": str(self.setup.cpus_per_rank)} if self.setup.cpus_per_rank else {}
-        per_node = self.setup.tasks_per_node
-        step = {name: value for name, value in os.environ.items() if not name.startswith(_TASK_ONLY)}
-        return {rank: {**step, **place, **cpus, **extra, ERROR_LOG_ENV: error_log_name(rank, per_node)}
+        """Each rank's environment: the node's (:meth:`node_environment`), its ``SLURM_*`` place, ``extra``."""
+        per_node, node = self.setup.tasks_per_node, self.node_environment()
+        return {rank: {**node, **place, **extra, ERROR_LOG_ENV: error_log_name(rank, per_node)}
                 for rank, place in places.items()}
+
+    def keep_standbys(self) -> None:
+        """``retry.standby``: one standby rank per rank of the node, for the lives after the first."""
+        if self.setup.standby and self.setup.limit > 0:
+            self.standby = StandbyPool(self.setup.standby, self.setup.tasks_per_node, self.node_environment(),
+                                       self.log.info)
 
     def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
         self.stopping = signum  # the ranks got the same signal from Slurm (it signals every process of the step)
@@ -147,6 +133,7 @@ class Agent:
 
             return run_with_spares(self, argv)
         in_place = 0
+        self.keep_standbys()
         self.link = AgentLink.open(setup.run_dir, self.attempt, setup.job_id, setup.member, self.log,
                                    host=setup.node == 0)
         coordinator = self.link.environment() if self.link else {}
@@ -192,6 +179,8 @@ class Agent:
         self._gone_before = self.link.gone() if self.link is not None else 0
         while True:
             _reap(children, ended)
+            if self.standby is not None and in_place < self.setup.limit:
+                self.standby.tick()  # the next life's standbys, once this life's ranks have started
             failed = [(rank, code) for rank, code in ended.items() if code != 0]
             if failed or len(ended) == len(children):
                 break
@@ -224,13 +213,17 @@ class Agent:
         children: Children = {}
         try:
             for index, (rank, env) in enumerate(sorted(envs.items())):
-                children[rank] = child = subprocess.Popen(argv, env=env)
+                share = shares[index] if shares else None
+                children[rank] = child = self.standby.start(argv, env, share) if self.standby else \
+                    subprocess.Popen(argv, env=env)
                 if shares:
                     with contextlib.suppress(OSError):
                         os.sched_setaffinity(child.pid, shares[index])
         except BaseException:
             self._end(children, {})
             raise
+        if self.standby is not None:
+            self.standby.schedule()
         return children
 
     def _cause_first(self, failed: list[tuple[int, int]], oom_before: int) -> tuple[int, int]:
@@ -386,7 +379,10 @@ class Agent:
 
     def end_everything_below(self) -> None:
         """No process the old ranks started (a data loader worker, a checkpoint stager) outlives them."""
+        keep = self.standby.pids if self.standby is not None else set()  # idle, and never started anything
         for pid in descendants(os.getpid()):
+            if pid in keep:
+                continue
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         deadline = time.monotonic() + 10
@@ -465,6 +461,8 @@ def supervise(setup: AgentSetup, argv: list[str] | None = None) -> int:
     try:
         code = agent.run(argv or rank_command(setup.run_dir))
     finally:
+        if agent.standby is not None:
+            agent.standby.close()
         if agent.link is not None:
             agent.link.close()  # says bye: the coordinator does not take this agent for lost
     return _leave_like(code)

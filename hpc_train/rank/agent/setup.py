@@ -6,11 +6,15 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hpc_train.backends import backend_of
 from hpc_train.config.shrink import ShrinkRule
 from hpc_train.run.assignment import node_of
 from hpc_train.run.in_place import IN_PLACE_LEFT_ENV
+
+if TYPE_CHECKING:
+    from hpc_train.config.job import RetrySection
 
 __all__ = ["AgentSetup", "Spares", "agent_setup"]
 
@@ -31,6 +35,7 @@ class AgentSetup:
     tasks_per_node: int = 1  # the ranks this agent starts (job.tasks_per_node)
     spares: Spares | None = None  # spares or retry.shrink: the layout this node's agent must keep
     cpus_per_rank: int = 0  # job.cpus_per_task, each rank's SLURM_CPUS_PER_TASK; 0: left as the step has it
+    standby: str = ""  # retry.standby: the kind of standby rank to keep ready (standby_main.KINDS); "": none
 
     @property
     def node_name(self) -> str:
@@ -85,4 +90,13 @@ def agent_setup(run_dir: Path, env: dict[str, str] | None = None) -> AgentSetup 
     if lay.world != res.nodes * res.tasks_per_node:
         return None
     return AgentSetup(run_dir, index, nodes, lay.world, env["SLURM_JOB_ID"], int(env.get("SLURM_RESTART_COUNT") or 0),
-                      plan.config.retry.in_place, plan.signal, res.tasks_per_node, spares, res.cpus_per_task)
+                      plan.config.retry.in_place, plan.signal, res.tasks_per_node, spares, res.cpus_per_task,
+                      _standby(plan.config.job.program, plan.config.retry))
+
+
+def _standby(program: str, retry: RetrySection) -> str:
+    """The standby ranks' kind (``retry.standby``): the trainer's or a user program's; none for the smoke test
+    (nothing to import) or without restarts in place."""
+    if not retry.standby or retry.in_place < 1 or program == "smoke":
+        return ""
+    return "train" if program == "train" else "program"

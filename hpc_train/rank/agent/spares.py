@@ -23,6 +23,7 @@ from hpc_train.config.shrink import SHRUNK_NODES_ENV
 from hpc_train.control.client import ControlError
 from hpc_train.rank.agent.link import AgentLink
 from hpc_train.rank.agent.setup import AgentSetup
+from hpc_train.rank.agent.standby import StandbyPool
 from hpc_train.run.assignment import (
     Assignment,
     assignment_from,
@@ -58,6 +59,9 @@ class NodeAgent(Protocol):
     link: AgentLink | None
     holding_nodes: set[str] | None
     stopping: int | None
+    standby: StandbyPool | None
+
+    def keep_standbys(self) -> None: ...
 
     def logger_for(self, rank: int) -> logging.Logger: ...
 
@@ -83,6 +87,7 @@ def run_with_spares(agent: NodeAgent, argv: list[str]) -> int:
     excluded = [entry.node for entry in read_exclusions(setup.run_dir)]
     allocated, per_node = setup.nodes, setup.tasks_per_node
     assignment, in_place = first_assignment(allocated, spares.nodes, excluded), 0
+    agent.keep_standbys()
     agent.link = AgentLink.open(setup.run_dir, agent.attempt, setup.job_id, setup.member, agent.log,
                                 host=setup.node == 0)
     coordinator = agent.link.environment() if agent.link else {}
@@ -90,6 +95,8 @@ def run_with_spares(agent: NodeAgent, argv: list[str]) -> int:
         places = rank_environments(assignment, setup.node_name, per_node)
         if not places:
             agent.rank = -1
+            if agent.standby is not None:  # a spare node: nothing of its own to start, its standbys start now
+                agent.standby.refill()
             code, notice = 0, _wait_as_spare(agent, in_place)
         else:
             agent.rank = min(places)

@@ -1,0 +1,81 @@
+"""A standby rank: ``python -u -m hpc_train.rank.agent.standby_main KIND READY_FD``, started by a node's agent
+(:mod:`hpc_train.rank.agent.standby`) so that the next life's rank skips its imports.
+
+It imports what a rank of ``KIND`` (``train``: the built-in trainer; ``program``: a user's function or script)
+imports first, torch above all (about 4 s of a CPU rank's 5 s start), writes one byte to READY_FD (a pipe
+to the agent), then waits on its standard input for one
+line: the rank's command and environment, as JSON. It then becomes that rank: the environment replaced, the
+command's module run as ``__main__``, exactly as ``python -u -m hpc_train.launch RUN_DIR`` would. What it must
+not do before that line: initialise CUDA (the device a rank sees is fixed at the first CUDA call), open a process
+group, or import the user's code (its import may have effects the rank's start must own).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import runpy
+import sys
+from typing import Any
+
+__all__ = ["KINDS", "WARM_MODULES", "become", "main"]
+
+# What each kind of rank imports on its way to its first step (benchmarks/rank_start.py measured the ladder):
+# torch._dynamo and torch._inductor's compile_fx are imported by the first torch optimizer and by DeepSpeed's ZeRO.
+WARM_MODULES = {
+    "train": ("torch", "deepspeed", "hpc_train.rank.entry", "hpc_train.rank.train.trainer", "torch._dynamo",
+              "torch._inductor.compile_fx"),
+    "program": ("torch", "hpc_train.rank.entry", "hpc_train.rank.program.runner", "torch._dynamo"),
+}
+KINDS = tuple(WARM_MODULES)
+
+
+def warm(kind: str) -> None:
+    """Import ``kind``'s modules; one that fails to import is left to the rank, which reports it as it would."""
+    import importlib
+
+    for name in WARM_MODULES[kind]:
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: S112 - the rank imports it again and says what is wrong, in its own log
+            continue
+
+
+def become(order: dict[str, Any]) -> None:
+    """Run the rank ``order`` names (``argv``: ``[python, -u, -m, MODULE, ARGS...]``, ``env``: its environment,
+    ``cpus``: its share of the node's) in this process, as its own interpreter would have."""
+    argv, env = order["argv"], order["env"]
+    if order.get("cpus"):  # the threads its imports started too, not only the one the agent can reach
+        for thread in os.listdir("/proc/self/task"):
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(int(thread), set(order["cpus"]))
+    module = argv[argv.index("-m") + 1]
+    os.environ.clear()
+    os.environ.update(env)
+    sys.argv = [module, *argv[argv.index("-m") + 2:]]
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 2 or args[0] not in KINDS or not args[1].isdigit():
+        print(f"usage: python -m hpc_train.rank.agent.standby_main {{{','.join(KINDS)}}} READY_FD", file=sys.stderr)
+        return 2
+    warm(args[0])
+    with contextlib.suppress(OSError):  # the agent counts its ready standbys by these
+        os.write(int(args[1]), b"1")
+    with contextlib.suppress(OSError):
+        os.close(int(args[1]))
+    line = sys.stdin.readline()
+    if not line:  # the agent closed the pipe without a rank for it: nothing to do
+        return 0
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)  # the rank reads nothing from the agent's pipe, as srun's tasks read nothing by default
+    os.close(null)
+    become(json.loads(line))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
