@@ -24,7 +24,7 @@ import torch
 
 from hpc_train.checkpoint.transaction import WRITTEN_OVER_COORDINATOR
 from hpc_train.run.node_log import log_ranks, rank_log_text
-from hpc_train.run.procs import environment, processes
+from hpc_train.run.procs import command_line, environment, processes
 from hpc_train.run.watch import last_logged_step
 from tests.conftest import REPO, exported
 from tests.rank.runtime.wandb_records import read_offline_run
@@ -237,6 +237,42 @@ def test_a_rank_killed_at_a_random_step_restarts_inside_the_same_job(uninterrupt
     rank0 = rank_log_text(run_dir, 0)
     assert "in-place restart 1 of 2 (retry.in_place): killed" in rank0
     assert WRITTEN_OVER_COORDINATOR in rank0  # the written records came over the coordinator, not as files
+    _assert_same(_exported(run_dir, tmp_path / "weights.pt"), uninterrupted, run_dir)
+
+
+def _rank_pid(job_id: str, rank: int) -> int:
+    """The pid of rank ``rank`` of job ``job_id`` on the local cluster (a process of the first life, started
+    cold: its environment is the one it started with)."""
+    for process in processes():
+        env = environment(process.pid) or {}
+        if env.get(b"SLURM_JOB_ID") == job_id.encode() and env.get(b"SLURM_PROCID") == str(rank).encode() \
+                and b"hpc_train.launch" in (command_line(process.pid) or b"") and process.alive:
+            return process.pid
+    raise AssertionError(f"no rank {rank} of job {job_id} runs")
+
+
+def test_a_rank_killed_once_the_standbys_are_ready_restarts_warm_with_the_uninterrupted_weights(
+        uninterrupted: dict[str, torch.Tensor], tmp_path: Path) -> None:
+    """``retry.standby`` (on by default): once each node's agent says its standby rank is ready (imports done),
+    rank 1 is killed from outside; every rank of the next life is a standby handed its rank, and the run ends
+    with the uninterrupted weights, bit for bit. Rank 0's first life is slowed (1 s per step) so that the kill
+    lands well before the end."""
+    run_dir = tmp_path / "runs" / "tiny-gpt"
+    job_id = _submit(tmp_path, STEPS, "--set", "env.HPC_TRAIN_INJECT_FAULT=slow:0:1000", "--set",
+                     "env.HPC_TRAIN_INJECT_FAULT_IN_PLACE=0")
+    deadline = time.monotonic() + 240
+    while not all("standby rank(s) ready for the next life" in rank_log_text(run_dir, rank) for rank in (0, 1)):
+        assert _state(job_id) not in BAD_STATES | {"COMPLETED"}, _logs(run_dir)
+        assert time.monotonic() < deadline, f"no standby said it was ready\n{_logs(run_dir)}"
+        time.sleep(0.5)
+    assert last_logged_step(run_dir) < STEPS - 5, "the run nearly ended before its standbys were ready"
+    os.kill(_rank_pid(job_id, 1), signal.SIGKILL)
+    _wait_until_completed(job_id, run_dir)
+    first, second = _finished_run(run_dir, job_id)
+    assert first["outcome"] == "killed" and second["in_place"] == 1 and second["restart"] == 0, (first, second)
+    for rank in (0, 1):
+        said = rank_log_text(run_dir, rank)
+        assert "1 rank(s) of this node started from standby processes (imports done)" in said, _logs(run_dir)
     _assert_same(_exported(run_dir, tmp_path / "weights.pt"), uninterrupted, run_dir)
 
 
