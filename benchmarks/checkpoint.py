@@ -53,6 +53,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from hpc_train.bench.machine import machine, spread
+
 REPO = Path(__file__).resolve().parent.parent
 WARMUP_STEPS = 2
 CHUNK = 8 << 20
@@ -406,6 +408,10 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
         "async_stall_ratio": _median(stalls, lambda s: s["call_s"]) / sync_save,
         "async_slowed_steps_s": slowed, "async_slowed_ratio": slowed / sync_save,
         "async_durable_after_s": _median(stalls, lambda s: s["finish_s"]), "profiles": result.get("profiles", {}),
+        "spreads": {  # each ratio over the repetitions: min, median, max
+            "save_ratio": spread([s["raw_s"] / s["save_s"] for s in saves]).text(),
+            "load_ratio": spread([s["load_s"] / s["raw_s"] for s in loads]).text(),
+            "async_stall_ratio": spread([s["call_s"] / sync_save for s in stalls]).text()},
     }
 
 
@@ -431,6 +437,8 @@ def report(args: argparse.Namespace, figures: dict[str, Any]) -> None:
           f"{f['async_slowed_ratio']:6.3f}  (CPU the writer threads share with training)")
     print(f"{'  a plain training step':44} {f['plain_step_s']:8.3f}")
     print(f"{'  durable after the steps that followed':44} {f['async_durable_after_s']:8.3f}")
+    for name, text in f["spreads"].items():
+        print(f"{name} over the repetitions: {text}")
     for kind, profile in f.get("profiles", {}).items():
         print(f"profile of one more {kind} on rank 0 (cProfile, {profile['total_s']:.3f} s under it, warm cache; "
               f"threads other than the main one are not profiled; {profile['file']}):")
@@ -464,6 +472,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.smoke:
         args.saves, args.layers, args.hidden, args.heads, args.steps_during = 1, 1, 64, 2, 1
+    print(machine().line(), flush=True)  # before the ranks start: their own load is not counted
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         run_dir = Path(tmp) / "run"
         run_dir.mkdir(mode=0o700)

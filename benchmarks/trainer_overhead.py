@@ -21,6 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from hpc_train.bench.machine import machine, spread
 from hpc_train.run.node_log import rank_log_text
 
 REPO = Path(__file__).resolve().parent.parent
@@ -126,6 +127,7 @@ def main() -> None:
     results: dict[str, list[float]] = {"hpc_train": [], "raw DeepSpeed loop": []}
     precisions: dict[str, set[str]] = {name: set() for name in results}
     tokens_per_step = 8 * ranks * 128  # the example: micro 8 x data parallel, seq 128
+    print(machine().line(), flush=True)  # before the runs: their own load is not counted
     with tempfile.TemporaryDirectory() as tmp:
         for index in range(args.runs):
             order = list(results) if index % 2 == 0 else list(reversed(results))
@@ -145,6 +147,9 @@ def main() -> None:
     for name, values in results.items():
         median = statistics.median(values)
         print(f"{name:20} {median:8.4f} {tokens_per_step / median:9.0f} {median / base:6.3f}")
+    paired = [ours / raw for ours, raw in zip(results["hpc_train"], results["raw DeepSpeed loop"], strict=True)]
+    print(f"ratio hpc_train / raw DeepSpeed loop, run by run: {spread(paired).text()}; target <= 1.01")
+    print(f"raw DeepSpeed loop s/step over runs: {spread(results['raw DeepSpeed loop']).text(4)}")
 
 
 if __name__ == "__main__":

@@ -378,20 +378,24 @@ class Agent:
                 os.kill(pid, signal.SIGKILL)
 
     def end_everything_below(self) -> None:
-        """No process the old ranks started (a data loader worker, a checkpoint stager) outlives them."""
+        """No process the old ranks started (a data loader worker, a checkpoint stager) outlives them; the
+        standby ranks stay. Waits until the ones it killed are gone (the subreaper reaps them), not for every
+        child: the standbys never end."""
         keep = self.standby.pids if self.standby is not None else set()  # idle, and never started anything
-        for pid in descendants(os.getpid()):
-            if pid in keep:
-                continue
+        killed = [pid for pid in descendants(os.getpid()) if pid not in keep]
+        for pid in killed:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             try:
-                if os.waitpid(-1, os.WNOHANG) == (0, 0):
-                    time.sleep(0.05)
+                while os.waitpid(-1, os.WNOHANG)[0]:
+                    pass
             except ChildProcessError:
                 return
+            if not any(os.path.exists(f"/proc/{pid}") for pid in killed):
+                return
+            time.sleep(0.05)
 
     def _wait_for_every_node(self, notice: RestartNotice) -> None:
         """The restart barrier: this node's ranks have ended; one arrival per node, over the coordinator."""
