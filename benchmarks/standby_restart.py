@@ -26,6 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from hpc_train.bench.machine import machine, spread
 from hpc_train.run.node_log import rank_log_text
 from hpc_train.run.procs import command_line, environment, processes
 from hpc_train.run.watch import last_logged_step
@@ -98,6 +99,7 @@ def main() -> int:
     parser.add_argument("--smoke", action="store_true", help="one run of each path, 30 steps")
     args = parser.parse_args()
     runs, steps = (1, 30) if args.smoke else (args.runs, args.steps)
+    print(machine().line(), flush=True)
     results: dict[str, list[dict[str, float]]] = {"standby": [], "cold": []}
     with tempfile.TemporaryDirectory(prefix="hpc_train-standby-") as tmp:
         for run in range(runs):  # alternated, so that a slower moment of the machine falls on both
@@ -110,6 +112,8 @@ def main() -> int:
         for r in rows:
             print(f"{name:<8} {r['to_next_life']:>20.2f} {r['to_first_step']:>20.2f} {r['total']:>8.2f} "
                   f"{r['lost']:>10.0f}")
+    for name, rows in results.items():
+        print(f"{name}: kill -9 to the next first step {spread([r['total'] for r in rows]).text(2)} s")
     median = {name: statistics.median(r["total"] for r in rows) for name, rows in results.items()}
     print(f"kill -9 to the next first step (medians), standby / cold: {median['standby'] / median['cold']:.3f} "
           f"({median['standby']:.2f} s against {median['cold']:.2f} s; target <= 2 s)")

@@ -97,7 +97,7 @@ CASES = [  # the costliest first (CPU seconds here: 57, 52, 25, 23, 22, 14, 4, 0
     Case("api_vs_submitit.py", (), (r"hpc_train\s+first line: min .*", r"submitit\s+first line: min .*",
                                     r"ratio hpc_train / submitit \(medians\): first line [\d.]+, result [\d.]+ .*"),
          slurm=True),
-    Case("standby_restart.py", (), (rf"standby\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}\s+\d+",
+    Case("standby_restart.py", (), (MACHINE, rf"standby\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}\s+\d+",
                                      rf"cold\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}\s+\d+",
                                      r"kill -9 to the next first step \(medians\), standby / cold: [\d.]+ .*"),
          slurm=True),
