@@ -213,7 +213,7 @@ ALLOWED = {
     # adapters on the rank side's collectives and runtime, export on the model specs
     "checkpoint": _SHARED | {"distributed", "runtime"},
     "login": _SHARED | {"checkpoint", "bench", "doors"},  # doors: the callable submitit pickles (RankEntry)
-    "bench": _LOW | {"distributed"},
+    "bench": _LOW | {"config", "distributed"},  # config: what native bf16 is (precision_rule), for bench.machine
     "entry": _SHARED | {"checkpoint", "distributed", "runtime", "train", "program"},
     "distributed": _LOW | {"config"},
     "runtime": _SHARED | {"distributed"},

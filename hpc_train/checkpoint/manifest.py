@@ -90,12 +90,15 @@ def _exact_keys(where: str, data: object, keys: Sequence[str]) -> Mapping[str, A
 
 
 def _engine_of(entries: Sequence[FileEntry]) -> str:
-    """What wrote a folder whose manifest predates the ``engine`` key, told by its files: a program writes
-    ``ranks/rank-N.pt`` on every rank, the FSDP2 trainer ``dcp/``, the DeepSpeed trainer neither (the trainers'
-    ``ranks/ranks-FIRST-LAST.pt`` are a node's random states)."""
-    if any(_PROGRAM_FILE.match(entry.path) for entry in entries):
+    """What wrote a folder whose manifest has no ``engine`` key, told by its files: the FSDP2 trainer writes
+    ``dcp/``, a program ``ranks/rank-N.pt`` on every rank, the DeepSpeed trainer neither (the trainers'
+    ``ranks/ranks-FIRST-LAST.pt`` are a node's random states). A manifest names its engine only where the
+    files would tell another, so versions from before the key read the rest."""
+    if any(entry.path.startswith("dcp/") for entry in entries):
+        return "fsdp2"  # the FSDP2 trainer wrote ranks/rank-N.pt too before its node files (and a program's DCP
+    if any(_PROGRAM_FILE.match(entry.path) for entry in entries):  # module now says "engine" itself)
         return "program"
-    return "fsdp2" if any(entry.path.startswith("dcp/") for entry in entries) else "deepspeed"
+    return "deepspeed"
 
 
 def engine_text(engine: str, zero_stage: int) -> str:
@@ -174,10 +177,13 @@ class Manifest:
             seen.add(entry.path)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"format": FORMAT, "step": self.step, "world_size": self.world_size, "layout": dict(self.layout),
+        data = {"format": FORMAT, "step": self.step, "world_size": self.world_size, "layout": dict(self.layout),
                 "engine": self.engine, "zero_stage": self.zero_stage, "dtype": self.dtype,
                 "config_hash": self.config_hash, "created": self.created,
                 "files": [{"path": e.path, "size": e.size, "sha256": e.sha256} for e in self.files]}
+        if self.engine == _engine_of(self.files):  # its files say it: a version before the key still reads it
+            del data["engine"]
+        return data
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1) + "\n"

@@ -10,7 +10,7 @@ agent's CPUs are shared among the ranks it starts (:func:`cpu_shares`).
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,17 +63,21 @@ def command_line(pid: int) -> bytes | None:
         return None
 
 
-def descendants(pid: int) -> list[int]:
-    """Every process below ``pid``, children first; zombies not yet reaped too (a kill of one is harmless)."""
+def descendants(pid: int, skip: Collection[int] = (), alive: bool = False) -> list[int]:
+    """Every process below ``pid``, children first; zombies not yet reaped too (a kill of one is harmless), or
+    with ``alive`` only the living. The subtrees of ``skip`` (and those pids) are left out."""
     children: dict[int, list[int]] = {}
+    living: set[int] = set()
     for process in processes():
         children.setdefault(process.parent, []).append(process.pid)
+        if process.alive:
+            living.add(process.pid)
     found, todo = [], [pid]
     while todo:
-        below = children.get(todo.pop(), [])
+        below = [child for child in children.get(todo.pop(), []) if child not in skip]
         found += below
         todo += below
-    return found
+    return [pid for pid in found if pid in living] if alive else found
 
 
 def cpu_shares(ranks: int) -> list[set[int]]:

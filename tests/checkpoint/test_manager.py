@@ -498,21 +498,25 @@ def test_manifest_json_round_trip() -> None:
 @pytest.mark.parametrize(("files", "engine"), [
     (["state/mp_rank_00_model_states.pt", "ranks/ranks-0-1.pt"], "deepspeed"),
     (["dcp/__0_0.distcp", "dcp/.metadata", "ranks/ranks-0-1.pt"], "fsdp2"),
-    (["ranks/rank-0.pt", "ranks/rank-1.pt", "dcp/__0_0.distcp"], "program"),
+    (["ranks/rank-0.pt", "ranks/rank-1.pt", "dcp/__0_0.distcp"], "fsdp2"),  # the FSDP2 trainer's older layout
     (["ranks/rank-0.pt", "deepspeed/engine/state/mp_rank_00_model_states.pt"], "program"),
 ])
 def test_a_manifest_from_before_the_engine_key_is_told_by_its_files(files: list[str], engine: str) -> None:
     data = a_manifest().to_dict()
-    del data["engine"]
+    data.pop("engine", None)
     data["files"] = [{"path": path, "size": 1, "sha256": "0" * 64} for path in files]
     assert Manifest.from_json(json.dumps(data)).engine == engine
 
 
-def test_the_engine_is_written_and_read_back() -> None:
+def test_the_engine_is_written_where_the_files_would_not_tell_it_and_read_back() -> None:
     for engine in ("deepspeed", "fsdp2", "program"):
-        manifest = dataclasses.replace(a_manifest(), engine=engine)
-        assert json.loads(manifest.to_json())["engine"] == engine
+        manifest = dataclasses.replace(a_manifest(), engine=engine)  # its one file, a/b.pt, says deepspeed
+        assert json.loads(manifest.to_json()).get("engine") == (None if engine == "deepspeed" else engine)
         assert Manifest.from_json(manifest.to_json()).engine == engine
+    # a DeepSpeed run's manifest has exactly the keys a version from before the engine reads
+    keys = set(json.loads(a_manifest().to_json()))
+    assert keys == {"format", "step", "world_size", "layout", "zero_stage", "dtype", "config_hash", "created",
+                    "files"}
 
 
 def mutate(change) -> str:

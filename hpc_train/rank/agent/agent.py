@@ -379,21 +379,21 @@ class Agent:
 
     def end_everything_below(self) -> None:
         """No process the old ranks started (a data loader worker, a checkpoint stager) outlives them; the
-        standby ranks stay. Waits until the ones it killed are gone (the subreaper reaps them), not for every
-        child: the standbys never end."""
-        keep = self.standby.pids if self.standby is not None else set()  # idle, and never started anything
-        killed = [pid for pid in descendants(os.getpid()) if pid not in keep]
-        for pid in killed:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        standby ranks and anything below them stay. Kills and reaps until none of the rest is alive (the subreaper
+        reaps what the ranks left), never waiting for the standbys, which do not end."""
+        keep = self.standby.pids if self.standby is not None else set()
         deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
+        while True:
+            left = descendants(os.getpid(), skip=keep, alive=True)
+            for pid in left:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
             try:
                 while os.waitpid(-1, os.WNOHANG)[0]:
                     pass
             except ChildProcessError:
                 return
-            if not any(os.path.exists(f"/proc/{pid}") for pid in killed):
+            if not left or time.monotonic() > deadline:
                 return
             time.sleep(0.05)
 

@@ -16,15 +16,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import select
 import signal
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
-
-from hpc_train.run.procs import parent_death_signal
 
 __all__ = ["START_GRACE_S", "StandbyPool"]
 
@@ -46,6 +43,8 @@ class StandbyPool:
         self.kind, self.count, self.env, self.log, self.python = kind, count, dict(env), log, python
         self._ready: list[subprocess.Popen[bytes]] = []
         self._signals: dict[int, int] = {}  # standby pid: the read end of the pipe it says it is ready on
+        self._done: set[int] = set()  # the pipes on which a standby said it is ready (or ended)
+        self._said_ready = False
         self._started = 0.0  # when the last standbys were started (monotonic), for the line saying they are ready
         self._due: float | None = None  # when to start the next life's standbys (monotonic)
         self._said_cold = False
@@ -64,31 +63,66 @@ class StandbyPool:
 
     def tick(self) -> None:
         """Called on the agent's poll: start the standbys when they are due; say once when all are ready."""
-        if self._due is not None and time.monotonic() >= self._due:
-            self._due = None
-            self.refill()
-        if not self._signals:
-            return
-        for pid, ready in list(self._signals.items()):
-            if select.select([ready], [], [], 0)[0]:  # a byte, or the end of a standby that died
-                os.close(ready)
-                del self._signals[pid]
-                if not self._signals:
-                    alive = sum(standby.poll() is None for standby in self._ready)
-                    self.log(f"{alive} standby rank(s) ready for the next life (imports done in "
-                             f"{time.monotonic() - self._started:.1f} s)")
+        self._safely(self._tick)
 
     def refill(self) -> None:
         """Start standbys until ``count`` are alive (one that died, a signal from Slurm, is replaced)."""
+        self._safely(self._refill)
+
+    def start(self, argv: list[str], env: Mapping[str, str], cpus: set[int] | None = None
+              ) -> subprocess.Popen[bytes]:
+        """The rank ``argv`` with ``env`` (and its share ``cpus`` of the node's, which a standby gives every thread
+        it has before it becomes the rank): a ready standby made that rank, or a new process where none fits."""
+        taken: list[subprocess.Popen[bytes]] = []
+        self._safely(lambda: taken.extend(self._take(argv, env, cpus)))
+        return taken[0] if taken else subprocess.Popen(argv, env=dict(env))
+
+    def _safely(self, action: Callable[[], None]) -> None:
+        """The pool's own failure never ends a life: it is said once, the pool closes, the ranks start cold."""
+        try:
+            action()
+        except Exception as error:  # whatever it is, the ranks go on without standbys
+            self.log(f"standby ranks: turned off for this job ({type(error).__name__}: {error}); ranks start cold")
+            with contextlib.suppress(Exception):
+                self.close()
+            self.count = 0
+
+    def _tick(self) -> None:
+        if self._due is not None and time.monotonic() >= self._due:
+            self._due = None
+            self._refill()
+        waiting = [pid for pid, ready in self._signals.items() if not self._has_said(ready)]
+        if waiting or not self._signals or self._said_ready:
+            return
+        self._said_ready = True
+        alive = sum(standby.poll() is None for standby in self._ready)
+        self.log(f"{alive} standby rank(s) ready for the next life (imports done in "
+                 f"{time.monotonic() - self._started:.1f} s)")
+
+    def _has_said(self, ready: int) -> bool:
+        """Whether the standby on the pipe ``ready`` said it is ready (or ended). Non-blocking reads, not select:
+        node 0's agent also holds the coordinator's sockets, and its descriptors pass 1023 beyond 1,000 nodes."""
+        if ready in self._done:
+            return True
+        try:
+            os.read(ready, 1)
+        except BlockingIOError:
+            return False
+        self._done.add(ready)
+        return True
+
+    def _refill(self) -> None:
+        self._forget([standby for standby in self._ready if standby.poll() is not None])
         self._ready = [standby for standby in self._ready if standby.poll() is None]
-        self._started = time.monotonic()
+        self._started, self._said_ready = time.monotonic(), False
         while len(self._ready) < self.count:
             ready, tell = os.pipe()
-            try:
+            os.set_blocking(ready, False)
+            try:  # the standby ties itself to this agent (standby_main): no preexec_fn in a threaded process
                 self._ready.append(subprocess.Popen(
-                    [self.python, "-u", "-m", "hpc_train.rank.agent.standby_main", self.kind, str(tell)],
-                    env=self.env, stdin=subprocess.PIPE, pass_fds=(tell,), preexec_fn=parent_death_signal()))
-            except OSError as error:  # out of processes or memory: the ranks start cold, as without standbys
+                    [self.python, "-u", "-m", "hpc_train.rank.agent.standby_main", self.kind, str(tell),
+                     str(os.getpid())], env=self.env, stdin=subprocess.PIPE, pass_fds=(tell,)))
+            except (OSError, subprocess.SubprocessError) as error:  # out of processes or memory: cold starts
                 os.close(ready)
                 self.log(f"standby ranks: could not start one ({error}); the next life's ranks start cold")
                 return
@@ -96,17 +130,28 @@ class StandbyPool:
                 os.close(tell)
             self._signals[self._ready[-1].pid] = ready
 
-    def start(self, argv: list[str], env: Mapping[str, str], cpus: set[int] | None = None
-              ) -> subprocess.Popen[bytes]:
-        """The rank ``argv`` with ``env`` (and its share ``cpus`` of the node's, which a standby gives every thread
-        it has before it becomes the rank): a standby made that rank, or a new process where none fits."""
+    def _forget(self, standbys: list[subprocess.Popen[bytes]]) -> None:
+        """Close the ready pipes of ``standbys`` (taken, or ended)."""
+        for standby in standbys:
+            ready = self._signals.pop(standby.pid, None)
+            if ready is not None:
+                self._done.discard(ready)
+                os.close(ready)
+
+    def _take(self, argv: list[str], env: Mapping[str, str], cpus: set[int] | None
+              ) -> list[subprocess.Popen[bytes]]:
+        """``[the standby made the rank]``, or ``[]`` where none fits (the rank then starts as a new process)."""
         why = self._unfit(argv, env)
+        if why and self.count:  # none will fit this node's ranks: no use keeping or starting any
+            self.close()
+            self.count = 0
         order = json.dumps({"argv": argv, "env": dict(env), "cpus": sorted(cpus or ())}).encode() + b"\n"
         while not why and self._ready:
             standby = self._ready.pop(0)
-            with contextlib.suppress(KeyError, OSError):
-                os.close(self._signals.pop(standby.pid))  # taken, ready or not: the rank's start is its own now
-            if standby.poll() is not None or standby.stdin is None:
+            ready = standby.pid in self._signals and self._has_said(self._signals[standby.pid])
+            self._forget([standby])
+            if not ready or standby.poll() is not None or standby.stdin is None:
+                self._kill(standby)  # still importing: the hand-over would wait on it; a new process does not
                 continue
             try:
                 standby.stdin.write(order)
@@ -115,15 +160,15 @@ class StandbyPool:
                 self._kill(standby)
                 continue
             self.used += 1
-            return standby
+            return [standby]
         if why and not self._said_cold:
             self._said_cold = True
             self.log(f"standby ranks: not used, the ranks start cold: {why}")
-        return subprocess.Popen(argv, env=dict(env))
+        return []
 
     def _unfit(self, argv: list[str], env: Mapping[str, str]) -> str:
-        if "-m" not in argv[:-1] or argv[0] != self.python:
-            return f"the rank command {argv[:4]} is not this interpreter's -m MODULE"
+        if argv[:3] != [self.python, "-u", "-m"] or len(argv) < 4:
+            return f"the rank command {argv[:4]} is not this interpreter's -u -m MODULE"
         differs = _differs(env, self.env)
         if differs:
             return f"the rank's environment differs from the standby's in {', '.join(differs[:5])}"
@@ -135,7 +180,7 @@ class StandbyPool:
             self._kill(standby)
         for ready in self._signals.values():
             os.close(ready)
-        self._ready, self._signals, self._due = [], {}, None
+        self._ready, self._signals, self._done, self._due = [], {}, set(), None
 
     @staticmethod
     def _kill(standby: subprocess.Popen[Any]) -> None:

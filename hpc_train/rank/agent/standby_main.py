@@ -1,5 +1,6 @@
-"""A standby rank: ``python -u -m hpc_train.rank.agent.standby_main KIND READY_FD``, started by a node's agent
-(:mod:`hpc_train.rank.agent.standby`) so that the next life's rank skips its imports.
+"""A standby rank: ``python -u -m hpc_train.rank.agent.standby_main KIND READY_FD AGENT_PID``, started by a
+node's agent (:mod:`hpc_train.rank.agent.standby`) so that the next life's rank skips its imports; it ends with
+that agent.
 
 It imports what a rank of ``KIND`` (``train``: the built-in trainer; ``program``: a user's function or script)
 imports first, torch above all (about 4 s of a CPU rank's 5 s start), writes one byte to READY_FD (a pipe
@@ -32,9 +33,14 @@ KINDS = tuple(WARM_MODULES)
 
 
 def warm(kind: str) -> None:
-    """Import ``kind``'s modules; one that fails to import is left to the rank, which reports it as it would."""
+    """Import ``kind``'s modules; one that fails to import is left to the rank, which reports it as it would.
+
+    DeepSpeed's import asks ``torch.cuda.is_available()``, which would initialise the CUDA driver (and fix the
+    devices it sees) in this process; asked through NVML instead, it does not. The variable is this process's
+    alone: :func:`become` replaces the whole environment with the rank's."""
     import importlib
 
+    os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
     for name in WARM_MODULES[kind]:
         try:
             importlib.import_module(name)
@@ -59,9 +65,14 @@ def become(order: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    if len(args) != 2 or args[0] not in KINDS or not args[1].isdigit():
-        print(f"usage: python -m hpc_train.rank.agent.standby_main {{{','.join(KINDS)}}} READY_FD", file=sys.stderr)
+    if len(args) != 3 or args[0] not in KINDS or not args[1].isdigit() or not args[2].isdigit():
+        print(f"usage: python -m hpc_train.rank.agent.standby_main {{{','.join(KINDS)}}} READY_FD AGENT_PID",
+              file=sys.stderr)
         return 2
+    from hpc_train.run.procs import tie_to_parent
+
+    if not tie_to_parent(int(args[2])):  # killed with its agent; an agent already gone has no use for it
+        return 0
     warm(args[0])
     with contextlib.suppress(OSError):  # the agent counts its ready standbys by these
         os.write(int(args[1]), b"1")

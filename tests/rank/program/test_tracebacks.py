@@ -65,3 +65,15 @@ def test_runpy_frames_of_a_script_are_left_out(tmp_path: Path) -> None:
     first = next(line for line in text.splitlines() if line.strip().startswith("File "))
     assert str(script) in first and "<frozen runpy>" not in text and "run_path" not in text
     assert text.startswith("(4 frames of hpc_train and runpy before your code left out)")
+
+
+def test_a_failure_reached_through_a_library_first_keeps_every_frame() -> None:
+    """Before the user's function runs (the process group, torch's own code) or in the trainer through torch, the
+    first frame below ours is Python's library or an installed package's: nothing is left out."""
+    ours = _ours("import json\ndef entry(hook):\n    return json.loads('{}', object_hook=hook)\n")
+
+    def hook(_value: object) -> None:
+        raise RuntimeError("from below the library")
+
+    text = user_traceback(_raised(lambda: ours["entry"](hook)))
+    assert text.startswith("Traceback (most recent call last):") and OURS in text and "json" in text

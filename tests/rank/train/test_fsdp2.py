@@ -20,6 +20,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from hpc_train.checkpoint.manifest import Manifest
 from hpc_train.rank.train import load_exported
 from tests.conftest import REPO, exported
 from tests.rank.train.signals import attempts, signal_at_steps, two_signal_steps
@@ -91,7 +92,7 @@ def test_fsdp2_follows_deepspeed_zero3_and_one_rank(runs: SimpleNamespace) -> No
     paths = {entry["path"] for entry in manifest["files"]}
     assert {"dcp/.metadata", "dcp/__0_0.distcp", "dcp/__1_0.distcp", "ranks/ranks-0-1.pt"} <= paths  # a node's file
     assert all(len(entry["sha256"]) == 64 for entry in manifest["files"])  # DCP's own files hashed at the commit
-    assert manifest["engine"] == "fsdp2"
+    assert Manifest.from_dict(manifest).engine == "fsdp2"
 
 
 def test_the_meta_build_trains_bit_for_bit_as_a_whole_build(runs: SimpleNamespace) -> None:
