@@ -106,9 +106,10 @@ class Agent:
         return {rank: {**node, **place, **extra, ERROR_LOG_ENV: error_log_name(rank, per_node)}
                 for rank, place in places.items()}
 
-    def keep_standbys(self) -> None:
-        """``retry.standby``: one standby rank per rank of the node, for the lives after the first."""
-        if self.setup.standby and self.setup.limit > 0:
+    def keep_standbys(self, argv: list[str]) -> None:
+        """``retry.standby``: one standby rank per rank of the node, for the lives after the first; none where
+        the ranks are not ``python -u -m MODULE`` (what a standby becomes)."""
+        if self.setup.standby and self.setup.limit > 0 and StandbyPool.fits(argv):
             self.standby = StandbyPool(self.setup.standby, self.setup.tasks_per_node, self.node_environment(),
                                        self.log.info)
 
@@ -133,7 +134,7 @@ class Agent:
 
             return run_with_spares(self, argv)
         in_place = 0
-        self.keep_standbys()
+        self.keep_standbys(argv)
         self.link = AgentLink.open(setup.run_dir, self.attempt, setup.job_id, setup.member, self.log,
                                    host=setup.node == 0)
         coordinator = self.link.environment() if self.link else {}

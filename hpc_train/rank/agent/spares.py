@@ -61,7 +61,7 @@ class NodeAgent(Protocol):
     stopping: int | None
     standby: StandbyPool | None
 
-    def keep_standbys(self) -> None: ...
+    def keep_standbys(self, argv: list[str]) -> None: ...
 
     def logger_for(self, rank: int) -> logging.Logger: ...
 
@@ -87,7 +87,7 @@ def run_with_spares(agent: NodeAgent, argv: list[str]) -> int:
     excluded = [entry.node for entry in read_exclusions(setup.run_dir)]
     allocated, per_node = setup.nodes, setup.tasks_per_node
     assignment, in_place = first_assignment(allocated, spares.nodes, excluded), 0
-    agent.keep_standbys()
+    agent.keep_standbys(argv)
     agent.link = AgentLink.open(setup.run_dir, agent.attempt, setup.job_id, setup.member, agent.log,
                                 host=setup.node == 0)
     coordinator = agent.link.environment() if agent.link else {}

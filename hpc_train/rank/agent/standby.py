@@ -166,8 +166,13 @@ class StandbyPool:
             self.log(f"standby ranks: not used, the ranks start cold: {why}")
         return []
 
+    @staticmethod
+    def fits(argv: list[str], python: str = sys.executable) -> bool:
+        """Whether a rank started as ``argv`` can come from a standby: this interpreter's ``-u -m MODULE``."""
+        return argv[:3] == [python, "-u", "-m"] and len(argv) >= 4
+
     def _unfit(self, argv: list[str], env: Mapping[str, str]) -> str:
-        if argv[:3] != [self.python, "-u", "-m"] or len(argv) < 4:
+        if not self.fits(argv, self.python):
             return f"the rank command {argv[:4]} is not this interpreter's -u -m MODULE"
         differs = _differs(env, self.env)
         if differs:
