@@ -29,6 +29,14 @@ def test_a_child_and_its_grandchild_are_found_below_us_with_their_environment() 
         mine = {process.pid: process for process in processes()}
         assert mine[child.pid].parent == os.getpid() and mine[grandchild].parent == child.pid
         assert mine[child.pid].alive and mine[grandchild].start >= mine[child.pid].start
+        # a subtree left out (an agent's standby and what it started), and zombies left out where asked
+        assert child.pid not in descendants(os.getpid(), skip={child.pid})
+        assert grandchild not in descendants(os.getpid(), skip={child.pid})
+        os.kill(grandchild, 9)
+        deadline = time.monotonic() + 20
+        while grandchild in descendants(child.pid, alive=True) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert grandchild in descendants(child.pid) and grandchild not in descendants(child.pid, alive=True)
     finally:
         for pid in [*descendants(child.pid), child.pid]:  # this test's processes only, not the worker's others
             os.kill(pid, 9)
