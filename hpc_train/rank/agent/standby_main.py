@@ -48,10 +48,30 @@ def warm(kind: str) -> None:
             continue
 
 
+_OOM_SCORE = "/proc/self/oom_score_adj"
+
+
+def _oom_score(value: str | None = None) -> str:
+    """This process's ``oom_score_adj`` (read, or set to ``value``); "" where Linux has none. An idle standby
+    asks to be the kernel's first choice when the node runs out of memory: losing one costs only a cold start,
+    losing a rank costs the life. Raising it needs no privilege, and lowering it back to where it was neither."""
+    try:
+        if value is None:
+            with open(_OOM_SCORE, encoding="ascii") as handle:
+                return handle.read().strip()
+        with open(_OOM_SCORE, "w", encoding="ascii") as handle:
+            handle.write(value)
+    except OSError:
+        return ""
+    return value
+
+
 def become(order: dict[str, Any]) -> None:
     """Run the rank ``order`` names (``argv``: ``[python, -u, -m, MODULE, ARGS...]``, ``env``: its environment,
     ``cpus``: its share of the node's) in this process, as its own interpreter would have."""
     argv, env = order["argv"], order["env"]
+    if order.get("oom_score_adj"):
+        _oom_score(order["oom_score_adj"])  # a rank again: as likely to be chosen as a rank started cold
     if order.get("cpus"):  # the threads its imports started too, not only the one the agent can reach
         for thread in os.listdir("/proc/self/task"):
             with contextlib.suppress(OSError):
@@ -73,6 +93,9 @@ def main(argv: list[str] | None = None) -> int:
 
     if not tie_to_parent(int(args[2])):  # killed with its agent; an agent already gone has no use for it
         return 0
+    started_at = _oom_score()
+    if started_at:
+        _oom_score("1000")
     warm(args[0])
     with contextlib.suppress(OSError):  # the agent counts its ready standbys by these
         os.write(int(args[1]), b"1")
@@ -84,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)  # the rank reads nothing from the agent's pipe, as srun's tasks read nothing by default
     os.close(null)
-    become(json.loads(line))
+    become({**json.loads(line), "oom_score_adj": started_at})
     return 0
 
 

@@ -74,6 +74,8 @@ def test_a_standby_becomes_the_rank_it_is_handed(output: Path) -> None:
     pool.refill()
     (standby,) = pool.pids
     _ready(pool, said)  # it says so once its imports are done
+    with open(f"/proc/{standby}/oom_score_adj") as idle:  # the kernel's first choice while it is idle
+        assert idle.read().strip() == "1000"
     process, _env = _rank(pool, HPC_TRAIN_TEST_STANDBY_ONLY=None)
     try:
         report = _report(process, output)
@@ -83,6 +85,8 @@ def test_a_standby_becomes_the_rank_it_is_handed(output: Path) -> None:
     assert report["name"] == "__main__" and report["argv"][1:] == ["--flag", "x"]
     assert report["procid"] == "3" and report["only_standby"] is None  # the rank's environment, whole
     assert report["torch"] is True  # imported before the rank was handed over
+    with open("/proc/self/oom_score_adj") as own:  # a rank again: as a rank started cold
+        assert report["oom_score_adj"] == own.read().strip()
     assert set(map(tuple, report["threads"].values())) == {(0,)}  # every thread on the rank's share
     assert not said
 
