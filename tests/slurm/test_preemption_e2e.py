@@ -177,7 +177,10 @@ def test_requeued_from_outside_then_preempted_by_a_higher_priority_job(uninterru
     ``urgent`` partition preempts it (``preempt_send_user_signal``: USR2 within GraceTime, 30 s); it saves and
     comes back after the urgent job."""
     run_dir = tmp_path / "runs" / "tiny-gpt"
-    job_id = _submit(tmp_path, STEPS)
+    # the attempt after the requeue (Slurm restart 1) is slowed (0.3 s a step), so that the urgent job preempts it
+    # before it ends: unslowed its 40 steps took 3 s, and once the run completed before Slurm had preempted it
+    job_id = _submit(tmp_path, STEPS, "--set", "env.HPC_TRAIN_INJECT_FAULT=slow:0:300", "--set",
+                     "env.HPC_TRAIN_INJECT_FAULT_RESTART=1")
     _wait_for_step(job_id, run_dir, 15)
     subprocess.run(["scontrol", "requeue", job_id], check=True, timeout=30)
     deadline = time.monotonic() + 180
