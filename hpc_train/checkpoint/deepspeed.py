@@ -34,7 +34,9 @@ from hpc_train.checkpoint import MANIFEST_NAME, CheckpointError, CheckpointManag
 from hpc_train.checkpoint.deepspeed_files import install_file_engine
 from hpc_train.checkpoint.manager import inspect_checkpoint
 from hpc_train.checkpoint.manifest import FileEntry
-from hpc_train.checkpoint.names import DEEPSPEED_TAG
+from hpc_train.checkpoint.memory_store import why_memory_tier_off
+from hpc_train.checkpoint.memory_tier import MemoryTier, resume_from_memory
+from hpc_train.checkpoint.names import DEEPSPEED_TAG, step_of
 from hpc_train.checkpoint.transaction import CheckpointTransaction, Refusal, broadcast
 from hpc_train.checkpoint.universal import (
     cached_copy,
@@ -48,6 +50,7 @@ from hpc_train.config.job import JobConfig
 from hpc_train.errors import ConfigError
 from hpc_train.rank.distributed.collectives import all_gather_objects
 from hpc_train.rank.runtime import random_state
+from hpc_train.run.in_place import IN_PLACE_ENV
 
 __all__ = ["Checkpointer"]
 
@@ -113,6 +116,11 @@ class Checkpointer(CheckpointTransaction):
                  log: Callable[[str], None] | None = None) -> None:
         super().__init__(run_dir, config, layout, config_hash, log)
         self.convert_timeout_s = config.dist.timeout_s * _CONVERT_SHARE_OF_TIMEOUT
+        # the memory tier, where the ranks run under node agents (a restart in place) and the plan allows it
+        self.memory_applies = IN_PLACE_ENV in os.environ and not why_memory_tier_off(config, layout.tensor,
+                                                                                      layout.pipeline)
+        self.memory = MemoryTier.from_env(config.checkpoint.memory_every_steps, self.rank, self.log) \
+            if self.memory_applies else None
 
     def install(self, engine: Any) -> None:
         """DeepSpeed writes and reads this engine's files through this rank's :class:`RankFiles`: hashed while
@@ -145,6 +153,17 @@ class Checkpointer(CheckpointTransaction):
         """
         if not self.resume_enabled:
             return 0, None
+        partial = None  # a memory load that failed part way: the disk checkpoint loads over it
+        if self.memory_applies:
+            disk_step = broadcast(self._newest_disk_step() if self.manager else 0)
+            resumed = resume_from_memory(self.memory, engine, disk_step, self.rank, self.world, self.log,
+                                         self.check_sha256)
+            if isinstance(resumed, tuple):
+                return resumed
+            partial = resumed
+            if partial and self.rank == 0:
+                self.log(f"warning: memory tier: the load failed part way ({partial}); loading the disk checkpoint "
+                         "over it")
         self.install(engine)
         damaged: list[str] = []
         while True:
@@ -157,6 +176,10 @@ class Checkpointer(CheckpointTransaction):
                     raise CheckpointError(f"every checkpoint failed verification while it was loaded "
                                           f"({', '.join(Path(d).name for d in damaged)}); the model is partly "
                                           "loaded, so the run stops: set checkpoint.resume = false to start over")
+                if partial:
+                    raise CheckpointError(f"the memory tier's load failed part way ({partial}) and there is no disk "
+                                          "checkpoint to load over it, so the run stops: set "
+                                          "checkpoint.resume = false to start over")
                 return 0, None
             problem, client = self._load(engine, chosen)
             problems = [p for p in all_gather_objects(problem) if p]
@@ -166,6 +189,14 @@ class Checkpointer(CheckpointTransaction):
                 self.log(f"warning: checkpoint {chosen.sealed} skipped: {problems[0]}; falling back to the previous "
                          "one")
             damaged.append(chosen.sealed)
+
+    def _newest_disk_step(self) -> int:
+        """Rank 0: the step of the newest checkpoint on disk whose files have their sizes (0: none)."""
+        try:
+            found = self.manager.latest_verified(level="size") if self.manager else None
+        except (OSError, CheckpointError):
+            return 0
+        return (step_of(found.name) or 0) if found is not None else 0
 
     def _load(self, engine: Any, chosen: _Load) -> tuple[str | None, dict[str, Any]]:
         """Load ``chosen`` on this rank; a file that fails its sha256 is reported, not raised."""

@@ -98,6 +98,7 @@ class CheckpointTransaction:
         self._next_due: int | None = None
         self._said = ""
         self.resume_enabled = checkpoint.resume
+        self.memory: Any = None  # the DeepSpeed trainer's memory tier (its Checkpointer sets it)
         self.rank = dist.get_rank()
         # The trainer's progress log; by default the rank's own logger, which hpc_train.rank.entry sets up.
         self.log = log or logging.getLogger(f"hpc_train.rank{self.rank}").info
@@ -121,6 +122,15 @@ class CheckpointTransaction:
         self._commit_error: BaseException | None = None
         self._written: WrittenWatch | None = None  # rank 0: the ranks' written records over the coordinator
         self._written_tried = False
+
+    def memory_due(self, step: int) -> bool:
+        """Whether ``step`` is copied into memory (``checkpoint.memory_every_steps``: the DeepSpeed trainer's
+        tier, :mod:`hpc_train.checkpoint.memory_tier`; no other engine has one)."""
+        return self.memory is not None and self.memory.due(step)
+
+    def save_to_memory(self, engine: Any, step: int, sampler_state: dict[str, int]) -> None:
+        if self.memory is not None:
+            self.memory.save(engine, step, sampler_state)
 
     def time_saves(self, node_mtbf_hours: float, nodes: int) -> None:
         """Every rank, before the steps: with ``checkpoint.every_minutes``, saves fall due at the step rank 0

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hpc_train.rank.agent.agent import settle
+from hpc_train.rank.agent.spares import settle
 from hpc_train.run.assignment import (
     Assignment,
     first_assignment,

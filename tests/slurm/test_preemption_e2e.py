@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -455,13 +456,19 @@ def _processes_of(job_id: str, node: str) -> list[int]:
     return found
 
 
-def _lose_n2_mid_run(tmp_path: Path, *settings: str) -> tuple[str, Path]:
-    """Submit the rendered srun script with ``settings``, and at step 15 lose node n2 the way a node is lost:
-    drained, and every process of the job on it killed. Returns the job id and the run folder once the job has
-    ended; n2 is resumed afterwards whatever happened."""
+def _text(path: Path) -> str:
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
+def _lose_n2_mid_run(tmp_path: Path, *settings: str, slow_ms: int = 60,
+                     ready: Callable[[Path], bool] = lambda _run_dir: True) -> tuple[str, Path]:
+    """Submit the rendered srun script with ``settings`` (rank 0 slowed to ``slow_ms`` a step), and at step 15,
+    once ``ready(run_dir)``, lose node n2 the way a node is lost: drained, and every process of the job on it
+    killed. Returns the job id and the run folder once the job has ended; n2 is resumed afterwards whatever
+    happened."""
     sets = [arg for setting in settings for arg in ("--set", setting)]
     rendered = subprocess.run([sys.executable, "-m", "hpc_train", "render", EXAMPLE, *TINY, "--set",
-                               f"train.steps={STEPS}", *sets, "--set", "env.HPC_TRAIN_INJECT_FAULT=slow:0:60",
+                               f"train.steps={STEPS}", *sets, "--set", f"env.HPC_TRAIN_INJECT_FAULT=slow:0:{slow_ms}",
                                "--template", "srun", "--json"],
                               cwd=tmp_path, capture_output=True, text=True, timeout=60, check=True)
     script = json.loads(rendered.stdout)["script"]
@@ -470,6 +477,10 @@ def _lose_n2_mid_run(tmp_path: Path, *settings: str) -> tuple[str, Path]:
     run_dir = tmp_path / "runs" / "tiny-gpt"
     try:
         _wait_for_step(job_id, run_dir, 15)
+        deadline = time.monotonic() + 120
+        while not ready(run_dir):
+            assert time.monotonic() < deadline and _state(job_id) not in BAD_STATES | {"COMPLETED"}, _logs(run_dir)
+            time.sleep(0.2)
         subprocess.run(["scontrol", "update", "NodeName=n2", "State=DRAIN", "Reason=hpc_train-test-lost-node"],
                        check=True, timeout=30)
         for pid in _processes_of(job_id, "n2"):
@@ -486,8 +497,13 @@ def test_a_lost_node_is_replaced_by_a_hot_spare_inside_the_same_job(uninterrupte
     """A 2-node job with one spare (``job.spare_nodes = 1``, the 3-node ``spares`` partition), through the
     rendered srun script. Mid-run node n2 is drained and every process of the job on it is killed, as when a
     node is lost: rank 0's agent restarts in place, n2's agents never answer, and the spare n3 takes rank 1. The
-    job is never requeued, completes, excludes n2, and ends with the uninterrupted weights."""
-    job_id, run_dir = _lose_n2_mid_run(tmp_path, "job.spare_nodes=1", "job.partition=spares")
+    job is never requeued, completes, excludes n2, and ends with the uninterrupted weights. The memory tier copies
+    each rank's state every 5 steps (``checkpoint.memory_every_steps``), and n2's agent each copy to the next node,
+    the spare n3: the node is lost once rank 1's first copy reached n3, and rank 1 resumes on n3 from that replica
+    (at least as new as the disk's step 10, which it is read instead of)."""
+    job_id, run_dir = _lose_n2_mid_run(
+        tmp_path, "job.spare_nodes=1", "job.partition=spares", "checkpoint.memory_every_steps=5", slow_ms=150,
+        ready=lambda run_dir: "memory tier: rank 1's step" in _text(run_dir / "logs" / "agents-1-1.log"))
     first, second = _finished_run(run_dir, job_id)
     assert first["in_place"] == 0 and second["in_place"] == 1 and second["restart"] == 0, (first, second)
     assert "restarted in place (1 of retry.in_place = 2)" in str(first["note"]), first
@@ -500,6 +516,9 @@ def test_a_lost_node_is_replaced_by_a_hot_spare_inside_the_same_job(uninterrupte
     assert [entry["node"] for entry in excluded["nodes"]] == ["n2"], excluded
     log = rank_log_text(run_dir, 0)
     assert "ranks on n1,n3 (spare n3 for lost n2)" in log, log[-3000:]
+    resumed = re.search(r"resumed from memory at step (\d+) in [\d.]+ s: 1 rank\(s\) from their node's memory, "
+                        r"1 from a replica on another node", log)
+    assert resumed and int(resumed[1]) >= 10 and second["start_step"] == int(resumed[1]), log[-3000:]
     _assert_same(_exported(run_dir, tmp_path / "weights.pt"), uninterrupted, run_dir)
 
 

@@ -30,6 +30,7 @@ from typing import Any
 from hpc_train.control.client import ControlError
 from hpc_train.rank.agent.agent_log import agent_logger
 from hpc_train.rank.agent.link import AgentLink
+from hpc_train.rank.agent.memory import NodeMemory, memory_environment
 from hpc_train.rank.agent.setup import AgentSetup, Spares, agent_setup
 from hpc_train.rank.agent.standby import StandbyPool
 from hpc_train.run.assignment import Assignment, rank_environments
@@ -90,6 +91,7 @@ class Agent:
         self.holding_nodes: set[str] | None = None  # with spares: the nodes that hold this life's ranks
         self._gone_before = 0  # agents gone when this life began (the coordinator counts them per attempt)
         self.standby: StandbyPool | None = None  # retry.standby: the next life's ranks, imports done
+        self.memory: NodeMemory | None = None  # checkpoint.memory_every_steps: the ranks' states, held here
 
     def logger_for(self, rank: int) -> logging.Logger:
         """The log of rank ``rank`` (with spares, this node's first rank in a life)."""
@@ -137,7 +139,8 @@ class Agent:
         self.keep_standbys(argv)
         self.link = AgentLink.open(setup.run_dir, self.attempt, setup.job_id, setup.member, self.log,
                                    host=setup.node == 0)
-        coordinator = self.link.environment() if self.link else {}
+        self.memory = NodeMemory.open(setup, self.link, self.attempt, self.log)
+        coordinator = {**(self.link.environment() if self.link else {}), **memory_environment(self.memory)}
         places = rank_environments(Assignment(0, list(setup.nodes)), setup.node_name, setup.tasks_per_node)
         while True:
             extra = {**coordinator, IN_PLACE_ENV: str(in_place), IN_PLACE_LEFT_ENV: str(setup.limit - in_place)}
@@ -182,6 +185,8 @@ class Agent:
             _reap(children, ended)
             if self.standby is not None and in_place < self.setup.limit:
                 self.standby.tick()  # the next life's standbys, once this life's ranks have started
+            if self.memory is not None:
+                self.memory.tick()  # the ranks' newest copies in memory, each to another node
             failed = [(rank, code) for rank, code in ended.items() if code != 0]
             if failed or len(ended) == len(children):
                 break
@@ -468,21 +473,18 @@ def supervise(setup: AgentSetup, argv: list[str] | None = None) -> int:
     finally:
         if agent.standby is not None:
             agent.standby.close()
+        if agent.memory is not None:
+            agent.memory.close()
         if agent.link is not None:
             agent.link.close()  # says bye: the coordinator does not take this agent for lost
     return _leave_like(code)
 
 
-def settle(run_dir: Path, code: int, job_id: str) -> int:
-    """The batch script's status after a step with hot spares: 0 when this job's newest attempt completed (a
-    lost node's task made srun's status non-zero though a spare took its ranks), else srun's ``code``."""
-    attempts = [a for a in AttemptLog(run_dir).read() if a.job_id == job_id]
-    return 0 if attempts and attempts[-1].outcome == "completed" else code
-
-
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) == 3 and args[0] == "--settle" and args[2].isdigit():
+        from hpc_train.rank.agent.spares import settle
+
         return settle(Path(args[1]), int(args[2]), os.environ.get("SLURM_JOB_ID", ""))
     if len(args) != 1:
         print("usage: python -m hpc_train.agent RUN_DIR", file=sys.stderr)

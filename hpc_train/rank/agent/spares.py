@@ -17,11 +17,13 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import asdict
+from pathlib import Path
 from typing import Protocol
 
 from hpc_train.config.shrink import SHRUNK_NODES_ENV
 from hpc_train.control.client import ControlError
 from hpc_train.rank.agent.link import AgentLink
+from hpc_train.rank.agent.memory import NodeMemory, memory_environment
 from hpc_train.rank.agent.setup import AgentSetup
 from hpc_train.rank.agent.standby import StandbyPool
 from hpc_train.run.assignment import (
@@ -37,6 +39,7 @@ from hpc_train.run.assignment import (
     read_assignment,
     ready_nodes,
 )
+from hpc_train.run.attempts import AttemptLog
 from hpc_train.run.exclusions import add_exclusions, read_exclusions
 from hpc_train.run.in_place import IN_PLACE_ENV, IN_PLACE_LEFT_ENV, RestartNotice, ready_key
 
@@ -60,6 +63,7 @@ class NodeAgent(Protocol):
     holding_nodes: set[str] | None
     stopping: int | None
     standby: StandbyPool | None
+    memory: NodeMemory | None
 
     def keep_standbys(self, argv: list[str]) -> None: ...
 
@@ -90,7 +94,8 @@ def run_with_spares(agent: NodeAgent, argv: list[str]) -> int:
     agent.keep_standbys(argv)
     agent.link = AgentLink.open(setup.run_dir, agent.attempt, setup.job_id, setup.member, agent.log,
                                 host=setup.node == 0)
-    coordinator = agent.link.environment() if agent.link else {}
+    agent.memory = NodeMemory.open(setup, agent.link, agent.attempt, agent.log)
+    coordinator = {**(agent.link.environment() if agent.link else {}), **memory_environment(agent.memory)}
     while True:
         places = rank_environments(assignment, setup.node_name, per_node)
         if not places:
@@ -232,3 +237,10 @@ def _next_life_over_link(agent: NodeAgent, life: int, agents: int, previous: Ass
             add_exclusions(setup.run_dir, lost, "node_failure", setup.job_id,
                            f"its agent left the job's coordinator at in-place restart {life}")
     return assignment, won
+
+
+def settle(run_dir: Path, code: int, job_id: str) -> int:
+    """The batch script's status after a step with hot spares: 0 when this job's newest attempt completed (a
+    lost node's task made srun's status non-zero though a spare took its ranks), else srun's ``code``."""
+    attempts = [a for a in AttemptLog(run_dir).read() if a.job_id == job_id]
+    return 0 if attempts and attempts[-1].outcome == "completed" else code

@@ -1,0 +1,229 @@
+"""The DeepSpeed trainer's memory tier (``[checkpoint] memory_every_steps``): every N steps each rank copies its
+state into its node's memory (:mod:`hpc_train.checkpoint.memory_store`), which its agent holds past the rank's
+death and copies to another node's agent; a restart in place resumes from the newest step every rank holds in
+memory, and from the disk checkpoint only where memory has nothing as new.
+
+What a rank writes is DeepSpeed's own checkpoint of it (through :class:`RankFiles`, staged: training goes on while
+a thread writes the files), with one difference from the disk save: every rank writes the module's file, not only
+the first data-parallel rank, so that each rank's folder loads alone, and a rank reads nothing of another node's
+at a restart (ZeRO 1 and 2 hold the whole module on every rank anyway). Its random state goes beside it. The load
+is DeepSpeed's ``load_checkpoint`` of that folder: the same code as the disk resume, so the run goes on bitwise as
+it would have.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from hpc_train.checkpoint.deepspeed_files import RankFiles, install_file_engine
+from hpc_train.checkpoint.manifest import FileEntry
+from hpc_train.checkpoint.memory_store import (
+    MEMORY_ADDRESS_ENV,
+    MEMORY_DIR_ENV,
+    NodeStore,
+    StoreError,
+    available_memory,
+    common_step,
+    read_files_list,
+    write_files_list,
+)
+from hpc_train.checkpoint.memory_transfer import TransferError, fetch_step
+from hpc_train.checkpoint.names import DEEPSPEED_TAG
+from hpc_train.control.discovery import CONTROL_TOKEN_ENV
+from hpc_train.rank.distributed.collectives import all_gather_objects
+from hpc_train.rank.runtime import random_state
+
+__all__ = ["RNG_NAME", "MemoryTier", "resume_from_memory"]
+
+RNG_NAME = "rng.pt"
+_MEMORY_SHARE = 0.5  # a snapshot is skipped where it would take more than this share of the memory left
+
+
+class _SealingFiles(RankFiles):
+    """:class:`RankFiles` whose last act of a save seals the step's folder (``files.json``, then the rename)
+    instead of reporting to rank 0: memory needs no commit, a restart takes the newest step every rank sealed."""
+
+    def __init__(self, rank: int, store: NodeStore, step_of: Callable[[], int], log: Callable[[str], None]) -> None:
+        super().__init__(rank, async_save=True)
+        self.store, self.step_of, self.note = store, step_of, log
+        self.sealed_bytes = 0
+
+    def _mark(self, folder: Path) -> None:
+        if self._error is not None:
+            self.note(f"memory tier: rank {self.rank}'s copy of step {self.step_of()} failed ({self._error}); the "
+                      "previous one stays")
+            shutil.rmtree(folder, ignore_errors=True)
+            return
+        write_files_list(folder, [{"path": e.path, "size": e.size, "sha256": e.sha256} for e in self.entries])
+        self.store.seal(folder, self.step_of())
+        self.store.prune("own", self.rank)
+        self.sealed_bytes = sum(e.size for e in self.entries)
+
+
+class MemoryTier:
+    """One rank's memory tier: :meth:`save` every ``every`` steps, :func:`resume_from_memory` at the start."""
+
+    def __init__(self, store: NodeStore, address: str, token: str, rank: int, every: int,
+                 log: Callable[[str], None]) -> None:
+        self.store, self.address, self.token = store, address, token
+        self.rank, self.every, self.log = rank, every, log
+        self._step = 0
+        self.files = _SealingFiles(rank, store, lambda: self._step, log)
+        self.skipped_for_room = False
+        store.clear_unsealed("own", rank)
+
+    @classmethod
+    def from_env(cls, every: int, rank: int, log: Callable[[str], None],
+                 env: Mapping[str, str] | None = None) -> MemoryTier | None:
+        """The tier where this rank's agent keeps one (it set :data:`MEMORY_DIR_ENV`), else None."""
+        env = os.environ if env is None else env
+        path = env.get(MEMORY_DIR_ENV)
+        if every <= 0 or not path:
+            return None
+        try:
+            store = NodeStore.opened(path)
+        except (StoreError, OSError) as error:
+            log(f"warning: memory tier off on rank {rank}: {error}")
+            return None
+        return cls(store, env.get(MEMORY_ADDRESS_ENV, ""), env.get(CONTROL_TOKEN_ENV, ""), rank, every, log)
+
+    def due(self, step: int) -> bool:
+        return step % self.every == 0
+
+    def save(self, engine: Any, step: int, sampler_state: dict[str, int]) -> None:
+        """Copy this rank's state at ``step`` into the node's memory; every rank calls it at the same step
+        (DeepSpeed's save has collectives). The files are written by a thread while training goes on."""
+        self.files.drain()  # the previous copy is sealed (or failed) before the next one starts
+        if not self._room(engine, step):
+            return
+        self._step = step
+        tmp = self.store.begin("own", self.rank, step)
+        self.files.begin(tmp, staged=True)
+        install_file_engine(engine, self.files)
+        writer = engine.save_non_zero_checkpoint
+        engine.save_non_zero_checkpoint = True  # every rank's folder loads alone (see the module's docstring)
+        try:
+            engine.save_checkpoint(str(tmp), tag=DEEPSPEED_TAG, client_state={"step": step, "sampler": sampler_state},
+                                   save_latest=False)
+        finally:
+            engine.save_non_zero_checkpoint = writer
+        self.files.save(random_state.capture(engine.device), tmp / RNG_NAME)
+        self.files.announce()
+
+    def _room(self, engine: Any, step: int) -> bool:
+        """Whether the node has memory for this copy beside the ones it keeps; said once each time it changes."""
+        needed = self.files.sealed_bytes or 4 * sum(p.numel() * p.element_size() for p in engine.module.parameters())
+        available = available_memory()
+        fits = available is None or needed <= available * _MEMORY_SHARE
+        if fits == self.skipped_for_room:
+            self.skipped_for_room = not fits
+            self.log(f"memory tier: {'skipping' if not fits else 'copying again from'} step {step} on rank "
+                     f"{self.rank}: {needed / 1e9:.2f} GB to copy, {(available or 0) / 1e9:.2f} GB of memory "
+                     "available" + ("; a restart reads the disk checkpoint" if not fits else ""))
+        return fits
+
+    def finish(self) -> None:
+        self.files.drain()
+
+    def record(self) -> dict[str, Any]:
+        """What this rank tells the others at a restart: where its node's memory is served, what it holds."""
+        return {"address": self.address, "held": self.store.holdings()}
+
+    def folder_for(self, step: int, sources: list[str]) -> tuple[Path | None, str]:
+        """This rank's sealed folder of ``step``: on this node, or fetched from a node that holds its replica;
+        (folder, where) or (None, why not)."""
+        found = self.store.find(self.rank, step)
+        if found is not None:
+            return found, found.parent.parent.name  # own, replica or fetched (in an earlier life)
+        problems = []
+        for address in sources:
+            try:
+                return fetch_step(address, self.token, self.rank, step, self.store), "fetched"
+            except TransferError as error:
+                problems.append(f"{address}: {error}")
+        return None, f"rank {self.rank}'s step {step}: " + ("; ".join(problems) or "no node holds it")
+
+
+def _sources(records: list[dict[str, Any]], world: int) -> tuple[dict[int, set[int]], dict[tuple[int, int], list[str]]]:
+    held: dict[int, set[int]] = {}
+    where: dict[tuple[int, int], list[str]] = {}
+    for record in records:
+        for rank, steps in record["held"].items():
+            if 0 <= int(rank) < world:
+                held.setdefault(int(rank), set()).update(steps)
+                for step in steps:
+                    where.setdefault((int(rank), step), []).append(record["address"])
+    return held, where
+
+
+def _load(tier: MemoryTier, engine: Any, folder: Path, check_sha256: bool) -> tuple[str | None, dict[str, Any]]:
+    """DeepSpeed's load of this rank's folder, each file checked against ``files.json``; (problem, client)."""
+    files = RankFiles(tier.rank, async_save=False)
+    entries = [FileEntry(str(e["path"]), int(e["size"]), str(e["sha256"])) for e in read_files_list(folder)]
+    if not entries:
+        return f"rank {tier.rank}: {folder} has no files.json", {}
+    try:
+        files.begin_load(folder, entries, check_sha256)
+        install_file_engine(engine, files)
+        _, client = engine.load_checkpoint(str(folder), tag=DEEPSPEED_TAG)
+        random_state.restore(files.load(folder / RNG_NAME), engine.device)
+    except (OSError, RuntimeError, ValueError, KeyError) as error:
+        return f"rank {tier.rank}: {type(error).__name__}: {error}", {}
+    problems = files.load_problems
+    if client is None:
+        return f"rank {tier.rank}: DeepSpeed found no checkpoint in {folder}", {}
+    return (f"rank {tier.rank}: {problems[0]}" if problems else None), client
+
+
+def resume_from_memory(tier: MemoryTier | None, engine: Any, disk_step: int, rank: int, world: int,
+                       log: Callable[[str], None], check_sha256: bool = False
+                       ) -> tuple[int, dict[str, int]] | str | None:
+    """Every rank: (step, sampler state) when the run resumed from memory; None when it did not (nothing was
+    loaded: the disk checkpoint decides); the problem when a load failed part way (the disk must load over it).
+
+    Every rank calls it, with or without a tier of its own: a rank whose node keeps none turns it off for all."""
+    records = all_gather_objects(tier.record() if tier is not None else None)
+    if any(record is None for record in records):
+        off = [r for r, record in enumerate(records) if record is None]
+        if rank == 0 and len(off) < world:
+            log(f"warning: memory tier off: rank(s) {', '.join(map(str, off[:8]))} have no node memory")
+        if tier is not None:
+            tier.every = 1 << 62  # no rank copies any more: they would not meet in DeepSpeed's save
+        return None
+    held, where = _sources(records, world)
+    step, missing = common_step(held, world)
+    if step is None:
+        if rank == 0 and held:
+            log(f"memory tier: no step is held in memory for every rank (rank(s) {', '.join(map(str, missing[:8]))} "
+                f"have none: their node's memory and its replica are gone); resuming from the disk checkpoint"
+                + (f" (step {disk_step})" if disk_step else " (none: from step 0)"))
+        return None
+    if step < disk_step:
+        if rank == 0:
+            log(f"memory tier: memory holds step {step}, the disk checkpoint step {disk_step} is newer: resuming "
+                "from disk")
+        return None
+    started = time.perf_counter()
+    folder, how = tier.folder_for(step, [a for a in where[(rank, step)] if a != tier.address]) if tier else (None, "")
+    fetched = all_gather_objects(how if folder is not None else None)
+    if any(how is None for how in fetched):
+        if rank == 0:
+            log(f"memory tier: step {step} could not be gathered ({how if folder is None else 'another rank'}); "
+                "resuming from the disk checkpoint")
+        return None
+    problem, client = _load(tier, engine, folder, check_sha256) if tier and folder else ("no folder", {})
+    problems = [p for p in all_gather_objects(problem) if p]
+    if problems:
+        return problems[0]
+    if rank == 0:
+        counts = {kind: sum(1 for h in fetched if h == kind) for kind in ("own", "replica", "fetched")}
+        log(f"resumed from memory at step {step} in {time.perf_counter() - started:.2f} s: {counts['own']} rank(s) "
+            f"from their node's memory, {counts['replica'] + counts['fetched']} from a replica on another node "
+            f"({counts['fetched']} fetched over the network); the newest disk checkpoint: "
+            + (f"step {disk_step}" if disk_step else "none"))
+    return int(client["step"]), client["sampler"]
