@@ -38,7 +38,7 @@ from hpc_train.control.discovery import CONTROL_TOKEN_ENV
 from hpc_train.rank.distributed.collectives import all_gather_objects
 from hpc_train.rank.runtime import random_state
 
-__all__ = ["RNG_NAME", "MemoryTier", "resume_from_memory"]
+__all__ = ["RNG_NAME", "MemoryTier", "choose_memory_step", "resume_from_memory"]
 
 RNG_NAME = "rng.pt"
 _MEMORY_SHARE = 0.5  # a snapshot is skipped where it would take more than this share of the memory left
@@ -161,6 +161,24 @@ def _sources(records: list[dict[str, Any]], world: int) -> tuple[dict[int, set[i
     return held, where
 
 
+def choose_memory_step(records: list[dict[str, Any]], world: int, disk_step: int) -> tuple[int | None, str]:
+    """The step to resume from memory (None: the disk decides), and what rank 0 says about it ("" for nothing:
+    a first life, whose memory is empty). ``records``: every rank's :meth:`MemoryTier.record`."""
+    held, _where = _sources(records, world)
+    step, missing = common_step(held, world)
+    disk = f"step {disk_step}" if disk_step else "none: from step 0"
+    if step is None:
+        if not held:
+            return None, ""
+        return None, (f"memory tier: no step is held in memory for every rank (rank(s) "
+                      f"{', '.join(map(str, missing[:8]))} have none in common with the others: their node's memory "
+                      f"and its replica are gone, or were full); resuming from the disk checkpoint ({disk})")
+    if step < disk_step:
+        return None, (f"memory tier: memory holds step {step}, the disk checkpoint step {disk_step} is newer: "
+                      "resuming from disk")
+    return step, ""
+
+
 def _load(tier: MemoryTier, engine: Any, folder: Path, check_sha256: bool) -> tuple[str | None, dict[str, Any]]:
     """DeepSpeed's load of this rank's folder, each file checked against ``files.json``; (problem, client)."""
     files = RankFiles(tier.rank, async_save=False)
@@ -195,27 +213,21 @@ def resume_from_memory(tier: MemoryTier | None, engine: Any, disk_step: int, ran
         if tier is not None:
             tier.every = 1 << 62  # no rank copies any more: they would not meet in DeepSpeed's save
         return None
-    held, where = _sources(records, world)
-    step, missing = common_step(held, world)
+    step, said = choose_memory_step(records, world, disk_step)
+    if said and rank == 0:
+        log(said)
     if step is None:
-        if rank == 0 and held:
-            log(f"memory tier: no step is held in memory for every rank (rank(s) {', '.join(map(str, missing[:8]))} "
-                f"have none: their node's memory and its replica are gone); resuming from the disk checkpoint"
-                + (f" (step {disk_step})" if disk_step else " (none: from step 0)"))
         return None
-    if step < disk_step:
-        if rank == 0:
-            log(f"memory tier: memory holds step {step}, the disk checkpoint step {disk_step} is newer: resuming "
-                "from disk")
-        return None
+    _held, where = _sources(records, world)
     started = time.perf_counter()
     folder, how = tier.folder_for(step, [a for a in where[(rank, step)] if a != tier.address]) if tier else (None, "")
-    fetched = all_gather_objects(how if folder is not None else None)
-    if any(how is None for how in fetched):
+    outcomes = all_gather_objects((folder is not None, how))
+    failed = [text for found, text in outcomes if not found]
+    if failed:
         if rank == 0:
-            log(f"memory tier: step {step} could not be gathered ({how if folder is None else 'another rank'}); "
-                "resuming from the disk checkpoint")
+            log(f"memory tier: step {step} could not be gathered ({failed[0]}); resuming from the disk checkpoint")
         return None
+    fetched = [text for _found, text in outcomes]
     problem, client = _load(tier, engine, folder, check_sha256) if tier and folder else ("no folder", {})
     problems = [p for p in all_gather_objects(problem) if p]
     if problems:

@@ -3,10 +3,11 @@ over TCP, so that another node's agent can push a replica into it and a rank tha
 place) can fetch its state from the node that holds the replica.
 
 One request per connection: a JSON line (the job's token, checked in constant time; ``put`` or ``get``; the rank
-and step), then for a ``put`` the files' bytes back to back, as the line listed them; the answer is a JSON line, and
-for a ``get`` the files' bytes after it. File names are checked (relative, plain names, no ``..``) before anything
-is created; a ``put`` bigger than half the memory the node still has is refused (the sender logs it and the
-restart reads the disk checkpoint). Standard library only: the agent serves it.
+and step). A ``put`` is answered ``ready`` (or the refusal), then its files' bytes follow back to back, as the line
+listed them, and the last answer says they are held; a ``get`` is answered with the list, then the bytes.
+File names are checked (relative, plain names, no ``..``) before anything is created; a ``put`` bigger than half
+the memory the node still has is refused (the sender logs it and the restart reads the disk checkpoint). Standard
+library only: the agent serves it.
 """
 
 from __future__ import annotations
@@ -176,6 +177,7 @@ class MemoryServer:
                                 f"{available / 1e9:.2f} GB of memory available on this node")
         tmp = self.store.begin("replica", rank, step)
         try:
+            _send_line(conn, {"ready": True})  # the sender sends the bytes only once the header is accepted
             _receive_files(conn, tmp, files)
             self.store.seal(tmp, step)
         except BaseException:
@@ -211,8 +213,10 @@ def push_step(address: str, token: str, folder: Path, rank: int, step: int) -> N
         with _connect(address) as sock:
             _send_line(sock, {"token": token, "op": "put", "rank": rank, "step": step,
                               "files": [[name, size] for name, size in files]})
-            _send_files(sock, folder, files)
             answer = _read_line(sock)
+            if answer.get("ready"):
+                _send_files(sock, folder, files)
+                answer = _read_line(sock)
     except OSError as error:
         raise TransferError(f"pushing to {address}: {error}") from error
     if not answer.get("ok"):
