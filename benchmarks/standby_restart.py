@@ -15,7 +15,6 @@ the ratio standby / cold. Target (issue 42): at most 2 s from the kill to the ne
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import signal
@@ -26,9 +25,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from slurm_jobs import rank_pid, records, state, wait
+
 from hpc_train.bench.machine import machine, spread
 from hpc_train.run.node_log import rank_log_text
-from hpc_train.run.procs import command_line, environment, processes
 from hpc_train.run.watch import last_logged_step
 
 REPO = Path(__file__).resolve().parent.parent
@@ -40,34 +40,6 @@ BASE = ["--site", "local-slurm", "--set", "job.nodes=2", "--set", "job.tasks_per
         "env.HPC_TRAIN_INJECT_FAULT=slow:0:1000", "--set", "env.HPC_TRAIN_INJECT_FAULT_IN_PLACE=0"]
 
 
-def _state(job_id: str) -> str:
-    out = subprocess.run(["sacct", "-n", "-P", "-X", "-j", job_id, "-o", "State"], capture_output=True, text=True,
-                         timeout=30, check=False).stdout.split()
-    return out[-1] if out else ""
-
-
-def _records(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
-
-
-def _rank_pid(job_id: str, rank: int) -> int:
-    for process in processes():
-        env = environment(process.pid) or {}
-        if env.get(b"SLURM_JOB_ID") == job_id.encode() and env.get(b"SLURM_PROCID") == str(rank).encode() \
-                and b"hpc_train.launch" in (command_line(process.pid) or b"") and process.alive:
-            return process.pid
-    raise SystemExit(f"no rank {rank} of job {job_id} runs")
-
-
-def _wait(what: str, done: object, job_id: str, run_dir: Path, timeout_s: float = 600) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not done():  # type: ignore[operator]
-        if time.monotonic() > deadline or _state(job_id) in ("FAILED", "CANCELLED", "TIMEOUT"):
-            subprocess.run(["scancel", job_id], check=False, timeout=30)
-            raise SystemExit(f"job {job_id}: no {what} ({_state(job_id)}); see {run_dir}/logs")
-        time.sleep(0.2)
-
-
 def _run(work: Path, steps: int, standby: bool) -> dict[str, float]:
     keys = ["--set", f"train.steps={steps}", "--set", f"retry.standby={str(standby).lower()}"]
     submitted = subprocess.run([sys.executable, "-m", "hpc_train.submit", str(REPO / "examples" / "tiny_gpt.toml"),
@@ -75,15 +47,15 @@ def _run(work: Path, steps: int, standby: bool) -> dict[str, float]:
                                check=True)
     (job_id,) = re.findall(r"submitted job (\d+)", submitted.stdout)
     run_dir = work / "runs" / "tiny-gpt"
-    _wait(f"step {KILL_AFTER_STEP}", lambda: last_logged_step(run_dir) >= KILL_AFTER_STEP, job_id, run_dir)
+    wait(f"step {KILL_AFTER_STEP}", lambda: last_logged_step(run_dir) >= KILL_AFTER_STEP, job_id, run_dir)
     if standby:
-        _wait("ready standbys", lambda: all(READY in rank_log_text(run_dir, r) for r in (0, 1)), job_id, run_dir)
+        wait("ready standbys", lambda: all(READY in rank_log_text(run_dir, r) for r in (0, 1)), job_id, run_dir)
     killed_at_step = last_logged_step(run_dir)
     killed = time.time()
-    os.kill(_rank_pid(job_id, 1), signal.SIGKILL)
-    _wait("end", lambda: _state(job_id) == "COMPLETED" and (run_dir / "train.json").exists(), job_id, run_dir)
-    metrics = {r["step"]: r["time"] for r in _records(run_dir / "metrics.jsonl") if "loss" in r}
-    attempts = _records(run_dir / "attempts.jsonl")
+    os.kill(rank_pid(job_id, 1), signal.SIGKILL)
+    wait("end", lambda: state(job_id) == "COMPLETED" and (run_dir / "train.json").exists(), job_id, run_dir)
+    metrics = {r["step"]: r["time"] for r in records(run_dir / "metrics.jsonl") if "loss" in r}
+    attempts = records(run_dir / "attempts.jsonl")
     opened, resumed = attempts[1]["started"], attempts[1]["start_step"]
     warm = "started from standby processes" in rank_log_text(run_dir, 1)
     if warm != standby:

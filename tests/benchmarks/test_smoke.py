@@ -101,6 +101,9 @@ CASES = [  # the costliest first (CPU seconds here: 57, 52, 25, 23, 22, 14, 4, 0
                                      rf"cold\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}\s+\d+",
                                      r"kill -9 to the next first step \(medians\), standby / cold: [\d.]+ .*"),
          slurm=True),
+    Case("memory_restart.py", (), (MACHINE, rf"kill/memory\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}\s+\d+",
+                                    rf"kill/disk\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}\s+\d+",
+                                    r"one rank's copy in memory: [\d.]+ MB .*"), slurm=True),
     Case("control_plane.py", ("--section", "cluster"), (
         r"cluster: steady training: [\d.]+ run-folder operations per rank per second",
         r"cluster: a restart in place \(rank 1 killed\): [\d.]+ run-folder operations per rank per second",

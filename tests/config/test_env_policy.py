@@ -41,3 +41,11 @@ def test_credentials_are_seen_by_name_and_by_shape(name: str, value: str) -> Non
                                              ("MODEL", "sk")])
 def test_ordinary_values_are_not_secrets(name: str, value: str) -> None:
     assert secret_reason(name, value) is None
+
+
+def test_the_memory_tier_s_variables_are_the_agent_s_to_set() -> None:
+    """A job's [env] cannot point its ranks at another folder of memory or another node's server."""
+    from hpc_train.checkpoint.memory_store import MEMORY_ADDRESS_ENV, MEMORY_DIR_ENV
+
+    for name in (MEMORY_DIR_ENV, MEMORY_ADDRESS_ENV):
+        assert "set by the launcher or hpc_train" in (refused_env_name(name) or "")

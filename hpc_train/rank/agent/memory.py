@@ -134,8 +134,9 @@ class NodeMemory:
                 started = time.perf_counter()
                 push_step(target, self.link.address.token, folder, rank, step)
                 if rank not in self.pushed:  # the first copy of each rank is said; the rest only when they fail
-                    self.log.info("memory tier: rank %d's step %d copied to %s in %.2f s (each new copy follows)",
-                                  rank, step, target, time.perf_counter() - started)
+                    size = sum(path.stat().st_size for path in folder.rglob("*") if path.is_file())
+                    self.log.info("memory tier: rank %d's step %d (%.1f MB) copied to %s in %.2f s (each new copy "
+                                  "follows)", rank, step, size / 1e6, target, time.perf_counter() - started)
             except (TransferError, OSError) as error:  # a folder pruned meanwhile, a peer gone or full
                 self.log.warning("memory tier: rank %d's step %d was not copied to %s: %s", rank, step, target,
                                  error)
