@@ -39,7 +39,6 @@ from pathlib import Path
 from slurm_jobs import job_processes, rank_pid, records, state, wait
 
 from hpc_train.bench.machine import machine, spread
-from hpc_train.run.node_log import rank_log_text
 from hpc_train.run.watch import last_logged_step
 
 REPO = Path(__file__).resolve().parent.parent
@@ -92,8 +91,8 @@ def _fault_run(work: Path, steps: int, memory: bool, lost: bool, slow_ms: int) -
         wait(f"step {FAULT_AFTER_STEP}", lambda: last_logged_step(run_dir) >= FAULT_AFTER_STEP, job_id, run_dir)
         if memory:
             wait("a copy sent to another node", lambda: _copied(run_dir), job_id, run_dir)
-        wait("ready standbys", lambda: all("standby rank(s) ready" in rank_log_text(run_dir, r) for r in (0, 1)),
-             job_id, run_dir)
+        # the holding nodes' standbys (with spares, the agents' lines are in logs/agents-*.log)
+        wait("ready standbys", lambda: _logs(run_dir).count("standby rank(s) ready") >= 2, job_id, run_dir)
         at_step, fault = last_logged_step(run_dir), time.time()
         if lost:
             _lose_n2(job_id)
@@ -132,8 +131,8 @@ def _copy_size_mb(text: str) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--slow-ms", type=int, default=300, help="rank 0's extra time a step before the fault")
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--slow-ms", type=int, default=500, help="rank 0's extra time a step before the fault")
     parser.add_argument("--smoke", action="store_true", help="one kill from memory and one from disk, 30 steps")
     args = parser.parse_args()
     runs, steps = (1, 30) if args.smoke else (args.runs, args.steps)

@@ -35,7 +35,7 @@ from hpc_train.checkpoint.memory_store import (
 from hpc_train.checkpoint.memory_transfer import TransferError, fetch_step
 from hpc_train.checkpoint.names import DEEPSPEED_TAG
 from hpc_train.control.discovery import CONTROL_TOKEN_ENV
-from hpc_train.rank.distributed.collectives import all_gather_objects
+from hpc_train.rank.distributed.collectives import all_gather_objects, all_reduce_values
 from hpc_train.rank.runtime import random_state
 
 __all__ = ["RNG_NAME", "MemoryTier", "choose_memory_step", "resume_from_memory"]
@@ -116,15 +116,18 @@ class MemoryTier:
         self.files.announce()
 
     def _room(self, engine: Any, step: int) -> bool:
-        """Whether the node has memory for this copy beside the ones it keeps; said once each time it changes."""
+        """Whether every rank's node has memory for this copy beside the ones it keeps (the ranks agree: DeepSpeed's
+        save has collectives, so all copy or none does); said once each time it changes."""
         needed = self.files.sealed_bytes or 4 * sum(p.numel() * p.element_size() for p in engine.module.parameters())
         available = available_memory()
-        fits = available is None or needed <= available * _MEMORY_SHARE
+        fits_here = available is None or needed <= available * _MEMORY_SHARE
+        fits = bool(all_reduce_values([1 if fits_here else 0], op="min")[0])
         if fits == self.skipped_for_room:
             self.skipped_for_room = not fits
+            where = (f"{needed / 1e9:.2f} GB to copy, {(available or 0) / 1e9:.2f} GB of memory available"
+                     if not fits_here or fits else "another rank's node lacks the memory")
             self.log(f"memory tier: {'skipping' if not fits else 'copying again from'} step {step} on rank "
-                     f"{self.rank}: {needed / 1e9:.2f} GB to copy, {(available or 0) / 1e9:.2f} GB of memory "
-                     "available" + ("; a restart reads the disk checkpoint" if not fits else ""))
+                     f"{self.rank}: {where}" + ("; a restart reads the disk checkpoint" if not fits else ""))
         return fits
 
     def finish(self) -> None:

@@ -3,10 +3,14 @@ copy skipped where the node's memory would not hold it."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from hpc_train.checkpoint import memory_tier
 from hpc_train.checkpoint.memory_store import NodeStore
@@ -41,9 +45,21 @@ def test_a_rank_whose_memory_and_replica_are_gone_sends_the_restart_to_disk_and_
     assert step is None and "(none: from step 0)" in said
 
 
-def test_a_copy_the_node_has_no_room_for_is_skipped_and_said_once(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture
+def one_rank(tmp_path: Path) -> Iterator[None]:
+    """A real process group of one rank: the ranks' agreement on room is a collective."""
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1,
+                            timeout=timedelta(seconds=30))
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.usefixtures("one_rank")
+def test_a_copy_the_node_has_no_room_for_is_skipped_and_said_once(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     said: list[str] = []
-    store = NodeStore.create("5", 0, base=tmp_path)
+    (tmp_path / "shm").mkdir()
+    store = NodeStore.create("5", 0, base=tmp_path / "shm")
     tier = MemoryTier(store, "n0:1", "token", 0, 10, said.append)
     engine = SimpleNamespace(module=torch.nn.Linear(1000, 1000))  # 4 MB of weights: about 16 MB to copy
     monkeypatch.setattr(memory_tier, "available_memory", lambda: 20_000_000)

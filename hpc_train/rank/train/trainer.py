@@ -361,7 +361,7 @@ def _steps(rank: _Rank, parts: _Parts, monitor: Monitor, recorder: AttemptRecord
                     recorder.save_time(took)
                     if step < rank.plan.config.train.steps:  # the next save's step, where there is one
                         parts.checkpointer.saved(step, took)
-                if parts.checkpointer.memory_due(step):  # [checkpoint] memory_every_steps: host memory, in seconds
+                if step < rank.plan.config.train.steps and parts.checkpointer.memory_due(step):  # in seconds
                     _progress(rank.watchdog, "checkpoint", step)
                     parts.checkpointer.save_to_memory(parts.engine, step, parts.stream.state_dict())
                 _progress(rank.watchdog, "step", step)
