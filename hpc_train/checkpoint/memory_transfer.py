@@ -31,6 +31,8 @@ __all__ = ["MemoryServer", "TransferError", "fetch_step", "push_step", "step_fil
 log = logging.getLogger(__name__)
 
 _MAX_HEADER = 1 << 20
+_HEADER_S = 5.0  # a request's first line comes within this
+_MAX_CONNECTIONS = 64  # requests served at once (a node's agents push one copy at a time per rank)
 _TIMEOUT_S = 120.0  # one step's files at memory and network speed; a peer silent this long is given up
 _CHUNK = 1 << 20
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,200}")
@@ -129,6 +131,7 @@ class MemoryServer:
         self.sock = socket.create_server((host, 0), backlog=128)
         self.port = self.sock.getsockname()[1]
         self._stopped = False
+        self._slots = threading.BoundedSemaphore(_MAX_CONNECTIONS)
         self._thread = threading.Thread(target=self._serve, name="memory-tier-server", daemon=True)
 
     def start(self) -> MemoryServer:
@@ -148,13 +151,17 @@ class MemoryServer:
                 conn, _ = self.sock.accept()
             except OSError:
                 return
+            if not self._slots.acquire(blocking=False):  # a flood of connections: the newest is closed at once
+                conn.close()
+                continue
             threading.Thread(target=self._handle, args=(conn,), name="memory-tier-request", daemon=True).start()
 
     def _handle(self, conn: socket.socket) -> None:
         with conn:
-            conn.settimeout(_TIMEOUT_S)
             try:
+                conn.settimeout(_HEADER_S)  # a connection that says nothing holds no thread for long
                 request = _read_line(conn)
+                conn.settimeout(_TIMEOUT_S)
                 if not hmac.compare_digest(str(request.get("token", "")).encode(), self.token.encode()):
                     raise TransferError("a request without the job's token")
                 if request.get("op") == "put":
@@ -167,6 +174,8 @@ class MemoryServer:
                 log.warning("memory tier: a request refused: %s", error)
                 with contextlib.suppress(OSError):
                     _send_line(conn, {"error": str(error)})
+            finally:
+                self._slots.release()
 
     def _put(self, conn: socket.socket, request: dict[str, Any]) -> None:
         rank, step = _rank_step(request)
