@@ -11,13 +11,16 @@ TCP connection (:mod:`hpc_train.checkpoint.memory_transfer`), never through a sh
 The layout, per agent::
 
     /dev/shm/hpc_train-UID/JOB-NODE-XXXX/   0700, created by the agent, removed by it
-        own/rank-R/step-S/                  rank R's state at step S, written by rank R on this node
-        own/rank-R/.step-S-XXXX/            ... while being written (renamed when whole: the seal)
-        replica/rank-R/step-S/              another node's rank R, pushed by that node's agent
-        fetched/rank-R/step-S/              a rank of this node's state fetched from another node at a restart
+        own/rank-R/step-S.L/                rank R's state at step S, written by rank R in life L on this node
+        own/rank-R/.step-S.L-XXXX/          ... while being written (renamed when whole: the seal)
+        replica/rank-R/step-S.L/            another node's rank R, pushed by that node's agent
+        fetched/rank-R/step-S.L/            a rank of this node's state fetched from another node at a restart
 
-Each sealed step folder holds ``files.json`` (every file's size and sha256, checked when read back). Torch-free:
-the agent imports it.
+A copy is named by its step and the life that wrote it (``retry.in_place``'s count): a life that resumed from an
+older step trains the steps after it again, and on a GPU not always to the same bits, so a step copied by some
+ranks in one life and by others in the next is not one state; a restart takes a (step, life) that every rank
+holds. Each sealed folder holds ``files.json`` (every file's size and sha256, checked when read back).
+Torch-free: the agent imports it.
 """
 
 from __future__ import annotations
@@ -33,8 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["FILES_NAME", "KEPT_STEPS", "MEMORY_ADDRESS_ENV", "MEMORY_DIR_ENV", "SHM_ROOT", "NodeStore",
-           "StoreError", "available_memory", "common_step", "read_files_list", "remove_stale_stores",
+__all__ = ["FILES_NAME", "KEPT_STEPS", "MEMORY_ADDRESS_ENV", "MEMORY_DIR_ENV", "SHM_ROOT", "Copy", "NodeStore",
+           "StoreError", "available_memory", "common_step", "copy_name", "read_files_list", "remove_stale_stores",
            "why_memory_tier_off", "write_files_list"]
 
 MEMORY_DIR_ENV = "HPC_TRAIN_MEMORY_DIR"  # set by the agent on its ranks: this node's folder
@@ -43,7 +46,13 @@ SHM_ROOT = Path("/dev/shm")  # noqa: S108 (checked: a private folder of ours bel
 FILES_NAME = "files.json"
 KEPT_STEPS = 3  # per rank and kind: the newest steps, so that a replica a copy behind still meets the others
 KINDS = ("own", "replica", "fetched")
-_STEP = re.compile(r"step-(\d{1,15})")
+_STEP = re.compile(r"step-(\d{1,15})\.(\d{1,6})")
+Copy = tuple[int, int]  # (step, life)
+
+
+def copy_name(copy: Copy) -> str:
+    """A sealed copy's folder name: ``step-S.L``."""
+    return f"step-{copy[0]}.{copy[1]}"
 
 
 class StoreError(Exception):
@@ -109,29 +118,29 @@ class NodeStore:
     def rank_dir(self, kind: str, rank: int) -> Path:
         return self.root / kind / f"rank-{rank}"
 
-    def begin(self, kind: str, rank: int, step: int) -> Path:
-        """A new folder for rank ``rank``'s step ``step``, to be filled then :meth:`seal`-ed."""
+    def begin(self, kind: str, rank: int, copy: Copy) -> Path:
+        """A new folder for rank ``rank``'s ``copy`` (step, life), to be filled then :meth:`seal`-ed."""
         folder = self.rank_dir(kind, rank)
         folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-        tmp = folder / f".step-{step}-{secrets.token_hex(4)}"
+        tmp = folder / f".{copy_name(copy)}-{secrets.token_hex(4)}"
         os.mkdir(tmp, 0o700)
         return tmp
 
-    def seal(self, tmp: Path, step: int) -> Path:
-        """The step is whole: its folder takes its name (replacing an older copy of the same step)."""
-        final = tmp.parent / f"step-{step}"
+    def seal(self, tmp: Path, copy: Copy) -> Path:
+        """The copy is whole: its folder takes its name (replacing one of the same name left by a failed push)."""
+        final = tmp.parent / copy_name(copy)
         if final.exists():
             shutil.rmtree(final, ignore_errors=True)
         os.rename(tmp, final)
         return final
 
-    def steps(self, kind: str, rank: int) -> list[int]:
-        """The sealed steps of rank ``rank`` of ``kind``, newest first."""
+    def steps(self, kind: str, rank: int) -> list[Copy]:
+        """The sealed copies (step, life) of rank ``rank`` of ``kind``, newest first."""
         try:
             names = os.listdir(self.rank_dir(kind, rank))
         except OSError:
             return []
-        return sorted((int(m.group(1)) for n in names if (m := _STEP.fullmatch(n))), reverse=True)
+        return sorted(((int(m[1]), int(m[2])) for n in names if (m := _STEP.fullmatch(n))), reverse=True)
 
     def ranks(self, kind: str) -> list[int]:
         try:
@@ -140,27 +149,27 @@ class NodeStore:
             return []
         return sorted(int(n[5:]) for n in names if n.startswith("rank-") and n[5:].isdigit())
 
-    def holdings(self) -> dict[int, list[int]]:
-        """Every rank this node holds a sealed step of (its own ranks', replicas, fetched), with the steps."""
-        held: dict[int, set[int]] = {}
+    def holdings(self) -> dict[int, list[Copy]]:
+        """Every rank this node holds a sealed copy of (its own ranks', replicas, fetched), with the copies."""
+        held: dict[int, set[Copy]] = {}
         for kind in KINDS:
             for rank in self.ranks(kind):
                 held.setdefault(rank, set()).update(self.steps(kind, rank))
         return {rank: sorted(steps, reverse=True) for rank, steps in held.items() if steps}
 
-    def find(self, rank: int, step: int) -> Path | None:
-        """The sealed folder of rank ``rank`` at ``step`` on this node, or None."""
+    def find(self, rank: int, copy: Copy) -> Path | None:
+        """The sealed folder of rank ``rank``'s ``copy`` on this node, or None."""
         for kind in KINDS:
-            folder = self.rank_dir(kind, rank) / f"step-{step}"
+            folder = self.rank_dir(kind, rank) / copy_name(copy)
             if folder.is_dir() and not folder.is_symlink():
                 return folder
         return None
 
     def prune(self, kind: str, rank: int, keep: int = KEPT_STEPS) -> None:
-        """Keep the ``keep`` newest sealed steps of the rank; the rest, and stale unsealed folders, go."""
+        """Keep the ``keep`` newest sealed copies of the rank; the rest go."""
         folder = self.rank_dir(kind, rank)
-        for step in self.steps(kind, rank)[keep:]:
-            shutil.rmtree(folder / f"step-{step}", ignore_errors=True)
+        for copy in self.steps(kind, rank)[keep:]:
+            shutil.rmtree(folder / copy_name(copy), ignore_errors=True)
 
     def clear_unsealed(self, kind: str, rank: int) -> None:
         """Folders a rank of an earlier life left half written (it died while writing)."""
@@ -235,9 +244,9 @@ def remove_stale_stores(base: Path = SHM_ROOT) -> list[str]:
     return removed
 
 
-def common_step(held: dict[int, set[int]], world: int) -> tuple[int | None, list[int]]:
-    """The newest step every rank ``0..world-1`` has somewhere, and the ranks that have none in common (empty
-    when a step is found); ``held``: each rank's steps on any node."""
+def common_step(held: dict[int, set[Copy]], world: int) -> tuple[Copy | None, list[int]]:
+    """The newest copy (step, life) every rank ``0..world-1`` has somewhere, and the ranks that have none in
+    common (empty when one is found); ``held``: each rank's copies on any node."""
     missing = [rank for rank in range(world) if not held.get(rank)]
     if missing:
         return None, missing

@@ -25,6 +25,7 @@ from hpc_train.checkpoint.manifest import FileEntry
 from hpc_train.checkpoint.memory_store import (
     MEMORY_ADDRESS_ENV,
     MEMORY_DIR_ENV,
+    Copy,
     NodeStore,
     StoreError,
     available_memory,
@@ -37,6 +38,7 @@ from hpc_train.checkpoint.names import DEEPSPEED_TAG
 from hpc_train.control.discovery import CONTROL_TOKEN_ENV
 from hpc_train.rank.distributed.collectives import all_gather_objects, all_reduce_values
 from hpc_train.rank.runtime import random_state
+from hpc_train.run.in_place import IN_PLACE_ENV
 
 __all__ = ["RNG_NAME", "MemoryTier", "choose_memory_step", "resume_from_memory"]
 
@@ -48,19 +50,19 @@ class _SealingFiles(RankFiles):
     """:class:`RankFiles` whose last act of a save seals the step's folder (``files.json``, then the rename)
     instead of reporting to rank 0: memory needs no commit, a restart takes the newest step every rank sealed."""
 
-    def __init__(self, rank: int, store: NodeStore, step_of: Callable[[], int], log: Callable[[str], None]) -> None:
+    def __init__(self, rank: int, store: NodeStore, copy_of: Callable[[], Copy], log: Callable[[str], None]) -> None:
         super().__init__(rank, async_save=True)
-        self.store, self.step_of, self.note = store, step_of, log
+        self.store, self.copy_of, self.note = store, copy_of, log
         self.sealed_bytes = 0
 
     def _mark(self, folder: Path) -> None:
         if self._error is not None:
-            self.note(f"memory tier: rank {self.rank}'s copy of step {self.step_of()} failed ({self._error}); the "
+            self.note(f"memory tier: rank {self.rank}'s copy of step {self.copy_of()[0]} failed ({self._error}); the "
                       "previous one stays")
             shutil.rmtree(folder, ignore_errors=True)
             return
         write_files_list(folder, [{"path": e.path, "size": e.size, "sha256": e.sha256} for e in self.entries])
-        self.store.seal(folder, self.step_of())
+        self.store.seal(folder, self.copy_of())
         self.store.prune("own", self.rank)
         self.sealed_bytes = sum(e.size for e in self.entries)
 
@@ -69,11 +71,11 @@ class MemoryTier:
     """One rank's memory tier: :meth:`save` every ``every`` steps, :func:`resume_from_memory` at the start."""
 
     def __init__(self, store: NodeStore, address: str, token: str, rank: int, every: int,
-                 log: Callable[[str], None]) -> None:
+                 log: Callable[[str], None], life: int = 0) -> None:
         self.store, self.address, self.token = store, address, token
-        self.rank, self.every, self.log = rank, every, log
-        self._step = 0
-        self.files = _SealingFiles(rank, store, lambda: self._step, log)
+        self.rank, self.every, self.log, self.life = rank, every, log, life
+        self._copy: Copy = (0, life)
+        self.files = _SealingFiles(rank, store, lambda: self._copy, log)
         self.skipped_for_room = False
         store.clear_unsealed("own", rank)
 
@@ -90,7 +92,9 @@ class MemoryTier:
         except (StoreError, OSError) as error:
             log(f"warning: memory tier off on rank {rank}: {error}")
             return None
-        return cls(store, env.get(MEMORY_ADDRESS_ENV, ""), env.get(CONTROL_TOKEN_ENV, ""), rank, every, log)
+        life = env.get(IN_PLACE_ENV, "0")
+        return cls(store, env.get(MEMORY_ADDRESS_ENV, ""), env.get(CONTROL_TOKEN_ENV, ""), rank, every, log,
+                   int(life) if life.isdigit() else 0)
 
     def due(self, step: int) -> bool:
         return step % self.every == 0
@@ -101,8 +105,8 @@ class MemoryTier:
         self.files.drain()  # the previous copy is sealed (or failed) before the next one starts
         if not self._room(engine, step):
             return
-        self._step = step
-        tmp = self.store.begin("own", self.rank, step)
+        self._copy = (step, self.life)
+        tmp = self.store.begin("own", self.rank, self._copy)
         self.files.begin(tmp, staged=True)
         install_file_engine(engine, self.files)
         writer = engine.save_non_zero_checkpoint
@@ -137,49 +141,51 @@ class MemoryTier:
         """What this rank tells the others at a restart: where its node's memory is served, what it holds."""
         return {"address": self.address, "held": self.store.holdings()}
 
-    def folder_for(self, step: int, sources: list[str]) -> tuple[Path | None, str]:
-        """This rank's sealed folder of ``step``: on this node, or fetched from a node that holds its replica;
+    def folder_for(self, copy: Copy, sources: list[str]) -> tuple[Path | None, str]:
+        """This rank's sealed folder of ``copy``: on this node, or fetched from a node that holds its replica;
         (folder, where) or (None, why not)."""
-        found = self.store.find(self.rank, step)
+        found = self.store.find(self.rank, copy)
         if found is not None:
             return found, found.parent.parent.name  # own, replica or fetched (in an earlier life)
         problems = []
         for address in sources:
             try:
-                return fetch_step(address, self.token, self.rank, step, self.store), "fetched"
+                return fetch_step(address, self.token, self.rank, copy, self.store), "fetched"
             except TransferError as error:
                 problems.append(f"{address}: {error}")
-        return None, f"rank {self.rank}'s step {step}: " + ("; ".join(problems) or "no node holds it")
+        return None, f"rank {self.rank}'s step {copy[0]}: " + ("; ".join(problems) or "no node holds it")
 
 
-def _sources(records: list[dict[str, Any]], world: int) -> tuple[dict[int, set[int]], dict[tuple[int, int], list[str]]]:
-    held: dict[int, set[int]] = {}
-    where: dict[tuple[int, int], list[str]] = {}
+def _sources(records: list[dict[str, Any]], world: int
+             ) -> tuple[dict[int, set[Copy]], dict[tuple[int, Copy], list[str]]]:
+    """Each rank's copies on any node, and the nodes' addresses that hold each."""
+    held: dict[int, set[Copy]] = {}
+    where: dict[tuple[int, Copy], list[str]] = {}
     for record in records:
-        for rank, steps in record["held"].items():
+        for rank, copies in record["held"].items():
             if 0 <= int(rank) < world:
-                held.setdefault(int(rank), set()).update(steps)
-                for step in steps:
-                    where.setdefault((int(rank), step), []).append(record["address"])
+                held.setdefault(int(rank), set()).update(tuple(copy) for copy in copies)
+                for copy in copies:
+                    where.setdefault((int(rank), tuple(copy)), []).append(record["address"])
     return held, where
 
 
-def choose_memory_step(records: list[dict[str, Any]], world: int, disk_step: int) -> tuple[int | None, str]:
-    """The step to resume from memory (None: the disk decides), and what rank 0 says about it ("" for nothing:
-    a first life, whose memory is empty). ``records``: every rank's :meth:`MemoryTier.record`."""
+def choose_memory_step(records: list[dict[str, Any]], world: int, disk_step: int) -> tuple[Copy | None, str]:
+    """The copy (step, life) to resume from memory (None: the disk decides), and what rank 0 says about it (""
+    for nothing: a first life, whose memory is empty). ``records``: every rank's :meth:`MemoryTier.record`."""
     held, _where = _sources(records, world)
-    step, missing = common_step(held, world)
+    copy, missing = common_step(held, world)
     disk = f"step {disk_step}" if disk_step else "none: from step 0"
-    if step is None:
+    if copy is None:
         if not held:
             return None, ""
         return None, (f"memory tier: no step is held in memory for every rank (rank(s) "
                       f"{', '.join(map(str, missing[:8]))} have none in common with the others: their node's memory "
                       f"and its replica are gone, or were full); resuming from the disk checkpoint ({disk})")
-    if step < disk_step:
-        return None, (f"memory tier: memory holds step {step}, the disk checkpoint step {disk_step} is newer: "
+    if copy[0] < disk_step:
+        return None, (f"memory tier: memory holds step {copy[0]}, the disk checkpoint step {disk_step} is newer: "
                       "resuming from disk")
-    return step, ""
+    return copy, ""
 
 
 def _load(tier: MemoryTier, engine: Any, folder: Path, check_sha256: bool) -> tuple[str | None, dict[str, Any]]:
@@ -216,14 +222,15 @@ def resume_from_memory(tier: MemoryTier | None, engine: Any, disk_step: int, ran
         if tier is not None:
             tier.every = 1 << 62  # no rank copies any more: they would not meet in DeepSpeed's save
         return None
-    step, said = choose_memory_step(records, world, disk_step)
+    copy, said = choose_memory_step(records, world, disk_step)
     if said and rank == 0:
         log(said)
-    if step is None:
+    if copy is None:
         return None
+    step = copy[0]
     _held, where = _sources(records, world)
     started = time.perf_counter()
-    folder, how = tier.folder_for(step, [a for a in where[(rank, step)] if a != tier.address]) if tier else (None, "")
+    folder, how = tier.folder_for(copy, [a for a in where[(rank, copy)] if a != tier.address]) if tier else (None, "")
     outcomes = all_gather_objects((folder is not None, how))
     failed = [text for found, text in outcomes if not found]
     if failed:

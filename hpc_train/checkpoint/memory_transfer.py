@@ -2,8 +2,8 @@
 over TCP, so that another node's agent can push a replica into it and a rank that moved (a spare took its node's
 place) can fetch its state from the node that holds the replica.
 
-One request per connection: a JSON line (the job's token, checked in constant time; ``put`` or ``get``; the rank
-and step). A ``put`` is answered ``ready`` (or the refusal), then its files' bytes follow back to back, as the line
+One request per connection: a JSON line (the job's token, checked in constant time; ``put`` or ``get``; the rank,
+step and life). A ``put`` is answered ``ready`` (or the refusal), then its files' bytes follow back to back, as the line
 listed them, and the last answer says they are held; a ``get`` is answered with the list, then the bytes.
 File names are checked (relative, plain names, no ``..``) before anything is created; a ``put`` bigger than half
 the memory the node still has is refused (the sender logs it and the restart reads the disk checkpoint). Standard
@@ -24,7 +24,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from hpc_train.checkpoint.memory_store import KEPT_STEPS, NodeStore, available_memory
+from hpc_train.checkpoint.memory_store import KEPT_STEPS, Copy, NodeStore, available_memory
 
 __all__ = ["MemoryServer", "TransferError", "fetch_step", "push_step", "step_files"]
 
@@ -116,11 +116,12 @@ def _listed(value: Any) -> list[tuple[str, int]]:
     return files
 
 
-def _rank_step(request: dict[str, Any]) -> tuple[int, int]:
-    rank, step = request.get("rank"), request.get("step")
-    if not (isinstance(rank, int) and isinstance(step, int) and 0 <= rank < 1 << 24 and 0 <= step < 1 << 50):
-        raise TransferError("a request without a valid rank and step")
-    return rank, step
+def _rank_copy(request: dict[str, Any]) -> tuple[int, Copy]:
+    rank, step, life = request.get("rank"), request.get("step"), request.get("life")
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (rank, step, life)) or \
+            not (0 <= rank < 1 << 24 and 0 <= step < 1 << 50 and 0 <= life < 1 << 20):
+        raise TransferError("a request without a valid rank, step and life")
+    return rank, (step, life)
 
 
 class MemoryServer:
@@ -178,17 +179,17 @@ class MemoryServer:
                 self._slots.release()
 
     def _put(self, conn: socket.socket, request: dict[str, Any]) -> None:
-        rank, step = _rank_step(request)
+        rank, copy = _rank_copy(request)
         files = _listed(request.get("files"))
         total, available = sum(size for _, size in files), available_memory()
         if available is not None and total > available * _MEMORY_SHARE:
-            raise TransferError(f"no room for rank {rank}'s step {step}: {total / 1e9:.2f} GB, "
+            raise TransferError(f"no room for rank {rank}'s step {copy[0]}: {total / 1e9:.2f} GB, "
                                 f"{available / 1e9:.2f} GB of memory available on this node")
-        tmp = self.store.begin("replica", rank, step)
+        tmp = self.store.begin("replica", rank, copy)
         try:
             _send_line(conn, {"ready": True})  # the sender sends the bytes only once the header is accepted
             _receive_files(conn, tmp, files)
-            self.store.seal(tmp, step)
+            self.store.seal(tmp, copy)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -196,10 +197,10 @@ class MemoryServer:
         _send_line(conn, {"ok": True})
 
     def _get(self, conn: socket.socket, request: dict[str, Any]) -> None:
-        rank, step = _rank_step(request)
-        folder = self.store.find(rank, step)
+        rank, copy = _rank_copy(request)
+        folder = self.store.find(rank, copy)
         if folder is None:
-            raise TransferError(f"rank {rank}'s step {step} is not held here")
+            raise TransferError(f"rank {rank}'s step {copy[0]} (life {copy[1]}) is not held here")
         files = step_files(folder)
         _send_line(conn, {"files": [[name, size] for name, size in files]})
         _send_files(conn, folder, files)
@@ -215,12 +216,12 @@ def _connect(address: str) -> socket.socket:
         raise TransferError(f"{address} cannot be reached: {error}") from error
 
 
-def push_step(address: str, token: str, folder: Path, rank: int, step: int) -> None:
-    """Copy the sealed ``folder`` (rank ``rank``'s step ``step``) into the memory of the agent at ``address``."""
+def push_step(address: str, token: str, folder: Path, rank: int, copy: Copy) -> None:
+    """Copy the sealed ``folder`` (rank ``rank``'s ``copy``) into the memory of the agent at ``address``."""
     files = step_files(folder)
     try:
         with _connect(address) as sock:
-            _send_line(sock, {"token": token, "op": "put", "rank": rank, "step": step,
+            _send_line(sock, {"token": token, "op": "put", "rank": rank, "step": copy[0], "life": copy[1],
                               "files": [[name, size] for name, size in files]})
             answer = _read_line(sock)
             if answer.get("ready"):
@@ -232,18 +233,18 @@ def push_step(address: str, token: str, folder: Path, rank: int, step: int) -> N
         raise TransferError(str(answer.get("error", "refused")))
 
 
-def fetch_step(address: str, token: str, rank: int, step: int, store: NodeStore) -> Path:
-    """Fetch rank ``rank``'s step ``step`` from the agent at ``address`` into this node's ``fetched/``; the
-    sealed folder."""
-    tmp = store.begin("fetched", rank, step)
+def fetch_step(address: str, token: str, rank: int, copy: Copy, store: NodeStore) -> Path:
+    """Fetch rank ``rank``'s ``copy`` from the agent at ``address`` into this node's ``fetched/``; the sealed
+    folder."""
+    tmp = store.begin("fetched", rank, copy)
     try:
         with _connect(address) as sock:
-            _send_line(sock, {"token": token, "op": "get", "rank": rank, "step": step})
+            _send_line(sock, {"token": token, "op": "get", "rank": rank, "step": copy[0], "life": copy[1]})
             answer = _read_line(sock)
             if "error" in answer:
                 raise TransferError(str(answer["error"]))
             _receive_files(sock, tmp, _listed(answer.get("files")))
-        return store.seal(tmp, step)
+        return store.seal(tmp, copy)
     except (OSError, ValueError, TransferError) as error:
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(error, TransferError):

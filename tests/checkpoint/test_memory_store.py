@@ -23,10 +23,10 @@ from hpc_train.checkpoint.memory_store import (
 )
 
 
-def _sealed(store: NodeStore, kind: str, rank: int, step: int) -> Path:
-    tmp = store.begin(kind, rank, step)
+def _sealed(store: NodeStore, kind: str, rank: int, step: int, life: int = 0) -> Path:
+    tmp = store.begin(kind, rank, (step, life))
     (tmp / "state.pt").write_bytes(b"x" * step)
-    return store.seal(tmp, step)
+    return store.seal(tmp, (step, life))
 
 
 def test_the_folder_is_private_and_named_after_the_job_node_and_agent(tmp_path: Path) -> None:
@@ -68,16 +68,17 @@ def test_a_rank_refuses_a_relative_or_linked_folder(tmp_path: Path) -> None:
 
 def test_steps_are_sealed_by_a_rename_and_the_newest_kept(tmp_path: Path) -> None:
     store = NodeStore.create("1", 0, base=tmp_path)
-    unsealed = store.begin("own", 2, 40)
+    unsealed = store.begin("own", 2, (40, 0))
     for step in (10, 20, 30, 40):
         _sealed(store, "own", 2, step)
-    assert store.steps("own", 2) == [40, 30, 20, 10]
+    assert store.steps("own", 2) == [(40, 0), (30, 0), (20, 0), (10, 0)]
     store.prune("own", 2)
-    assert store.steps("own", 2) == [40, 30, 20][:KEPT_STEPS]
+    assert store.steps("own", 2) == [(40, 0), (30, 0), (20, 0)][:KEPT_STEPS]
     _sealed(store, "replica", 5, 30)
-    assert store.holdings() == {2: [40, 30, 20][:KEPT_STEPS], 5: [30]}
-    assert store.find(5, 30) == store.rank_dir("replica", 5) / "step-30"
-    assert store.find(5, 40) is None
+    _sealed(store, "replica", 5, 30, life=1)  # the same step again, by the next life
+    assert store.holdings() == {2: [(40, 0), (30, 0), (20, 0)][:KEPT_STEPS], 5: [(30, 1), (30, 0)]}
+    assert store.find(5, (30, 1)) == store.rank_dir("replica", 5) / "step-30.1"
+    assert store.find(5, (40, 0)) is None
     assert unsealed.exists()
     store.clear_unsealed("own", 2)
     assert not unsealed.exists() and store.steps("own", 2)
@@ -100,12 +101,23 @@ def test_a_dead_agent_s_folder_is_removed_and_a_live_one_kept(tmp_path: Path) ->
     assert live.root.exists() and not dead.exists()
 
 
+def _life0(*steps: int) -> set[tuple[int, int]]:
+    return {(step, 0) for step in steps}
+
+
 def test_the_common_step_is_the_newest_every_rank_holds() -> None:
-    assert common_step({0: {10, 20}, 1: {10, 20}, 2: {20, 30}}, 3) == (20, [])
-    assert common_step({0: {10, 20}, 1: {20}}, 2) == (20, [])
-    assert common_step({0: {10}, 2: {10}}, 3) == (None, [1])
-    step, missing = common_step({0: {30}, 1: {20}}, 2)
-    assert step is None and missing == [1]
+    assert common_step({0: _life0(10, 20), 1: _life0(10, 20), 2: _life0(20, 30)}, 3) == ((20, 0), [])
+    assert common_step({0: _life0(10, 20), 1: _life0(20)}, 2) == ((20, 0), [])
+    assert common_step({0: _life0(10), 2: _life0(10)}, 3) == (None, [1])
+    copy, missing = common_step({0: _life0(30), 1: _life0(20)}, 2)
+    assert copy is None and missing == [1]
+
+
+def test_a_step_copied_in_two_lives_is_not_one_state() -> None:
+    """Life 0 copied step 30 on rank 0 only (rank 1 died first); life 1 resumed from step 20 and copied step 30
+    on rank 1 before it failed too. Step 30 exists for both ranks, but from two trajectories: step 20 it is."""
+    held = {0: {(30, 0), (20, 0)}, 1: {(30, 1), (20, 0)}}
+    assert common_step(held, 2) == ((20, 0), [])
 
 
 def _config(**changes: object) -> SimpleNamespace:

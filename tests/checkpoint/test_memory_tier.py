@@ -17,7 +17,7 @@ from hpc_train.checkpoint.memory_store import NodeStore
 from hpc_train.checkpoint.memory_tier import MemoryTier, choose_memory_step
 
 
-def _records(*held: dict[int, list[int]]) -> list[dict[str, object]]:
+def _records(*held: dict[int, list[tuple[int, int]]]) -> list[dict[str, object]]:
     return [{"address": f"n{index}:1", "held": each} for index, each in enumerate(held)]
 
 
@@ -27,21 +27,22 @@ def test_a_first_life_has_nothing_to_say() -> None:
 
 def test_the_newest_step_every_rank_holds_on_any_node_wins_over_an_older_disk() -> None:
     # node 0 holds ranks 0-1 (own) and a replica of 2-3; node 1 lost its own copies of 2-3 (a spare took them)
-    records = _records({0: [30, 20], 1: [30, 20], 2: [20, 10], 3: [20, 10]}, {0: [20], 1: [20]})
-    assert choose_memory_step(records, 4, 10) == (20, "")
-    assert choose_memory_step(records, 4, 20) == (20, "")  # as new as the disk: memory, read in seconds
+    records = _records({0: [(30, 0), (20, 0)], 1: [(30, 0), (20, 0)], 2: [(20, 0), (10, 0)], 3: [(20, 0), (10, 0)]},
+                       {0: [(20, 0)], 1: [(20, 0)]})
+    assert choose_memory_step(records, 4, 10) == ((20, 0), "")
+    assert choose_memory_step(records, 4, 20) == ((20, 0), "")  # as new as the disk: memory, read in seconds
 
 
 def test_a_newer_disk_checkpoint_wins_and_is_said() -> None:
-    step, said = choose_memory_step(_records({0: [20]}, {1: [20]}), 2, 30)
+    step, said = choose_memory_step(_records({0: [(20, 0)]}, {1: [(20, 0)]}), 2, 30)
     assert step is None and "the disk checkpoint step 30 is newer" in said
 
 
 def test_a_rank_whose_memory_and_replica_are_gone_sends_the_restart_to_disk_and_says_which() -> None:
-    step, said = choose_memory_step(_records({0: [20, 10]}, {}), 2, 10)
+    step, said = choose_memory_step(_records({0: [(20, 0), (10, 0)]}, {}), 2, 10)
     assert step is None
     assert "rank(s) 1 have none in common" in said and "resuming from the disk checkpoint (step 10)" in said
-    step, said = choose_memory_step(_records({0: [30]}, {1: [20]}), 2, 0)
+    step, said = choose_memory_step(_records({0: [(30, 0)]}, {1: [(20, 0)]}), 2, 0)
     assert step is None and "(none: from step 0)" in said
 
 

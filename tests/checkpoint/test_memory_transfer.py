@@ -27,24 +27,24 @@ def served(tmp_path: Path) -> tuple[NodeStore, str]:
 def _own_step(tmp_path: Path) -> tuple[NodeStore, Path]:
     (tmp_path / "a").mkdir()
     store = NodeStore.create("9", 0, base=tmp_path / "a")
-    tmp = store.begin("own", 3, 20)
+    tmp = store.begin("own", 3, (20, 0))
     (tmp / "ds").mkdir()
     (tmp / "ds" / "zero_pp_rank_3_mp_rank_00_optim_states.pt").write_bytes(bytes(range(256)) * 4000)
     (tmp / "rng.pt").write_bytes(b"rng")
     (tmp / "files.json").write_text("{}")
-    return store, store.seal(tmp, 20)
+    return store, store.seal(tmp, (20, 0))
 
 
 def test_a_replica_is_pushed_then_fetched_back_byte_for_byte(tmp_path: Path, served: tuple[NodeStore, str]) -> None:
     holder, address = served
     _store, folder = _own_step(tmp_path)
-    push_step(address, TOKEN, folder, 3, 20)
-    assert holder.holdings() == {3: [20]}
-    assert step_files(holder.find(3, 20)) == step_files(folder)
+    push_step(address, TOKEN, folder, 3, (20, 0))
+    assert holder.holdings() == {3: [(20, 0)]}
+    assert step_files(holder.find(3, (20, 0))) == step_files(folder)
     (tmp_path / "c").mkdir()
     fresh = NodeStore.create("9", 2, base=tmp_path / "c")
-    fetched = fetch_step(address, TOKEN, 3, 20, fresh)
-    assert fetched == fresh.rank_dir("fetched", 3) / "step-20"
+    fetched = fetch_step(address, TOKEN, 3, (20, 0), fresh)
+    assert fetched == fresh.rank_dir("fetched", 3) / "step-20.0"
     for name, _size in step_files(folder):
         assert (fetched / name).read_bytes() == (folder / name).read_bytes()
 
@@ -53,7 +53,7 @@ def test_a_wrong_token_is_refused_and_nothing_is_written(tmp_path: Path, served:
     holder, address = served
     _store, folder = _own_step(tmp_path)
     with pytest.raises(TransferError, match="token"):
-        push_step(address, "not-the-token", folder, 3, 20)
+        push_step(address, "not-the-token", folder, 3, (20, 0))
     assert holder.holdings() == {}
 
 
@@ -63,7 +63,7 @@ def test_a_step_not_held_is_refused_and_leaves_nothing_half_fetched(tmp_path: Pa
     (tmp_path / "c").mkdir()
     fresh = NodeStore.create("9", 2, base=tmp_path / "c")
     with pytest.raises(TransferError, match="not held here"):
-        fetch_step(address, TOKEN, 3, 20, fresh)
+        fetch_step(address, TOKEN, 3, (20, 0), fresh)
     assert not list(fresh.rank_dir("fetched", 3).iterdir())
 
 
@@ -72,7 +72,8 @@ def test_a_name_that_is_not_a_plain_relative_path_is_refused(served: tuple[NodeS
     holder, address = served
     host, port = address.split(":")
     with socket.create_connection((host, int(port)), timeout=10) as sock:
-        sock.sendall(json.dumps({"token": TOKEN, "op": "put", "rank": 0, "step": 1, "files": [[name, 1]]}).encode()
+        sock.sendall(json.dumps({"token": TOKEN, "op": "put", "rank": 0, "step": 1, "life": 0,
+                                "files": [[name, 1]]}).encode()
                      + b"\nx")
         answer = json.loads(sock.makefile().readline())
     assert "plain relative path" in answer["error"]
@@ -86,4 +87,4 @@ def test_an_unreachable_peer_is_a_transfer_error(tmp_path: Path) -> None:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     with pytest.raises(TransferError, match="cannot be reached"):
-        push_step(f"127.0.0.1:{port}", TOKEN, folder, 3, 20)
+        push_step(f"127.0.0.1:{port}", TOKEN, folder, 3, (20, 0))

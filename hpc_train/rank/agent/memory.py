@@ -22,8 +22,10 @@ from typing import Any
 from hpc_train.checkpoint.memory_store import (
     MEMORY_ADDRESS_ENV,
     MEMORY_DIR_ENV,
+    Copy,
     NodeStore,
     StoreError,
+    copy_name,
     remove_stale_stores,
 )
 from hpc_train.checkpoint.memory_transfer import MemoryServer, TransferError, push_step
@@ -34,6 +36,7 @@ from hpc_train.rank.agent.setup import AgentSetup
 __all__ = ["NodeMemory", "memory_key"]
 
 _LOOK_EVERY_S = 0.2
+_NONE: Copy = (-1, -1)
 
 
 def memory_key(attempt: str, node: int) -> str:
@@ -48,8 +51,8 @@ class NodeMemory:
                  log: logging.Logger) -> None:
         self.store, self.server, self.host, self.link, self.node, self.log = store, server, host, link, node, log
         self.address = f"{host}:{server.port}"
-        self.pushed: dict[int, int] = {}  # rank: the newest step sent to another node (or found nowhere to go)
-        self._pending: queue.Queue[tuple[int, int, str] | None] = queue.Queue()
+        self.pushed: dict[int, Copy] = {}  # rank: the newest copy sent to another node (or found nowhere to go)
+        self._pending: queue.Queue[tuple[int, Copy, str] | None] = queue.Queue()
         self._busy: set[int] = set()
         self._next_look = 0.0
         self._said_alone = False
@@ -96,7 +99,7 @@ class NodeMemory:
         for rank in self.store.ranks("own"):
             if rank in self._busy:
                 continue
-            waiting = sorted(step for step in self.store.steps("own", rank) if step > self.pushed.get(rank, -1))
+            waiting = sorted(copy for copy in self.store.steps("own", rank) if copy > self.pushed.get(rank, _NONE))
             if not waiting:
                 continue
             target = self.target()
@@ -128,11 +131,12 @@ class NodeMemory:
 
     def _push_loop(self) -> None:
         while (item := self._pending.get()) is not None:
-            rank, step, target = item
+            rank, copy, target = item
+            step = copy[0]
             try:
-                folder = self.store.rank_dir("own", rank) / f"step-{step}"
+                folder = self.store.rank_dir("own", rank) / copy_name(copy)
                 started = time.perf_counter()
-                push_step(target, self.link.address.token, folder, rank, step)
+                push_step(target, self.link.address.token, folder, rank, copy)
                 if rank not in self.pushed:  # the first copy of each rank is said; the rest only when they fail
                     size = sum(path.stat().st_size for path in folder.rglob("*") if path.is_file())
                     self.log.info("memory tier: rank %d's step %d (%.1f MB) copied to %s in %.2f s (each new copy "
@@ -141,7 +145,7 @@ class NodeMemory:
                 self.log.warning("memory tier: rank %d's step %d was not copied to %s: %s", rank, step, target,
                                  error)
             finally:
-                self.pushed[rank] = max(step, self.pushed.get(rank, -1))
+                self.pushed[rank] = max(copy, self.pushed.get(rank, _NONE))
                 self._busy.discard(rank)
 
     def close(self) -> None:

@@ -40,13 +40,13 @@ def test_a_sealed_step_is_copied_to_the_next_node_and_the_folders_go_with_the_ag
         env = zero.environment()
         assert NodeStore.opened(env[MEMORY_DIR_ENV]) == zero.store and env[MEMORY_ADDRESS_ENV] == zero.address
         _until(lambda: zero.target() == one.address and one.target() == zero.address)
-        tmp = zero.store.begin("own", 0, 10)
+        tmp = zero.store.begin("own", 0, (10, 0))
         (tmp / "rng.pt").write_bytes(b"state of rank 0")
-        zero.store.seal(tmp, 10)
+        zero.store.seal(tmp, (10, 0))
         zero.tick()
-        _until(lambda: one.store.holdings() == {0: [10]})
-        assert (one.store.find(0, 10) / "rng.pt").read_bytes() == b"state of rank 0"
-        assert zero.pushed == {0: 10}
+        _until(lambda: one.store.holdings() == {0: [(10, 0)]})
+        assert (one.store.find(0, (10, 0)) / "rng.pt").read_bytes() == b"state of rank 0"
+        assert zero.pushed == {0: (10, 0)}
     finally:
         for memory in memories:
             if memory is not None:
