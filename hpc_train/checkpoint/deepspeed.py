@@ -119,7 +119,8 @@ class Checkpointer(CheckpointTransaction):
         # the memory tier, where the ranks run under node agents (a restart in place) and the plan allows it
         self.memory_applies = IN_PLACE_ENV in os.environ and not why_memory_tier_off(config, layout.tensor,
                                                                                       layout.pipeline)
-        self.memory = MemoryTier.from_env(config.checkpoint.memory_every_steps, self.rank, self.log) \
+        self.memory = MemoryTier.from_env(config.checkpoint.memory_every_steps, self.rank,
+                                          config.job.tasks_per_node, self.log) \
             if self.memory_applies else None
 
     def install(self, engine: Any) -> None:

@@ -4,15 +4,16 @@ death and copies to another node's agent; a restart in place resumes from the ne
 memory, and from the disk checkpoint only where memory has nothing as new.
 
 What a rank writes is DeepSpeed's own checkpoint of it (through :class:`RankFiles`, staged: training goes on while
-a thread writes the files), with one difference from the disk save: every rank writes the module's file, not only
-the first data-parallel rank, so that each rank's folder loads alone, and a rank reads nothing of another node's
-at a restart (ZeRO 1 and 2 hold the whole module on every rank anyway). Its random state goes beside it. The load
-is DeepSpeed's ``load_checkpoint`` of that folder: the same code as the disk resume, so the run goes on bitwise as
-it would have.
+a thread writes the files), and its random state beside it. With ZeRO 0-2 the module is whole on every rank, so
+its file is written once per node, by the node's first rank, and a rank whose copy lacks it links that rank's at
+the restart (fetched with it where the node was lost); with ZeRO-3 every rank writes its own, as on disk. The load
+is DeepSpeed's ``load_checkpoint`` of the rank's folder: the same code as the disk resume, so the run goes on
+bitwise as it would have.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import time
@@ -71,16 +72,17 @@ class MemoryTier:
     """One rank's memory tier: :meth:`save` every ``every`` steps, :func:`resume_from_memory` at the start."""
 
     def __init__(self, store: NodeStore, address: str, token: str, rank: int, every: int,
-                 log: Callable[[str], None], life: int = 0) -> None:
+                 log: Callable[[str], None], life: int = 0, per_node: int = 1) -> None:
         self.store, self.address, self.token = store, address, token
         self.rank, self.every, self.log, self.life = rank, every, log, life
+        self.first = rank - rank % max(1, per_node)  # the first rank of this rank's node: it copies the module
         self._copy: Copy = (0, life)
         self.files = _SealingFiles(rank, store, lambda: self._copy, log)
         self.skipped_for_room = False
         store.clear_unsealed("own", rank)
 
     @classmethod
-    def from_env(cls, every: int, rank: int, log: Callable[[str], None],
+    def from_env(cls, every: int, rank: int, per_node: int, log: Callable[[str], None],
                  env: Mapping[str, str] | None = None) -> MemoryTier | None:
         """The tier where this rank's agent keeps one (it set :data:`MEMORY_DIR_ENV`), else None."""
         env = os.environ if env is None else env
@@ -94,7 +96,7 @@ class MemoryTier:
             return None
         life = env.get(IN_PLACE_ENV, "0")
         return cls(store, env.get(MEMORY_ADDRESS_ENV, ""), env.get(CONTROL_TOKEN_ENV, ""), rank, every, log,
-                   int(life) if life.isdigit() else 0)
+                   int(life) if life.isdigit() else 0, per_node)
 
     def due(self, step: int) -> bool:
         return step % self.every == 0
@@ -110,7 +112,8 @@ class MemoryTier:
         self.files.begin(tmp, staged=True)
         install_file_engine(engine, self.files)
         writer = engine.save_non_zero_checkpoint
-        engine.save_non_zero_checkpoint = True  # every rank's folder loads alone (see the module's docstring)
+        # ZeRO 0-2: the module's file (whole on every rank) once per node; ZeRO-3: every rank's own, as on disk
+        engine.save_non_zero_checkpoint = writer or self.rank == self.first
         try:
             engine.save_checkpoint(str(tmp), tag=DEEPSPEED_TAG, client_state={"step": step, "sampler": sampler_state},
                                    save_latest=False)
@@ -141,19 +144,34 @@ class MemoryTier:
         """What this rank tells the others at a restart: where its node's memory is served, what it holds."""
         return {"address": self.address, "held": self.store.holdings()}
 
-    def folder_for(self, copy: Copy, sources: list[str]) -> tuple[Path | None, str]:
-        """This rank's sealed folder of ``copy``: on this node, or fetched from a node that holds its replica;
-        (folder, where) or (None, why not)."""
-        found = self.store.find(self.rank, copy)
+    def folder_for(self, copy: Copy, sources: list[str], rank: int | None = None) -> tuple[Path | None, str]:
+        """Rank ``rank``'s (this rank's) sealed folder of ``copy``: on this node, or fetched from a node that holds
+        its replica; (folder, where) or (None, why not)."""
+        rank = self.rank if rank is None else rank
+        found = self.store.find(rank, copy)
         if found is not None:
             return found, found.parent.parent.name  # own, replica or fetched (in an earlier life)
         problems = []
         for address in sources:
             try:
-                return fetch_step(address, self.token, self.rank, copy, self.store), "fetched"
+                return fetch_step(address, self.token, rank, copy, self.store), "fetched"
             except TransferError as error:
                 problems.append(f"{address}: {error}")
-        return None, f"rank {self.rank}'s step {copy[0]}: " + ("; ".join(problems) or "no node holds it")
+        return None, f"rank {rank}'s step {copy[0]}: " + ("; ".join(problems) or "no node holds it")
+
+    def module_into(self, folder: Path, copy: Copy, sources: list[str]) -> tuple[list[FileEntry], str | None]:
+        """ZeRO 0-2: the module's file, which only the first rank of a node copies, linked into this rank's
+        ``folder`` from that rank's copy (on this node, or fetched); its entries, and the problem if any."""
+        if _module_files(folder) or self.rank == self.first:
+            return [], None
+        first, how = self.folder_for(copy, sources, rank=self.first)
+        if first is None:
+            return [], how
+        names = {path.relative_to(first).as_posix() for path in _module_files(first)}
+        for name in names:
+            with contextlib.suppress(FileExistsError):
+                os.link(first / name, folder / name)
+        return [entry for entry in _entries(first) if entry.path in names], None
 
 
 def _sources(records: list[dict[str, Any]], world: int
@@ -188,10 +206,21 @@ def choose_memory_step(records: list[dict[str, Any]], world: int, disk_step: int
     return copy, ""
 
 
-def _load(tier: MemoryTier, engine: Any, folder: Path, check_sha256: bool) -> tuple[str | None, dict[str, Any]]:
-    """DeepSpeed's load of this rank's folder, each file checked against ``files.json``; (problem, client)."""
+def _module_files(folder: Path) -> list[Path]:
+    """DeepSpeed's module file(s) of a copy (``mp_rank_00_model_states.pt``; ZeRO-3's ``zero_pp_rank_*``)."""
+    return sorted((folder / DEEPSPEED_TAG).glob("*model_states.pt"))
+
+
+def _entries(folder: Path) -> list[FileEntry]:
+    return [FileEntry(str(e["path"]), int(e["size"]), str(e["sha256"])) for e in read_files_list(folder)]
+
+
+def _load(tier: MemoryTier, engine: Any, folder: Path, check_sha256: bool,
+          linked: list[FileEntry]) -> tuple[str | None, dict[str, Any]]:
+    """DeepSpeed's load of this rank's folder, each file checked against ``files.json`` (``linked``: the module's
+    file linked from the node's first rank, with its entry); (problem, client)."""
     files = RankFiles(tier.rank, async_save=False)
-    entries = [FileEntry(str(e["path"]), int(e["size"]), str(e["sha256"])) for e in read_files_list(folder)]
+    entries = _entries(folder) + linked
     if not entries:
         return f"rank {tier.rank}: {folder} has no files.json", {}
     try:
@@ -205,6 +234,19 @@ def _load(tier: MemoryTier, engine: Any, folder: Path, check_sha256: bool) -> tu
     if client is None:
         return f"rank {tier.rank}: DeepSpeed found no checkpoint in {folder}", {}
     return (f"rank {tier.rank}: {problems[0]}" if problems else None), client
+
+
+def _gather(tier: MemoryTier, copy: Copy, where: dict[tuple[int, Copy], list[str]]
+            ) -> tuple[Path | None, str, list[FileEntry]]:
+    """This rank's folder of ``copy`` with the module's file in it (from its node's first rank where that rank
+    copied it): (folder, where it came from, the linked entries), or (None, why not, [])."""
+    elsewhere = {rank: [address for address in where.get((rank, copy), []) if address != tier.address]
+                 for rank in (tier.rank, tier.first)}
+    folder, how = tier.folder_for(copy, elsewhere[tier.rank])
+    if folder is None:
+        return None, how, []
+    linked, missing = tier.module_into(folder, copy, elsewhere[tier.first])
+    return (None, missing, []) if missing is not None else (folder, how, linked)
 
 
 def resume_from_memory(tier: MemoryTier | None, engine: Any, disk_step: int, rank: int, world: int,
@@ -230,7 +272,7 @@ def resume_from_memory(tier: MemoryTier | None, engine: Any, disk_step: int, ran
     step = copy[0]
     _held, where = _sources(records, world)
     started = time.perf_counter()
-    folder, how = tier.folder_for(copy, [a for a in where[(rank, copy)] if a != tier.address]) if tier else (None, "")
+    folder, how, linked = _gather(tier, copy, where) if tier else (None, "no memory", [])
     outcomes = all_gather_objects((folder is not None, how))
     failed = [text for found, text in outcomes if not found]
     if failed:
@@ -238,7 +280,7 @@ def resume_from_memory(tier: MemoryTier | None, engine: Any, disk_step: int, ran
             log(f"memory tier: step {step} could not be gathered ({failed[0]}); resuming from the disk checkpoint")
         return None
     fetched = [text for _found, text in outcomes]
-    problem, client = _load(tier, engine, folder, check_sha256) if tier and folder else ("no folder", {})
+    problem, client = _load(tier, engine, folder, check_sha256, linked) if tier and folder else ("no folder", {})
     problems = [p for p in all_gather_objects(problem) if p]
     if problems:
         return problems[0]

@@ -3,6 +3,7 @@ copy skipped where the node's memory would not hold it."""
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -13,8 +14,9 @@ import torch
 import torch.distributed as dist
 
 from hpc_train.checkpoint import memory_tier
-from hpc_train.checkpoint.memory_store import NodeStore
+from hpc_train.checkpoint.memory_store import NodeStore, write_files_list
 from hpc_train.checkpoint.memory_tier import MemoryTier, choose_memory_step
+from hpc_train.checkpoint.names import DEEPSPEED_TAG
 
 
 def _records(*held: dict[int, list[tuple[int, int]]]) -> list[dict[str, object]]:
@@ -69,3 +71,40 @@ def test_a_copy_the_node_has_no_room_for_is_skipped_and_said_once(tmp_path: Path
     monkeypatch.setattr(memory_tier, "available_memory", lambda: 10**12)
     assert tier._room(engine, 30)
     assert len(said) == 2 and "copying again from step 30" in said[1]
+
+
+def _copy_of(store: NodeStore, rank: int, names: dict[str, bytes]) -> Path:
+    tmp = store.begin("own", rank, (20, 1))
+    entries = []
+    for name, data in names.items():
+        (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp / name).write_bytes(data)
+        entries.append({"path": name, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()})
+    write_files_list(tmp, entries)
+    return store.seal(tmp, (20, 1))
+
+
+def test_a_rank_whose_copy_lacks_the_module_links_its_node_s_first_rank_s(tmp_path: Path) -> None:
+    """ZeRO 0-2: only the node's first rank (here rank 2 of ranks 2-3) copies the module's file; rank 3's load
+    links it into its own folder, with its entry to check it against."""
+    (tmp_path / "shm").mkdir()
+    store = NodeStore.create("5", 1, base=tmp_path / "shm")
+    module = f"{DEEPSPEED_TAG}/mp_rank_00_model_states.pt"
+    _copy_of(store, 2, {module: b"module", f"{DEEPSPEED_TAG}/zero_pp_rank_0_mp_rank_00_optim_states.pt": b"a"})
+    folder = _copy_of(store, 3, {f"{DEEPSPEED_TAG}/zero_pp_rank_1_mp_rank_00_optim_states.pt": b"b"})
+    tier = MemoryTier(store, "n1:1", "token", 3, 10, print, life=1, per_node=2)
+    assert tier.first == 2
+    linked, problem = tier.module_into(folder, (20, 1), [])
+    assert problem is None and [entry.path for entry in linked] == [module]
+    assert (folder / module).read_bytes() == b"module"
+    assert (folder / module).stat().st_ino == (store.find(2, (20, 1)) / module).stat().st_ino  # a link, no copy
+    assert tier.module_into(folder, (20, 1), []) == ([], None)  # already there
+
+
+def test_a_module_held_nowhere_is_a_problem_not_a_load(tmp_path: Path) -> None:
+    (tmp_path / "shm").mkdir()
+    store = NodeStore.create("5", 1, base=tmp_path / "shm")
+    folder = _copy_of(store, 3, {f"{DEEPSPEED_TAG}/zero_pp_rank_1_mp_rank_00_optim_states.pt": b"b"})
+    tier = MemoryTier(store, "n1:1", "token", 3, 10, print, life=1, per_node=2)
+    linked, problem = tier.module_into(folder, (20, 1), [])
+    assert linked == [] and problem == "rank 2's step 20: no node holds it"

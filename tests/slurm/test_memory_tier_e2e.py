@@ -1,6 +1,6 @@
 """The memory tier on the real local Slurm cluster (``[checkpoint] memory_every_steps``): a rank killed with
-``kill -9`` at a random step of a 2-node x 2-task ZeRO-3 job whose disk checkpoints are off for the run resumes from
-its node's memory inside the same job, and the run ends with an uninterrupted run's weights, bit for bit. (A lost node
+``kill -9`` at a random step of a 2-node x 2-task job whose disk checkpoints are off for the run resumes from its
+node's memory inside the same job, and the run ends with an uninterrupted run's weights, bit for bit. (A lost node
 whose ranks resume from a replica on another node: ``test_preemption_e2e``'s hot-spare test.)"""
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from tests.slurm.test_preemption_e2e import (
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("slurm_cluster")]
-# 2 nodes (the tests' base) of 2 ranks each, ZeRO-3: each copy holds only the rank's shard (the hot-spare test
-# resumes ZeRO-2, the default, whose copies hold the whole module)
-TWO_BY_TWO = ["--set", "job.tasks_per_node=2", "--set", "zero.stage=3"]
+# 2 nodes (the tests' base) of 2 ranks each, ZeRO-2 (the default): only each node's first rank copies the module,
+# and rank 1 links rank 0's copy when it loads
+TWO_BY_TWO = ["--set", "job.tasks_per_node=2"]
 MEMORY_ONLY = ["--set", "checkpoint.every_steps=1000", "--set", "checkpoint.memory_every_steps=10"]
 
 
