@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from hpc_train.run.node_log import rank_log_text
 from hpc_train.run.watch import last_logged_step
 from tests.slurm.test_preemption_e2e import (
     BASE,
@@ -32,12 +33,14 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("slurm_cluster")]
 def test_a_hung_rank_is_restarted_in_place_then_requeued_once_retry_in_place_is_spent(tmp_path: Path) -> None:
     """Rank 1 hangs at step 15 in every life of the job's first Slurm attempt: the watchdog finds it, the ranks
     start again inside the job (retry.in_place = 1), it hangs again, and with no restart in place left the job
-    is requeued as before; the requeued attempt runs to the end."""
+    is requeued as before; the requeued attempt runs to the end. The restart in place resumes from the copy of
+    step 10 in the nodes' memory (``checkpoint.memory_every_steps = 5``); the requeued attempt's new agents hold no
+    memory, and it resumes from the disk."""
     timeout_s = 15
     job_id = _submit(tmp_path, 30, "--set", "env.HPC_TRAIN_INJECT_FAULT=hang:1", "--set",
                      "env.HPC_TRAIN_INJECT_FAULT_STEP=15", "--set", "env.HPC_TRAIN_INJECT_FAULT_RESTART=0",
                      "--set", f"watchdog.step_timeout_s={timeout_s}", "--set", "retry.hang=1",
-                     "--set", "retry.in_place=1")
+                     "--set", "retry.in_place=1", "--set", "checkpoint.memory_every_steps=5")
     run_dir = tmp_path / "runs" / "tiny-gpt"
     _wait_until_completed(job_id, run_dir, timeout_s=480)
     first, second, third = _attempts(run_dir)
@@ -54,6 +57,8 @@ def test_a_hung_rank_is_restarted_in_place_then_requeued_once_retry_in_place_is_
         assert "# main thread 0x" in (run_dir / "logs" / f"stacks-rank-{rank}.txt").read_text()
     assert third["outcome"] == "completed" and third["restart"] == 1 and third["start_step"] == 10, third
     assert last_logged_step(run_dir) == 30
+    rank0 = rank_log_text(run_dir, 0)
+    assert rank0.count("resumed from memory at step 10") == 1, _logs(run_dir)  # the second life; not the requeue
 
 
 def _resume_if_down(node: str) -> None:
