@@ -36,6 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hpc_train.run.host_memory import available_memory
+
 __all__ = ["FILES_NAME", "KEPT_STEPS", "MEMORY_ADDRESS_ENV", "MEMORY_DIR_ENV", "SHM_ROOT", "Copy", "NodeStore",
            "StoreError", "available_memory", "common_step", "copy_name", "read_files_list", "remove_stale_stores",
            "why_memory_tier_off", "write_files_list"]
@@ -57,17 +59,6 @@ def copy_name(copy: Copy) -> str:
 
 class StoreError(Exception):
     """The node's memory folder cannot be used (not ours, a link, not private): the tier stays off."""
-
-
-def available_memory() -> int | None:
-    """``MemAvailable`` in bytes (what the node can still give without swapping), or None where unknown."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
 
 
 def _private_folder(path: Path, create: bool) -> None:

@@ -38,6 +38,7 @@ from hpc_train.checkpoint.manifest import FileEntry
 from hpc_train.checkpoint.writer import CorruptFileError, ViewReader, read_file, write_file
 from hpc_train.control.written import publish_written
 from hpc_train.run.files import atomic_write
+from hpc_train.run.host_memory import available_memory
 
 __all__ = ["WRITTEN_DIR", "RankFiles", "load_safely", "written_marker"]
 
@@ -70,16 +71,6 @@ def load_safely(data: Any, map_location: Any = None) -> Any:
     into its tensor (:class:`~hpc_train.checkpoint.writer.ViewReader`)."""
     with torch.serialization.safe_globals(_safe_globals()), memoryview(data) as view:
         return torch.load(ViewReader(view.cast("B")), map_location=map_location, weights_only=True)
-
-
-def _available_memory() -> int | None:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
 
 
 def _tensor_bytes(value: Any) -> int:
@@ -215,7 +206,7 @@ class RankFiles:
         return self._staging
 
     def _fits(self, state: Any, relative: str) -> bool:
-        available = _available_memory()
+        available = available_memory()
         needed = _tensor_bytes(state) - sum(t.numel() * t.element_size() for t in self._buffers.get(relative, []))
         if available is None or needed <= available * _MEMORY_SHARE:
             return True

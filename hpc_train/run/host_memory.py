@@ -9,10 +9,21 @@ import resource
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["MemoryPeak", "memory_cgroup", "memory_peak", "oom_kills"]
+__all__ = ["MemoryPeak", "available_memory", "memory_cgroup", "memory_peak", "oom_kills"]
 
 _CGROUP_ROOT = Path("/sys/fs/cgroup")
 _NO_LIMIT = 1 << 60  # cgroup v1 writes "no limit" as a page-rounded 2^63 - 1
+
+
+def available_memory() -> int | None:
+    """``MemAvailable`` in bytes (what the node can still give without swapping), or None where unknown."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def memory_cgroup(proc_cgroup: str | None = None) -> tuple[Path, int] | None:

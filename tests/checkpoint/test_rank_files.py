@@ -60,7 +60,7 @@ def test_the_next_save_stages_into_the_same_buffers(tmp_path: Path) -> None:
 
 def test_a_file_too_big_for_free_memory_is_written_before_training_goes_on(tmp_path: Path,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(checkpoint_files, "_available_memory", lambda: 1000)
+    monkeypatch.setattr(checkpoint_files, "available_memory", lambda: 1000)
     files = RankFiles(rank=0, async_save=True)
     files.begin(tmp_path, staged=True)
     files.save(_state(), tmp_path / "big.pt")
