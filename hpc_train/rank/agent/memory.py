@@ -76,7 +76,12 @@ class NodeMemory:
         except (StoreError, OSError) as error:
             log.warning("memory tier off on %s: %s", setup.node_name, error)
             return None
-        server = MemoryServer(store, link.address.token).start()
+        try:
+            server = MemoryServer(store, link.address.token).start()
+        except OSError as error:  # no port to listen on
+            store.remove()
+            log.warning("memory tier off on %s: its server cannot listen (%s)", setup.node_name, error)
+            return None
         host = socket.gethostname()
         with contextlib.suppress(ControlError):
             link.client.set(memory_key(attempt, setup.node), {"host": host, "port": server.port,
