@@ -99,7 +99,7 @@ def check_scheduler(scheduler: Any, where: str) -> None:
     if scheduler is None:
         return
     kind = scheduler.get("type") if isinstance(scheduler, dict) else None
-    if kind not in SCHEDULER_PARAMS:
+    if not isinstance(kind, str) or kind not in SCHEDULER_PARAMS:  # a list or an object: not a name (fuzz 614)
         raise ConfigError(f"{where}scheduler.type", f'"{str(kind)[:80]}" is not one of DeepSpeed\'s schedulers',
                           f"use one of {', '.join(SCHEDULER_PARAMS)} (deepspeed.runtime.lr_schedules)")
     taken = SCHEDULER_PARAMS[str(kind)]

@@ -62,6 +62,7 @@ def test_set_wins_over_the_file_and_the_rest_passes_through(tmp_path: Path) -> N
     ("", {"scheduler": {"type": "Cosine"}}, 'ds_config.json: scheduler.type: "Cosine" is not one of DeepSpeed\'s '
      "schedulers. Fix: use one of WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest"),
     ("", {"scheduler": {"params": {"warmup_num_steps": 5}}}, 'scheduler.type: "None" is not one of'),
+    ("", {"scheduler": {"type": [0.9, 0.95, 0.99]}}, 'scheduler.type: "[0.9, 0.95, 0.99]" is not one of'),
     ("", {"scheduler": {"type": "WarmupLR", "params": {"total_num_steps": 5}}},
      "ds_config.json: scheduler.params.total_num_steps: is not a parameter of DeepSpeed's WarmupLR. Fix: its "
      "parameters: warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type, last_batch_iteration"),
