@@ -112,17 +112,24 @@ class NodeStore:
     def begin(self, kind: str, rank: int, copy: Copy) -> Path:
         """A new folder for rank ``rank``'s ``copy`` (step, life), to be filled then :meth:`seal`-ed."""
         folder = self.rank_dir(kind, rank)
-        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        # never parents=True: a folder removed at the agent's end is not made again by a late request
+        for level in (folder.parent, folder):
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(level, 0o700)
         tmp = folder / f".{copy_name(copy)}-{secrets.token_hex(4)}"
         os.mkdir(tmp, 0o700)
         return tmp
 
     def seal(self, tmp: Path, copy: Copy) -> Path:
-        """The copy is whole: its folder takes its name (replacing one of the same name left by a failed push)."""
+        """The copy is whole: its folder takes its name. A sealed folder of that name is never replaced (a copy
+        pushed or fetched twice is the same bytes, and a reader may be in it): the new one is dropped."""
         final = tmp.parent / copy_name(copy)
-        if final.exists():
-            shutil.rmtree(final, ignore_errors=True)
-        os.rename(tmp, final)
+        try:
+            os.rename(tmp, final)
+        except OSError:  # ENOTEMPTY / EEXIST: sealed meanwhile by another request
+            if not final.is_dir():
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
         return final
 
     def steps(self, kind: str, rank: int) -> list[Copy]:

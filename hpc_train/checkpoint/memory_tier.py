@@ -13,7 +13,6 @@ bitwise as it would have.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import time
@@ -47,6 +46,17 @@ RNG_NAME = "rng.pt"
 _MEMORY_SHARE = 0.5  # a snapshot is skipped where it would take more than this share of the memory left
 
 
+def _room_left(folder: Path) -> int | None:
+    """What the node can still take into ``folder``: the smaller of its free memory and the tmpfs's free space."""
+    available = available_memory()
+    try:
+        stat = os.statvfs(folder)
+        free = stat.f_bavail * stat.f_frsize
+    except OSError:
+        return available
+    return free if available is None else min(available, free)
+
+
 class _SealingFiles(RankFiles):
     """:class:`RankFiles` whose last act of a save seals the step's folder (``files.json``, then the rename)
     instead of reporting to rank 0: memory needs no commit, a restart takes the newest step every rank sealed."""
@@ -55,6 +65,20 @@ class _SealingFiles(RankFiles):
         super().__init__(rank, async_save=True)
         self.store, self.copy_of, self.note = store, copy_of, log
         self.sealed_bytes = 0
+
+    def save(self, state: Any, path: Path) -> None:
+        """As :meth:`RankFiles.save`, staged, but a file that cannot be staged is dropped with the copy, never
+        written on the training thread and never raised: a rank that raised here would leave the others in
+        DeepSpeed's save, and a copy that does not fit has no business taking the memory anyway."""
+        if self._error is not None:
+            return
+        try:
+            relative = Path(os.path.abspath(path)).relative_to(os.path.abspath(self._folder())).as_posix()
+            if not self._fits(state, relative):
+                raise MemoryError("not enough free memory to stage it")
+            super().save(state, path)
+        except Exception as error:  # reported once, by the seal: the copy is dropped, the previous one stays
+            self._error = error
 
     def _mark(self, folder: Path) -> None:
         if self._error is not None:
@@ -65,6 +89,7 @@ class _SealingFiles(RankFiles):
         write_files_list(folder, [{"path": e.path, "size": e.size, "sha256": e.sha256} for e in self.entries])
         self.store.seal(folder, self.copy_of())
         self.store.prune("own", self.rank)
+        self.store.prune("fetched", self.rank, keep=0)  # a copy fetched at the last restart: this one is newer
         self.sealed_bytes = sum(e.size for e in self.entries)
 
 
@@ -75,7 +100,9 @@ class MemoryTier:
                  log: Callable[[str], None], life: int = 0, per_node: int = 1) -> None:
         self.store, self.address, self.token = store, address, token
         self.rank, self.every, self.log, self.life = rank, every, log, life
-        self.first = rank - rank % max(1, per_node)  # the first rank of this rank's node: it copies the module
+        self.per_node = max(1, per_node)
+        self.first = rank - rank % self.per_node  # the first rank of this rank's node: it copies the module
+        self._problem = ""
         self._copy: Copy = (0, life)
         self.files = _SealingFiles(rank, store, lambda: self._copy, log)
         self.skipped_for_room = False
@@ -105,10 +132,16 @@ class MemoryTier:
         """Copy this rank's state at ``step`` into the node's memory; every rank calls it at the same step
         (DeepSpeed's save has collectives). The files are written by a thread while training goes on."""
         self.files.drain()  # the previous copy is sealed (or failed) before the next one starts
-        if not self._room(engine, step):
+        copy = (step, self.life)
+        try:
+            tmp: Path | None = self.store.begin("own", self.rank, copy)
+        except OSError as error:  # /dev/shm full, the folder gone: said with the room, agreed by every rank
+            tmp, self._problem = None, str(error)
+        if not self._room(engine, step, tmp is not None):
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
             return
-        self._copy = (step, self.life)
-        tmp = self.store.begin("own", self.rank, self._copy)
+        self._copy = copy
         self.files.begin(tmp, staged=True)
         install_file_engine(engine, self.files)
         writer = engine.save_non_zero_checkpoint
@@ -122,16 +155,20 @@ class MemoryTier:
         self.files.save(random_state.capture(engine.device), tmp / RNG_NAME)
         self.files.announce()
 
-    def _room(self, engine: Any, step: int) -> bool:
-        """Whether every rank's node has memory for this copy beside the ones it keeps (the ranks agree: DeepSpeed's
-        save has collectives, so all copy or none does); said once each time it changes."""
-        needed = self.files.sealed_bytes or 4 * sum(p.numel() * p.element_size() for p in engine.module.parameters())
-        available = available_memory()
-        fits_here = available is None or needed <= available * _MEMORY_SHARE
+    def _room(self, engine: Any, step: int, ready: bool = True) -> bool:
+        """Whether every rank's node has room for this copy: the node's ranks' copies together (each as big as
+        this rank's last, or 4 bytes a parameter before the first) within half of what the node's memory and
+        ``/dev/shm`` can still take. The ranks agree (DeepSpeed's save has collectives, so all copy or none does);
+        said once each time it changes."""
+        needed = self.per_node * (self.files.sealed_bytes or 4 * sum(
+            getattr(p, "ds_numel", p.numel()) * p.element_size() for p in engine.module.parameters()))
+        available = _room_left(self.store.root)
+        fits_here = ready and (available is None or needed <= available * _MEMORY_SHARE)
         fits = bool(all_reduce_values([1 if fits_here else 0], op="min")[0])
         if fits == self.skipped_for_room:
             self.skipped_for_room = not fits
-            where = (f"{needed / 1e9:.2f} GB to copy, {(available or 0) / 1e9:.2f} GB of memory available"
+            where = (f"{self._problem}" if not ready else
+                     f"{needed / 1e9:.2f} GB to copy on this node, {(available or 0) / 1e9:.2f} GB of memory left"
                      if not fits_here or fits else "another rank's node lacks the memory")
             self.log(f"memory tier: {'skipping' if not fits else 'copying again from'} step {step} on rank "
                      f"{self.rank}: {where}" + ("; a restart reads the disk checkpoint" if not fits else ""))
@@ -161,17 +198,43 @@ class MemoryTier:
 
     def module_into(self, folder: Path, copy: Copy, sources: list[str]) -> tuple[list[FileEntry], str | None]:
         """ZeRO 0-2: the module's file, which only the first rank of a node copies, linked into this rank's
-        ``folder`` from that rank's copy (on this node, or fetched); its entries, and the problem if any."""
-        if _module_files(folder) or self.rank == self.first:
-            return [], None
+        ``folder`` from that rank's copy (on this node after the first phase of a restart, else fetched); the
+        entries to check it against (from that rank's ``files.json``), and the problem if any."""
+        if self.rank == self.first or any(_is_module(entry.path) for entry in _entries(folder)):
+            return [], None  # a first rank's copy, or ZeRO-3's own module file: listed in this rank's files.json
         first, how = self.folder_for(copy, sources, rank=self.first)
         if first is None:
             return [], how
-        names = {path.relative_to(first).as_posix() for path in _module_files(first)}
-        for name in names:
-            with contextlib.suppress(FileExistsError):
-                os.link(first / name, folder / name)
-        return [entry for entry in _entries(first) if entry.path in names], None
+        entries = [entry for entry in _entries(first) if _is_module(entry.path)]
+        if not entries:
+            return [], f"rank {self.first}'s step {copy[0]} holds no module file"
+        for entry in entries:
+            try:
+                os.link(first / entry.path, folder / entry.path)
+            except FileExistsError:
+                pass  # linked at an earlier restart from this copy
+            except OSError as error:
+                return [], f"rank {self.first}'s module file cannot be linked here: {error}"
+        return entries, None
+
+
+def _is_module(path: str) -> bool:
+    return path.startswith(f"{DEEPSPEED_TAG}/") and path.endswith("model_states.pt")
+
+
+def _complete(folder: Path, entries: list[FileEntry]) -> str | None:
+    """Why ``folder`` cannot be loaded (a file of ``files.json`` missing or of another size), or None: settled
+    before the load, whose collectives every rank must reach."""
+    if not any(entry.path == RNG_NAME for entry in entries):
+        return f"{folder} has no files.json, or no random state in it"
+    for entry in entries:
+        try:
+            size = (folder / entry.path).stat().st_size
+        except OSError:
+            return f"{folder / entry.path} is missing"
+        if size != entry.size:
+            return f"{folder / entry.path} has {size} bytes, not {entry.size}"
+    return None
 
 
 def _sources(records: list[dict[str, Any]], world: int
@@ -216,37 +279,52 @@ def _entries(folder: Path) -> list[FileEntry]:
 
 
 def _load(tier: MemoryTier, engine: Any, folder: Path, check_sha256: bool,
-          linked: list[FileEntry]) -> tuple[str | None, dict[str, Any]]:
-    """DeepSpeed's load of this rank's folder, each file checked against ``files.json`` (``linked``: the module's
-    file linked from the node's first rank, with its entry); (problem, client)."""
+          entries: list[FileEntry]) -> tuple[str | None, dict[str, Any]]:
+    """DeepSpeed's load of this rank's folder, each file checked against ``entries`` (its ``files.json``, and the
+    module's file linked from the node's first rank); (problem, client)."""
     files = RankFiles(tier.rank, async_save=False)
-    entries = _entries(folder) + linked
-    if not entries:
-        return f"rank {tier.rank}: {folder} has no files.json", {}
     try:
         files.begin_load(folder, entries, check_sha256)
         install_file_engine(engine, files)
         _, client = engine.load_checkpoint(str(folder), tag=DEEPSPEED_TAG)
         random_state.restore(files.load(folder / RNG_NAME), engine.device)
-    except (OSError, RuntimeError, ValueError, KeyError) as error:
+    except Exception as error:  # reported to every rank; the disk checkpoint loads over what was loaded
         return f"rank {tier.rank}: {type(error).__name__}: {error}", {}
+    finally:
+        files.begin_load(None, [], False)
     problems = files.load_problems
     if client is None:
         return f"rank {tier.rank}: DeepSpeed found no checkpoint in {folder}", {}
     return (f"rank {tier.rank}: {problems[0]}" if problems else None), client
 
 
-def _gather(tier: MemoryTier, copy: Copy, where: dict[tuple[int, Copy], list[str]]
-            ) -> tuple[Path | None, str, list[FileEntry]]:
-    """This rank's folder of ``copy`` with the module's file in it (from its node's first rank where that rank
-    copied it): (folder, where it came from, the linked entries), or (None, why not, [])."""
-    elsewhere = {rank: [address for address in where.get((rank, copy), []) if address != tier.address]
-                 for rank in (tier.rank, tier.first)}
-    folder, how = tier.folder_for(copy, elsewhere[tier.rank])
-    if folder is None:
-        return None, how, []
-    linked, missing = tier.module_into(folder, copy, elsewhere[tier.first])
-    return (None, missing, []) if missing is not None else (folder, how, linked)
+def _own_folder(tier: MemoryTier, copy: Copy, where: dict[tuple[int, Copy], list[str]]) -> tuple[Path | None, str]:
+    """First phase of a restart: this rank's own folder of ``copy`` on this node, fetched if need be."""
+    try:
+        return tier.folder_for(copy, [a for a in where.get((tier.rank, copy), []) if a != tier.address])
+    except Exception as error:  # never out of here alone: the others wait in the gather that follows
+        return None, f"rank {tier.rank}: {type(error).__name__}: {error}"
+
+
+def _with_module(tier: MemoryTier, folder: Path, copy: Copy, where: dict[tuple[int, Copy], list[str]]
+                 ) -> tuple[list[FileEntry], str | None]:
+    """Second phase, once every rank has its own folder (the node's first rank's among them): the module's file
+    linked in, and every file checked present with its size; (entries to load with, problem)."""
+    try:
+        linked, problem = tier.module_into(folder, copy, [a for a in where.get((tier.first, copy), [])
+                                                          if a != tier.address])
+        entries = _entries(folder) + linked
+        return entries, problem or _complete(folder, entries)
+    except Exception as error:
+        return [], f"rank {tier.rank}: {type(error).__name__}: {error}"
+
+
+def _agreed(problem: str | None, step: int, rank: int, log: Callable[[str], None]) -> bool:
+    """Every rank's word that it may load (a collective); rank 0 says the first problem."""
+    problems = [p for p in all_gather_objects(problem) if p]
+    if problems and rank == 0:
+        log(f"memory tier: step {step} could not be gathered ({problems[0]}); resuming from the disk checkpoint")
+    return not problems
 
 
 def resume_from_memory(tier: MemoryTier | None, engine: Any, disk_step: int, rank: int, world: int,
@@ -272,7 +350,7 @@ def resume_from_memory(tier: MemoryTier | None, engine: Any, disk_step: int, ran
     step = copy[0]
     _held, where = _sources(records, world)
     started = time.perf_counter()
-    folder, how, linked = _gather(tier, copy, where) if tier else (None, "no memory", [])
+    folder, how = _own_folder(tier, copy, where) if tier else (None, "no memory")
     outcomes = all_gather_objects((folder is not None, how))
     failed = [text for found, text in outcomes if not found]
     if failed:
@@ -280,7 +358,10 @@ def resume_from_memory(tier: MemoryTier | None, engine: Any, disk_step: int, ran
             log(f"memory tier: step {step} could not be gathered ({failed[0]}); resuming from the disk checkpoint")
         return None
     fetched = [text for _found, text in outcomes]
-    problem, client = _load(tier, engine, folder, check_sha256, linked) if tier and folder else ("no folder", {})
+    entries, problem = _with_module(tier, folder, copy, where) if tier and folder else ([], "no folder")
+    if not _agreed(problem, step, rank, log):
+        return None
+    problem, client = _load(tier, engine, folder, check_sha256, entries) if tier and folder else ("no folder", {})
     problems = [p for p in all_gather_objects(problem) if p]
     if problems:
         return problems[0]

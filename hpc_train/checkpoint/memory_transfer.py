@@ -21,6 +21,7 @@ import re
 import shutil
 import socket
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +31,8 @@ __all__ = ["MemoryServer", "TransferError", "fetch_step", "push_step", "step_fil
 
 log = logging.getLogger(__name__)
 
-_MAX_HEADER = 1 << 20
-_HEADER_S = 5.0  # a request's first line comes within this
+_MAX_HEADER = 64 * 1024  # a request's line: a step's file list is a few hundred bytes
+_HEADER_S = 5.0  # a request's whole first line comes within this (not each byte of it)
 _MAX_CONNECTIONS = 64  # requests served at once (a node's agents push one copy at a time per rank)
 _TIMEOUT_S = 120.0  # one step's files at memory and network speed; a peer silent this long is given up
 _CHUNK = 1 << 20
@@ -63,15 +64,22 @@ def step_files(folder: Path) -> list[tuple[str, int]]:
     return found
 
 
-def _read_line(sock: socket.socket) -> dict[str, Any]:
+def _read_line(sock: socket.socket, within_s: float | None = None) -> dict[str, Any]:
+    """One JSON line, read a byte at a time (what follows it is the files' bytes); within ``within_s`` in all."""
     data = bytearray()
+    deadline = None if within_s is None else time.monotonic() + within_s
     while not data.endswith(b"\n"):
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TransferError(f"no whole request line within {within_s:.0f} s")
+            sock.settimeout(left)
         chunk = sock.recv(1)
         if not chunk:
             raise TransferError("the peer closed the connection")
         data += chunk
         if len(data) > _MAX_HEADER:
-            raise TransferError("a request line over 1 MiB")
+            raise TransferError("a request line over 64 KiB")
     value = json.loads(data)
     if not isinstance(value, dict):
         raise TransferError("a request that is not a JSON object")
@@ -93,7 +101,11 @@ def _send_files(sock: socket.socket, folder: Path, files: list[tuple[str, int]])
 def _receive_files(sock: socket.socket, folder: Path, files: list[tuple[str, int]]) -> None:
     for name, size in files:
         path = folder / name
-        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        below = folder
+        for part in name.split("/")[:-1]:  # the folders inside ``folder`` only: never ``folder`` or above it
+            below = below / part
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(below, 0o700)
         descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         with os.fdopen(descriptor, "wb") as out:
             left = size
@@ -160,9 +172,10 @@ class MemoryServer:
     def _handle(self, conn: socket.socket) -> None:
         with conn:
             try:
-                conn.settimeout(_HEADER_S)  # a connection that says nothing holds no thread for long
-                request = _read_line(conn)
+                request = _read_line(conn, within_s=_HEADER_S)  # one that says nothing holds no thread for long
                 conn.settimeout(_TIMEOUT_S)
+                if self._stopped:
+                    raise TransferError("the agent is ending")
                 if not hmac.compare_digest(str(request.get("token", "")).encode(), self.token.encode()):
                     raise TransferError("a request without the job's token")
                 if request.get("op") == "put":
@@ -171,7 +184,7 @@ class MemoryServer:
                     self._get(conn, request)
                 else:
                     raise TransferError(f"an unknown operation {request.get('op')!r}")
-            except (TransferError, OSError, ValueError) as error:
+            except (TransferError, OSError, ValueError, RecursionError) as error:
                 log.warning("memory tier: a request refused: %s", error)
                 with contextlib.suppress(OSError):
                     _send_line(conn, {"error": str(error)})
@@ -204,6 +217,7 @@ class MemoryServer:
         files = step_files(folder)
         _send_line(conn, {"files": [[name, size] for name, size in files]})
         _send_files(conn, folder, files)
+        _send_line(conn, {"ok": True})  # the bytes came whole: a failure half way never reads as content
 
 
 def _connect(address: str) -> socket.socket:
@@ -236,7 +250,10 @@ def push_step(address: str, token: str, folder: Path, rank: int, copy: Copy) -> 
 def fetch_step(address: str, token: str, rank: int, copy: Copy, store: NodeStore) -> Path:
     """Fetch rank ``rank``'s ``copy`` from the agent at ``address`` into this node's ``fetched/``; the sealed
     folder."""
-    tmp = store.begin("fetched", rank, copy)
+    try:
+        tmp = store.begin("fetched", rank, copy)
+    except OSError as error:
+        raise TransferError(f"no folder for it on this node: {error}") from error
     try:
         with _connect(address) as sock:
             _send_line(sock, {"token": token, "op": "get", "rank": rank, "step": copy[0], "life": copy[1]})
@@ -244,8 +261,10 @@ def fetch_step(address: str, token: str, rank: int, copy: Copy, store: NodeStore
             if "error" in answer:
                 raise TransferError(str(answer["error"]))
             _receive_files(sock, tmp, _listed(answer.get("files")))
+            if not _read_line(sock).get("ok"):
+                raise TransferError("the holder did not send the copy whole")
         return store.seal(tmp, copy)
-    except (OSError, ValueError, TransferError) as error:
+    except (OSError, ValueError, RecursionError, TransferError) as error:
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(error, TransferError):
             raise

@@ -142,3 +142,16 @@ def test_where_the_tier_applies(changes: dict[str, object], why: str) -> None:
     said = why_memory_tier_off(_config(**changes), 1, 1)
     assert (why in said) if why else said == ""
     assert "tensor or pipeline" in why_memory_tier_off(_config(), 2, 1)
+
+
+def test_a_sealed_copy_is_never_replaced_and_a_removed_folder_is_not_made_again(tmp_path: Path) -> None:
+    store = NodeStore.create("1", 0, base=tmp_path)
+    first = _sealed(store, "fetched", 4, 20)
+    tmp = store.begin("fetched", 4, (20, 0))
+    (tmp / "state.pt").write_bytes(b"other")
+    assert store.seal(tmp, (20, 0)) == first and not tmp.exists()
+    assert (first / "state.pt").read_bytes() == b"x" * 20  # a reader in it keeps what it was reading
+    store.remove()
+    with pytest.raises(FileNotFoundError):
+        store.begin("replica", 1, (30, 0))  # a request that arrives after the agent's end
+    assert not store.root.exists()

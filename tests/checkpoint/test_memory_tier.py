@@ -98,7 +98,7 @@ def test_a_rank_whose_copy_lacks_the_module_links_its_node_s_first_rank_s(tmp_pa
     assert problem is None and [entry.path for entry in linked] == [module]
     assert (folder / module).read_bytes() == b"module"
     assert (folder / module).stat().st_ino == (store.find(2, (20, 1)) / module).stat().st_ino  # a link, no copy
-    assert tier.module_into(folder, (20, 1), []) == ([], None)  # already there
+    assert tier.module_into(folder, (20, 1), []) == (linked, None)  # linked before: still checked at each load
 
 
 def test_a_module_held_nowhere_is_a_problem_not_a_load(tmp_path: Path) -> None:

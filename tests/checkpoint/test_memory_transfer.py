@@ -3,12 +3,15 @@ and what is refused (no token, a name that climbs out, a step not held)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
+import time
 from pathlib import Path
 
 import pytest
 
+from hpc_train.checkpoint import memory_transfer
 from hpc_train.checkpoint.memory_store import NodeStore
 from hpc_train.checkpoint.memory_transfer import MemoryServer, TransferError, fetch_step, push_step, step_files
 
@@ -88,3 +91,19 @@ def test_an_unreachable_peer_is_a_transfer_error(tmp_path: Path) -> None:
         port = sock.getsockname()[1]
     with pytest.raises(TransferError, match="cannot be reached"):
         push_step(f"127.0.0.1:{port}", TOKEN, folder, 3, (20, 0))
+
+
+def test_a_request_line_that_trickles_in_is_cut_at_its_deadline(served: tuple[NodeStore, str],
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """A peer that sends a byte now and then holds a slot no longer than the whole line's deadline."""
+    monkeypatch.setattr(memory_transfer, "_HEADER_S", 0.5)
+    _holder, address = served
+    host, port = address.split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        started = time.monotonic()
+        for _ in range(8):
+            with contextlib.suppress(OSError):
+                sock.sendall(b" ")
+            time.sleep(0.1)
+        answer = sock.makefile().readline()
+    assert "no whole request line within" in answer and time.monotonic() - started < 5

@@ -4,7 +4,8 @@ ranks (:class:`~hpc_train.checkpoint.memory_transfer.MemoryServer`), and copies 
 the next node's agent, so that a lost node's ranks find their state on a node that is still there.
 
 Which node: the one after this one in the step's order among the agents that said where their memory is served (a
-key on the job's coordinator each), skipping the nodes whose agent vanished; a spare node holds replicas too. The
+key on the job's coordinator each, asked for when needed), skipping the nodes whose agent vanished; a spare node
+holds replicas too. The
 agent looks at its folder on its 0.2 s watch of the ranks (a local folder of a few entries: no shared filesystem),
 and pushes every sealed step in order from a thread of its own, so the watch never waits on the network.
 """
@@ -36,22 +37,26 @@ from hpc_train.rank.agent.setup import AgentSetup
 __all__ = ["NodeMemory", "memory_key"]
 
 _LOOK_EVERY_S = 0.2
-_NONE: Copy = (-1, -1)
 
 
 def memory_key(attempt: str, node: int) -> str:
-    """The coordinator's key where node ``node``'s agent says where its memory is served."""
-    return f"{attempt}/memory/{node}"
+    """The coordinator's key where node ``node``'s agent says where its memory is served (outside the ``ATTEMPT/``
+    prefix the agents watch: it is asked for, not pushed)."""
+    return f"memory/{attempt}/{node}"
 
 
 class NodeMemory:
     """One node's memory tier, held by its agent (see the module's docstring)."""
 
-    def __init__(self, store: NodeStore, server: MemoryServer, host: str, link: AgentLink, node: int,
+    def __init__(self, store: NodeStore, server: MemoryServer, host: str, link: AgentLink, node: int, nodes: int,
                  log: logging.Logger) -> None:
-        self.store, self.server, self.host, self.link, self.node, self.log = store, server, host, link, node, log
+        self.store, self.server, self.host, self.link, self.log = store, server, host, link, log
+        self.node, self.nodes = node, nodes
         self.address = f"{host}:{server.port}"
-        self.pushed: dict[int, Copy] = {}  # rank: the newest copy sent to another node (or found nowhere to go)
+        self.pushed: dict[int, set[Copy]] = {}  # rank: the copies sent to another node (or found nowhere to go)
+        self._said: dict[int, bool] = {}
+        self._target: tuple[str, str] | None = None  # (address, node name) of the node that holds the replicas
+        self._target_failed = False
         self._pending: queue.Queue[tuple[int, Copy, str] | None] = queue.Queue()
         self._busy: set[int] = set()
         self._next_look = 0.0
@@ -87,16 +92,17 @@ class NodeMemory:
             link.client.set(memory_key(attempt, setup.node), {"host": host, "port": server.port,
                                                                "node": setup.node_name})
         log.info("memory tier: the ranks' states in %s, served on %s:%d", store.root, host, server.port)
-        return cls(store, server, host, link, setup.node, log)
+        return cls(store, server, host, link, setup.node, len(setup.nodes), log)
 
     def environment(self) -> dict[str, str]:
         """What the node's ranks need: the folder, and where their agent serves it."""
         return {MEMORY_DIR_ENV: str(self.store.root), MEMORY_ADDRESS_ENV: self.address}
 
     def tick(self) -> None:
-        """On the agent's watch (every 0.2 s; a local folder of a few entries): each rank's sealed steps go to the
-        next node in order, one push at a time per rank, so that the replicas hold the steps the ranks' own
-        copies hold and a restart finds a step common to all."""
+        """On the agent's watch (every 0.2 s; a local folder of a few entries): each rank's sealed copies go to the
+        next node, oldest first, one push at a time per rank, so that the replicas hold the copies the ranks' own
+        folders hold and a restart finds one common to all. A copy is sent once, whatever its (step, life): a life
+        that resumed from an older step copies steps below the last one sent, and those go too."""
         now = time.monotonic()
         if now < self._next_look:
             return
@@ -104,7 +110,10 @@ class NodeMemory:
         for rank in self.store.ranks("own"):
             if rank in self._busy:
                 continue
-            waiting = sorted(copy for copy in self.store.steps("own", rank) if copy > self.pushed.get(rank, _NONE))
+            held = set(self.store.steps("own", rank))
+            sent = self.pushed.setdefault(rank, set())
+            sent &= held  # pruned ones are forgotten: the set stays as small as the folder
+            waiting = sorted(held - sent)
             if not waiting:
                 continue
             target = self.target()
@@ -113,26 +122,29 @@ class NodeMemory:
                     self.log.warning("memory tier: no other node's agent to hold a replica: a lost node's ranks "
                                      "will resume from the disk checkpoint")
                     self._said_alone = True
-                self.pushed[rank] = waiting[-1]
+                sent.update(waiting)
                 continue
             self._busy.add(rank)
             self._pending.put((rank, waiting[0], target))
 
     def target(self) -> str | None:
-        """The memory address of the next node after this one (in the step's order) whose agent is still there."""
-        prefix = f"{self.link.attempt}/memory/"
-        _count, _names, lost = self.link.lost()
-        peers: dict[int, str] = {}
-        for key, value in list(self.link.client.known.items()):
-            if not key.startswith(prefix) or not isinstance(value, dict) or value.get("node") in lost:
-                continue
-            node = key[len(prefix):]
-            if node.isdigit() and int(node) != self.node:
-                peers[int(node)] = f"{value.get('host')}:{value.get('port')}"
-        if not peers:
-            return None
-        after = [node for node in sorted(peers) if node > self.node]
-        return peers[(after or sorted(peers))[0]]
+        """The memory address of the next node after this one (in the step's order) whose agent is still there,
+        asked of the coordinator when first needed and again once that node is lost or a push to it failed: a
+        key per node that no agent watches (pushed to every agent, N keys would be N^2 messages at 16,384 ranks)."""
+        lost = set(self.link.lost()[2])
+        if self._target is not None and self._target[1] not in lost and not self._target_failed:
+            return self._target[0]
+        self._target, self._target_failed = None, False
+        for step in range(1, self.nodes):
+            node = (self.node + step) % self.nodes
+            try:
+                value = self.link.client.get(memory_key(self.link.attempt, node))
+            except ControlError:
+                return None
+            if isinstance(value, dict) and value.get("node") not in lost:
+                self._target = (f"{value.get('host')}:{value.get('port')}", str(value.get("node")))
+                return self._target[0]
+        return None
 
     def _push_loop(self) -> None:
         while (item := self._pending.get()) is not None:
@@ -142,15 +154,17 @@ class NodeMemory:
                 folder = self.store.rank_dir("own", rank) / copy_name(copy)
                 started = time.perf_counter()
                 push_step(target, self.link.address.token, folder, rank, copy)
-                if rank not in self.pushed:  # the first copy of each rank is said; the rest only when they fail
+                if not self._said.get(rank):  # the first copy of each rank is said; the rest only when they fail
+                    self._said[rank] = True
                     size = sum(path.stat().st_size for path in folder.rglob("*") if path.is_file())
                     self.log.info("memory tier: rank %d's step %d (%.1f MB) copied to %s in %.2f s (each new copy "
                                   "follows)", rank, step, size / 1e6, target, time.perf_counter() - started)
             except (TransferError, OSError) as error:  # a folder pruned meanwhile, a peer gone or full
+                self._target_failed = True  # the next look asks the coordinator again
                 self.log.warning("memory tier: rank %d's step %d was not copied to %s: %s", rank, step, target,
                                  error)
             finally:
-                self.pushed[rank] = max(copy, self.pushed.get(rank, _NONE))
+                self.pushed.setdefault(rank, set()).add(copy)
                 self._busy.discard(rank)
 
     def close(self) -> None:
