@@ -72,9 +72,12 @@ def _read_line(sock: socket.socket, within_s: float | None = None) -> dict[str, 
         if deadline is not None:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise TransferError(f"no whole request line within {within_s:.0f} s")
+                raise TransferError(f"no whole request line within {within_s:g} s")
             sock.settimeout(left)
-        chunk = sock.recv(1)
+        try:
+            chunk = sock.recv(1)
+        except TimeoutError as error:
+            raise TransferError(f"no whole request line within {within_s or _TIMEOUT_S:g} s") from error
         if not chunk:
             raise TransferError("the peer closed the connection")
         data += chunk
