@@ -9,13 +9,17 @@ agent's CPUs are shared among the ranks it starts (:func:`cpu_shares`).
 
 from __future__ import annotations
 
+import logging
 import os
+import signal
+import sys
+import time
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Process", "command_line", "cpu_shares", "descendants", "environment", "parent_death_signal", "processes",
-           "tie_to_parent"]
+__all__ = ["Process", "command_line", "cpu_shares", "descendants", "environment", "leave_like", "parent_death_signal",
+           "processes", "tie_to_parent"]
 
 _PROC = Path("/proc")
 
@@ -120,3 +124,17 @@ def tie_to_parent(parent: int, signum: int = 9) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def leave_like(code: int) -> int:
+    """Leave as a child did (``code``: its status, negative for a signal): a child that died of a signal makes this
+    process die of it (an agent, so that srun reports what its rank did); else ``code`` to exit with."""
+    if code < 0:
+        logging.shutdown()
+        sys.stdout.flush()
+        if -code not in (signal.SIGKILL, signal.SIGSTOP):
+            signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+        time.sleep(1)  # a signal that does not end a process by default: leave with the shell's status for it
+        return 128 - code
+    return code

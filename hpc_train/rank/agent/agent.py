@@ -53,7 +53,7 @@ from hpc_train.run.loglines import format_host_oom
 from hpc_train.run.node import node_name
 from hpc_train.run.paths import LOGS_DIR, rank_error_path
 from hpc_train.run.peer_errors import lost_its_peer
-from hpc_train.run.procs import cpu_shares, descendants
+from hpc_train.run.procs import cpu_shares, descendants, leave_like
 from hpc_train.run.stops import attempt_key
 
 __all__ = ["Agent", "AgentSetup", "Spares", "agent_setup", "main", "rank_command", "supervise"]
@@ -107,6 +107,10 @@ class Agent:
         per_node, node = self.setup.tasks_per_node, self.node_environment()
         return {rank: {**node, **place, **extra, ERROR_LOG_ENV: error_log_name(rank, per_node)}
                 for rank, place in places.items()}
+
+    def oom_kills(self) -> int:
+        """The job's out-of-memory kills on this node, less the idle standbys' (the kernel's first choice)."""
+        return oom_kills() - (self.standby.sigkilled() if self.standby is not None else 0)
 
     def keep_standbys(self, argv: list[str]) -> None:
         """``retry.standby``: one standby rank per rank of the node, for the lives after the first; none where
@@ -164,7 +168,7 @@ class Agent:
                  ) -> tuple[int, RestartNotice | None]:
         """One life of the node's ranks (``envs``: each one's environment): the status to leave with, and the
         restart notice that ends the life (None: leave for good)."""
-        oom_before = oom_kills()
+        oom_before = self.oom_kills()
         if envs:  # the agent is the only clearer of its node's record files, before its ranks run
             clear_node_records(self.setup.run_dir, min(envs), self.setup.tasks_per_node,
                                keep_aside=self.setup.restart > 0 and in_place == 0)
@@ -351,7 +355,7 @@ class Agent:
         if code < 0:
             from hpc_train.failures.signal_deaths import SIGNAL_NAMES, signal_class
 
-            if code == -signal.SIGKILL and oom_kills() > oom_before:
+            if code == -signal.SIGKILL and self.oom_kills() > oom_before:
                 if not quiet:
                     peak = memory_peak()  # the cgroup's OOM killer: the retry policy says what to change
                     self.log.error(format_host_oom(rank, peak.process_bytes, peak.cgroup_bytes, peak.limit_bytes))
@@ -447,19 +451,6 @@ def _reap(children: Children, ended: dict[int, int]) -> int:
     return len(ended)
 
 
-def _leave_like(code: int) -> int:
-    """Leave as the rank did: a rank that died of a signal makes its agent die of it, so srun reports the same."""
-    if code < 0:
-        logging.shutdown()
-        sys.stdout.flush()
-        if -code not in (signal.SIGKILL, signal.SIGSTOP):
-            signal.signal(-code, signal.SIG_DFL)
-        os.kill(os.getpid(), -code)
-        time.sleep(1)  # a signal that does not end a process by default: leave with the shell's status for it
-        return 128 - code
-    return code
-
-
 def rank_command(run_dir: Path) -> list[str]:
     return [sys.executable, "-u", "-m", "hpc_train.launch", str(run_dir)]  # unbuffered, as srun lines run python
 
@@ -477,7 +468,7 @@ def supervise(setup: AgentSetup, argv: list[str] | None = None) -> int:
             agent.memory.close()
         if agent.link is not None:
             agent.link.close()  # says bye: the coordinator does not take this agent for lost
-    return _leave_like(code)
+    return leave_like(code)
 
 
 def main(argv: list[str] | None = None) -> int:

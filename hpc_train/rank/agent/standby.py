@@ -49,6 +49,7 @@ class StandbyPool:
         self._due: float | None = None  # when to start the next life's standbys (monotonic)
         self._said_cold = False
         self.used = 0  # ranks a standby became since the last life began
+        self._killed: set[int] = set()  # idle standbys that died of SIGKILL (the OOM killer's first choice)
 
     @property
     def pids(self) -> set[int]:
@@ -111,7 +112,14 @@ class StandbyPool:
         self._done.add(ready)
         return True
 
+    def sigkilled(self) -> int:
+        """How many idle standbys died of SIGKILL so far (``oom_score_adj`` 1000 makes them the kernel's first
+        choice): the agent does not take their out-of-memory kills for a rank's."""
+        self._killed.update(standby.pid for standby in self._ready if standby.poll() == -signal.SIGKILL)
+        return len(self._killed)
+
     def _refill(self) -> None:
+        self.sigkilled()  # counted before the dead are dropped
         self._forget([standby for standby in self._ready if standby.poll() is not None])
         self._ready = [standby for standby in self._ready if standby.poll() is None]
         self._started, self._said_ready = time.monotonic(), False

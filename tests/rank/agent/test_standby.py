@@ -120,3 +120,21 @@ def test_a_standby_that_died_is_passed_over(output: Path) -> None:
     finally:
         pool.close()
     assert report["pid"] != standby and report["procid"] == "3" and pool.used == 0
+
+
+def test_an_idle_standby_s_sigkill_is_counted_once_so_the_agent_does_not_take_it_for_a_rank_s_oom() -> None:
+    """The kernel's OOM killer takes an idle standby first (oom_score_adj 1000); the agent subtracts such deaths
+    from the node's OOM kills before it calls a rank's SIGKILL an out-of-memory kill. Counted before the pool
+    drops the dead and starts another."""
+    pool = _pool([])
+    pool.refill()
+    try:
+        (standby,) = pool.pids
+        assert pool.sigkilled() == 0
+        os.kill(standby, 9)
+        os.waitid(os.P_PID, standby, os.WEXITED | os.WNOWAIT)
+        pool.refill()  # the dead one dropped, a new one started
+        assert pool.sigkilled() == 1 and standby not in pool.pids and len(pool.pids) == 1
+        assert pool.sigkilled() == 1  # once
+    finally:
+        pool.close()
