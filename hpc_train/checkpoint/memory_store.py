@@ -10,7 +10,7 @@ TCP connection (:mod:`hpc_train.checkpoint.memory_transfer`), never through a sh
 
 The layout, per agent::
 
-    /dev/shm/hpc_train-UID/JOB-NODE-XXXX/   0700, created by the agent, removed by it
+    /dev/shm/hpc_train-UID/JOB-NODE-PID-XXXX/  0700, created by the agent, removed by it
         own/rank-R/step-S.L/                rank R's state at step S, written by rank R in life L on this node
         own/rank-R/.step-S.L-XXXX/          ... while being written (renamed when whole: the seal)
         replica/rank-R/step-S.L/            another node's rank R, pushed by that node's agent
