@@ -36,7 +36,7 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from slurm_jobs import job_processes, rank_pid, records, state, wait
+from slurm_jobs import rank_pid, records, slurm_job_processes, state, wait
 
 from hpc_train.bench.machine import machine, spread
 from hpc_train.run.watch import last_logged_step
@@ -77,7 +77,7 @@ def _copied(run_dir: Path) -> bool:
 def _lose_n2(job_id: str) -> None:
     subprocess.run(["scontrol", "update", "NodeName=n2", "State=DRAIN", "Reason=hpc_train-bench-lost-node"],
                    check=True, timeout=30)
-    for pid in job_processes(job_id, "n2"):
+    for pid in slurm_job_processes(job_id, "n2"):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
 

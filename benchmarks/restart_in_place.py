@@ -14,7 +14,6 @@ Target: <= 0.5.
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import subprocess
 import sys
@@ -22,6 +21,8 @@ import tempfile
 import time
 from datetime import datetime
 from pathlib import Path
+
+from slurm_jobs import records, state
 
 from hpc_train.run.node_log import rank_log_text
 
@@ -34,16 +35,6 @@ BASE = ["--site", "local-slurm", "--set", "job.nodes=2", "--set", "job.tasks_per
         "--set", "env.HPC_TRAIN_INJECT_FAULT_RESTART=0"]
 
 
-def _state(job_id: str) -> str:
-    out = subprocess.run(["sacct", "-n", "-P", "-X", "-j", job_id, "-o", "State"], capture_output=True, text=True,
-                         timeout=30, check=False).stdout.split()
-    return out[-1] if out else ""
-
-
-def _records(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
-
-
 def _run(work: Path, steps: int, in_place: int) -> dict[str, float]:
     submitted = subprocess.run([sys.executable, "-m", "hpc_train.submit", str(REPO / "examples" / "tiny_gpt.toml"),
                                 *BASE, "--set", f"train.steps={steps}", "--set", f"retry.in_place={in_place}",
@@ -51,12 +42,12 @@ def _run(work: Path, steps: int, in_place: int) -> dict[str, float]:
     (job_id,) = re.findall(r"submitted job (\d+)", submitted.stdout)
     run_dir = work / "runs" / "tiny-gpt"
     deadline = time.monotonic() + 600
-    while not (_state(job_id) == "COMPLETED" and (run_dir / "train.json").exists()):
-        if time.monotonic() > deadline or _state(job_id) in ("FAILED", "CANCELLED", "TIMEOUT"):
-            raise SystemExit(f"job {job_id} ended {_state(job_id)}; see {run_dir}/logs")
+    while not (state(job_id) == "COMPLETED" and (run_dir / "train.json").exists()):
+        if time.monotonic() > deadline or state(job_id) in ("FAILED", "CANCELLED", "TIMEOUT"):
+            raise SystemExit(f"job {job_id} ended {state(job_id)}; see {run_dir}/logs")
         time.sleep(0.5)
-    metrics = {r["step"]: r["time"] for r in _records(run_dir / "metrics.jsonl") if "loss" in r}
-    attempts = _records(run_dir / "attempts.jsonl")
+    metrics = {r["step"]: r["time"] for r in records(run_dir / "metrics.jsonl") if "loss" in r}
+    attempts = records(run_dir / "attempts.jsonl")
     opened, resumed = attempts[1]["started"], attempts[1]["start_step"]  # the next life, or the requeued job
     line = next(x for x in rank_log_text(run_dir, 1).splitlines() if " ERROR failed:" in x)
     fault = datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()  # logging's local time

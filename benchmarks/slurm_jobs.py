@@ -10,9 +10,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from hpc_train.run.procs import command_line, environment, processes
+from hpc_train.run.watch import slurm_job_processes, slurm_rank_pid
 
-__all__ = ["job_processes", "rank_pid", "records", "state", "wait"]
+__all__ = ["rank_pid", "records", "slurm_job_processes", "state", "wait"]
 
 
 def state(job_id: str) -> str:
@@ -26,23 +26,11 @@ def records(path: Path) -> list[dict]:
 
 
 def rank_pid(job_id: str, rank: int) -> int:
-    """The pid of rank ``rank`` of job ``job_id`` (every node of the local cluster is this machine)."""
-    for process in processes():
-        env = environment(process.pid) or {}
-        if env.get(b"SLURM_JOB_ID") == job_id.encode() and env.get(b"SLURM_PROCID") == str(rank).encode() \
-                and b"hpc_train.launch" in (command_line(process.pid) or b"") and process.alive:
-            return process.pid
-    raise SystemExit(f"no rank {rank} of job {job_id} runs")
-
-
-def job_processes(job_id: str, node: str) -> list[int]:
-    """Every process of job ``job_id`` on local-cluster node ``node`` (its agent, its ranks, their workers)."""
-    found = []
-    for process in processes():
-        env = environment(process.pid) or {}
-        if env.get(b"SLURM_JOB_ID") == job_id.encode() and env.get(b"SLURMD_NODENAME") == node.encode():
-            found.append(process.pid)
-    return found
+    """The pid of rank ``rank`` of job ``job_id``; the script ends when none runs."""
+    pid = slurm_rank_pid(job_id, rank)
+    if pid is None:
+        raise SystemExit(f"no rank {rank} of job {job_id} runs")
+    return pid
 
 
 def wait(what: str, done: Callable[[], bool], job_id: str, run_dir: Path, timeout_s: float = 600) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 from hpc_train.run.paths import METRICS_FILE, SUBMITIT_DIR
 from hpc_train.run.procs import Process, command_line, environment, processes
 
-__all__ = ["last_logged_step", "local_rank_pid"]
+__all__ = ["last_logged_step", "local_rank_pid", "slurm_job_processes", "slurm_rank_pid"]
 
 
 def last_logged_step(run_dir: Path) -> int:
@@ -52,3 +52,25 @@ def local_rank_pid(run_dir: Path, rank: int) -> int | None:
             found[process.pid] = process
     ranks = [pid for pid, process in found.items() if process.parent not in found]
     return max(ranks, key=lambda pid: found[pid].start, default=None)
+
+
+def slurm_rank_pid(job_id: str, rank: int) -> int | None:
+    """The pid of the live rank ``rank`` of Slurm job ``job_id`` on this machine (every node of the local cluster is
+    this machine): a ``hpc_train.launch`` process whose environment carries the job and the rank."""
+    for process in processes():
+        env = environment(process.pid) or {}
+        if env.get(b"SLURM_JOB_ID") == job_id.encode() and env.get(b"SLURM_PROCID") == str(rank).encode() \
+                and b"hpc_train.launch" in (command_line(process.pid) or b"") and process.alive:
+            return process.pid
+    return None
+
+
+def slurm_job_processes(job_id: str, node: str) -> list[int]:
+    """Every process of Slurm job ``job_id`` on local-cluster node ``node`` (its agent, its ranks, their workers):
+    those whose environment says so."""
+    found = []
+    for process in processes():
+        env = environment(process.pid) or {}
+        if env.get(b"SLURM_JOB_ID") == job_id.encode() and env.get(b"SLURMD_NODENAME") == node.encode():
+            found.append(process.pid)
+    return found

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from hpc_train.run.paths import METRICS_FILE
-from hpc_train.run.watch import last_logged_step, local_rank_pid
+from hpc_train.run.watch import last_logged_step, local_rank_pid, slurm_job_processes, slurm_rank_pid
 
 
 def test_last_logged_step_reads_whole_lines_only(tmp_path: Path) -> None:
@@ -53,3 +53,19 @@ def test_the_rank_is_found_not_its_workers_nor_an_old_attempts_orphan(tmp_path: 
     finally:
         rank.kill()
         subprocess.run(["pkill", "-f", str(run_dir / "submitit")], check=False)
+
+
+def test_a_slurm_job_s_rank_and_processes_are_found_by_their_environment() -> None:
+    """What the Slurm tests and benchmarks kill: a rank by its job and rank, a node's processes by its name."""
+    env = {**os.environ, "SLURM_JOB_ID": "987654", "SLURM_PROCID": "3", "SLURMD_NODENAME": "n7"}
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "hpc_train.launch"], env=env)
+    try:
+        deadline = time.monotonic() + 20
+        while slurm_rank_pid("987654", 3) != child.pid:
+            assert time.monotonic() < deadline, "the rank was not found"
+            time.sleep(0.05)
+        assert slurm_rank_pid("987654", 2) is None and slurm_rank_pid("987655", 3) is None
+        assert slurm_job_processes("987654", "n7") == [child.pid] and slurm_job_processes("987654", "n8") == []
+    finally:
+        child.kill()
+        child.wait()

@@ -25,8 +25,7 @@ import torch
 
 from hpc_train.checkpoint.transaction import WRITTEN_OVER_COORDINATOR
 from hpc_train.run.node_log import log_ranks, rank_log_text
-from hpc_train.run.procs import command_line, environment, processes
-from hpc_train.run.watch import last_logged_step
+from hpc_train.run.watch import last_logged_step, slurm_job_processes, slurm_rank_pid
 from tests.conftest import REPO, exported
 from tests.rank.runtime.wandb_records import read_offline_run
 
@@ -244,17 +243,6 @@ def test_a_rank_killed_at_a_random_step_restarts_inside_the_same_job(uninterrupt
     _assert_same(_exported(run_dir, tmp_path / "weights.pt"), uninterrupted, run_dir)
 
 
-def _rank_pid(job_id: str, rank: int) -> int:
-    """The pid of rank ``rank`` of job ``job_id`` on the local cluster (a process of the first life, started
-    cold: its environment is the one it started with)."""
-    for process in processes():
-        env = environment(process.pid) or {}
-        if env.get(b"SLURM_JOB_ID") == job_id.encode() and env.get(b"SLURM_PROCID") == str(rank).encode() \
-                and b"hpc_train.launch" in (command_line(process.pid) or b"") and process.alive:
-            return process.pid
-    raise AssertionError(f"no rank {rank} of job {job_id} runs")
-
-
 def test_a_rank_killed_once_the_standbys_are_ready_restarts_warm_with_the_uninterrupted_weights(
         uninterrupted: dict[str, torch.Tensor], tmp_path: Path) -> None:
     """``retry.standby`` (on by default): once each node's agent says its standby rank is ready (imports done),
@@ -270,7 +258,9 @@ def test_a_rank_killed_once_the_standbys_are_ready_restarts_warm_with_the_uninte
         assert time.monotonic() < deadline, f"no standby said it was ready\n{_logs(run_dir)}"
         time.sleep(0.5)
     assert last_logged_step(run_dir) < STEPS - 5, "the run nearly ended before its standbys were ready"
-    os.kill(_rank_pid(job_id, 1), signal.SIGKILL)
+    pid = slurm_rank_pid(job_id, 1)
+    assert pid is not None, f"no rank 1 of job {job_id} runs\n{_logs(run_dir)}"
+    os.kill(pid, signal.SIGKILL)
     _wait_until_completed(job_id, run_dir)
     first, second = _finished_run(run_dir, job_id)
     assert first["outcome"] == "killed" and second["in_place"] == 1 and second["restart"] == 0, (first, second)
@@ -445,17 +435,6 @@ def test_where_requeue_is_forbidden_a_job_that_landed_on_an_excluded_node_hands_
     assert run["job_ids"] == [first, second] and run["job_id"] == second, run
 
 
-def _processes_of(job_id: str, node: str) -> list[int]:
-    """The job's processes on ``node`` of the local cluster (every node is this machine): those whose
-    environment says so (the agent, its rank, the rank's workers)."""
-    found = []
-    for process in processes():
-        env = environment(process.pid) or {}
-        if env.get(b"SLURM_JOB_ID") == job_id.encode() and env.get(b"SLURMD_NODENAME") == node.encode():
-            found.append(process.pid)
-    return found
-
-
 def _text(path: Path) -> str:
     return path.read_text(errors="replace") if path.exists() else ""
 
@@ -483,7 +462,7 @@ def _lose_n2_mid_run(tmp_path: Path, *settings: str, slow_ms: int = 60,
             time.sleep(0.2)
         subprocess.run(["scontrol", "update", "NodeName=n2", "State=DRAIN", "Reason=hpc_train-test-lost-node"],
                        check=True, timeout=30)
-        for pid in _processes_of(job_id, "n2"):
+        for pid in slurm_job_processes(job_id, "n2"):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         _wait_until_completed(job_id, run_dir)
