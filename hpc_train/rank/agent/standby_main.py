@@ -46,6 +46,9 @@ def warm(kind: str) -> None:
             importlib.import_module(name)
         except Exception:  # noqa: S112 - the rank imports it again and says what is wrong, in its own log
             continue
+    from hpc_train.rank.runtime.heap import freeze_imports
+
+    freeze_imports()
 
 
 _OOM_SCORE = "/proc/self/oom_score_adj"
