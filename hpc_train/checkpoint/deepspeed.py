@@ -123,6 +123,11 @@ class Checkpointer(CheckpointTransaction):
                                           config.job.tasks_per_node, self.log) \
             if self.memory_applies else None
 
+    def close(self) -> None:
+        super().close()
+        if self.memory is not None:
+            self.memory.files.close()
+
     def install(self, engine: Any) -> None:
         """DeepSpeed writes and reads this engine's files through this rank's :class:`RankFiles`: hashed while
         written, staged for the background with ``async_save``, read once and checked when loaded."""

@@ -133,6 +133,10 @@ def _stage(value: Any, buffers: _Buffers, memo: dict[int, Any] | None = None) ->
     return copied
 
 
+def _end_of_writes() -> None:
+    """The job that ends a writer thread (:meth:`RankFiles.close`)."""
+
+
 class RankFiles:
     """One rank's files of the checkpoint being saved (entries for the manifest) or loaded (checked reads)."""
 
@@ -237,9 +241,20 @@ class RankFiles:
             self._thread = threading.Thread(target=self._run, name=f"checkpoint-writer-rank{self.rank}", daemon=True)
             self._thread.start()
 
+    def close(self) -> None:
+        """End the writer thread once what is queued is written, and let go of the staging buffers: a rank that
+        restarts inside its own process (a warm restart) builds the next life's files afresh, and a thread left
+        waiting on this queue would keep this object and its buffers for the rest of the process."""
+        if self._thread is not None and self._thread.is_alive():
+            self._jobs.put((True, _end_of_writes))
+        self._thread, self._buffers, self._read_buffer = None, {}, None
+
     def _run(self) -> None:
         while True:
             is_marker, job = self._jobs.get()
+            if job is _end_of_writes:
+                self._jobs.task_done()
+                return
             try:
                 if is_marker or self._error is None:  # after a failure only the marker, which reports it
                     job()

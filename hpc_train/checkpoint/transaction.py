@@ -325,6 +325,11 @@ class CheckpointTransaction:
         if self._commit_error is not None:
             raise CheckpointError(f"sealing a checkpoint in the background failed: {self._commit_error}")
 
+    def close(self) -> None:
+        """After a failed life: this rank's writer thread ends once its queue is written and its buffers go (a
+        rank that restarts inside its own process builds the next life's afresh); nothing is sealed or awaited."""
+        self.files.close()
+
     def finish(self) -> None:
         """Every rank: return once rank 0's background seal (if any) is durable; raise its error on every rank.
         A program that destroyed its process group first (as torchrun scripts end) has each rank wait for its own

@@ -83,3 +83,18 @@ def shutdown() -> None:
 
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def abandon() -> None:
+    """Leave a process group that a failure broke, so that this process can join the next life's: NCCL's
+    communicators are aborted (destroying them after a peer's death may wait on work that never completes), any
+    other backend's are destroyed. Every group goes, the default one and the job's subgroups."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    if not dist.is_initialized():
+        return
+    if dist.get_backend() == "nccl" and hasattr(distributed_c10d, "_abort_process_group"):
+        distributed_c10d._abort_process_group()  # the default group and every subgroup, as destroy does
+        return
+    dist.destroy_process_group()

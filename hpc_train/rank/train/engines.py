@@ -62,6 +62,8 @@ class EngineCheckpoints(Protocol):
 
     def finish(self) -> None: ...
 
+    def close(self) -> None: ...
+
 
 class EngineKind(Protocol):
     """One engine: built from the model, the job and hpc_train's groups; its checkpoints."""

@@ -1,0 +1,68 @@
+"""What a rank's process lets go of between two lives when it trains the next one itself (a warm restart,
+:mod:`hpc_train.rank.entry`): the process group a failure broke, DeepSpeed's record of the groups, the old
+life's objects. What it keeps is what makes it warm: the imports, compiled code, the CUDA context.
+
+DeepSpeed keeps its communication backend and its groups in module globals (``deepspeed.comm.comm.cdb``,
+``deepspeed.utils.groups``): left as they are, the next life's engine would find the old groups, destroyed, and
+reuse them. They are put back as DeepSpeed's import leaves them.
+"""
+
+from __future__ import annotations
+
+import gc
+from typing import Any
+
+__all__ = ["end_life", "release_life"]
+
+# deepspeed.utils.groups' globals, as its import sets them (DeepSpeed 0.19)
+_DEEPSPEED_GROUPS: dict[str, Any] = {
+    "_EXPERT_PARALLEL_GROUP": {}, "_EXPERT_PARALLEL_GROUP_RANKS": {}, "_EXPERT_DATA_PARALLEL_GROUP": {},
+    "_EXPERT_DATA_PARALLEL_GROUP_RANKS": {}, "_WORLD_GROUP": None, "_ZERO_PARAM_INTRA_PARALLEL_GROUP": None,
+    "mpu": None, "expert_tensor_parallel_world_size": 1, "_ALL_TO_ALL_GROUP": {},
+    "_TENSOR_MODEL_PARALLEL_GROUP": None, "_MODEL_PARALLEL_GROUP": None, "_DATA_PARALLEL_GROUP": None,
+    "_MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE": None, "_MPU_TENSOR_MODEL_PARALLEL_RANK": None,
+}
+
+
+def end_life(engine: Any) -> None:
+    """A failed life's engine and groups, let go of where the failure happened (in the trainer, every failure):
+    the process group left (aborted on NCCL, so that nothing waits on a dead peer), then the engine's hooks on the
+    parameters removed (DeepSpeed's ``destroy``: C++ references the collector cannot see, which would keep the
+    whole engine alive). Each step is best effort: the process may be on its way out anyway."""
+    from hpc_train.rank.distributed.bootstrap import abandon
+
+    destroy = getattr(engine, "destroy", None)
+    for step in (abandon, *((destroy,) if callable(destroy) else ())):
+        try:
+            step()
+        except Exception:  # noqa: S112 - a broken group or engine is what is being let go of
+            continue
+
+
+def release_life() -> None:
+    """Leave the broken process group, forget DeepSpeed's groups, free the old life's objects (the heap frozen
+    after set-up, :mod:`hpc_train.rank.runtime.heap`, is unfrozen first: its engine is garbage now) and the
+    device memory they held."""
+    import torch
+
+    from hpc_train.rank.distributed.bootstrap import abandon
+
+    abandon()
+    _forget_deepspeed_groups()
+    gc.unfreeze()
+    gc.collect()
+    if torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
+def _forget_deepspeed_groups() -> None:
+    import sys
+
+    comm = sys.modules.get("deepspeed.comm.comm")
+    if comm is not None:
+        comm.cdb = None  # type: ignore[attr-defined]
+    groups = sys.modules.get("deepspeed.utils.groups")
+    if groups is not None:
+        for name, value in _DEEPSPEED_GROUPS.items():
+            if hasattr(groups, name):
+                setattr(groups, name, type(value)() if isinstance(value, dict) else value)
