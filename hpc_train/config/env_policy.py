@@ -22,7 +22,8 @@ BOOTSTRAP_ENV = frozenset({"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "LO
                            "SLURM_EXPORT_ENV", "SUBMITIT_PREEMPT_SIGNAL", "HPC_TRAIN_SHRUNK_NODES",
                            "HPC_TRAIN_CONTROL", "HPC_TRAIN_CONTROL_TOKEN",  # the agent's coordinator
                            "HPC_TRAIN_ERROR_LOG", "HPC_TRAIN_IN_PLACE", "HPC_TRAIN_IN_PLACE_LEFT",  # set by the agent
-                           "HPC_TRAIN_MEMORY_DIR", "HPC_TRAIN_MEMORY_ADDRESS"})  # the agent's memory tier
+                           "HPC_TRAIN_MEMORY_DIR", "HPC_TRAIN_MEMORY_ADDRESS",  # the agent's memory tier
+                           "HPC_TRAIN_REJOIN"})  # a warm restart's channel (rank/agent/rejoin.py)
 _SHELL = frozenset({"BASH_ENV", "ENV", "SHELLOPTS", "BASHOPTS", "PS4", "PROMPT_COMMAND", "IFS", "CDPATH",
                     "GLOBIGNORE", "PATH", "HOME", "SHELL", "ZDOTDIR", "EXECIGNORE", "BASH_XTRACEFD"})
 _LOADER = frozenset({"GLIBC_TUNABLES", "GCONV_PATH", "LOCPATH", "NLSPATH", "HOSTALIASES", "MALLOC_CONF"})

@@ -347,7 +347,9 @@ class RetrySection:
     standby: bool = option(True, "With retry.in_place: each node's agent keeps one process per rank with torch and "
                            "the rank's modules imported (started 10 s into each life), and a restart in place hands "
                            "it the rank instead of starting a new interpreter, skipping the imports (about 4 s of a "
-                           "rank's start). Costs that process's memory: about 0.4 GB per rank on a CPU build.")
+                           "rank's start). Costs that process's memory: about 0.4 GB per rank on a CPU build. "
+                           "With the trainer on DeepSpeed, a rank that saw a peer's death as an error in a "
+                           "collective trains the next life in its own process (a warm restart).")
     shrink: bool = option(False, "When a node is lost and no spare is left (job.spare_nodes), go on inside the "
                           "job on the nodes left, at a smaller data-parallel size: the same global batch with "
                           "more gradient accumulation, tensor and pipeline kept, resumed from the last checkpoint "

@@ -51,6 +51,9 @@ def _rank_logger(run_dir: Path, rank: int, per_node: int) -> logging.Logger:
     logger = logging.getLogger(f"hpc_train.rank{rank}")
     logger.setLevel(logging.INFO)
     logger.propagate = False
+    for old in list(logger.handlers):  # an earlier life of this process (a warm restart) had its own
+        logger.removeHandler(old)
+        old.close()
     formatter = logging.Formatter(rank_log_format(rank))
     handler = NodeLogHandler(node_log_path(run_dir, rank, per_node))
     handler.setFormatter(formatter)
@@ -72,8 +75,14 @@ def _tie_to_local_controller() -> None:
         parent_death_signal()()
 
 
-def run_rank(run_dir: Path) -> dict[str, Any]:
-    """Run this rank's share of the job in ``run_dir``; return its result."""
+class WarmRestart(BaseException):  # not an error: the end of a life, past every handler of errors
+    """This rank's life ended in a failure that a restart in place mends, and this process trains the next life
+    itself (:mod:`hpc_train.rank.agent.rejoin`): raised once the failure is recorded, caught by :func:`main`."""
+
+
+def run_rank(run_dir: Path, may_rejoin: bool = False) -> dict[str, Any]:
+    """Run this rank's share of the job in ``run_dir``; return its result. ``may_rejoin``: a failure that a
+    restart in place mends raises :class:`WarmRestart` instead of leaving the process (the agent gave a channel)."""
     os.umask(0o077)  # logs and results of a run are private, like the run folder
     if isinstance(backend_of(os.environ), LocalBackend):
         _tie_to_local_controller()
@@ -83,10 +92,17 @@ def run_rank(run_dir: Path) -> dict[str, Any]:
     if plan.config.job.program == "smoke":  # nothing to save: signals keep their usual meaning
         return _run_rank(run_dir, plan, None)
     with PreemptionWatch([plan.signal]) as watch:  # first thing: a signal while starting up is kept for later
-        return _run_rank(run_dir, plan, watch)
+        return _run_rank(run_dir, plan, watch, may_rejoin and _trains_warm(plan))
 
 
-def _run_rank(run_dir: Path, plan: Plan, watch: PreemptionWatch | None) -> dict[str, Any]:
+def _trains_warm(plan: Plan) -> bool:
+    """Whether this rank's process can train a later life: the built-in trainer on DeepSpeed, whose state between
+    lives :mod:`hpc_train.rank.train.relife` releases (FSDP2 and users' programs start a new process)."""
+    return plan.config.job.program == "train" and plan.config.train.engine == "deepspeed"
+
+
+def _run_rank(run_dir: Path, plan: Plan, watch: PreemptionWatch | None, may_rejoin: bool = False
+              ) -> dict[str, Any]:
     from hpc_train.rank.distributed.launchers import Geometry, check_geometry, detect_launch
     from hpc_train.rank.distributed.smoke import run_smoke  # the trainer is imported only when the job trains
 
@@ -120,6 +136,9 @@ def _run_rank(run_dir: Path, plan: Plan, watch: PreemptionWatch | None) -> dict[
         _leave(info, stop.notice.exit_code)
     except BaseException as error:
         if _record_failure(run_dir, plan, info, error, on_slurm and program != "smoke", logger):
+            if may_rejoin and info.kind.own_process:
+                logger.info("restarting warm: this process trains the next life once its agent says so")
+                raise WarmRestart(info.rank) from None
             _leave(info, EXIT_RESTART_IN_PLACE)  # the agent above this rank starts every rank again
         raise
     typed = rank_result(result)
@@ -340,11 +359,29 @@ def main(argv: list[str] | None = None) -> int:
     if len(args) != 1:
         print("usage: python -m hpc_train.launch RUN_DIR", file=sys.stderr)
         return 2
+    from hpc_train.rank.agent.rejoin import RejoinChannel
+
+    channel = RejoinChannel.adopt(os.environ)  # the agent's, for a warm restart: once, in a process's first life
+    run_dir = Path(args[0])
+    while True:
+        code = _life(run_dir, channel is not None)
+        if code is not None:
+            return code
+        order = _next_life(channel) if channel is not None else None
+        if order is None:  # the agent is gone or ended the job: leave as a rank that asked for a restart
+            leave_now(EXIT_RESTART_IN_PLACE)
+        run_dir = Path(order["argv"][-1])
+
+
+def _life(run_dir: Path, may_rejoin: bool) -> int | None:
+    """One life of this rank: its exit status, or None when the process trains the next life (a warm restart)."""
     from hpc_train.rank.distributed.launchers import LaunchError
     from hpc_train.rank.distributed.rendezvous import RendezvousError
 
     try:
-        run_rank(Path(args[0]))
+        run_rank(run_dir, may_rejoin)
+    except WarmRestart:
+        return None
     except (LaunchError, RendezvousError) as error:  # a wrong launch, said in one line on every rank
         print(format_launch_error(error), file=sys.stderr)
         return 1
@@ -352,6 +389,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     return 0
+
+
+def _next_life(channel: Any) -> dict[str, Any] | None:
+    """Tell the agent this process is warm, let go of the failed life (its stack is unwound by now, so its
+    engine is garbage), then wait for the next life's order and take it: its environment, CPUs and arguments."""
+    from hpc_train.rank.agent.standby_main import take_order
+    from hpc_train.rank.train.relife import release_life
+
+    if not channel.say_warm():
+        return None
+    release_life()
+    order = channel.read_order()
+    if order is None or order["argv"][-3:-1] != ["-m", "hpc_train.launch"]:  # a rank's command, nothing else
+        return None
+    take_order(order)
+    return order
 
 
 if __name__ == "__main__":

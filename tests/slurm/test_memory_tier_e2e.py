@@ -1,6 +1,7 @@
 """The memory tier on the real local Slurm cluster (``[checkpoint] memory_every_steps``): a rank killed with
 ``kill -9`` at a random step of a 2-node x 2-task job whose disk checkpoints are off for the run resumes from its
-node's memory inside the same job, and the run ends with an uninterrupted run's weights, bit for bit. (A lost node
+node's memory inside the same job, the ranks that saw the death in a collective training the next life in their own
+processes (warm), and the run ends with an uninterrupted run's weights, bit for bit. (A lost node
 whose ranks resume from a replica on another node: ``test_preemption_e2e``'s hot-spare test.)"""
 
 from __future__ import annotations
@@ -60,6 +61,10 @@ def test_a_rank_killed_at_a_random_step_resumes_from_its_node_s_memory(
     assert f"resumed from memory at step {second['start_step']}" in rank0, rank0[-3000:]
     assert "4 rank(s) from their node's memory, 0 from a replica" in rank0, rank0[-3000:]
     assert "the newest disk checkpoint: none" in rank0, rank0[-3000:]
+    # rank 0, in a collective with rank 1 when it died, trains the next life in its own process (a warm restart):
+    # its agent hands it the order rather than to a standby or a new process
+    assert "restarting warm: this process trains the next life" in rank0, rank0[-3000:]
+    assert "rank(s) of this node restarted warm, in their own process" in rank0, rank0[-3000:]
     rows = subprocess.run(["sacct", "-n", "-P", "-X", "-D", "-j", job_id, "-o", "State"], capture_output=True,
                           text=True, timeout=30, check=True).stdout.split()
     assert rows == ["COMPLETED"], rows

@@ -31,6 +31,7 @@ from hpc_train.control.client import ControlError
 from hpc_train.rank.agent.agent_log import agent_logger
 from hpc_train.rank.agent.link import AgentLink
 from hpc_train.rank.agent.memory import NodeMemory, memory_environment
+from hpc_train.rank.agent.rejoin import RankProcess
 from hpc_train.rank.agent.setup import AgentSetup, Spares, agent_setup
 from hpc_train.rank.agent.standby import StandbyPool
 from hpc_train.run.assignment import Assignment, rank_environments
@@ -71,7 +72,7 @@ _TASK_ONLY = ("PMI_RANK", "PMI_SIZE", "PMI_FD", "PMI_JOBID", "PMIX_RANK", "OMPI_
               "SLURM_CPU_BIND", "SLURM_TASK_PID", "SLURM_LAUNCH_NODE_IPADDR")
 
 
-Children = dict[int, "subprocess.Popen[bytes]"]  # a life's ranks on this node, by rank
+Children = dict[int, "subprocess.Popen[bytes] | RankProcess"]  # a life's ranks on this node, by rank
 
 
 class Agent:
@@ -197,7 +198,7 @@ class Agent:
             if may_restart and self.stopping is None:
                 notice = self.notice(in_place + 1) or self._restart_for_lost(in_place + 1, lost_before)
                 if notice is not None:
-                    return self._end(children, ended), notice
+                    return self._end(children, ended, warm=True), notice
             if self.stopping is None and self._handed_over_for(_HANDOVER_GRACE_S):
                 self.log.info("ending the ranks of node %s: this job's run goes on as job %s", self.setup.node_name,
                               self._successor)
@@ -215,7 +216,7 @@ class Agent:
         if notice is None:
             _rank, code = self._cause_first([(r, c) for r, c in ended.items() if c != 0], oom_before)
             return self._leave(children, ended, code), None
-        return self._end(children, ended), notice
+        return self._end(children, ended, warm=True), notice
 
     def _spawn(self, argv: list[str], envs: dict[int, dict[str, str]]) -> Children:
         """Start the life's ranks, each on its share of the node's CPUs (as srun binds a task per rank)."""
@@ -224,7 +225,7 @@ class Agent:
         try:
             for index, (rank, env) in enumerate(sorted(envs.items())):
                 share = shares[index] if shares else None
-                children[rank] = child = self.standby.start(argv, env, share) if self.standby else \
+                children[rank] = child = self.standby.start(argv, env, share, rank) if self.standby else \
                     subprocess.Popen(argv, env=env)
                 if shares:
                     with contextlib.suppress(OSError):
@@ -263,8 +264,11 @@ class Agent:
         own = [status for status in ended.values() if status > 0]  # the ends the agent did not make
         return code if code < 0 or not own else max(own)
 
-    def _end(self, children: Children, ended: dict[int, int]) -> int:
-        """End every rank still running (and what it started); the first failed status, else 0."""
+    def _end(self, children: Children, ended: dict[int, int], warm: bool = False) -> int:
+        """End every rank still running (and what it started); the first failed status, else 0. ``warm``: a
+        restart follows, and a rank whose process outlives the failure trains the next life in it."""
+        if warm and self.standby is not None:
+            self.standby.await_warm(children, ended)
         for rank, child in children.items():
             if rank not in ended:
                 self._kill(child)

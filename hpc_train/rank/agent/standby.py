@@ -14,7 +14,6 @@ otherwise, and where none is ready or one has died, the rank starts cold as befo
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import subprocess
@@ -23,9 +22,14 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from hpc_train.rank.agent.rejoin import REJOIN_ENV, RankProcess, order_line
+
 __all__ = ["START_GRACE_S", "StandbyPool"]
 
 START_GRACE_S = 10.0  # a life's ranks import first; the standbys for the next life start after them
+# how long a restart waits for the ranks that outlive the failure to say so (await_warm); those in a collective
+# with the dead rank say so within milliseconds
+WARM_FIRST_S, WARM_QUIET_S, WARM_MOST_S = 2.0, 0.3, 3.0
 _PLACE = ("SLURM_", "HPC_TRAIN_")  # what may differ between a standby's environment and its rank's
 
 
@@ -50,17 +54,35 @@ class StandbyPool:
         self._said_cold = False
         self.used = 0  # ranks a standby became since the last life began
         self._killed: set[int] = set()  # idle standbys that died of SIGKILL (the OOM killer's first choice)
+        # the trainer's ranks, which may outlive a life (rank/agent/rejoin.py): the last life's and the next's
+        self._current: dict[int, RankProcess] = {}
+        self._starting: dict[int, RankProcess] = {}
+        self.rejoined = 0  # ranks that trained the next life in their own process since the last life began
 
     @property
     def pids(self) -> set[int]:
-        return {standby.pid for standby in self._ready}
+        """The standbys' and the warm ranks' processes: what the agent keeps when it ends a life's processes."""
+        warm = [rank for rank in (*self._current.values(), *self._starting.values()) if rank.poll() is not None
+                and rank.warm]
+        return {standby.pid for standby in self._ready} | {rank.pid for rank in warm}
+
+    @property
+    def offers_rejoin(self) -> bool:
+        """Whether this node's ranks get a channel to train the next life in their own process: the trainer's."""
+        return self.kind == "train" and self.count > 0
 
     def schedule(self) -> None:
         """A life has just started its ranks: its standbys start once those have had their start."""
         self._due = time.monotonic() + START_GRACE_S
+        if self.rejoined:
+            self.log(f"{self.rejoined} rank(s) of this node restarted warm, in their own process (imports, "
+                     f"compiled code and device kept)")
         if self.used:
             self.log(f"{self.used} rank(s) of this node started from standby processes (imports done)")
-        self.used = 0
+        self.used = self.rejoined = 0
+        for left in self._current.values():  # warm ranks this life did not take (a smaller size, a spare's)
+            left.close()
+        self._current, self._starting = self._starting, {}
 
     def tick(self) -> None:
         """Called on the agent's poll: start the standbys when they are due; say once when all are ready."""
@@ -70,13 +92,35 @@ class StandbyPool:
         """Start standbys until ``count`` are alive (one that died, a signal from Slurm, is replaced)."""
         self._safely(self._refill)
 
-    def start(self, argv: list[str], env: Mapping[str, str], cpus: set[int] | None = None
-              ) -> subprocess.Popen[bytes]:
+    def start(self, argv: list[str], env: Mapping[str, str], cpus: set[int] | None = None, rank: int | None = None
+              ) -> subprocess.Popen[bytes] | RankProcess:
         """The rank ``argv`` with ``env`` (and its share ``cpus`` of the node's, which a standby gives every thread
-        it has before it becomes the rank): a ready standby made that rank, or a new process where none fits."""
-        taken: list[subprocess.Popen[bytes]] = []
-        self._safely(lambda: taken.extend(self._take(argv, env, cpus)))
-        return taken[0] if taken else subprocess.Popen(argv, env=dict(env))
+        it has before it becomes the rank): the last life's process of ``rank`` where it stayed warm, else a ready
+        standby made that rank, else a new process."""
+        taken: list[subprocess.Popen[bytes] | RankProcess] = []
+        self._safely(lambda: taken.extend(self._take(argv, env, cpus, rank)))
+        started = taken[0] if taken else self._cold(argv, env)
+        if isinstance(started, RankProcess) and rank is not None:
+            self._starting[rank] = started
+        return started
+
+    def _cold(self, argv: list[str], env: Mapping[str, str]) -> subprocess.Popen[bytes] | RankProcess:
+        """A new process for the rank; with the channel (:attr:`offers_rejoin`) on its standard input and a pipe."""
+        if not self.offers_rejoin:
+            return subprocess.Popen(argv, env=dict(env))
+        warm, tell = os.pipe()
+        try:
+            process = subprocess.Popen(argv, env={**env, REJOIN_ENV: f"0,{tell}"}, stdin=subprocess.PIPE,
+                                       pass_fds=(tell,))
+        except BaseException:
+            os.close(warm)
+            raise
+        finally:
+            os.close(tell)
+        if process.stdin is None:  # stdin=PIPE always gives one; without it the rank simply never restarts warm
+            os.close(warm)
+            return process
+        return RankProcess(process, process.stdin, warm)
 
     def _safely(self, action: Callable[[], None]) -> None:
         """The pool's own failure never ends a life: it is said once, the pool closes, the ranks start cold."""
@@ -85,7 +129,7 @@ class StandbyPool:
         except Exception as error:  # whatever it is, the ranks go on without standbys
             self.log(f"standby ranks: turned off for this job ({type(error).__name__}: {error}); ranks start cold")
             with contextlib.suppress(Exception):
-                self.close()
+                self.close(ranks=False)
             self.count = 0
 
     def _tick(self) -> None:
@@ -111,6 +155,25 @@ class StandbyPool:
             return False
         self._done.add(ready)
         return True
+
+    def await_warm(self, children: Mapping[int, Any], ended: dict[int, int]) -> None:
+        """Before a restart ends a life's ranks: the trainer's ranks still running may say they are warm (their
+        collective saw the failure: rank/agent/rejoin.py). The agent waits up to ``WARM_FIRST_S`` for the first
+        to say so or end, and then while they keep coming, up to ``WARM_QUIET_S`` after the last, ``WARM_MOST_S``
+        in all; the rest are killed, as before (a rank in a collective with a peer that is waiting, not dead:
+        gloo cannot break its wait, nor NCCL without its watchdog)."""
+        waiting = {rank: child for rank, child in children.items()
+                   if rank not in ended and isinstance(child, RankProcess)}
+        started = last = time.monotonic()
+        quiet = WARM_FIRST_S
+        while waiting and time.monotonic() < min(last + quiet, started + WARM_MOST_S):
+            for rank, child in list(waiting.items()):
+                if (code := child.poll()) is not None:
+                    ended[rank] = code
+                    del waiting[rank]
+                    last, quiet = time.monotonic(), WARM_QUIET_S
+            if waiting:
+                time.sleep(0.01)
 
     def sigkilled(self) -> int:
         """How many idle standbys died of SIGKILL so far (``oom_score_adj`` 1000 makes them the kernel's first
@@ -146,28 +209,42 @@ class StandbyPool:
                 self._done.discard(ready)
                 os.close(ready)
 
-    def _take(self, argv: list[str], env: Mapping[str, str], cpus: set[int] | None
-              ) -> list[subprocess.Popen[bytes]]:
-        """``[the standby made the rank]``, or ``[]`` where none fits (the rank then starts as a new process)."""
+    def _take(self, argv: list[str], env: Mapping[str, str], cpus: set[int] | None, rank: int | None
+              ) -> list[subprocess.Popen[bytes] | RankProcess]:
+        """``[the warm process or standby made the rank]``, or ``[]`` where none fits (then a new process)."""
         why = self._unfit(argv, env)
         if why and self.count:  # none will fit this node's ranks: no use keeping or starting any
-            self.close()
+            self.close(ranks=False)
             self.count = 0
-        order = json.dumps({"argv": argv, "env": dict(env), "cpus": sorted(cpus or ())}).encode() + b"\n"
+        order = order_line(argv, env, cpus)
+        last = self._current.pop(rank, None) if rank is not None else None
+        if last is not None:
+            if not why and last.poll() is not None and last.rejoin(order):
+                self.rejoined += 1
+                return [last]
+            last.close()
         while not why and self._ready:
             standby = self._ready.pop(0)
             ready = standby.pid in self._signals and self._has_said(self._signals[standby.pid])
-            self._forget([standby])
             if not ready or standby.poll() is not None or standby.stdin is None:
+                self._forget([standby])
                 self._kill(standby)  # still importing: the hand-over would wait on it; a new process does not
                 continue
             try:
                 standby.stdin.write(order)
-                standby.stdin.close()
+                standby.stdin.flush()
             except OSError:  # it died between the look and the write
+                self._forget([standby])
                 self._kill(standby)
                 continue
             self.used += 1
+            if self.offers_rejoin:  # its standard input and ready pipe stay the rank's channel (rejoin.py)
+                channel = self._signals.pop(standby.pid)
+                self._done.discard(channel)
+                return [RankProcess(standby, standby.stdin, channel)]
+            self._forget([standby])
+            with contextlib.suppress(OSError):
+                standby.stdin.close()
             return [standby]
         if why and not self._said_cold:
             self._said_cold = True
@@ -187,13 +264,19 @@ class StandbyPool:
             return f"the rank's environment differs from the standby's in {', '.join(differs[:5])}"
         return ""
 
-    def close(self) -> None:
-        """End every standby (the agent leaves, or the job ends)."""
+    def close(self, ranks: bool = True) -> None:
+        """End every standby, and with ``ranks`` every rank this pool started or kept warm (the agent leaves: a
+        warm one would wait for an order forever). The pool turned off in a life (``ranks=False``) leaves that
+        life's ranks running; a warm one the next life does not take is ended then (:meth:`schedule`)."""
         for standby in self._ready:
             self._kill(standby)
         for ready in self._signals.values():
             os.close(ready)
         self._ready, self._signals, self._done, self._due = [], {}, set(), None
+        if ranks:
+            for rank in (*self._current.values(), *self._starting.values()):
+                rank.close()
+            self._current, self._starting = {}, {}
 
     @staticmethod
     def _kill(standby: subprocess.Popen[Any]) -> None:

@@ -6,7 +6,9 @@ It imports what a rank of ``KIND`` (``train``: the built-in trainer; ``program``
 imports first, torch above all (about 4 s of a CPU rank's 5 s start), writes one byte to READY_FD (a pipe
 to the agent), then waits on its standard input for one
 line: the rank's command and environment, as JSON. It then becomes that rank: the environment replaced, the
-command's module run as ``__main__``, exactly as ``python -u -m hpc_train.launch RUN_DIR`` would. What it must
+command's module run as ``__main__``, exactly as ``python -u -m hpc_train.launch RUN_DIR`` would. A trainer's
+standby keeps its standard input and READY_FD as the rank's channel to the agent (``HPC_TRAIN_REJOIN``,
+:mod:`hpc_train.rank.agent.rejoin`): the rank may then train later lives in this process too. What it must
 not do before that line: initialise CUDA (the device a rank sees is fixed at the first CUDA call), open a process
 group, or import the user's code (its import may have effects the rank's start must own).
 """
@@ -20,7 +22,9 @@ import runpy
 import sys
 from typing import Any
 
-__all__ = ["KINDS", "WARM_MODULES", "become", "main"]
+from hpc_train.rank.agent.rejoin import REJOIN_ENV
+
+__all__ = ["KINDS", "WARM_MODULES", "become", "main", "take_order"]
 
 # What each kind of rank imports on its way to its first step (benchmarks/rank_start.py measured the ladder):
 # torch._dynamo and torch._inductor's compile_fx are imported by the first torch optimizer and by DeepSpeed's ZeRO.
@@ -69,9 +73,10 @@ def _oom_score(value: str | None = None) -> str:
     return value
 
 
-def become(order: dict[str, Any]) -> None:
-    """Run the rank ``order`` names (``argv``: ``[python, -u, -m, MODULE, ARGS...]``, ``env``: its environment,
-    ``cpus``: its share of the node's) in this process, as its own interpreter would have."""
+def take_order(order: dict[str, Any]) -> str:
+    """Make this process the rank ``order`` names (``argv``: ``[python, -u, -m, MODULE, ARGS...]``, ``env``: its
+    environment, ``cpus``: its share of the node's): its CPUs, its environment and ``sys.argv``, as its own
+    interpreter would have them; returns MODULE. A standby runs it next, a warm rank its entry again."""
     argv, env = order["argv"], order["env"]
     if order.get("oom_score_adj"):
         _oom_score(order["oom_score_adj"])  # a rank again: as likely to be chosen as a rank started cold
@@ -83,7 +88,12 @@ def become(order: dict[str, Any]) -> None:
     os.environ.clear()
     os.environ.update(env)
     sys.argv = [module, *argv[argv.index("-m") + 2:]]
-    runpy.run_module(module, run_name="__main__", alter_sys=True)
+    return module
+
+
+def become(order: dict[str, Any]) -> None:
+    """Run the rank ``order`` names in this process (:func:`take_order`), as its own interpreter would have."""
+    runpy.run_module(take_order(order), run_name="__main__", alter_sys=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -100,17 +110,22 @@ def main(argv: list[str] | None = None) -> int:
     if started_at:
         _oom_score("1000")
     warm(args[0])
+    tell = int(args[1])
     with contextlib.suppress(OSError):  # the agent counts its ready standbys by these
-        os.write(int(args[1]), b"1")
-    with contextlib.suppress(OSError):
-        os.close(int(args[1]))
+        os.write(tell, b"1")
     line = sys.stdin.readline()
     if not line:  # the agent closed the pipe without a rank for it: nothing to do
         return 0
-    null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)  # the rank reads nothing from the agent's pipe, as srun's tasks read nothing by default
-    os.close(null)
-    become({**json.loads(line), "oom_score_adj": started_at})
+    order = {**json.loads(line), "oom_score_adj": started_at}
+    if args[0] == "train":  # the rank may outlive its life: the agent's pipes stay its channel (rank/agent/rejoin)
+        order["env"] = {**order["env"], REJOIN_ENV: f"0,{tell}"}
+    else:
+        with contextlib.suppress(OSError):
+            os.close(tell)
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)  # the rank reads nothing from the agent's pipe, as srun's tasks read nothing by default
+        os.close(null)
+    become(order)  # a trainer's entry moves standard input (its orders) aside itself (RejoinChannel.adopt)
     return 0
 
 

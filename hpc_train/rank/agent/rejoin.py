@@ -1,0 +1,150 @@
+"""Warm restarts: a rank whose process outlives its life's failure trains the next life in the same process.
+
+When a peer dies, the other ranks see it as an error in a collective, and their processes are still sound: the
+imports, the compiled code, the CUDA context are all still there. Such a rank records its failure as before,
+lets go of the life (:mod:`hpc_train.rank.train.relife`), says so to its agent over a pipe (one byte,
+``WARM_BYTE``) and waits for the next life's order, the same line a standby rank reads
+(:mod:`hpc_train.rank.agent.standby_main`). To its agent the rank has ended as one that asks for a restart in
+place (``EXIT_RESTART_IN_PLACE``), so nothing else in the agent changes; at the next life's start the agent hands
+the order to the warm process of that rank rather than to a standby or a new process.
+
+Each rank the agent starts (``retry.standby``, the built-in trainer) gets two descriptors, named in
+``HPC_TRAIN_REJOIN`` as ``ORDERS,WARM``: the orders it reads (a cold rank's standard input, moved aside at once;
+a standby's own) and the pipe it writes ``WARM_BYTE`` on. A rank that may not restart warm (a user's program,
+FSDP2) never writes it and leaves with its status as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+from collections.abc import Mapping, MutableMapping
+from dataclasses import dataclass
+from typing import IO, Any
+
+from hpc_train.run.exit_codes import EXIT_RESTART_IN_PLACE
+
+__all__ = ["REJOIN_ENV", "WARM_BYTE", "RankProcess", "RejoinChannel", "order_line"]
+
+REJOIN_ENV = "HPC_TRAIN_REJOIN"
+WARM_BYTE = b"w"
+_ORDER_LIMIT = 1 << 22  # an order is a command and an environment: far below 4 MiB
+
+
+def order_line(argv: list[str], env: Mapping[str, str], cpus: set[int] | None) -> bytes:
+    """The one line that makes a standby or a warm process the rank ``argv`` with ``env`` on ``cpus``."""
+    return json.dumps({"argv": argv, "env": dict(env), "cpus": sorted(cpus or ())}).encode() + b"\n"
+
+
+class RankProcess:
+    """The agent's view of a rank's process that may outlive its life: a ``subprocess.Popen`` that reads as ended
+    with ``EXIT_RESTART_IN_PLACE`` once the rank said it is warm, while the process waits for its next order."""
+
+    def __init__(self, process: subprocess.Popen[bytes], orders: IO[bytes], warm: int) -> None:
+        self.process, self.orders, self.warm_pipe = process, orders, warm
+        os.set_blocking(warm, False)
+        self.warm = False
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def poll(self) -> int | None:
+        code = self.process.poll()
+        if code is not None:
+            self.warm = False
+            return code
+        return EXIT_RESTART_IN_PLACE if self.warm or self._said_warm() else None
+
+    def wait(self, timeout: float | None = None) -> int:
+        code = self.poll()
+        return code if code is not None else self.process.wait(timeout)
+
+    def _said_warm(self) -> bool:
+        """Non-blocking: node 0's agent holds the coordinator's sockets too, whose descriptors pass select's 1023."""
+        try:
+            self.warm = os.read(self.warm_pipe, 1) == WARM_BYTE
+        except BlockingIOError:
+            return False
+        return self.warm
+
+    def rejoin(self, line: bytes) -> bool:
+        """Hand the warm process the next life's order; False when it died meanwhile (start one instead)."""
+        if not self.warm or self.process.poll() is not None:
+            return False
+        try:
+            self.orders.write(line)
+            self.orders.flush()
+        except OSError:
+            return False
+        self.warm = False
+        return True
+
+    def close(self) -> None:
+        """The process is no one's rank any more: killed (a warm one waits forever otherwise) and reaped."""
+        with contextlib.suppress(ProcessLookupError):
+            self.process.kill()
+        self.process.wait()
+        with contextlib.suppress(OSError):
+            self.orders.close()
+        with contextlib.suppress(OSError):
+            os.close(self.warm_pipe)
+
+
+@dataclass
+class RejoinChannel:
+    """The rank's side: the descriptors its agent gave it (``HPC_TRAIN_REJOIN``), adopted once per process."""
+
+    orders: int
+    warm: int
+
+    @classmethod
+    def adopt(cls, environ: MutableMapping[str, str]) -> RejoinChannel | None:
+        """The channel named in ``environ`` (removed from it: a rank's own code has no use for it), standard
+        input moved aside when it is the orders (a rank reads nothing on it, as srun's tasks read nothing); None
+        without one, or with one that is not two open descriptors."""
+        value = environ.pop(REJOIN_ENV, "")
+        parts = value.split(",")
+        if len(parts) != 2 or not all(part.isdigit() for part in parts):
+            return None
+        orders, warm = (int(part) for part in parts)
+        try:
+            os.fstat(orders)
+            os.fstat(warm)
+            if orders == 0:
+                orders = os.dup(0)  # not inheritable: the rank's own subprocesses never hold it
+                null = os.open(os.devnull, os.O_RDONLY)
+                os.dup2(null, 0)
+                os.close(null)
+            os.set_inheritable(orders, False)
+            os.set_inheritable(warm, False)
+        except OSError:
+            return None
+        return cls(orders, warm)
+
+    def say_warm(self) -> bool:
+        """Tell the agent this rank has ended its life and will take the next one in this process (it reads as
+        ended to the agent from now on); False when the agent is gone."""
+        try:
+            return os.write(self.warm, WARM_BYTE) == 1
+        except OSError:
+            return False
+
+    def read_order(self) -> dict[str, Any] | None:
+        """The next life's order, ``{"argv", "env", "cpus"}``; None when the agent closed the channel or sent
+        something else (the rank then leaves as it would have)."""
+        line = b""
+        try:
+            while not line.endswith(b"\n") and len(line) < _ORDER_LIMIT:
+                chunk = os.read(self.orders, 65536)
+                if not chunk:
+                    return None
+                line += chunk
+            order = json.loads(line)
+        except (OSError, ValueError, RecursionError):
+            return None
+        if not (isinstance(order, dict) and isinstance(order.get("argv"), list) and isinstance(order.get("env"), dict)):
+            return None
+        return order

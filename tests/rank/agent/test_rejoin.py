@@ -1,0 +1,142 @@
+"""Warm restarts between an agent's pool and a real process (``tests/rank/agent/warm_rank.py``, a stand-in for a
+trainer's rank): a rank started with the channel reads as ended with ``EXIT_RESTART_IN_PLACE`` once it says it is
+warm, keeps its process through the agent's end of the life, and takes the next life's order in it; a warm
+process the next life does not take, or whose environment no longer fits, is ended, and its rank starts anew."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hpc_train.rank.agent.rejoin import RankProcess, RejoinChannel, order_line
+from hpc_train.rank.agent.standby import StandbyPool
+from hpc_train.run.exit_codes import EXIT_RESTART_IN_PLACE
+
+REPO = Path(__file__).resolve().parents[3]
+ARGV = [sys.executable, "-u", "-m", "tests.rank.agent.warm_rank"]
+
+
+@pytest.fixture
+def output(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The stand-in's lines go to a file (its standard output)."""
+    path = tmp_path / "out.txt"
+    handle = path.open("wb")
+    real = subprocess.Popen
+
+    def popen(*args: object, **kwargs: object) -> object:
+        kwargs.setdefault("stdout", handle)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(subprocess, "Popen", popen)
+    monkeypatch.chdir(REPO)
+    return path
+
+
+def _pool(said: list[str]) -> StandbyPool:
+    return StandbyPool("train", 1, {**os.environ, "PYTHONPATH": str(REPO)}, said.append)
+
+
+def _env(pool: StandbyPool, life: int, **more: str) -> dict[str, str]:
+    return {**pool.env, "SLURM_PROCID": "3", "HPC_TRAIN_IN_PLACE": str(life), "HPC_TRAIN_TEST_LIFE": str(life), **more}
+
+
+def _lines(output: Path, count: int) -> list[dict[str, object]]:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        lines = [json.loads(line) for line in output.read_text().splitlines() if line.startswith("{")]
+        if len(lines) >= count:
+            return lines
+        time.sleep(0.05)
+    raise AssertionError(f"{count} line(s) expected: {output.read_text()!r}")
+
+
+def _until_warm(process: RankProcess) -> None:
+    deadline = time.monotonic() + 60
+    while process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert process.poll() == EXIT_RESTART_IN_PLACE and process.wait() == EXIT_RESTART_IN_PLACE
+
+
+def test_a_warm_rank_trains_the_next_life_in_its_own_process(output: Path) -> None:
+    said: list[str] = []
+    pool = _pool(said)
+    try:
+        first = pool.start(ARGV, _env(pool, 0), None, rank=3)
+        assert isinstance(first, RankProcess)
+        pool.schedule()
+        _until_warm(first)
+        assert first.pid in pool.pids, "the agent's end of the life keeps a warm rank's process"
+        again = pool.start([*ARGV, "--next"], _env(pool, 1), None, rank=3)
+        pool.schedule()
+        assert again is first and again.poll() is None, "the order went to the same process, running again"
+        assert any("1 rank(s) of this node restarted warm" in line for line in said), said
+        lines = _lines(output, 2)
+        assert [line["pid"] for line in lines] == [first.pid, first.pid]
+        assert [line["life"] for line in lines] == ["0", "1"] and lines[1]["argv"] == ["--next"]
+        assert all(line["channel"] and line["stdin_is_null"] and not line["variable_left"] for line in lines), lines
+        _until_warm(again)
+    finally:
+        pool.close()
+    assert first.process.poll() is not None, "closing the pool ends a warm process"
+
+
+def test_a_warm_rank_the_next_life_does_not_take_is_ended(output: Path) -> None:
+    said: list[str] = []
+    pool = _pool(said)
+    try:
+        first = pool.start(ARGV, _env(pool, 0), None, rank=3)
+        pool.schedule()
+        assert isinstance(first, RankProcess)
+        _until_warm(first)
+        other = pool.start(ARGV, _env(pool, 1), None, rank=4)  # rank 3 is not on this node in the next life
+        pool.schedule()
+        assert first.process.wait(timeout=30) is not None and other.pid != first.pid
+    finally:
+        pool.close()
+
+
+def test_a_warm_rank_whose_environment_no_longer_fits_starts_anew(output: Path) -> None:
+    said: list[str] = []
+    pool = _pool(said)
+    try:
+        first = pool.start(ARGV, _env(pool, 0), None, rank=3)
+        pool.schedule()
+        assert isinstance(first, RankProcess)
+        _until_warm(first)
+        second = pool.start(ARGV, _env(pool, 1, OMP_NUM_THREADS="7"), None, rank=3)  # read at import
+        assert second.pid != first.pid and first.process.wait(timeout=30) is not None
+        assert any("OMP_NUM_THREADS" in line for line in said), said
+    finally:
+        pool.close()
+
+
+def test_the_channel_refuses_what_is_not_two_open_descriptors() -> None:
+    for value in ("", "1", "a,b", "0,1,2", "987654,987655"):
+        environ = {"HPC_TRAIN_REJOIN": value}
+        assert RejoinChannel.adopt(environ) is None
+        assert "HPC_TRAIN_REJOIN" not in environ
+
+
+def test_an_order_that_is_not_a_rank_s_is_refused() -> None:
+    orders_read, orders_write = os.pipe()
+    warm_read, warm_write = os.pipe()
+    channel = RejoinChannel(orders_read, warm_write)
+    try:
+        assert channel.say_warm() and os.read(warm_read, 1) == b"w"
+        os.write(orders_write, b'{"argv": "not a list", "env": {}}\n')
+        assert channel.read_order() is None
+        os.write(orders_write, order_line(["python", "-u", "-m", "x"], {"A": "1"}, {2, 1}))
+        assert channel.read_order() == {"argv": ["python", "-u", "-m", "x"], "env": {"A": "1"}, "cpus": [1, 2]}
+        os.close(orders_write)
+        orders_write = -1
+        assert channel.read_order() is None, "the agent closed the channel"
+    finally:
+        for descriptor in (orders_read, warm_read, warm_write, orders_write):
+            if descriptor >= 0:
+                os.close(descriptor)

@@ -1,0 +1,31 @@
+"""A stand-in for a trainer's rank in the warm-restart tests: each life prints one JSON line (its pid, the
+``HPC_TRAIN_TEST_LIFE`` of its environment, its arguments, whether its standard input is ``/dev/null``), then
+says it is warm and takes the agent's next order in the same process, as ``hpc_train.rank.entry`` does; it leaves
+when the agent closes the channel."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from hpc_train.rank.agent.rejoin import REJOIN_ENV, RejoinChannel
+from hpc_train.rank.agent.standby_main import take_order
+
+
+def main() -> int:
+    channel = RejoinChannel.adopt(os.environ)
+    while True:
+        print(json.dumps({"pid": os.getpid(), "life": os.environ.get("HPC_TRAIN_TEST_LIFE"), "argv": sys.argv[1:],
+                          "stdin_is_null": os.path.samefile("/proc/self/fd/0", os.devnull),
+                          "channel": channel is not None, "variable_left": REJOIN_ENV in os.environ}), flush=True)
+        if channel is None or not channel.say_warm():
+            return 0
+        order = channel.read_order()
+        if order is None:
+            return 3
+        take_order(order)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
