@@ -12,6 +12,9 @@ The steps, each recorded whether it passes or not, so one run tells everything:
 * ``user_checkpoint``: a user function's ``ctx.checkpoint`` across a preemption;
 * ``bench``: ``bench allreduce`` (on NCCL, the transport from NCCL's own log);
 * ``hang``: an injected hang, the watchdog's stacks and (on NCCL) the flight recorder's dump;
+* ``relife``: a warm restart's CUDA side in one process (``benchmarks/gpu_relife.py``): the NCCL group aborted,
+  DeepSpeed's engine freed, the device memory given back, the context kept, the next life bitwise equal, the
+  asynchronous save's staging pinned and let go of;
 * ``mfu``: the 125M and 1.3B GPT through hpc_train (DeepSpeed, then FSDP2 in bf16, eager and with
   ``train.compile``) against the nanoGPT-style loop of the same model and batch (``benchmarks/gpu_baseline.py``),
   with and without ``torch.compile``.
@@ -281,6 +284,28 @@ def step_hang(check: Check) -> dict[str, Any]:
             "flight_recorder": traces or "gloo has no flight recorder (dry run)"}
 
 
+def step_relife(check: Check) -> dict[str, Any]:
+    """A warm restart's CUDA side in one process (benchmarks/gpu_relife.py): the NCCL group aborted, the engine
+    freed, the device memory back, the context kept, a second life bitwise equal to the first, pinned staging."""
+    result = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_relife.py"), "--device",
+                             "cpu" if check.dry else "cuda"], cwd=check.work, capture_output=True, text=True,
+                            timeout=300, check=False)
+    if result.returncode != 0:
+        raise RuntimeError(f"gpu_relife.py exited {result.returncode}: {result.stderr[-1500:]}")
+    found = json.loads(result.stdout.strip().splitlines()[-1])
+    memory = found["memory_allocated"]
+    problems = [what for what, bad in (
+        ("the second life differs from the first", not found["bitwise_equal"]),
+        ("the first engine outlived its release", not found["first_engine_freed"]),
+        ("device memory not given back", memory["after_release"] > memory["before"]),
+        ("the CUDA context was lost", not check.dry and not found["cuda_context_kept"]),
+        ("staging not pinned", not check.dry and not found["staging"]["pinned"]),
+        ("the writer thread outlived close()", not found["staging"]["writer_thread_ended"])) if bad]
+    if problems:
+        raise RuntimeError(f"{'; '.join(problems)}: {found}")
+    return found
+
+
 def _baseline(model: str, seq_len: int, micro: int, steps: int, compiled: bool, vocab: int) -> dict[str, Any]:
     command = [sys.executable, str(REPO / "benchmarks" / "gpu_baseline.py"), "--model", model, "--seq-len",
                str(seq_len), "--micro-batch", str(micro), "--steps", str(steps), "--vocab", str(vocab)]
@@ -331,7 +356,8 @@ def step_mfu(check: Check) -> dict[str, Any]:
 
 STEPS: dict[str, Callable[[Check], dict[str, Any]]] = {
     "environment": step_environment, "trainer": step_trainer, "resume": step_resume,
-    "user_checkpoint": step_user_checkpoint, "bench": step_bench, "hang": step_hang, "mfu": step_mfu,
+    "user_checkpoint": step_user_checkpoint, "bench": step_bench, "hang": step_hang, "relife": step_relife,
+    "mfu": step_mfu,
 }
 
 

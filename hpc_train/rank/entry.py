@@ -22,6 +22,7 @@ from typing import Any, NoReturn
 from hpc_train.backends import LocalBackend, backend_of
 from hpc_train.config.plan import Plan, plan_for_life
 from hpc_train.errors import ConfigError
+from hpc_train.rank.agent.rejoin import RejoinChannel
 from hpc_train.rank.runtime.preemption import PreemptionWatch
 from hpc_train.run.error_log import CONSEQUENCES, ERROR_LOG_ENV, ERRORS, append_error, error_log_ranks
 from hpc_train.run.exit_codes import EXIT_NOT_RETRIED, EXIT_RESTART_IN_PLACE, EXIT_STOPPED
@@ -359,8 +360,6 @@ def main(argv: list[str] | None = None) -> int:
     if len(args) != 1:
         print("usage: python -m hpc_train.launch RUN_DIR", file=sys.stderr)
         return 2
-    from hpc_train.rank.agent.rejoin import RejoinChannel
-
     channel = RejoinChannel.adopt(os.environ)  # the agent's, for a warm restart: once, in a process's first life
     run_dir = Path(args[0])
     while True:
@@ -391,7 +390,7 @@ def _life(run_dir: Path, may_rejoin: bool) -> int | None:
     return 0
 
 
-def _next_life(channel: Any) -> dict[str, Any] | None:
+def _next_life(channel: RejoinChannel) -> dict[str, Any] | None:
     """Tell the agent this process is warm, let go of the failed life (its stack is unwound by now, so its
     engine is garbage), then wait for the next life's order and take it: its environment, CPUs and arguments."""
     from hpc_train.rank.agent.standby_main import take_order

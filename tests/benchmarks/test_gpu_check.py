@@ -22,7 +22,7 @@ def test_the_gpu_check_runs_every_step_on_cpus(tmp_path: Path) -> None:
                             timeout=900, check=False)
     report = json.loads(out.read_text())
     steps = report["steps"]
-    assert list(steps) == ["environment", "trainer", "resume", "user_checkpoint", "bench", "hang", "mfu"]
+    assert list(steps) == ["environment", "trainer", "resume", "user_checkpoint", "bench", "hang", "relife", "mfu"]
     failed = {name: step for name, step in steps.items() if step["status"] != "passed"}
     assert result.returncode == 0 and not failed, (failed, result.stdout[-3000:])
     trainer = steps["trainer"]["result"]
@@ -33,4 +33,6 @@ def test_the_gpu_check_runs_every_step_on_cpus(tmp_path: Path) -> None:
     assert steps["resume"]["result"]["bitwise_equal"] is True
     assert steps["user_checkpoint"]["result"]["attempts"][0][0] == "preempted"
     assert steps["hang"]["result"]["outcome"] == "hang"
+    relife = steps["relife"]["result"]
+    assert relife["bitwise_equal"] and relife["first_engine_freed"] and relife["staging"]["writer_thread_ended"]
     assert steps["mfu"]["result"]["tiny"]["ratio"] > 0

@@ -2,7 +2,7 @@
 measured side and its baseline, the report printed), so that none can break silently again (checkpoint.py once
 did, after a rename). Figures are not checked: only the exit status, the report's key lines, and that nothing was
 left in the repository. gpu_check.py has its own test (test_gpu_check.py: --cpu-dry-run, which also runs
-gpu_baseline.py); user_code_loop.py runs under user_code.py; library_preemption.py runs whole, as
+gpu_baseline.py and gpu_relife.py); user_code_loop.py runs under user_code.py; library_preemption.py runs whole, as
 tests/integrations/test_preemption_slurm.py (its six Slurm runs are that test). ``user_code.py --only slurm`` (a
 requeue round trip on the cluster, about 100 s of Slurm's credential and scheduler waits even when tiny) is left
 to a manual run: CI's time is spent on its local parts and on the cluster's end-to-end tests of the same requeue.
