@@ -133,6 +133,9 @@ def _stage(value: Any, buffers: _Buffers, memo: dict[int, Any] | None = None) ->
     return copied
 
 
+_CLOSE_JOIN_S = 60.0  # close() waits this long at most for a write under way
+
+
 def _end_of_writes() -> None:
     """The job that ends a writer thread (:meth:`RankFiles.close`)."""
 
@@ -242,11 +245,20 @@ class RankFiles:
             self._thread.start()
 
     def close(self) -> None:
-        """End the writer thread once what is queued is written, and let go of the staging buffers: a rank that
-        restarts inside its own process (a warm restart) builds the next life's files afresh, and a thread left
-        waiting on this queue would keep this object and its buffers for the rest of the process."""
-        if self._thread is not None and self._thread.is_alive():
+        """End the writer thread (a write under way finishes, what is queued is dropped) and let go of the staging
+        buffers: a rank that restarts inside its own process (a warm restart) builds the next life's files afresh,
+        and a thread left waiting on this queue would keep this object and its buffers for the rest of the
+        process, or go on writing into a folder the next life makes again."""
+        thread = self._thread
+        if thread is not None and thread.is_alive():
+            while True:  # what is queued is the failed life's: never written
+                try:
+                    self._jobs.get_nowait()
+                except queue.Empty:
+                    break
+                self._jobs.task_done()
             self._jobs.put((True, _end_of_writes))
+            thread.join(timeout=_CLOSE_JOIN_S)  # a write under way finishes first
         self._thread, self._buffers, self._read_buffer = None, {}, None
 
     def _run(self) -> None:

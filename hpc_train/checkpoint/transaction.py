@@ -121,6 +121,7 @@ class CheckpointTransaction:
         self._committer: threading.Thread | None = None
         self._commit_error: BaseException | None = None
         self._written: WrittenWatch | None = None  # rank 0: the ranks' written records over the coordinator
+        self._abandoned = threading.Event()  # the life failed (close): the commit thread seals nothing more
         self._written_tried = False
 
     def memory_due(self, step: int) -> bool:
@@ -281,7 +282,10 @@ class CheckpointTransaction:
     def _commit(self, manager: CheckpointManager, tmp: Path, fields: dict[str, Any], save_id: str) -> None:
         """Rank 0's commit thread: wait for every rank's written record, then commit their entries."""
         try:
-            manager.commit(tmp, fields, sealed=self._written_entries(tmp, save_id))
+            sealed = self._written_entries(tmp, save_id)
+            if self._abandoned.is_set():
+                raise CheckpointError(f"{tmp.name} abandoned: the life that saved it failed")
+            manager.commit(tmp, fields, sealed=sealed)
         except BaseException as error:  # reported to every rank by the next save or finish()
             self._commit_error = error
 
@@ -296,6 +300,8 @@ class CheckpointTransaction:
         pause = _MARKER_POLL_S
         watch = self._written if save_id else None
         while len(records) < self.world:
+            if self._abandoned.is_set():
+                raise CheckpointError(f"{tmp.name} abandoned: the life that saved it failed")
             if save_id and (watch is None or not watch.usable):
                 watch = self._rewatch_written()  # the coordinator pushes every record it holds again
             if watch is not None:  # in memory: the records the ranks told the coordinator
@@ -327,8 +333,13 @@ class CheckpointTransaction:
 
     def close(self) -> None:
         """After a failed life: this rank's writer thread ends once its queue is written and its buffers go (a
-        rank that restarts inside its own process builds the next life's afresh); nothing is sealed or awaited."""
+        rank that restarts inside its own process builds the next life's afresh); rank 0's commit thread seals
+        nothing more (a warm rank 0 keeps its pid, and with it the name of the next life's folder for a step)."""
+        self._abandoned.set()
         self.files.close()
+        if self._written is not None:
+            self._written.close()
+            self._written = None
 
     def finish(self) -> None:
         """Every rank: return once rank 0's background seal (if any) is durable; raise its error on every rank.

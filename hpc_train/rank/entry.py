@@ -137,7 +137,7 @@ def _run_rank(run_dir: Path, plan: Plan, watch: PreemptionWatch | None, may_rejo
         _leave(info, stop.notice.exit_code)
     except BaseException as error:
         if _record_failure(run_dir, plan, info, error, on_slurm and program != "smoke", logger):
-            if may_rejoin and info.kind.own_process:
+            if may_rejoin and info.kind.own_process and not (watch is not None and watch.received):
                 logger.info("restarting warm: this process trains the next life once its agent says so")
                 raise WarmRestart(info.rank) from None
             _leave(info, EXIT_RESTART_IN_PLACE)  # the agent above this rank starts every rank again
@@ -391,14 +391,19 @@ def _life(run_dir: Path, may_rejoin: bool) -> int | None:
 
 
 def _next_life(channel: RejoinChannel) -> dict[str, Any] | None:
-    """Tell the agent this process is warm, let go of the failed life (its stack is unwound by now, so its
-    engine is garbage), then wait for the next life's order and take it: its environment, CPUs and arguments."""
+    """Let go of the failed life's groups, tell the agent this process is warm, free the rest of the life (its
+    stack is unwound by now, so its engine is garbage), then wait for the next life's order and take it: its
+    environment, CPUs and arguments. Anything that fails on the way leaves as the rank would have, at once."""
     from hpc_train.rank.agent.standby_main import take_order
-    from hpc_train.rank.train.relife import release_life
+    from hpc_train.rank.train.relife import forget_groups, release_life
 
-    if not channel.say_warm():
+    try:
+        forget_groups()
+        if not channel.say_warm():
+            return None
+        release_life()
+    except Exception:  # whatever it is, this process leaves as a rank that asked for a restart
         return None
-    release_life()
     order = channel.read_order()
     if order is None or order["argv"][-3:-1] != ["-m", "hpc_train.launch"]:  # a rank's command, nothing else
         return None

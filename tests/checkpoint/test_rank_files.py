@@ -105,3 +105,28 @@ def test_loads_refuse_code_in_a_pickle(tmp_path: Path) -> None:
     files = RankFiles(rank=0, async_save=False)
     with pytest.raises(Exception, match=r"[Ww]eights only load failed|Unsupported global"):
         files.load(path)
+
+
+def test_close_ends_the_writer_after_the_write_under_way_and_drops_what_is_queued() -> None:
+    """A failed life's writer (RankFiles.close, before a warm restart): the write under way finishes, the queued
+    ones of the failed life are never written, the thread ends and the staging buffers go."""
+    import threading
+    import time
+
+    files = RankFiles(0, async_save=True)
+    started, done, dropped = threading.Event(), [], []
+
+    def under_way() -> None:
+        started.set()
+        time.sleep(0.3)
+        done.append(1)
+
+    files._start()
+    files._jobs.put((False, under_way))
+    files._jobs.put((False, lambda: dropped.append(1)))
+    files._buffers["module.pt"] = [torch.zeros(4)]
+    assert started.wait(30)
+    thread = files._thread
+    files.close()
+    assert thread is not None and not thread.is_alive()
+    assert done == [1] and dropped == [] and files._buffers == {}

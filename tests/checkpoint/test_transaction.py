@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -26,7 +27,7 @@ def _files(rank: int) -> list[dict[str, object]]:
 
 
 def _entries(tmp: Path, world: int, timeout_s: float = 30.0) -> list:
-    owner = SimpleNamespace(world=world, write_timeout_s=timeout_s, _written=None)
+    owner = SimpleNamespace(world=world, write_timeout_s=timeout_s, _written=None, _abandoned=threading.Event())
     return CheckpointTransaction._written_entries(owner, tmp)  # type: ignore[arg-type]
 
 
@@ -68,3 +69,14 @@ def test_a_rank_s_error_and_a_rank_that_never_writes_are_reported(tmp_path: Path
     _mark(tmp_path / "late", 0, files=_files(0))
     with pytest.raises(CheckpointError, match=r"ranks \[1\] did not finish writing late within 0 s"):
         _entries(tmp_path / "late", 2, timeout_s=0.0)
+
+
+def test_a_failed_life_s_commit_thread_stops_waiting_and_seals_nothing(tmp_path: Path) -> None:
+    """After ``close()`` (the life failed, and a warm rank 0 keeps its pid and so its folder names), rank 0's
+    commit thread gives up at its next look instead of sealing the old life's checkpoint beside the next one's."""
+    (tmp_path / WRITTEN_DIR).mkdir()
+    owner = SimpleNamespace(world=2, write_timeout_s=30.0, _written=None, _abandoned=threading.Event())
+    _mark(tmp_path, 0, files=_files(0))
+    owner._abandoned.set()
+    with pytest.raises(CheckpointError, match="abandoned: the life that saved it failed"):
+        CheckpointTransaction._written_entries(owner, tmp_path)  # type: ignore[arg-type]

@@ -386,7 +386,9 @@ class Agent:
         except (ValueError, RecursionError):
             return ""
 
-    def _kill(self, child: subprocess.Popen[Any]) -> None:
+    def _kill(self, child: subprocess.Popen[Any] | RankProcess) -> None:
+        if isinstance(child, RankProcess):  # a warm byte it wrote before the kill landed no longer counts
+            child.killed = True
         for pid in [child.pid, *descendants(child.pid)]:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)

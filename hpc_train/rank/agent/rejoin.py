@@ -19,18 +19,23 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
+import stat
 import subprocess
+import time
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import IO, Any
 
 from hpc_train.run.exit_codes import EXIT_RESTART_IN_PLACE
+from hpc_train.run.procs import descendants
 
 __all__ = ["REJOIN_ENV", "WARM_BYTE", "RankProcess", "RejoinChannel", "order_line"]
 
 REJOIN_ENV = "HPC_TRAIN_REJOIN"
 WARM_BYTE = b"w"
 _ORDER_LIMIT = 1 << 22  # an order is a command and an environment: far below 4 MiB
+_ORDER_WRITE_S = 30.0  # a warm rank reads its order once it has let go of its life: a second or two at most
 
 
 def order_line(argv: list[str], env: Mapping[str, str], cpus: set[int] | None) -> bytes:
@@ -46,6 +51,7 @@ class RankProcess:
         self.process, self.orders, self.warm_pipe = process, orders, warm
         os.set_blocking(warm, False)
         self.warm = False
+        self.killed = False  # the agent killed it: whatever it said last, it is not warm
 
     @property
     def pid(self) -> int:
@@ -53,14 +59,26 @@ class RankProcess:
 
     def poll(self) -> int | None:
         code = self.process.poll()
-        if code is not None:
+        if code is not None or self.killed:
             self.warm = False
             return code
         return EXIT_RESTART_IN_PLACE if self.warm or self._said_warm() else None
 
     def wait(self, timeout: float | None = None) -> int:
-        code = self.poll()
-        return code if code is not None else self.process.wait(timeout)
+        """Until the rank ends or says it is warm (a warm process never ends on its own)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while (code := self.poll()) is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(self.process.args, timeout or 0.0)
+            time.sleep(0.01)
+        return code
+
+    def kill(self) -> None:
+        """SIGKILL to the process and what it started; from now on it reads as the process's own end."""
+        self.killed = True
+        for pid in [self.process.pid, *descendants(self.process.pid)]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
     def _said_warm(self) -> bool:
         """Non-blocking: node 0's agent holds the coordinator's sockets too, whose descriptors pass select's 1023."""
@@ -72,20 +90,29 @@ class RankProcess:
 
     def rejoin(self, line: bytes) -> bool:
         """Hand the warm process the next life's order; False when it died meanwhile (start one instead)."""
-        if not self.warm or self.process.poll() is not None:
+        if not self.warm or self.killed or self.process.poll() is not None:
             return False
+        descriptor = self.orders.fileno()
+        deadline = time.monotonic() + _ORDER_WRITE_S
         try:
-            self.orders.write(line)
-            self.orders.flush()
+            os.set_blocking(descriptor, False)  # an order beyond the pipe's 64 KiB waits on the rank's read
+            view = memoryview(line)
+            while view:
+                try:
+                    view = view[os.write(descriptor, view):]
+                except BlockingIOError:
+                    if time.monotonic() > deadline or self.process.poll() is not None:
+                        return False
+                    time.sleep(0.005)
         except OSError:
             return False
         self.warm = False
         return True
 
     def close(self) -> None:
-        """The process is no one's rank any more: killed (a warm one waits forever otherwise) and reaped."""
-        with contextlib.suppress(ProcessLookupError):
-            self.process.kill()
+        """The process is no one's rank any more: killed with what it started (a warm one waits forever
+        otherwise) and reaped."""
+        self.kill()
         self.process.wait()
         with contextlib.suppress(OSError):
             self.orders.close()
@@ -111,8 +138,9 @@ class RejoinChannel:
             return None
         orders, warm = (int(part) for part in parts)
         try:
-            os.fstat(orders)
-            os.fstat(warm)
+            if warm <= 2 or orders in (1, 2) or orders == warm or \
+                    not all(stat.S_ISFIFO(os.fstat(fd).st_mode) for fd in (orders, warm)):
+                return None  # two pipes, never the rank's standard output or error
             if orders == 0:
                 orders = os.dup(0)  # not inheritable: the rank's own subprocesses never hold it
                 null = os.open(os.devnull, os.O_RDONLY)

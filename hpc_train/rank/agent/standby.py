@@ -27,9 +27,8 @@ from hpc_train.rank.agent.rejoin import REJOIN_ENV, RankProcess, order_line
 __all__ = ["START_GRACE_S", "StandbyPool"]
 
 START_GRACE_S = 10.0  # a life's ranks import first; the standbys for the next life start after them
-# how long a restart waits for the ranks that outlive the failure to say so (await_warm); those in a collective
-# with the dead rank say so within milliseconds
-WARM_FIRST_S, WARM_QUIET_S, WARM_MOST_S = 2.0, 0.3, 3.0
+# how long a restart waits for the ranks that outlive the failure to say so (StandbyPool.await_warm)
+WARM_FIRST_S, WARM_SHORT_S, WARM_QUIET_S, WARM_MOST_S = 2.0, 0.3, 0.3, 3.0
 _PLACE = ("SLURM_", "HPC_TRAIN_")  # what may differ between a standby's environment and its rank's
 
 
@@ -158,14 +157,16 @@ class StandbyPool:
 
     def await_warm(self, children: Mapping[int, Any], ended: dict[int, int]) -> None:
         """Before a restart ends a life's ranks: the trainer's ranks still running may say they are warm (their
-        collective saw the failure: rank/agent/rejoin.py). The agent waits up to ``WARM_FIRST_S`` for the first
-        to say so or end, and then while they keep coming, up to ``WARM_QUIET_S`` after the last, ``WARM_MOST_S``
-        in all; the rest are killed, as before (a rank in a collective with a peer that is waiting, not dead:
-        gloo cannot break its wait, nor NCCL without its watchdog)."""
+        collective saw the failure: rank/agent/rejoin.py). A rank in a collective with the dead one says so within
+        milliseconds, usually before its agent has decided; one busy computing says so at its next collective.
+        The agent waits for the first to say so or end up to ``WARM_FIRST_S`` (only ``WARM_SHORT_S`` where a ready
+        standby could take each rank at once instead), then while more come, up to ``WARM_QUIET_S`` after the last,
+        ``WARM_MOST_S`` in all; the rest are killed, as before (gloo cannot break a wait on a peer that is itself
+        waiting, nor NCCL without its watchdog)."""
         waiting = {rank: child for rank, child in children.items()
                    if rank not in ended and isinstance(child, RankProcess)}
         started = last = time.monotonic()
-        quiet = WARM_FIRST_S
+        quiet = WARM_SHORT_S if self._ready_count() >= len(waiting) else WARM_FIRST_S
         while waiting and time.monotonic() < min(last + quiet, started + WARM_MOST_S):
             for rank, child in list(waiting.items()):
                 if (code := child.poll()) is not None:
@@ -174,6 +175,11 @@ class StandbyPool:
                     last, quiet = time.monotonic(), WARM_QUIET_S
             if waiting:
                 time.sleep(0.01)
+
+    def _ready_count(self) -> int:
+        """Standbys alive that said they are ready (what the next life can take without waiting)."""
+        return sum(1 for standby in self._ready if standby.poll() is None and standby.pid in self._signals
+                   and self._has_said(self._signals[standby.pid]))
 
     def sigkilled(self) -> int:
         """How many idle standbys died of SIGKILL so far (``oom_score_adj`` 1000 makes them the kernel's first

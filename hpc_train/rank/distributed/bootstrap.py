@@ -7,6 +7,7 @@ process group (NCCL with CUDA, gloo without) then gets the collective timeout of
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ from hpc_train.rank.distributed.rendezvous import (
     export_rendezvous,
 )
 
-__all__ = ["DistContext", "bootstrap", "shutdown"]
+__all__ = ["DistContext", "abort_nccl", "bootstrap", "shutdown"]
 
 
 @dataclass(frozen=True)
@@ -85,16 +86,18 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
-def abandon() -> None:
-    """Leave a process group that a failure broke, so that this process can join the next life's: NCCL's
-    communicators are aborted (destroying them after a peer's death may wait on work that never completes), any
-    other backend's are destroyed. Every group goes, the default one and the job's subgroups."""
+
+def abort_nccl() -> None:
+    """After a failure: abort every NCCL communicator of this process's groups in place, so that nothing waits on
+    a dead peer any more (a destroy could wait on a collective that never completes), while the groups stay
+    registered for what still asks for them (DeepSpeed's teardown asks for this rank). Nothing on other backends:
+    gloo's groups end with :func:`shutdown` and their last reference."""
     import torch.distributed as dist
     from torch.distributed import distributed_c10d
 
-    if not dist.is_initialized():
+    if not dist.is_initialized() or dist.get_backend() != "nccl":
         return
-    if dist.get_backend() == "nccl" and hasattr(distributed_c10d, "_abort_process_group"):
-        distributed_c10d._abort_process_group()  # the default group and every subgroup, as destroy does
-        return
-    dist.destroy_process_group()
+    for group in list(distributed_c10d._world.pg_map):
+        for device in group._device_types:
+            with contextlib.suppress(Exception):  # one that is gone already: the others still get theirs
+                group._get_backend(device).abort()

@@ -12,9 +12,9 @@ from __future__ import annotations
 import gc
 from typing import Any
 
-__all__ = ["end_life", "release_life"]
+__all__ = ["end_life", "forget_groups", "release_life"]
 
-# deepspeed.utils.groups' globals, as its import sets them (DeepSpeed 0.19)
+# deepspeed.utils.groups' globals, as its import sets them, for a DeepSpeed without _release_process_group_references
 _DEEPSPEED_GROUPS: dict[str, Any] = {
     "_EXPERT_PARALLEL_GROUP": {}, "_EXPERT_PARALLEL_GROUP_RANKS": {}, "_EXPERT_DATA_PARALLEL_GROUP": {},
     "_EXPERT_DATA_PARALLEL_GROUP_RANKS": {}, "_WORLD_GROUP": None, "_ZERO_PARAM_INTRA_PARALLEL_GROUP": None,
@@ -26,29 +26,36 @@ _DEEPSPEED_GROUPS: dict[str, Any] = {
 
 def end_life(engine: Any) -> None:
     """A failed life's engine and groups, let go of where the failure happened (in the trainer, every failure):
-    the process group left (aborted on NCCL, so that nothing waits on a dead peer), then the engine's hooks on the
-    parameters removed (DeepSpeed's ``destroy``: C++ references the collector cannot see, which would keep the
-    whole engine alive). Each step is best effort: the process may be on its way out anyway."""
-    from hpc_train.rank.distributed.bootstrap import abandon
+    NCCL's communicators aborted first (nothing waits on a dead peer), then the engine's hooks on the parameters
+    removed while its groups still answer (DeepSpeed's ``destroy``: C++ references the collector cannot see,
+    which would keep the whole engine alive), then every group destroyed. Each step is best effort: the process
+    may be on its way out anyway."""
+    from hpc_train.rank.distributed.bootstrap import abort_nccl, shutdown
 
     destroy = getattr(engine, "destroy", None)
-    for step in (abandon, *((destroy,) if callable(destroy) else ())):
+    for step in (abort_nccl, *((destroy,) if callable(destroy) else ()), shutdown):
         try:
             step()
         except Exception:  # noqa: S112 - a broken group or engine is what is being let go of
             continue
 
 
+def forget_groups() -> None:
+    """Leave the broken process group (a no-op where the trainer's :func:`end_life` did already) and forget
+    DeepSpeed's record of the groups: fast, so a warm rank does it before it tells its agent."""
+    from hpc_train.rank.distributed.bootstrap import abort_nccl, shutdown
+
+    abort_nccl()
+    shutdown()
+    _forget_deepspeed_groups()
+
+
 def release_life() -> None:
-    """Leave the broken process group, forget DeepSpeed's groups, free the old life's objects (the heap frozen
-    after set-up, :mod:`hpc_train.rank.runtime.heap`, is unfrozen first: its engine is garbage now) and the
-    device memory they held."""
+    """Free the old life's objects (the heap frozen after set-up, :mod:`hpc_train.rank.runtime.heap`, is
+    unfrozen first: its engine is garbage now) and the device memory they held."""
     import torch
 
-    from hpc_train.rank.distributed.bootstrap import abandon
-
-    abandon()
-    _forget_deepspeed_groups()
+    forget_groups()
     gc.unfreeze()
     gc.collect()
     if torch.cuda.is_initialized():
@@ -62,7 +69,9 @@ def _forget_deepspeed_groups() -> None:
     if comm is not None:
         comm.cdb = None  # type: ignore[attr-defined]
     groups = sys.modules.get("deepspeed.utils.groups")
-    if groups is not None:
+    if groups is not None and callable(getattr(groups, "_release_process_group_references", None)):
+        groups._release_process_group_references(None)  # DeepSpeed's own, where it has one (0.19 does)
+    elif groups is not None:
         for name, value in _DEEPSPEED_GROUPS.items():
             if hasattr(groups, name):
                 setattr(groups, name, type(value)() if isinstance(value, dict) else value)

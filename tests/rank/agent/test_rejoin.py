@@ -26,7 +26,7 @@ ARGV = [sys.executable, "-u", "-m", "tests.rank.agent.warm_rank"]
 def output(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """The stand-in's lines go to a file (its standard output)."""
     path = tmp_path / "out.txt"
-    handle = path.open("wb")
+    handle = path.open("ab")  # O_APPEND: two processes' lines never interleave
     real = subprocess.Popen
 
     def popen(*args: object, **kwargs: object) -> object:
@@ -49,7 +49,8 @@ def _env(pool: StandbyPool, life: int, **more: str) -> dict[str, str]:
 def _lines(output: Path, count: int) -> list[dict[str, object]]:
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        lines = [json.loads(line) for line in output.read_text().splitlines() if line.startswith("{")]
+        lines = [json.loads(line) for line in output.read_text().splitlines(keepends=True)
+                 if line.startswith("{") and line.endswith("\n")]  # a line being written is read next time
         if len(lines) >= count:
             return lines
         time.sleep(0.05)
@@ -86,6 +87,26 @@ def test_a_warm_rank_trains_the_next_life_in_its_own_process(output: Path) -> No
     assert first.process.poll() is not None, "closing the pool ends a warm process"
 
 
+def test_before_a_restart_the_agent_waits_briefly_for_ranks_to_say_they_are_warm(output: Path) -> None:
+    """A rank that says so is ended (EXIT_RESTART_IN_PLACE) and kept; one that stays busy is left to the kill."""
+    said: list[str] = []
+    pool = _pool(said)
+    try:
+        warm = pool.start(ARGV, _env(pool, 0), None, rank=3)
+        busy = pool.start(ARGV, _env(pool, 0, HPC_TRAIN_TEST_BUSY="1"), None, rank=4)
+        pool.schedule()
+        _lines(output, 2)  # both are up
+        ended: dict[int, int] = {}
+        waited = time.monotonic()
+        pool.await_warm({3: warm, 4: busy}, ended)
+        waited = time.monotonic() - waited
+        assert ended == {3: EXIT_RESTART_IN_PLACE}, ended
+        assert isinstance(busy, RankProcess) and busy.poll() is None and waited < 30
+        assert warm.pid in pool.pids and busy.pid not in pool.pids
+    finally:
+        pool.close()
+
+
 def test_a_warm_rank_the_next_life_does_not_take_is_ended(output: Path) -> None:
     said: list[str] = []
     pool = _pool(said)
@@ -117,7 +138,7 @@ def test_a_warm_rank_whose_environment_no_longer_fits_starts_anew(output: Path) 
 
 
 def test_the_channel_refuses_what_is_not_two_open_descriptors() -> None:
-    for value in ("", "1", "a,b", "0,1,2", "987654,987655"):
+    for value in ("", "1", "a,b", "0,1,2", "987654,987655", "0,1", "0,2"):  # never stdout or stderr
         environ = {"HPC_TRAIN_REJOIN": value}
         assert RejoinChannel.adopt(environ) is None
         assert "HPC_TRAIN_REJOIN" not in environ
