@@ -4,6 +4,7 @@ file (issue 38); a rank that cannot tell it writes the file, and rank 0 reads bo
 from __future__ import annotations
 
 import json
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -24,7 +25,7 @@ def _files(rank: int) -> list[dict[str, object]]:
 
 def _entries(tmp: Path, world: int, watch: WrittenWatch | None, save_id: str = SAVE,
              timeout_s: float = 30.0) -> list:
-    owner = SimpleNamespace(world=world, write_timeout_s=timeout_s, _written=watch)
+    owner = SimpleNamespace(world=world, write_timeout_s=timeout_s, _written=watch, _abandoned=threading.Event())
     owner._rewatch_written = lambda: CheckpointTransaction._rewatch_written(owner)  # type: ignore[arg-type]
     return CheckpointTransaction._written_entries(owner, tmp, save_id)  # type: ignore[arg-type]
 

@@ -33,6 +33,10 @@ STEADY_STEP = 30  # logged steps before the trace starts: start-up, the first ev
 # read them from the run folder as before (the watchdog's hang marker once a second: one machine's own disk).
 # Counted and shown, not judged.
 CONTROL_PLANE_FILES = ("heartbeats/hang-*", "heartbeats/stop-*", "heartbeats/restart-*", "chain/*")
+# A health finding that trips or clears inside the window (a straggler on a loaded machine) writes health.json
+# once, an event, not a period: 3 operations, which an 8 s window of 2 ranks reads as 0.19 per rank per second.
+# Counted and shown, not judged; its periodic refresh is once a minute (the comm check is off, below).
+EVENT_FILES = ("health.json", ".health.json.tmp-*")
 # Never a checkpoint in the window (every_steps = 0: only at a stop or the end, and the job is killed first). An
 # eval every 50 steps and a record every step keep their files in the window. The comm check is off: gloo on
 # 2 CPU ranks trips it at every step, and rank 0 then refreshes health.json's figures once a minute, 4 operations
@@ -86,11 +90,12 @@ def test_steady_training_makes_almost_no_metadata_operations_on_the_run_folder(t
     finally:
         _end(process)
     assert trained > 0, "no step was trained while traced"
-    judged = ops.without(CONTROL_PLANE_FILES)
+    judged = ops.without((*CONTROL_PLANE_FILES, *EVENT_FILES))
     rate = judged.per_process_second(processes=len(ranks))
     assert rate <= LIMIT, (f"{rate:.3f} run-folder metadata operations per rank per second in steady training "
                            f"(limit {LIMIT}; {trained} steps traced), control-plane files "
-                           f"{CONTROL_PLANE_FILES} left out:\n{judged.describe()}\nall of them:\n{ops.describe()}")
+                           f"{CONTROL_PLANE_FILES} and event records {EVENT_FILES} left out:\n{judged.describe()}"
+                           f"\nall of them:\n{ops.describe()}")
 
 
 def test_the_tracer_counts_each_call_on_the_folder_by_the_path_it_names() -> None:
