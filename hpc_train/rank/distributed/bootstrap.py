@@ -86,7 +86,6 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
-
 def abort_nccl() -> None:
     """After a failure: abort every NCCL communicator of this process's groups in place, so that nothing waits on
     a dead peer any more (a destroy could wait on a collective that never completes), while the groups stay
