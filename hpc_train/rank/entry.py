@@ -395,13 +395,13 @@ def _next_life(channel: RejoinChannel) -> dict[str, Any] | None:
     stack is unwound by now, so its engine is garbage), then wait for the next life's order and take it: its
     environment, CPUs and arguments. Anything that fails on the way leaves as the rank would have, at once."""
     from hpc_train.rank.agent.standby_main import take_order
-    from hpc_train.rank.train.relife import forget_groups, release_life
+    from hpc_train.rank.train.relife import forget_groups, free_heap
 
     try:
         forget_groups()
         if not channel.say_warm():
             return None
-        release_life()
+        free_heap()
     except Exception:  # whatever it is, this process leaves as a rank that asked for a restart
         return None
     order = channel.read_order()

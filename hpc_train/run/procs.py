@@ -84,6 +84,15 @@ def descendants(pid: int, skip: Collection[int] = (), alive: bool = False) -> li
     return [pid for pid in found if pid in living] if alive else found
 
 
+def kill_tree(pid: int) -> None:
+    """SIGKILL to ``pid`` and every process below it (one already gone is passed over)."""
+    for each in [pid, *descendants(pid)]:
+        try:
+            os.kill(each, signal.SIGKILL)
+        except ProcessLookupError:
+            continue
+
+
 def cpu_shares(ranks: int) -> list[set[int]]:
     """The node's CPUs this process may use, in ``ranks`` blocks of consecutive CPUs (a rank's share, as srun binds
     one task per rank, and near the GPU of its local rank on the usual layouts); empty when there are too few."""

@@ -54,7 +54,7 @@ from hpc_train.run.loglines import format_host_oom
 from hpc_train.run.node import node_name
 from hpc_train.run.paths import LOGS_DIR, rank_error_path
 from hpc_train.run.peer_errors import lost_its_peer
-from hpc_train.run.procs import cpu_shares, descendants, leave_like
+from hpc_train.run.procs import cpu_shares, descendants, kill_tree, leave_like
 from hpc_train.run.stops import attempt_key
 
 __all__ = ["Agent", "AgentSetup", "Spares", "agent_setup", "main", "rank_command", "supervise"]
@@ -389,9 +389,7 @@ class Agent:
     def _kill(self, child: subprocess.Popen[Any] | RankProcess) -> None:
         if isinstance(child, RankProcess):  # a warm byte it wrote before the kill landed no longer counts
             child.killed = True
-        for pid in [child.pid, *descendants(child.pid)]:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        kill_tree(child.pid)
 
     def end_everything_below(self) -> None:
         """No process the old ranks started (a data loader worker, a checkpoint stager) outlives them; the

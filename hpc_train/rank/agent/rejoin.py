@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import stat
 import subprocess
 import time
@@ -28,7 +27,7 @@ from dataclasses import dataclass
 from typing import IO, Any
 
 from hpc_train.run.exit_codes import EXIT_RESTART_IN_PLACE
-from hpc_train.run.procs import descendants
+from hpc_train.run.procs import kill_tree
 
 __all__ = ["REJOIN_ENV", "WARM_BYTE", "RankProcess", "RejoinChannel", "order_line"]
 
@@ -76,9 +75,7 @@ class RankProcess:
     def kill(self) -> None:
         """SIGKILL to the process and what it started; from now on it reads as the process's own end."""
         self.killed = True
-        for pid in [self.process.pid, *descendants(self.process.pid)]:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        kill_tree(self.process.pid)
 
     def _said_warm(self) -> bool:
         """Non-blocking: node 0's agent holds the coordinator's sockets too, whose descriptors pass select's 1023."""

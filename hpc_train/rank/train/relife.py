@@ -12,7 +12,7 @@ from __future__ import annotations
 import gc
 from typing import Any
 
-__all__ = ["end_life", "forget_groups", "release_life"]
+__all__ = ["end_life", "forget_groups", "free_heap", "release_life"]
 
 # deepspeed.utils.groups' globals, as its import sets them, for a DeepSpeed without _release_process_group_references
 _DEEPSPEED_GROUPS: dict[str, Any] = {
@@ -51,11 +51,17 @@ def forget_groups() -> None:
 
 
 def release_life() -> None:
+    """Everything a failed life leaves once its stack is unwound: its groups (:func:`forget_groups`), then its
+    objects and device memory (:func:`free_heap`)."""
+    forget_groups()
+    free_heap()
+
+
+def free_heap() -> None:
     """Free the old life's objects (the heap frozen after set-up, :mod:`hpc_train.rank.runtime.heap`, is
     unfrozen first: its engine is garbage now) and the device memory they held."""
     import torch
 
-    forget_groups()
     gc.unfreeze()
     gc.collect()
     if torch.cuda.is_initialized():

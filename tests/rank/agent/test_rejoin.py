@@ -64,14 +64,20 @@ def _until_warm(process: RankProcess) -> None:
     assert process.poll() == EXIT_RESTART_IN_PLACE and process.wait() == EXIT_RESTART_IN_PLACE
 
 
+def _warm_rank(pool: StandbyPool) -> RankProcess:
+    """Rank 3 of a life started by ``pool`` (a new process with the channel), once it has said it is warm."""
+    rank = pool.start(ARGV, _env(pool, 0), None, rank=3)
+    pool.schedule()
+    assert isinstance(rank, RankProcess)
+    _until_warm(rank)
+    return rank
+
+
 def test_a_warm_rank_trains_the_next_life_in_its_own_process(output: Path) -> None:
     said: list[str] = []
     pool = _pool(said)
     try:
-        first = pool.start(ARGV, _env(pool, 0), None, rank=3)
-        assert isinstance(first, RankProcess)
-        pool.schedule()
-        _until_warm(first)
+        first = _warm_rank(pool)
         assert first.pid in pool.pids, "the agent's end of the life keeps a warm rank's process"
         again = pool.start([*ARGV, "--next"], _env(pool, 1), None, rank=3)
         pool.schedule()
@@ -111,10 +117,7 @@ def test_a_warm_rank_the_next_life_does_not_take_is_ended(output: Path) -> None:
     said: list[str] = []
     pool = _pool(said)
     try:
-        first = pool.start(ARGV, _env(pool, 0), None, rank=3)
-        pool.schedule()
-        assert isinstance(first, RankProcess)
-        _until_warm(first)
+        first = _warm_rank(pool)
         other = pool.start(ARGV, _env(pool, 1), None, rank=4)  # rank 3 is not on this node in the next life
         pool.schedule()
         assert first.process.wait(timeout=30) is not None and other.pid != first.pid
@@ -126,10 +129,7 @@ def test_a_warm_rank_whose_environment_no_longer_fits_starts_anew(output: Path) 
     said: list[str] = []
     pool = _pool(said)
     try:
-        first = pool.start(ARGV, _env(pool, 0), None, rank=3)
-        pool.schedule()
-        assert isinstance(first, RankProcess)
-        _until_warm(first)
+        first = _warm_rank(pool)
         second = pool.start(ARGV, _env(pool, 1, OMP_NUM_THREADS="7"), None, rank=3)  # read at import
         assert second.pid != first.pid and first.process.wait(timeout=30) is not None
         assert any("OMP_NUM_THREADS" in line for line in said), said
