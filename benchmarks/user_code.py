@@ -122,14 +122,35 @@ def _wait(what: str, ready: Callable[[], bool], process: subprocess.Popen | None
         time.sleep(0.01)
 
 
-def _finish(process: subprocess.Popen, what: str, folder: Path, timeout: float = 600) -> None:
+# What gloo's threads print when a rank process is torn down while a peer's connection closes under them: once
+# in about a hundred runs of the plain torchrun baseline on this 2-core machine, after its last step and its
+# barrier and destroy_process_group (CI, 2026-12-06). The baseline's figure (its first step) is already taken.
+GLOO_TEARDOWN_ABORT = "terminate called without an active exception"
+TEARDOWN_ABORTS: list[str] = []  # the baseline runs that ended so, said under the table
+
+
+def _finish(process: subprocess.Popen, what: str, folder: Path, timeout: float = 600, steps: int = 0) -> None:
+    """Wait for ``what``; RuntimeError with its log's last lines unless it exited 0. With ``steps`` (a plain
+    baseline: torchrun, submitit), an abort in gloo's teardown after its last step is counted, not fatal."""
     try:
         code = process.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         process.kill()
         raise RuntimeError(f"{what} did not end within {timeout:.0f} s; see {folder}") from None
-    if code != 0:
-        raise RuntimeError(f"{what} exited {code}; see {folder}")
+    if code == 0:
+        return
+    log = (folder / "command.log").read_text(encoding="utf-8", errors="replace")
+    if steps and GLOO_TEARDOWN_ABORT in log and _last_step(folder) == steps:
+        TEARDOWN_ABORTS.append(f"{what} in {folder.name}")
+        return
+    tail = "\n".join(log.splitlines()[-25:])
+    raise RuntimeError(f"{what} exited {code}; see {folder}; its log ends:\n{tail}")
+
+
+def _last_step(folder: Path) -> int | None:
+    """The last step rank 0's events file records, None without one."""
+    steps = [r["step"] for r in _jsonl(folder / "events.jsonl") if r.get("event") == "step"]
+    return steps[-1] if steps else None
 
 
 def _start(command: list[str], folder: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
@@ -208,7 +229,7 @@ def _first_torchrun(folder: Path, steps: int, hidden: int) -> dict[str, float]:
                str(folder / "events.jsonl"), str(steps), str(hidden)]
     start = time.time()
     process = _start(command, folder)
-    _finish(process, "torchrun", folder)
+    _finish(process, "torchrun", folder, steps=steps)
     return _events_first(folder, start)
 
 
@@ -216,7 +237,7 @@ def _first_submitit(folder: Path, steps: int, hidden: int) -> dict[str, float]:
     config = {"folder": str(folder), "events": str(folder / "events.jsonl"), "steps": steps, "hidden": hidden}
     start = time.time()
     process = _start(_submitit_command("local", config), folder, _env(PYTHONPATH=str(BENCH)))
-    _finish(process, "the submitit LocalExecutor submission", folder)
+    _finish(process, "the submitit LocalExecutor submission", folder, steps=steps)
     return _events_first(folder, start)
 
 
@@ -248,6 +269,8 @@ def measure_first(work: Path, runs: int, hidden: int, warmups: int = 1) -> None:
         median = statistics.median(first)
         print(f"{name:40} {_median_range(entered):>20} {_median_range(first):>20} {median / torchrun:10.2f} "
               f"{median / sub:10.2f}")
+    if TEARDOWN_ABORTS:
+        print(f"aborted in gloo's teardown after their last step (measured all the same): {', '.join(TEARDOWN_ABORTS)}")
     print()
 
 
