@@ -6,8 +6,9 @@ as long as raw writes of the same bytes, ``benchmarks/checkpoint.py --engine fsd
 ``checkpoint.verify = "sha256"`` hashed every shard in a pass of its own before DCP read it again. Here each shard
 goes through :class:`hpc_train.checkpoint.writer.HashingFile` (the DeepSpeed path's writer: hashed on the way,
 writeback started block by block), created as a new private file that is never a link, and its manifest entry
-joins the rank's own; a load reads each shard once with :func:`hpc_train.checkpoint.writer.read_file` (never through a
-link, its size and sha256 checked on the way) and keeps what it found wrong for the ranks to agree on. DCP's
+joins the rank's own; a load reads each shard straight into its tensors (:mod:`hpc_train.checkpoint.verified_read`:
+never through a link, its size and sha256 checked on the way) and keeps what it found wrong for the ranks to agree
+on. DCP's
 small ``.metadata`` is hashed at commit and read as DCP reads it.
 """
 
@@ -23,7 +24,8 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 from hpc_train.checkpoint.manifest import FileEntry
-from hpc_train.checkpoint.writer import CorruptFileError, HashingFile, ViewReader, read_file
+from hpc_train.checkpoint.verified_read import verified
+from hpc_train.checkpoint.writer import HashingFile
 
 __all__ = ["checking_reader", "hashing_writer", "host_stager"]
 
@@ -86,9 +88,10 @@ def host_stager(on_gpu: bool) -> Any:
 
 
 class _CheckingFileSystem(FileSystem):
-    """DCP's local file system; a shard opened for reading is read whole, once, checked against its manifest
-    entry (relative to ``folder``), and served from memory. A wrong sha256 goes into ``problems`` and the bytes
-    are still served: the load's collectives must be reached by every rank, which then agree."""
+    """DCP's local file system; a shard opened for reading is read straight into the tensors DCP makes of it and
+    checked against its manifest entry (relative to ``folder``) on the way (:mod:`hpc_train.checkpoint.
+    verified_read`). A wrong sha256 goes into ``problems`` and the load goes on: its collectives must be reached by
+    every rank, which then agree."""
 
     def __init__(self, folder: Path, entries: list[FileEntry], check_sha256: bool, problems: list[str]) -> None:
         super().__init__()
@@ -96,7 +99,6 @@ class _CheckingFileSystem(FileSystem):
         self.entries = {entry.path: entry for entry in entries}
         self.check_sha256 = check_sha256
         self.problems = problems
-        self._buffer: bytearray | None = None  # reused by the next shard: each one is read only once
 
     @contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[Any, None, None]:
@@ -109,15 +111,10 @@ class _CheckingFileSystem(FileSystem):
         entry = self.entries.get(relative)
         if entry is None:
             self.problems.append(f"{relative} is not in the manifest")
-        try:
-            self._buffer, view = read_file(path, entry, self.check_sha256, self._buffer)
-        except CorruptFileError as error:
-            self.problems.append(f"{relative} is corrupt: sha256 differs from the manifest")
-            self._buffer, view = error.buffer, error.view
-        try:
-            yield ViewReader(view)
-        finally:
-            view.release()
+        with verified(path, entry, self.check_sha256) as shard:
+            yield shard
+            if not shard.finish():
+                self.problems.append(f"{relative} is corrupt: sha256 differs from the manifest")
 
 
 def checking_reader(where: Path, folder: Path, entries: list[FileEntry], check_sha256: bool,

@@ -13,9 +13,10 @@ copy, that file is written at once instead. :meth:`RankFiles.announce` queues, a
 ``.written/rank-N.json`` (the entries, or the error), which rank 0's commit thread waits for; where the job has
 a coordinator and rank 0 watches it, the same record goes over it instead (:mod:`hpc_train.control.written`).
 
-Loading reads every file once (:func:`hpc_train.checkpoint.writer.read_file`): size always checked against the
-manifest, sha256 too when ``checkpoint.verify = "sha256"``, before a byte is deserialized, and deserialized with
-``torch.load(weights_only=True)``, DeepSpeed's few non-tensor classes allowed by name (when it is installed).
+Loading reads every file straight into its tensors (:mod:`hpc_train.checkpoint.verified_read`): size checked
+against the manifest before a byte is read, sha256 too when ``checkpoint.verify = "sha256"``, hashed as the bytes
+pass, with ``torch.load(weights_only=True)``, DeepSpeed's few non-tensor classes allowed by name (when it is
+installed).
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ from typing import Any
 import torch
 
 from hpc_train.checkpoint.manifest import FileEntry
-from hpc_train.checkpoint.writer import CorruptFileError, ViewReader, read_file, write_file
+from hpc_train.checkpoint.verified_read import verified
+from hpc_train.checkpoint.writer import ViewReader, write_file
 from hpc_train.control.written import publish_written
 from hpc_train.run.files import atomic_write
 from hpc_train.run.host_memory import available_memory
@@ -69,8 +71,15 @@ def _safe_globals() -> list[Any]:
 def load_safely(data: Any, map_location: Any = None) -> Any:
     """``torch.load`` of bytes already read and checked, with ``weights_only=True``; each record is copied once,
     into its tensor (:class:`~hpc_train.checkpoint.writer.ViewReader`)."""
-    with torch.serialization.safe_globals(_safe_globals()), memoryview(data) as view:
-        return torch.load(ViewReader(view.cast("B")), map_location=map_location, weights_only=True)
+    with memoryview(data) as view:
+        return load_stream(ViewReader(view.cast("B")), map_location)
+
+
+def load_stream(stream: Any, map_location: Any = None) -> Any:
+    """``torch.load`` of a seekable binary file with ``weights_only=True`` and the globals DeepSpeed's
+    checkpoints hold allowed."""
+    with torch.serialization.safe_globals(_safe_globals()):
+        return torch.load(stream, map_location=map_location, weights_only=True)
 
 
 def _tensor_bytes(value: Any) -> int:
@@ -155,7 +164,6 @@ class RankFiles:
         self._reading: tuple[Path, dict[str, FileEntry], bool] | None = None
         self.load_problems: list[str] = []
         self._buffers: dict[str, list[torch.Tensor]] = {}  # staging buffers per file, reused by the next save
-        self._read_buffer: bytearray | None = None  # one buffer every load of this rank reads into
         self._save_id = ""  # the current save's id: its written record goes over the coordinator
 
     # ----- saving -----
@@ -259,7 +267,7 @@ class RankFiles:
                 self._jobs.task_done()
             self._jobs.put((True, _end_of_writes))
             thread.join(timeout=_CLOSE_JOIN_S)  # a write under way finishes first
-        self._thread, self._buffers, self._read_buffer = None, {}, None
+        self._thread, self._buffers = None, {}
 
     def _run(self) -> None:
         while True:
@@ -297,15 +305,11 @@ class RankFiles:
             with contextlib.suppress(ValueError):  # not below the checked folder: nothing to check it against
                 relative = Path(os.path.abspath(path)).relative_to(os.path.abspath(folder)).as_posix()
             entry = entries.get(relative)
-        try:
-            self._read_buffer, view = read_file(Path(path), entry, check, self._read_buffer)
-        except CorruptFileError as error:
-            self.load_problems.append(f"{relative} is corrupt: sha256 differs from the manifest")
-            self._read_buffer, view = error.buffer, error.view
-        try:
-            return load_safely(view, map_location)
-        finally:
-            view.release()  # the buffer is read into again by the next load
+        with verified(Path(path), entry, check) as reader:
+            value = load_stream(reader, map_location)
+            if not reader.finish():
+                self.load_problems.append(f"{relative} is corrupt: sha256 differs from the manifest")
+        return value
 
 
 def _leaves(value: Any) -> list[Any]:

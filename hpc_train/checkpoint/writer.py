@@ -5,8 +5,8 @@ every file twice (once to verify, once to load). :class:`HashingFile` is the fil
 (``torch.save``) writes into: each block is hashed and written straight to the descriptor, and the kernel is
 asked to start writing it back to the disk at once (``sync_file_range``), so the disk works while the next
 block is serialized and hashed and the final ``fsync`` finds little left to do. :func:`write_file` returns the
-:class:`~hpc_train.checkpoint.manifest.FileEntry` the manifest needs; :func:`read_file` reads a file once, checks its
-size and (when asked) its sha256 against the manifest before anyone deserializes a byte of it.
+:class:`~hpc_train.checkpoint.manifest.FileEntry` the manifest needs; a load reads a file once, checking its size
+and (when asked) its sha256 against the manifest (:mod:`hpc_train.checkpoint.streamed_read`).
 
 No torch import: the manager and the login-node commands share this module.
 """
@@ -27,27 +27,16 @@ from typing import Any
 from hpc_train.checkpoint.manifest import FileEntry
 from hpc_train.run.files import write_all
 
-__all__ = ["CorruptFileError", "HashingFile", "VerifyError", "ViewReader", "read_file", "write_file"]
+__all__ = ["BLOCK", "HASHER", "HashingFile", "VerifyError", "ViewReader", "checked_size", "write_file"]
 
-_BLOCK = 8 << 20  # hashed and handed to the kernel in blocks this size: flat memory, full disk bandwidth
+BLOCK = 8 << 20  # hashed and handed to the kernel in blocks this size: flat memory, full disk bandwidth
 _SYNC_FILE_RANGE_WRITE = 2  # start writeback of the range, do not wait for it (linux/fs.h)
-_OVERLAP_FROM = 2 * _BLOCK  # writes this large hash in a thread beside the write; small ones hash inline
-_HASHER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-sha256")
+_OVERLAP_FROM = 2 * BLOCK  # writes this large hash in a thread beside the write; small ones hash inline
+HASHER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-sha256")
 
 
 class VerifyError(Exception):
     """A file that does not match its manifest entry (size or sha256); the message names the file."""
-
-
-class CorruptFileError(VerifyError):
-    """A file of the right size whose sha256 differs from the manifest. ``buffer`` and ``view`` are what
-    :func:`read_file` would have returned, for a caller that must finish what it started (a collective load)
-    before it can give up on the checkpoint."""
-
-    def __init__(self, message: str, buffer: bytearray, view: memoryview) -> None:
-        super().__init__(message)
-        self.buffer = buffer
-        self.view = view
 
 
 def _sync_file_range() -> Callable[[int, int, int, int], int] | None:
@@ -78,17 +67,17 @@ class HashingFile:
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
         hashing: Future[None] | None = None
-        for start in range(0, len(view), _BLOCK):
-            block = view[start:start + _BLOCK]
+        for start in range(0, len(view), BLOCK):
+            block = view[start:start + BLOCK]
             if len(view) < _OVERLAP_FROM:
                 self.digest.update(block)
             else:  # hash this block in the hasher thread while it is written here (both drop the GIL)
                 if hashing is not None:
                     hashing.result()
-                hashing = _HASHER.submit(self.digest.update, block)
+                hashing = HASHER.submit(self.digest.update, block)
             write_all(self.descriptor, block)
             self.size += len(block)
-            if _START_WRITEBACK is not None and self.size - self._flushed >= _BLOCK:
+            if _START_WRITEBACK is not None and self.size - self._flushed >= BLOCK:
                 _START_WRITEBACK(self.descriptor, self._flushed, self.size - self._flushed, _SYNC_FILE_RANGE_WRITE)
                 self._flushed = self.size
         if hashing is not None:
@@ -121,43 +110,16 @@ def write_file(folder: Path, relative: str, fill: Callable[[HashingFile], None])
     return FileEntry(path=relative, size=sink.size, sha256=sink.digest.hexdigest())
 
 
-def read_file(path: Path, entry: FileEntry | None, check_sha256: bool,
-              buffer: bytearray | None = None) -> tuple[bytearray, memoryview]:
-    """The whole file, read once without following a link into ``buffer`` (reused when it is big enough, so a
-    rank loading several files touches fresh memory once), checked against ``entry`` (its size always, its
-    sha256 when asked) before the caller deserializes it. Returns the buffer and a view of the file's bytes in
-    it (release the view before the buffer is reused). Raises :class:`VerifyError` naming the file
-    (:class:`CorruptFileError` for a wrong sha256)."""
-    descriptor = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    try:
-        info = os.fstat(descriptor)
-        if not stat.S_ISREG(info.st_mode):
-            raise VerifyError(f"{path} is not a regular file")
-        if entry is not None and info.st_size != entry.size:
-            kind = "short (truncated)" if info.st_size < entry.size else "long"
-            raise VerifyError(f"{path} is {kind}: {info.st_size} bytes, manifest says {entry.size}")
-        if buffer is None or len(buffer) < info.st_size:
-            buffer = bytearray(info.st_size)
-        view = memoryview(buffer)[:info.st_size]
-        digest = hashlib.sha256() if check_sha256 and entry is not None else None
-        hashing: Future[None] | None = None
-        done = 0
-        while done < len(view):
-            count = os.readv(descriptor, [view[done:done + _BLOCK]])
-            if count == 0:
-                raise VerifyError(f"{path} shrank while it was read ({done} of {len(view)} bytes)")
-            if digest is not None:  # hash this block in the hasher thread while the next one is read
-                if hashing is not None:
-                    hashing.result()
-                hashing = _HASHER.submit(digest.update, view[done:done + count])
-            done += count
-        if hashing is not None:
-            hashing.result()
-    finally:
-        os.close(descriptor)
-    if digest is not None and entry is not None and digest.hexdigest() != entry.sha256:
-        raise CorruptFileError(f"{path} is corrupt: sha256 differs from the manifest", buffer, view)
-    return buffer, view
+def checked_size(path: Path, descriptor: int, entry: FileEntry | None) -> int:
+    """The size of the file open on ``descriptor``; VerifyError where it is not a regular file or its size is not
+    ``entry``'s."""
+    info = os.fstat(descriptor)
+    if not stat.S_ISREG(info.st_mode):
+        raise VerifyError(f"{path} is not a regular file")
+    if entry is not None and info.st_size != entry.size:
+        kind = "short (truncated)" if info.st_size < entry.size else "long"
+        raise VerifyError(f"{path} is {kind}: {info.st_size} bytes, manifest says {entry.size}")
+    return info.st_size
 
 
 class ViewReader(io.RawIOBase):

@@ -65,6 +65,7 @@ CASES = [  # the costliest first (CPU seconds here: 57, 52, 25, 23, 22, 14, 4, 0
                                      rf"ratio hpc_train / raw DeepSpeed loop, run by run: {SPREAD}; target <= 1\.01")),
     Case("checkpoint.py", ("--json",), (MACHINE, rf"save, synchronous, whole transaction\s+{NUMBER}\s+.*",
                                         r"raw writes .*", rf"load_ratio over the repetitions: {SPREAD}",
+                                        rf"sha256 alone of the same bytes \(hashlib\)\s+{NUMBER} .*",
                                         r"load \(resume\), (cold|WARM) cache.*", r"async save: stall .*",
                                         r'\{"ranks": 2, .*"save_ratio": .*"load_ratio": .*"async_stall_ratio": .*')),
     Case("checkpoint.py", ("--engine", "fsdp2", "--profile"), (
