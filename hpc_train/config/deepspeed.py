@@ -36,6 +36,9 @@ AUTO_SCHEDULE_KEYS = ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "tot
 # a ds_config.json scheduler's values that are also typed keys (ds_import reads them in): --set of those wins
 _MIRRORED = {"warmup_max_lr": "lr", "warmup_num_steps": "warmup_steps", "warmup_min_lr": "min_lr"}
 _QUIET = 10**9  # DeepSpeed prints nothing of its own per step: hpc_train logs progress (a user's value wins)
+# Every rank names every DeepSpeed checkpoint with one fixed tag (checkpoint.names.DEEPSPEED_TAG), so DeepSpeed's
+# check that the ranks agree on it can find nothing, and costs two all-reduces inside each save call
+_TAG_VALIDATION = "Ignore"
 
 
 def deepspeed_config(config: JobConfig, data_parallel: int, hidden_size: int | None = None) -> dict[str, Any]:
@@ -69,6 +72,8 @@ def deepspeed_config(config: JobConfig, data_parallel: int, hidden_size: int | N
                                       **({"adam_w_mode": True} if train.optimizer == "fused_adam" else {})}}
     merged = merge_user_table(ds, without_redacted(config.deepspeed))
     merged.setdefault("steps_per_print", _QUIET)
+    if isinstance(merged.setdefault("checkpoint", {}), dict):  # a user's own value wins
+        merged["checkpoint"].setdefault("tag_validation", _TAG_VALIDATION)
     return _fill_auto(merged, config, hidden_size)
 
 

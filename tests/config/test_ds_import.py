@@ -249,3 +249,15 @@ def test_a_scheduler_in_the_job_s_deepspeed_table_is_checked_as_the_file_s(tmp_p
     result = call_cli(hpc_main.main, ["validate", str(job), "--site", "local"], tmp_path)
     assert result.code == 2 and "deepspeed.scheduler.params.cycle_min_lr: is not a parameter of DeepSpeed's " \
                                 "WarmupLR" in result.err, result.err
+
+
+def test_deepspeed_s_tag_check_is_off_unless_the_file_asks_for_it(tmp_path: Path) -> None:
+    """hpc_train names every DeepSpeed checkpoint with one tag on every rank: DeepSpeed's check that the ranks
+    agree on it (two all-reduces in each save call) is left out, unless the user's file sets it."""
+    from hpc_train.config.deepspeed import deepspeed_config
+
+    plain = load_job(_job(tmp_path, "", {"train_micro_batch_size_per_gpu": 2}), [])
+    assert deepspeed_config(plain, 2)["checkpoint"] == {"tag_validation": "Ignore"}
+    theirs = load_job(_job(tmp_path, "", {"checkpoint": {"tag_validation": "Fail", "use_node_local_storage": False}}),
+                      [])
+    assert deepspeed_config(theirs, 2)["checkpoint"] == {"tag_validation": "Fail", "use_node_local_storage": False}
