@@ -24,6 +24,7 @@ from hpc_train.config.plan import Plan, plan_for_life
 from hpc_train.errors import ConfigError
 from hpc_train.rank.agent.rejoin import RejoinChannel
 from hpc_train.rank.runtime.preemption import PreemptionWatch
+from hpc_train.rank.train.relife import life_released
 from hpc_train.run.error_log import CONSEQUENCES, ERROR_LOG_ENV, ERRORS, append_error, error_log_ranks
 from hpc_train.run.exit_codes import EXIT_NOT_RETRIED, EXIT_RESTART_IN_PLACE, EXIT_STOPPED
 from hpc_train.run.files import atomic_write
@@ -137,7 +138,8 @@ def _run_rank(run_dir: Path, plan: Plan, watch: PreemptionWatch | None, may_rejo
         _leave(info, stop.notice.exit_code)
     except BaseException as error:
         if _record_failure(run_dir, plan, info, error, on_slurm and program != "smoke", logger):
-            if may_rejoin and info.kind.own_process and not (watch is not None and watch.received):
+            if may_rejoin and info.kind.own_process and not (watch is not None and watch.received) \
+                    and life_released(error):  # the trainer let go of the life: not a half-built engine
                 logger.info("restarting warm: this process trains the next life once its agent says so")
                 raise WarmRestart(info.rank) from None
             _leave(info, EXIT_RESTART_IN_PLACE)  # the agent above this rank starts every rank again

@@ -9,10 +9,13 @@ reuse them. They are put back as DeepSpeed's import leaves them.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 from typing import Any
 
-__all__ = ["end_life", "forget_groups", "free_heap", "release_life"]
+__all__ = ["end_life", "forget_groups", "free_heap", "life_released", "mark_released", "release_life"]
+
+_RELEASED = "hpc_train_life_released"  # set on the error a life failed with, once that life was let go of
 
 # deepspeed.utils.groups' globals, as its import sets them, for a DeepSpeed without _release_process_group_references
 _DEEPSPEED_GROUPS: dict[str, Any] = {
@@ -38,6 +41,19 @@ def end_life(engine: Any) -> None:
             step()
         except Exception:  # noqa: S112 - a broken group or engine is what is being let go of
             continue
+
+
+def mark_released(error: BaseException) -> None:
+    """Say on ``error`` that the life it ended has been let go of (:func:`end_life` ran): only then may its
+    process train the next life. An error that takes no attribute stays unmarked (the rank then starts anew)."""
+    with contextlib.suppress(AttributeError, TypeError):
+        setattr(error, _RELEASED, True)
+
+
+def life_released(error: BaseException) -> bool:
+    """Whether the life ``error`` ended was let go of: a failure before the engine was whole (a peer's death inside
+    ``deepspeed.initialize`` leaves a half-built engine that nothing can free) is not, and its rank starts anew."""
+    return getattr(error, _RELEASED, False) is True
 
 
 def forget_groups() -> None:

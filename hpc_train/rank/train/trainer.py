@@ -54,7 +54,7 @@ from hpc_train.rank.train.model_card import write_model_card
 from hpc_train.rank.train.models import ModelSpec, model_spec
 from hpc_train.rank.train.precision import agreed_precision
 from hpc_train.rank.train.rank_data import RankData, build_data
-from hpc_train.rank.train.relife import end_life
+from hpc_train.rank.train.relife import end_life, mark_released
 from hpc_train.rank.train.stragglers import StragglerCheck
 from hpc_train.run.loglines import format_saved_after_signal
 from hpc_train.run.stops import attempt_key
@@ -233,8 +233,8 @@ def _train_watched(rank: _Rank) -> dict[str, Any]:
         parts = _build(rank, spec, topology, groups)
         try:
             start_step = _resume(rank, parts)
-        except BaseException:
-            _release(parts)
+        except BaseException as error:
+            _release(parts, error)
             raise
     except UserCodeError as error:  # the user's factory or dataset: a failed attempt, which is not retried
         AttemptRecorder(rank.run_dir, rank.info, 0, rank.plan.lead_seconds, rank.log).failed(0, error)
@@ -378,19 +378,20 @@ def _steps(rank: _Rank, parts: _Parts, monitor: Monitor, recorder: AttemptRecord
         parts.checkpointer.finish()  # a background seal of the last checkpoint is durable before the attempt ends
     except BaseException as error:
         recorder.failed(progress.step, error)
-        _release(parts)
+        _release(parts, error)
         raise
     return _finish(rank, parts, recorder, progress)
 
 
-def _release(parts: _Parts) -> None:
-    """A failed life lets go of its data workers, its checkpoint writer threads and their staging buffers, its
-    process group and its engine (:func:`end_life`): its process may train the next life itself (a warm restart,
-    :mod:`hpc_train.rank.entry`)."""
+def _release(parts: _Parts, error: BaseException) -> None:
+    """A life that failed with ``error`` lets go of its data workers, its checkpoint writer threads and their
+    staging buffers, its process group and its engine (:func:`end_life`), and says so on ``error``: its process
+    may then train the next life itself (a warm restart, :mod:`hpc_train.rank.entry`)."""
     for close in (parts.stream.close, parts.checkpointer.close):
         with contextlib.suppress(Exception):
             close()
     end_life(parts.engine)
+    mark_released(error)
 
 
 def _micro_batches(rank: _Rank, parts: _Parts, logged: bool) -> float:

@@ -67,3 +67,13 @@ def test_the_next_life_in_the_same_process_trains_as_the_first(tmp_path: Path) -
         assert result["gone"], "the first life's engine is still alive after release_life"
         assert result["left"] == {"dist": False, "deepspeed": False, "world_group": False, "frozen": 0}, result
         assert result["second"] == result["first"], result
+
+
+def test_only_a_life_the_trainer_let_go_of_restarts_warm() -> None:
+    """A failure before the engine was whole (a peer's death inside deepspeed.initialize) is never marked: its
+    half-built engine cannot be freed, so its rank starts anew; one the trainer released is."""
+    from hpc_train.rank.train.relife import life_released, mark_released
+
+    building, training = RuntimeError("Connection closed by peer"), RuntimeError("Connection closed by peer")
+    mark_released(training)
+    assert life_released(training) and not life_released(building)
