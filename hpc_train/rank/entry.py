@@ -128,7 +128,7 @@ def _run_rank(run_dir: Path, plan: Plan, watch: PreemptionWatch | None, may_rejo
         elif program == "train":
             from hpc_train.rank.train.trainer import train
 
-            result = train(plan, info, run_dir, logger.info, watch)
+            result = train(plan, info, run_dir, logger.info, watch, warm=may_rejoin)
         else:
             from hpc_train.rank.program.runner import run_program
 

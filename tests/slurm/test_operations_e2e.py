@@ -33,7 +33,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("slurm_cluster")]
 def test_a_hung_rank_is_restarted_in_place_then_requeued_once_retry_in_place_is_spent(tmp_path: Path) -> None:
     """Rank 1 hangs at step 15 in every life of the job's first Slurm attempt: the watchdog finds it, the ranks
     start again inside the job (retry.in_place = 1), it hangs again, and with no restart in place left the job
-    is requeued as before; the requeued attempt runs to the end. The restart in place resumes from the copy of
+    is requeued as before; the requeued attempt runs to the end. Rank 0, which waited on rank 1 in a collective,
+    trains the restart in place in its own process (warm). The restart in place resumes from the copy of
     step 10 in the nodes' memory (``checkpoint.memory_every_steps = 5``); the requeued attempt's new agents hold no
     memory, and it resumes from the disk."""
     timeout_s = 15
@@ -59,6 +60,10 @@ def test_a_hung_rank_is_restarted_in_place_then_requeued_once_retry_in_place_is_
     assert last_logged_step(run_dir) == 30
     rank0 = rank_log_text(run_dir, 0)
     assert rank0.count("resumed from memory at step 10") == 1, _logs(run_dir)  # the second life; not the requeue
+    # rank 0 was waiting on rank 1 in a collective: once rank 1 left, it trained the second life in its own process
+    assert "hang: rank(s) 1 leave; this rank restarts warm once its collective fails" in rank0, rank0[-3000:]
+    assert rank0.count("restarting warm: this process trains the next life") == 1, rank0[-3000:]
+    assert "1 rank(s) of this node restarted warm, in their own process" in rank0, rank0[-3000:]
 
 
 def _resume_if_down(node: str) -> None:

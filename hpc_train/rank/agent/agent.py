@@ -197,8 +197,8 @@ class Agent:
                 break
             if may_restart and self.stopping is None:
                 notice = self.notice(in_place + 1) or self._restart_for_lost(in_place + 1, lost_before)
-                if notice is not None:
-                    return self._end(children, ended, warm=True), notice
+                if notice is not None:  # a hang's other ranks can say they are warm only once its ranks left
+                    return self._end(children, ended, warm=True, patient=notice.failure_class == "hang"), notice
             if self.stopping is None and self._handed_over_for(_HANDOVER_GRACE_S):
                 self.log.info("ending the ranks of node %s: this job's run goes on as job %s", self.setup.node_name,
                               self._successor)
@@ -216,7 +216,7 @@ class Agent:
         if notice is None:
             _rank, code = self._cause_first([(r, c) for r, c in ended.items() if c != 0], oom_before)
             return self._leave(children, ended, code), None
-        return self._end(children, ended, warm=True), notice
+        return self._end(children, ended, warm=True, patient=notice.failure_class == "hang"), notice
 
     def _spawn(self, argv: list[str], envs: dict[int, dict[str, str]]) -> Children:
         """Start the life's ranks, each on its share of the node's CPUs (as srun binds a task per rank)."""
@@ -264,11 +264,12 @@ class Agent:
         own = [status for status in ended.values() if status > 0]  # the ends the agent did not make
         return code if code < 0 or not own else max(own)
 
-    def _end(self, children: Children, ended: dict[int, int], warm: bool = False) -> int:
+    def _end(self, children: Children, ended: dict[int, int], warm: bool = False, patient: bool = False) -> int:
         """End every rank still running (and what it started); the first failed status, else 0. ``warm``: a
-        restart follows, and a rank whose process outlives the failure trains the next life in it."""
+        restart follows, and a rank whose process outlives the failure trains the next life in it (``patient``:
+        the first such rank is waited for as long as where no standby is ready)."""
         if warm and self.standby is not None:
-            self.standby.await_warm(children, ended)
+            self.standby.await_warm(children, ended, patient)
         for rank, child in children.items():
             if rank not in ended:
                 self._kill(child)

@@ -155,18 +155,19 @@ class StandbyPool:
         self._done.add(ready)
         return True
 
-    def await_warm(self, children: Mapping[int, Any], ended: dict[int, int]) -> None:
+    def await_warm(self, children: Mapping[int, Any], ended: dict[int, int], patient: bool = False) -> None:
         """Before a restart ends a life's ranks: the trainer's ranks still running may say they are warm (their
         collective saw the failure: rank/agent/rejoin.py). A rank in a collective with the dead one says so within
         milliseconds, usually before its agent has decided; one busy computing says so at its next collective.
         The agent waits for the first to say so or end up to ``WARM_FIRST_S`` (only ``WARM_SHORT_S`` where a ready
-        standby could take each rank at once instead), then while more come, up to ``WARM_QUIET_S`` after the last,
-        ``WARM_MOST_S`` in all; the rest are killed, as before (gloo cannot break a wait on a peer that is itself
-        waiting, nor NCCL without its watchdog)."""
+        standby could take each rank at once instead, unless ``patient``: a hang, whose ranks can say so only once
+        the hung ones left), then while more come, up to ``WARM_QUIET_S`` after the last, ``WARM_MOST_S`` in all;
+        the rest are killed, as before (gloo cannot break a wait on a peer that is itself waiting, nor NCCL without
+        its watchdog)."""
         waiting = {rank: child for rank, child in children.items()
                    if rank not in ended and isinstance(child, RankProcess)}
         started = last = time.monotonic()
-        quiet = WARM_SHORT_S if self._ready_count() >= len(waiting) else WARM_FIRST_S
+        quiet = WARM_SHORT_S if not patient and self._ready_count() >= len(waiting) else WARM_FIRST_S
         while waiting and time.monotonic() < min(last + quiet, started + WARM_MOST_S):
             for rank, child in list(waiting.items()):
                 if (code := child.poll()) is not None:

@@ -153,8 +153,10 @@ def decide_hang(run_dir: Path, info: LaunchInfo, recorder: AttemptRecorder | Non
         elif decision.action in ("scontrol", "dependency"):
             decision = Requeue(decision.action, EXIT_HUNG, f"requeued (hang {hangs + 1} of retry.hang = {retries}): "
                                                            f"{decision.reason}")
-    attempts.finish(current, outcome="hang", ended=time.time(), end_step=hang.step, requeued=decision.action != "none",
-                    note=f"{hang.describe()}; {decision.reason}"[:500])
+    finished = attempts.finish(current, outcome="hang", ended=time.time(), end_step=hang.step,
+                               requeued=decision.action != "none", note=f"{hang.describe()}; {decision.reason}"[:500])
+    if recorder is not None:  # what the main thread raises next (a warm restart's broken collective) is a consequence
+        recorder.current = finished
     log(f"hang: {decision.reason}")
     if in_place:  # last: the agents end every rank once they see it
         request_restart(run_dir, attempt_key(info.job_id, info.restart), RestartNotice(

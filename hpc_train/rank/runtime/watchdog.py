@@ -8,7 +8,11 @@ or the time limit would burn the allocation. Each rank's main loop tells the wat
 2. every rank dumps the Python stacks of all its threads into ``logs/stacks-rank-N.txt``: the rank that is not
    inside a collective is the culprit;
 3. rank 0 records the attempt as ``hang`` and decides (``[retry] hang``): requeue, or fail;
-4. every rank exits with the status rank 0 chose (:data:`EXIT_HUNG` unless it requeues on the local executor).
+4. every rank exits with the status rank 0 chose (:data:`EXIT_HUNG` unless it requeues on the local executor),
+   except, when the ranks restart in place, a rank the stacks do not name and that may restart warm
+   (``warm_wait_s``): it waits in a collective on the named ranks, whose exit breaks that collective, and its main
+   thread then fails as on a peer's death and trains the next life in the same process (:mod:`hpc_train.rank.entry`).
+   It exits after ``warm_wait_s`` only if its main thread has not left by then.
 
 The thread never touches torch: it must keep running while the main thread is stuck inside a collective. It
 writes nothing while the rank makes progress (no heartbeat files: on a shared file system every rank's periodic
@@ -31,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from hpc_train.control.events import hang_decision_key, hang_key, rank_events
-from hpc_train.run.exit_codes import EXIT_HUNG
+from hpc_train.run.exit_codes import EXIT_HUNG, EXIT_RESTART_IN_PLACE
 from hpc_train.run.files import atomic_write
 from hpc_train.run.loglines import format_not_in_collective
 from hpc_train.run.node import node_name
@@ -44,7 +48,7 @@ from hpc_train.run.paths import (
 )
 from hpc_train.run.stacks import COLLECTIVE_FRAMES, DUMP_SEPARATOR, main_thread_frames
 
-__all__ = ["Hang", "Timeouts", "Watchdog", "suspects"]
+__all__ = ["Decision", "Hang", "Timeouts", "Watchdog", "suspects"]
 
 _DECISION_FILE_EVERY_S = 10.0  # per rank, while every rank waits for rank 0's hang decision
 PHASES = ("startup", "step", "checkpoint")
@@ -107,16 +111,27 @@ class Hang:
 Decide = Callable[[Hang], "tuple[int, str]"]
 
 
+@dataclass(frozen=True)
+class Decision:
+    """Rank 0's decision on a hang, as every rank reads it: the status to leave with, why, and the ranks the
+    stacks name as outside a collective (empty where they cannot tell)."""
+
+    exit_code: int
+    reason: str
+    suspects: tuple[int, ...] = ()
+
+
 class Watchdog:
     """Use as a context manager around a rank's work; call :meth:`enter` at each phase change (and each step)."""
 
     def __init__(self, run_dir: Path, rank: int, world_size: int, attempt: str, timeouts: Timeouts,
                  decide: Decide | None, log: Callable[[str], None], *, poll_s: float = 1.0,
-                 grace_s: float = 90.0, exit: Callable[[int], None] = os._exit) -> None:
+                 grace_s: float = 90.0, exit: Callable[[int], None] = os._exit, warm_wait_s: float = 0.0) -> None:
         self.run_dir, self.rank, self.world_size, self.timeouts = run_dir, rank, world_size, timeouts
         self.decide, self.log = decide, log
         self.poll_s = poll_s
         self.grace_s = grace_s  # rank 0 may wait 10 s for the dumps and 60 s for scontrol: others wait longer
+        self.warm_wait_s = warm_wait_s  # how long a rank the stacks do not name leaves its main thread to fail
         self._exit = exit
         self.host = node_name()  # Slurm's name: what the hang's record and --exclude name
         self.attempt = attempt
@@ -229,38 +244,51 @@ class Watchdog:
         _dump_flight_recorder(self.run_dir, self.rank)
 
     def _on_hang(self, seen: Hang, first: bool) -> None:
-        """Whatever goes wrong in here, the rank exits: a watchdog that died would leave the job hanging."""
-        code, why = EXIT_HUNG, "the watchdog failed while handling the hang"
+        """Whatever goes wrong in here, the rank exits (a watchdog that died would leave the job hanging), unless
+        its main thread left the watched work on its own to restart warm (:meth:`_left_on_its_own`)."""
+        decided = Decision(EXIT_HUNG, "the watchdog failed while handling the hang")
         try:
             hang = self._claim_marker(seen) if first else seen
             self.fired = hang
             self._dump_stacks(hang)
             self.log(f"hang: {hang.describe()}; stacks of every thread in {stacks_path(self.run_dir, self.rank)}")
-            if self.rank == 0:
-                code, why = self._decide(hang)
-            else:
-                code, why = self._wait_for_decision(hang)
-        except Exception as error:  # logged; the exit in finally still happens
+            decided = self._decide(hang) if self.rank == 0 else self._wait_for_decision(hang)
+            if self._left_on_its_own(decided):
+                return
+        except BaseException as error:  # logged; the exit below still happens
             self.log(f"hang: the watchdog failed while handling it: {error!r}")
-        finally:
-            self.log(f"hang: exiting with status {code}: {why}")
-            self._exit(code)
+        self.log(f"hang: exiting with status {decided.exit_code}: {decided.reason}")
+        self._exit(decided.exit_code)
 
-    def _decide(self, hang: Hang) -> tuple[int, str]:
+    def _left_on_its_own(self, decided: Decision) -> bool:
+        """When the ranks restart in place and the stacks name other ranks than this one: those leave now, which
+        breaks this rank's collective, and its main thread restarts warm. True once it has left the watched work
+        (``__exit__``) within ``warm_wait_s``; False where this rank should exit as decided."""
+        if decided.exit_code != EXIT_RESTART_IN_PLACE or not decided.suspects or self.rank in decided.suspects \
+                or self.warm_wait_s <= 0:
+            return False
+        named = ", ".join(str(rank) for rank in decided.suspects)
+        self.log(f"hang: rank(s) {named} leave; this rank restarts warm once its collective fails (up to "
+                 f"{self.warm_wait_s:.0f} s)")
+        return self._stop.wait(self.warm_wait_s)
+
+    def _decide(self, hang: Hang) -> Decision:
         self._wait_for_stacks(hang)
         culprits = suspects(self.run_dir, self.world_size, hang.time)
         for rank, frame in culprits.items():
             self.log(format_not_in_collective(rank, frame))
+        named: list[int] = []
         if culprits and len(culprits) < self.world_size:  # every rank "outside": the dumps cannot tell (NCCL)
             where = "; ".join(f"rank {rank} in {frame}" for rank, frame in culprits.items())
             hang = dataclasses.replace(hang, suspects=where)
+            named = sorted(culprits)
         code, why = self.decide(hang) if self.decide is not None else (EXIT_HUNG, "no decision")
-        decision = {"hang": hang.time, "exit_code": code, "reason": why}
+        decision = {"hang": hang.time, "exit_code": code, "reason": why, "suspects": named}
         atomic_write(self.decision, json.dumps(decision) + "\n")  # the record; the coordinator tells the ranks
         events = rank_events()
         if events is not None:
             events.set(hang_decision_key(self.attempt), decision)
-        return code, why
+        return Decision(code, why, tuple(named))
 
     def _wait_for_stacks(self, hang: Hang, wait_s: float = 10.0) -> None:
         """Give every rank's watchdog a moment to see the marker and dump this hang (they poll every second).
@@ -274,7 +302,7 @@ class Watchdog:
                 return
             time.sleep(0.2)
 
-    def _wait_for_decision(self, hang: Hang) -> tuple[int, str]:
+    def _wait_for_decision(self, hang: Hang) -> Decision:
         """Other ranks leave only after rank 0 has recorded and requeued: an early exit would break rank 0's
         collective and turn the hang into an ordinary failure. The decision is pushed by the job's coordinator
         where there is one (no file read by 16,384 ranks five times a second), else read from the run folder."""
@@ -288,9 +316,9 @@ class Watchdog:
             if decided is not None:
                 return decided
             time.sleep(0.2)
-        return EXIT_HUNG, f"rank 0 decided nothing within {self.grace_s:.0f} s"
+        return Decision(EXIT_HUNG, f"rank 0 decided nothing within {self.grace_s:.0f} s")
 
-    def _decision_for(self, hang: Hang, with_file: bool = True) -> tuple[int, str] | None:
+    def _decision_for(self, hang: Hang, with_file: bool = True) -> Decision | None:
         """Rank 0's decision on ``hang``: from the coordinator's push, and with ``with_file`` (or without a
         coordinator) from the run folder's record too."""
         events = rank_events()
@@ -304,11 +332,12 @@ class Watchdog:
             return None
 
 
-def _decision_of(data: Any, hang: Hang) -> tuple[int, str] | None:
-    """(exit code, reason) when ``data`` is rank 0's decision on ``hang``."""
+def _decision_of(data: Any, hang: Hang) -> Decision | None:
+    """Rank 0's decision, when ``data`` is its decision on ``hang``."""
     try:
         if data.get("hang") == hang.time:
-            return int(data["exit_code"]), str(data["reason"])
+            return Decision(int(data["exit_code"]), str(data["reason"]),
+                            tuple(int(rank) for rank in data.get("suspects", ())))
     except (AttributeError, KeyError, TypeError, ValueError):
         pass
     return None

@@ -61,6 +61,9 @@ from hpc_train.run.stops import attempt_key
 
 __all__ = ["train"]
 
+# In a hang that other ranks caused, how long a rank that may restart warm waits for its collective to fail once
+# they leave (their exit closes the connections it waits on: milliseconds, then the release of the life)
+WARM_HANG_WAIT_S = 10.0
 
 
 def _memory_bytes() -> int:
@@ -109,6 +112,7 @@ class _Rank:
     run_dir: Path
     log: Callable[[str], None]
     watch: PreemptionWatch
+    warm: bool = False  # this process may train the next life itself (rank/entry.py)
     watchdog: Watchdog | None = None
     recorder: AttemptRecorder | None = None
 
@@ -190,15 +194,17 @@ def _stop(rank: _Rank, parts: _Parts, recorder: AttemptRecorder, step: int, sign
 
 
 def train(plan: Plan, info: LaunchInfo, run_dir: Path, log: Callable[[str], None] = print,
-          watch: PreemptionWatch | None = None) -> dict[str, Any]:
+          watch: PreemptionWatch | None = None, warm: bool = False) -> dict[str, Any]:
     """Train ``plan`` on this rank; ``log`` takes rank 0's progress lines. Returns this rank's summary.
 
     ``watch`` should be installed as the rank starts (``hpc_train.rank.entry`` does): a signal that lands while the
-    job is still starting (minutes on a large job) then stops it within its first steps instead of being lost."""
+    job is still starting (minutes on a large job) then stops it within its first steps instead of being lost.
+    ``warm``: this process may train the next life itself, so in a hang that other ranks caused its watchdog
+    leaves it a moment to fail on its own instead of ending it."""
     if watch is None:
         with PreemptionWatch([plan.signal]) as own:
-            return _train(_Rank(plan, info, run_dir, log, own))
-    return _train(_Rank(plan, info, run_dir, log, watch))
+            return _train(_Rank(plan, info, run_dir, log, own, warm))
+    return _train(_Rank(plan, info, run_dir, log, watch, warm))
 
 
 def _watchdog(rank: _Rank) -> Watchdog | None:
@@ -214,7 +220,7 @@ def _watchdog(rank: _Rank) -> Watchdog | None:
 
     return Watchdog(run_dir, info.rank, info.world_size, attempt_key(info.job_id, info.restart, info.in_place),
                     Timeouts(wcfg.startup_timeout_s, wcfg.step_timeout_s, wcfg.checkpoint_timeout_s),
-                    decide if info.rank == 0 else None, log)
+                    decide if info.rank == 0 else None, log, warm_wait_s=WARM_HANG_WAIT_S if rank.warm else 0.0)
 
 
 def _train(rank: _Rank) -> dict[str, Any]:

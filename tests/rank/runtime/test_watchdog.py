@@ -12,11 +12,12 @@ import pytest
 from hpc_train.failures.policy import RetryPolicy
 from hpc_train.rank.distributed import faults
 from hpc_train.rank.distributed.launchers import LaunchInfo
-from hpc_train.rank.runtime.stopping import decide_hang
+from hpc_train.rank.runtime import watchdog
+from hpc_train.rank.runtime.stopping import AttemptRecorder, decide_hang
 from hpc_train.rank.runtime.watchdog import Hang, Timeouts, Watchdog, suspects
 from hpc_train.rank.train.stragglers import find_straggler
 from hpc_train.run.attempts import AttemptLog
-from hpc_train.run.exit_codes import EXIT_HUNG, LOCAL_REQUEUE_EXIT
+from hpc_train.run.exit_codes import EXIT_HUNG, EXIT_RESTART_IN_PLACE, LOCAL_REQUEUE_EXIT
 from hpc_train.run.paths import stacks_path
 
 SHORT = Timeouts(startup=0.6, step=0.6, checkpoint=0.6)
@@ -111,6 +112,36 @@ def test_the_watchdog_exits_even_when_the_decision_fails(tmp_path: Path) -> None
     assert exits.codes == [EXIT_HUNG] and any("disk full" in line for line in logs)
 
 
+@pytest.mark.parametrize("left", [True, False])
+def test_in_a_hang_others_caused_a_rank_that_may_restart_warm_leaves_its_main_thread_to_fail(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, left: bool) -> None:
+    """Rank 1 hangs and its stacks name it; rank 0 decides to restart in place. Rank 1 exits at once; rank 0,
+    which may restart warm, waits for its main thread: gone from the watched work (its collective broke when rank 1
+    left), rank 0's watchdog ends nothing; still there after ``warm_wait_s``, it exits as decided."""
+    monkeypatch.setattr(watchdog, "suspects", lambda *_: {1: "/bench/faults.py, in maybe_inject_fault"})
+    run_dir = _run_dir(tmp_path)
+    exits0, exits1 = Exits(), Exits()
+    logs: list[str] = []
+    rank0 = Watchdog(run_dir, 0, 2, "8.0", LONG, lambda _: (EXIT_RESTART_IN_PLACE, "restarting in place"),
+                     logs.append, poll_s=0.05, exit=exits0, warm_wait_s=5.0 if left else 0.5)
+    rank1 = Watchdog(run_dir, 1, 2, "8.0", SHORT, None, logs.append, poll_s=0.05, exit=exits1, warm_wait_s=5.0)
+    with rank1:
+        rank0.__enter__()
+        rank1.enter("step", 3)
+        assert exits1.done.wait(20) and exits1.codes == [EXIT_RESTART_IN_PLACE]  # named: it leaves at once
+        if left:
+            time.sleep(0.3)
+            assert exits0.codes == []  # waiting for its main thread
+            rank0.__exit__(None, None, None)  # the main thread failed on its own and left the watched work
+            assert not rank0._thread.is_alive() and exits0.codes == []
+        else:
+            assert exits0.done.wait(20) and exits0.codes == [EXIT_RESTART_IN_PLACE]
+            rank0.__exit__(None, None, None)
+    decision = json.loads(rank0.decision.read_text())
+    assert decision["suspects"] == [1] and decision["exit_code"] == EXIT_RESTART_IN_PLACE
+    assert any("rank(s) 1 leave; this rank restarts warm once its collective fails" in line for line in logs)
+
+
 def _dump(main: str, frames: list[str]) -> str:
     lines = "\n".join(f'  File "{frame}", line 1 in f' for frame in frames)
     return (f"# rank 0 on n1\n# hang: x\n# main thread {main}\n"
@@ -155,6 +186,20 @@ def test_decide_hang_requeues_up_to_the_limit(tmp_path: Path, monkeypatch: pytes
     # A new submission (another job id) starts counting again.
     code, _ = decide_hang(tmp_path, _info("43"), None, hang, RetryPolicy(max_hang=1), lambda _: None)
     assert code == LOCAL_REQUEUE_EXIT
+
+
+def test_what_rank_0_raises_after_its_hang_decision_is_a_consequence(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank that restarts warm after a hang fails in its broken collective: on rank 0 that error must not
+    rewrite the attempt the watchdog recorded as a hang."""
+    monkeypatch.setenv("SUBMITIT_EXECUTOR", "local")
+    logs: list[str] = []
+    recorder = AttemptRecorder(tmp_path, _info(), 10, 30, logs.append)
+    hang = Hang(1, "n2", "step", 14, 31.0, 30.0, time.time())
+    decide_hang(tmp_path, _info(), recorder, hang, RetryPolicy(max_hang=1), lambda _: None)
+    recorder.failed(14, RuntimeError("Connection closed by peer"))
+    [attempt] = AttemptLog(tmp_path).read()
+    assert attempt.outcome == "hang" and any("a consequence, not a failure" in line for line in logs)
 
 
 def test_decide_hang_outside_a_scheduler_fails(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
