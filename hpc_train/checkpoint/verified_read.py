@@ -23,7 +23,7 @@ import hashlib
 import io
 import os
 from collections.abc import Iterator
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -46,11 +46,12 @@ class VerifiedReader(io.RawIOBase):
     def __init__(self, path: Path, entry: FileEntry | None, check_sha256: bool) -> None:
         super().__init__()
         self.path = path
+        self._descriptor = -1  # what close() finds if the open fails
         self._descriptor = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
             self.size = checked_size(path, self._descriptor, entry)
         except BaseException:
-            os.close(self._descriptor)
+            self.close()  # closed once: the finalizer must not close a number that may be another file's by then
             raise
         self._entry = entry
         self._digest = hashlib.sha256() if check_sha256 and entry is not None else None
@@ -65,8 +66,10 @@ class VerifiedReader(io.RawIOBase):
         return True
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.position, io.SEEK_END: self.size}[whence]
-        self.position = base + offset
+        bases = {io.SEEK_SET: 0, io.SEEK_CUR: self.position, io.SEEK_END: self.size}
+        if whence not in bases or bases[whence] + offset < 0:
+            raise ValueError(f"cannot seek to {offset} from {whence} in {self.path}")
+        self.position = bases[whence] + offset
         return self.position
 
     def tell(self) -> int:
@@ -77,7 +80,7 @@ class VerifiedReader(io.RawIOBase):
         start, count = self.position, max(0, min(len(view), self.size - self.position))
         follows = self._digest is not None and start <= self._hashed < start + count
         if self._digest is not None and self._hashed < start <= self._hashed + GAP_FILL:
-            self._hash_from_file(self._hashed, start)  # a header or a record skipped: hashed from the file first
+            self._hash_from_file(self._hashed, min(start, self.size))  # a header or a record skipped: hashed first
             follows = count > 0
         hashing: Future[None] | None = None
         done = 0
@@ -94,7 +97,7 @@ class VerifiedReader(io.RawIOBase):
                 done += got
         finally:  # the caller's buffer is its own again only once hashed: one worker, first in first out
             if hashing is not None:
-                hashing.result()
+                _wait_out(hashing)
         self.position += count
         return count
 
@@ -107,9 +110,12 @@ class VerifiedReader(io.RawIOBase):
         return self._digest.hexdigest() == self._entry.sha256
 
     def close(self) -> None:
-        if not self.closed:
-            os.close(self._descriptor)
-        super().close()
+        descriptor, self._descriptor = self._descriptor, -1
+        try:
+            if descriptor >= 0:
+                os.close(descriptor)
+        finally:
+            super().close()
 
     def _hash_from_file(self, start: int, end: int) -> None:
         """Read the bytes from ``start`` to ``end`` (the hashed ones end at ``start``) and hash them."""
@@ -122,6 +128,20 @@ class VerifiedReader(io.RawIOBase):
             self._digest.update(scratch[:got])  # type: ignore[union-attr]
             start += got
         self._hashed = max(self._hashed, end)
+
+
+def _wait_out(future: Future[None]) -> None:
+    """Wait until ``future`` is done, even through an interrupt (a KeyboardInterrupt, raised again after): its work
+    reads memory that its caller frees as the interrupt unwinds."""
+    interrupted: BaseException | None = None
+    while not future.done():
+        try:
+            wait([future])
+        except BaseException as error:  # kept, and raised once the hash is done with the memory
+            interrupted = error
+    if interrupted is not None:
+        raise interrupted
+    future.result()
 
 
 @contextmanager

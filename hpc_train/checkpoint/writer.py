@@ -6,7 +6,7 @@ every file twice (once to verify, once to load). :class:`HashingFile` is the fil
 asked to start writing it back to the disk at once (``sync_file_range``), so the disk works while the next
 block is serialized and hashed and the final ``fsync`` finds little left to do. :func:`write_file` returns the
 :class:`~hpc_train.checkpoint.manifest.FileEntry` the manifest needs; a load reads a file once, checking its size
-and (when asked) its sha256 against the manifest (:mod:`hpc_train.checkpoint.streamed_read`).
+and (when asked) its sha256 against the manifest (:mod:`hpc_train.checkpoint.verified_read`).
 
 No torch import: the manager and the login-node commands share this module.
 """

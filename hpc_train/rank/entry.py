@@ -24,6 +24,7 @@ from hpc_train.config.plan import Plan, plan_for_life
 from hpc_train.errors import ConfigError
 from hpc_train.rank.agent.rejoin import RejoinChannel
 from hpc_train.rank.runtime.preemption import PreemptionWatch
+from hpc_train.rank.runtime.watchdog import THREAD_NAME as WATCHDOG_THREAD
 from hpc_train.rank.train.relife import life_released
 from hpc_train.run.error_log import CONSEQUENCES, ERROR_LOG_ENV, ERRORS, append_error, error_log_ranks
 from hpc_train.run.exit_codes import EXIT_NOT_RETRIED, EXIT_RESTART_IN_PLACE, EXIT_STOPPED
@@ -139,7 +140,7 @@ def _run_rank(run_dir: Path, plan: Plan, watch: PreemptionWatch | None, may_rejo
     except BaseException as error:
         if _record_failure(run_dir, plan, info, error, on_slurm and program != "smoke", logger):
             if may_rejoin and info.kind.own_process and not (watch is not None and watch.received) \
-                    and life_released(error):  # the trainer let go of the life: not a half-built engine
+                    and life_released(error) and not _watchdog_busy():
                 logger.info("restarting warm: this process trains the next life once its agent says so")
                 raise WarmRestart(info.rank) from None
             _leave(info, EXIT_RESTART_IN_PLACE)  # the agent above this rank starts every rank again
@@ -155,6 +156,12 @@ def _run_rank(run_dir: Path, plan: Plan, watch: PreemptionWatch | None, may_rejo
     if info.kind.own_process:  # a launcher's rank process, not someone's own Python calling run_rank
         exit_quickly_when_done()
     return result
+
+
+def _watchdog_busy() -> bool:
+    """Whether the failed life's watchdog is still handling a hang (it may end this process yet): then no warm
+    restart. A life ends its watchdog before it leaves, waiting 5 s for it."""
+    return any(thread.name == WATCHDOG_THREAD and thread.is_alive() for thread in threading.enumerate())
 
 
 def _leave(info: Any, code: int) -> NoReturn:

@@ -80,3 +80,21 @@ def test_a_file_that_shrinks_while_read_is_said_as_such(tmp_path: Path) -> None:
         os.truncate(path, 1 << 16)  # the record's bytes are gone under the load
         reader.seek(0)
         torch.load(reader, weights_only=True)
+
+
+def test_a_refused_file_leaves_no_descriptor_and_bad_seeks_are_refused(tmp_path: Path) -> None:
+    path, entry = _file(tmp_path, b"x" * 100)
+    path.write_bytes(b"x" * 99)
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(20):
+        with pytest.raises(VerifyError):
+            VerifiedReader(path, entry, True)
+    assert len(os.listdir("/proc/self/fd")) == before
+    path.write_bytes(b"x" * 100)
+    with verified(path, entry, True) as reader:
+        with pytest.raises(ValueError, match="cannot seek"):
+            reader.seek(-1)
+        with pytest.raises(ValueError, match="cannot seek"):
+            reader.seek(0, 7)
+        reader.seek(150)  # past the end, within the gap that is hashed first: nothing to read, nothing wrong
+        assert reader.read(10) == b"" and reader.finish() is True

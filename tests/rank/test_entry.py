@@ -42,3 +42,20 @@ def test_a_requeue_or_a_stop_is_left_with_after_the_imports(monkeypatch: pytest.
 def test_the_look_back_s_own_failure_reaches_the_rank(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(OSError, match="sacct"):
         _looking(monkeypatch, OSError("sacct is gone")).settle()
+
+
+def test_no_warm_restart_while_the_failed_life_s_watchdog_still_handles_a_hang() -> None:
+    """A watchdog thread still alive after its life ended (its join timed out) may yet end the process: the rank
+    then leaves instead of training the next life in it."""
+    from hpc_train.rank.runtime.watchdog import THREAD_NAME
+
+    assert not launch._watchdog_busy()
+    release = threading.Event()
+    deciding = threading.Thread(target=release.wait, name=THREAD_NAME, daemon=True)
+    deciding.start()
+    try:
+        assert launch._watchdog_busy()
+    finally:
+        release.set()
+        deciding.join(5)
+    assert not launch._watchdog_busy()

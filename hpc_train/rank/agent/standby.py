@@ -29,6 +29,9 @@ __all__ = ["START_GRACE_S", "StandbyPool"]
 START_GRACE_S = 10.0  # a life's ranks import first; the standbys for the next life start after them
 # how long a restart waits for the ranks that outlive the failure to say so (StandbyPool.await_warm)
 WARM_FIRST_S, WARM_SHORT_S, WARM_QUIET_S, WARM_MOST_S = 2.0, 0.3, 0.3, 3.0
+# after a hang: its other ranks fail only once the hung ones left, then release their life (the rank's own
+# watchdog gives that 10 s: rank/train/trainer.py WARM_HANG_WAIT_S), so the first and all are waited for this long
+WARM_HANG_S = 12.0
 _PLACE = ("SLURM_", "HPC_TRAIN_")  # what may differ between a standby's environment and its rank's
 
 
@@ -160,15 +163,16 @@ class StandbyPool:
         collective saw the failure: rank/agent/rejoin.py). A rank in a collective with the dead one says so within
         milliseconds, usually before its agent has decided; one busy computing says so at its next collective.
         The agent waits for the first to say so or end up to ``WARM_FIRST_S`` (only ``WARM_SHORT_S`` where a ready
-        standby could take each rank at once instead, unless ``patient``: a hang, whose ranks can say so only once
-        the hung ones left), then while more come, up to ``WARM_QUIET_S`` after the last, ``WARM_MOST_S`` in all;
-        the rest are killed, as before (gloo cannot break a wait on a peer that is itself waiting, nor NCCL without
-        its watchdog)."""
+        standby could take each rank at once instead), then while more come, up to ``WARM_QUIET_S`` after the last,
+        ``WARM_MOST_S`` in all; ``patient`` (a hang, whose ranks can say so only once the hung ones left):
+        ``WARM_HANG_S`` for the first and in all. The rest are killed, as before (gloo cannot break a wait on a
+        peer that is itself waiting, nor NCCL without its watchdog)."""
         waiting = {rank: child for rank, child in children.items()
                    if rank not in ended and isinstance(child, RankProcess)}
         started = last = time.monotonic()
-        quiet = WARM_SHORT_S if not patient and self._ready_count() >= len(waiting) else WARM_FIRST_S
-        while waiting and time.monotonic() < min(last + quiet, started + WARM_MOST_S):
+        quiet = WARM_HANG_S if patient else WARM_SHORT_S if self._ready_count() >= len(waiting) else WARM_FIRST_S
+        most = WARM_HANG_S if patient else WARM_MOST_S
+        while waiting and time.monotonic() < min(last + quiet, started + most):
             for rank, child in list(waiting.items()):
                 if (code := child.poll()) is not None:
                     ended[rank] = code

@@ -48,7 +48,9 @@ from hpc_train.run.paths import (
 )
 from hpc_train.run.stacks import COLLECTIVE_FRAMES, DUMP_SEPARATOR, main_thread_frames
 
-__all__ = ["Decision", "Hang", "Timeouts", "Watchdog", "suspects"]
+__all__ = ["THREAD_NAME", "Decision", "Hang", "Timeouts", "Watchdog", "suspects"]
+
+THREAD_NAME = "hpc_train-watchdog"
 
 _DECISION_FILE_EVERY_S = 10.0  # per rank, while every rank waits for rank 0's hang decision
 PHASES = ("startup", "step", "checkpoint")
@@ -141,7 +143,8 @@ class Watchdog:
         self.started = time.time()
         self._progress = ("startup", 0, time.monotonic())  # one tuple: the thread never pairs a phase with a
         self._stop = threading.Event()                     # time from another
-        self._thread = threading.Thread(target=self._run, name="hpc_train-watchdog", daemon=True)
+        self._left = threading.Event()  # the main thread is on its way out of the watched work (a failure)
+        self._thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
         self.fired: Hang | None = None
 
     def __enter__(self) -> Watchdog:
@@ -150,8 +153,15 @@ class Watchdog:
         return self
 
     def __exit__(self, *_: object) -> None:
+        self._left.set()
         self._stop.set()
         self._thread.join(timeout=5)
+
+    def leave(self) -> None:
+        """The main thread failed and is letting go of its work: a watchdog that waits for it to restart warm
+        (:meth:`_left_on_its_own`) stands down now rather than ending the process in the middle of the release.
+        Otherwise it goes on watching until ``__exit__``."""
+        self._left.set()
 
     @property
     def phase(self) -> str:
@@ -262,15 +272,16 @@ class Watchdog:
 
     def _left_on_its_own(self, decided: Decision) -> bool:
         """When the ranks restart in place and the stacks name other ranks than this one: those leave now, which
-        breaks this rank's collective, and its main thread restarts warm. True once it has left the watched work
-        (``__exit__``) within ``warm_wait_s``; False where this rank should exit as decided."""
+        breaks this rank's collective, and its main thread restarts warm. True once it has failed (:meth:`leave`)
+        within ``warm_wait_s``; False where this rank should exit as decided. (If its release then never ends, the
+        agent, which waits only so long for a warm rank, ends the process.)"""
         if decided.exit_code != EXIT_RESTART_IN_PLACE or not decided.suspects or self.rank in decided.suspects \
                 or self.warm_wait_s <= 0:
             return False
         named = ", ".join(str(rank) for rank in decided.suspects)
         self.log(f"hang: rank(s) {named} leave; this rank restarts warm once its collective fails (up to "
                  f"{self.warm_wait_s:.0f} s)")
-        return self._stop.wait(self.warm_wait_s)
+        return self._left.wait(self.warm_wait_s)
 
     def _decide(self, hang: Hang) -> Decision:
         self._wait_for_stacks(hang)

@@ -383,6 +383,8 @@ def _steps(rank: _Rank, parts: _Parts, monitor: Monitor, recorder: AttemptRecord
         _progress(rank.watchdog, "checkpoint", progress.step)
         parts.checkpointer.finish()  # a background seal of the last checkpoint is durable before the attempt ends
     except BaseException as error:
+        if rank.watchdog is not None:  # a hang's warm rank: its watchdog no longer ends the process
+            rank.watchdog.leave()
         recorder.failed(progress.step, error)
         _release(parts, error)
         raise

@@ -132,8 +132,10 @@ def test_in_a_hang_others_caused_a_rank_that_may_restart_warm_leaves_its_main_th
         if left:
             time.sleep(0.3)
             assert exits0.codes == []  # waiting for its main thread
-            rank0.__exit__(None, None, None)  # the main thread failed on its own and left the watched work
+            rank0.leave()  # the main thread failed on its own, and lets go of its life
+            rank0._thread.join(5)
             assert not rank0._thread.is_alive() and exits0.codes == []
+            rank0.__exit__(None, None, None)
         else:
             assert exits0.done.wait(20) and exits0.codes == [EXIT_RESTART_IN_PLACE]
             rank0.__exit__(None, None, None)
