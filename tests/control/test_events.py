@@ -68,7 +68,7 @@ def test_every_rank_hears_rank_0_s_hang_decision_from_the_coordinator(tmp_path: 
                                                                      coordinator: ControlServer) -> None:
     """The decision file is the record; the ranks waiting for it hear it pushed (16,384 of them would otherwise
     read the file five times a second each)."""
-    from hpc_train.rank.runtime.watchdog import Hang, Timeouts, Watchdog
+    from hpc_train.rank.runtime.watchdog import Decision, Hang, Timeouts, Watchdog
     from hpc_train.run.paths import HEARTBEAT_DIR, hang_decision_path
 
     (tmp_path / HEARTBEAT_DIR).mkdir(mode=0o700)
@@ -78,13 +78,14 @@ def test_every_rank_hears_rank_0_s_hang_decision_from_the_coordinator(tmp_path: 
     hang = Hang(1, "n2", "step", 12, 61.0, 60.0, time.time())
     assert rank1._decision_for(hang) is None  # opens the watching connection
     rank0._wait_for_stacks = lambda _hang: None  # type: ignore[method-assign]  # no ranks dump here
-    assert rank0._decide(hang) == (144, "requeued")
+    assert rank0._decide(hang) == Decision(144, "requeued")
     assert hang_decision_path(tmp_path, "9.1").exists()  # the record
     hang_decision_path(tmp_path, "9.1").unlink()
-    assert _until(lambda: rank1._decision_for(hang, with_file=False)) == (144, "requeued")
+    assert _until(lambda: rank1._decision_for(hang, with_file=False)) == Decision(144, "requeued")
     other = Hang(0, "n1", "step", 12, 62.0, 60.0, time.time() + 5)
     assert rank1._decision_for(other) is None  # a decision on another hang is not this one's
     # rank 0's push lost (its own connection broke): the record is read too, every 2 s of the wait
-    hang_decision_path(tmp_path, "9.1").write_text(json.dumps({"hang": other.time, "exit_code": 79, "reason": "x"}))
+    hang_decision_path(tmp_path, "9.1").write_text(json.dumps({"hang": other.time, "exit_code": 79, "reason": "x",
+                                                               "suspects": [1]}))
     assert rank1._decision_for(other, with_file=False) is None
-    assert rank1._decision_for(other) == (79, "x")
+    assert rank1._decision_for(other) == Decision(79, "x", (1,))
