@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -38,8 +39,22 @@ def output(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return path
 
 
-def _pool(said: list[str]) -> StandbyPool:
-    return StandbyPool("train", 1, {**os.environ, "PYTHONPATH": str(REPO)}, said.append)
+class Pool(StandbyPool):
+    """An agent's pool of standbys and warm ranks (one standby), with the lines it said kept in ``said``."""
+
+    def __init__(self) -> None:
+        self.said: list[str] = []
+        super().__init__("train", 1, {**os.environ, "PYTHONPATH": str(REPO)}, self.said.append)
+
+
+@pytest.fixture
+def pool(output: Path) -> Iterator[Pool]:
+    """The pool, closed after the test (the processes it started or kept warm are ended)."""
+    made = Pool()
+    try:
+        yield made
+    finally:
+        made.close()
 
 
 def _env(pool: StandbyPool, life: int, **more: str) -> dict[str, str]:
@@ -73,68 +88,49 @@ def _warm_rank(pool: StandbyPool) -> RankProcess:
     return rank
 
 
-def test_a_warm_rank_trains_the_next_life_in_its_own_process(output: Path) -> None:
-    said: list[str] = []
-    pool = _pool(said)
-    try:
-        first = _warm_rank(pool)
-        assert first.pid in pool.pids, "the agent's end of the life keeps a warm rank's process"
-        again = pool.start([*ARGV, "--next"], _env(pool, 1), None, rank=3)
-        pool.schedule()
-        assert again is first and again.poll() is None, "the order went to the same process, running again"
-        assert any("1 rank(s) of this node restarted warm" in line for line in said), said
-        lines = _lines(output, 2)
-        assert [line["pid"] for line in lines] == [first.pid, first.pid]
-        assert [line["life"] for line in lines] == ["0", "1"] and lines[1]["argv"] == ["--next"]
-        assert all(line["channel"] and line["stdin_is_null"] and not line["variable_left"] for line in lines), lines
-        _until_warm(again)
-    finally:
-        pool.close()
+def test_a_warm_rank_trains_the_next_life_in_its_own_process(pool: Pool, output: Path) -> None:
+    first = _warm_rank(pool)
+    assert first.pid in pool.pids, "the agent's end of the life keeps a warm rank's process"
+    again = pool.start([*ARGV, "--next"], _env(pool, 1), None, rank=3)
+    pool.schedule()
+    assert again is first and again.poll() is None, "the order went to the same process, running again"
+    assert any("1 rank(s) of this node restarted warm" in line for line in pool.said), pool.said
+    lines = _lines(output, 2)
+    assert [line["pid"] for line in lines] == [first.pid, first.pid]
+    assert [line["life"] for line in lines] == ["0", "1"] and lines[1]["argv"] == ["--next"]
+    assert all(line["channel"] and line["stdin_is_null"] and not line["variable_left"] for line in lines), lines
+    _until_warm(again)
+    pool.close()
     assert first.process.poll() is not None, "closing the pool ends a warm process"
 
 
-def test_before_a_restart_the_agent_waits_briefly_for_ranks_to_say_they_are_warm(output: Path) -> None:
+def test_before_a_restart_the_agent_waits_briefly_for_ranks_to_say_they_are_warm(pool: Pool, output: Path) -> None:
     """A rank that says so is ended (EXIT_RESTART_IN_PLACE) and kept; one that stays busy is left to the kill."""
-    said: list[str] = []
-    pool = _pool(said)
-    try:
-        warm = pool.start(ARGV, _env(pool, 0), None, rank=3)
-        busy = pool.start(ARGV, _env(pool, 0, HPC_TRAIN_TEST_BUSY="1"), None, rank=4)
-        pool.schedule()
-        _lines(output, 2)  # both are up
-        ended: dict[int, int] = {}
-        waited = time.monotonic()
-        pool.await_warm({3: warm, 4: busy}, ended)
-        waited = time.monotonic() - waited
-        assert ended == {3: EXIT_RESTART_IN_PLACE}, ended
-        assert isinstance(busy, RankProcess) and busy.poll() is None and waited < 30
-        assert warm.pid in pool.pids and busy.pid not in pool.pids
-    finally:
-        pool.close()
+    warm = pool.start(ARGV, _env(pool, 0), None, rank=3)
+    busy = pool.start(ARGV, _env(pool, 0, HPC_TRAIN_TEST_BUSY="1"), None, rank=4)
+    pool.schedule()
+    _lines(output, 2)  # both are up
+    ended: dict[int, int] = {}
+    waited = time.monotonic()
+    pool.await_warm({3: warm, 4: busy}, ended)
+    waited = time.monotonic() - waited
+    assert ended == {3: EXIT_RESTART_IN_PLACE}, ended
+    assert isinstance(busy, RankProcess) and busy.poll() is None and waited < 30
+    assert warm.pid in pool.pids and busy.pid not in pool.pids
 
 
-def test_a_warm_rank_the_next_life_does_not_take_is_ended(output: Path) -> None:
-    said: list[str] = []
-    pool = _pool(said)
-    try:
-        first = _warm_rank(pool)
-        other = pool.start(ARGV, _env(pool, 1), None, rank=4)  # rank 3 is not on this node in the next life
-        pool.schedule()
-        assert first.process.wait(timeout=30) is not None and other.pid != first.pid
-    finally:
-        pool.close()
+def test_a_warm_rank_the_next_life_does_not_take_is_ended(pool: Pool, output: Path) -> None:
+    first = _warm_rank(pool)
+    other = pool.start(ARGV, _env(pool, 1), None, rank=4)  # rank 3 is not on this node in the next life
+    pool.schedule()
+    assert first.process.wait(timeout=30) is not None and other.pid != first.pid
 
 
-def test_a_warm_rank_whose_environment_no_longer_fits_starts_anew(output: Path) -> None:
-    said: list[str] = []
-    pool = _pool(said)
-    try:
-        first = _warm_rank(pool)
-        second = pool.start(ARGV, _env(pool, 1, OMP_NUM_THREADS="7"), None, rank=3)  # read at import
-        assert second.pid != first.pid and first.process.wait(timeout=30) is not None
-        assert any("OMP_NUM_THREADS" in line for line in said), said
-    finally:
-        pool.close()
+def test_a_warm_rank_whose_environment_no_longer_fits_starts_anew(pool: Pool, output: Path) -> None:
+    first = _warm_rank(pool)
+    second = pool.start(ARGV, _env(pool, 1, OMP_NUM_THREADS="7"), None, rank=3)  # read at import
+    assert second.pid != first.pid and first.process.wait(timeout=30) is not None
+    assert any("OMP_NUM_THREADS" in line for line in pool.said), pool.said
 
 
 def test_the_channel_refuses_what_is_not_two_open_descriptors() -> None:
