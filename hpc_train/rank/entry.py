@@ -411,12 +411,12 @@ def _next_life(channel: RejoinChannel) -> dict[str, Any] | None:
         if not channel.say_warm():
             return None
         free_heap()
+        order = channel.read_order()
+        if order is None or order["argv"][-3:-1] != ["-m", "hpc_train.launch"]:  # a rank's command, nothing else
+            return None
+        take_order(order)
     except Exception:  # whatever it is, this process leaves as a rank that asked for a restart
         return None
-    order = channel.read_order()
-    if order is None or order["argv"][-3:-1] != ["-m", "hpc_train.launch"]:  # a rank's command, nothing else
-        return None
-    take_order(order)
     return order
 
 

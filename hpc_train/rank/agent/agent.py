@@ -389,8 +389,9 @@ class Agent:
 
     def _kill(self, child: subprocess.Popen[Any] | RankProcess) -> None:
         if isinstance(child, RankProcess):  # a warm byte it wrote before the kill landed no longer counts
-            child.killed = True
-        kill_tree(child.pid)
+            child.kill()
+        elif child.poll() is None:  # a reaped child's pid may be another process's by now
+            kill_tree(child.pid)
 
     def end_everything_below(self) -> None:
         """No process the old ranks started (a data loader worker, a checkpoint stager) outlives them; the

@@ -34,6 +34,7 @@ __all__ = ["REJOIN_ENV", "WARM_BYTE", "RankProcess", "RejoinChannel", "order_lin
 REJOIN_ENV = "HPC_TRAIN_REJOIN"
 WARM_BYTE = b"w"
 _ORDER_LIMIT = 1 << 22  # an order is a command and an environment: far below 4 MiB
+_REAP_S = 10.0  # how long closing a rank's process waits for it to be gone
 _ORDER_WRITE_S = 30.0  # a warm rank reads its order once it has let go of its life: a second or two at most
 
 
@@ -73,9 +74,11 @@ class RankProcess:
         return code
 
     def kill(self) -> None:
-        """SIGKILL to the process and what it started; from now on it reads as the process's own end."""
+        """SIGKILL to the process and what it started; from now on it reads as the process's own end. Nothing
+        once it is reaped: its pid may be another process's by then."""
         self.killed = True
-        kill_tree(self.process.pid)
+        if self.process.poll() is None:  # an unreaped process keeps its pid
+            kill_tree(self.process.pid)
 
     def _said_warm(self) -> bool:
         """Non-blocking: node 0's agent holds the coordinator's sockets too, whose descriptors pass select's 1023."""
@@ -110,7 +113,8 @@ class RankProcess:
         """The process is no one's rank any more: killed with what it started (a warm one waits forever
         otherwise) and reaped."""
         self.kill()
-        self.process.wait()
+        with contextlib.suppress(subprocess.TimeoutExpired):  # one stuck in the kernel is reaped by the agent later
+            self.process.wait(timeout=_REAP_S)
         with contextlib.suppress(OSError):
             self.orders.close()
         with contextlib.suppress(OSError):
@@ -170,6 +174,14 @@ class RejoinChannel:
             order = json.loads(line)
         except (OSError, ValueError, RecursionError):
             return None
-        if not (isinstance(order, dict) and isinstance(order.get("argv"), list) and isinstance(order.get("env"), dict)):
-            return None
-        return order
+        return order if _well_formed(order) else None
+
+
+def _well_formed(order: Any) -> bool:
+    """An order as :func:`order_line` writes it: a list of strings, a mapping of strings, a list of CPU numbers."""
+    if not isinstance(order, dict):
+        return False
+    argv, env, cpus = order.get("argv"), order.get("env"), order.get("cpus", [])
+    return isinstance(argv, list) and all(isinstance(a, str) for a in argv) and isinstance(env, dict) \
+        and all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()) \
+        and isinstance(cpus, list) and all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in cpus)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -123,13 +124,13 @@ def test_a_warm_rank_the_next_life_does_not_take_is_ended(pool: Pool, output: Pa
     first = _warm_rank(pool)
     other = pool.start(ARGV, _env(pool, 1), None, rank=4)  # rank 3 is not on this node in the next life
     pool.schedule()
-    assert first.process.wait(timeout=30) is not None and other.pid != first.pid
+    assert first.process.wait(timeout=30) == -signal.SIGKILL and other.pid != first.pid
 
 
 def test_a_warm_rank_whose_environment_no_longer_fits_starts_anew(pool: Pool, output: Path) -> None:
     first = _warm_rank(pool)
     second = pool.start(ARGV, _env(pool, 1, OMP_NUM_THREADS="7"), None, rank=3)  # read at import
-    assert second.pid != first.pid and first.process.wait(timeout=30) is not None
+    assert second.pid != first.pid and first.process.wait(timeout=30) == -signal.SIGKILL
     assert any("OMP_NUM_THREADS" in line for line in pool.said), pool.said
 
 
@@ -146,8 +147,11 @@ def test_an_order_that_is_not_a_rank_s_is_refused() -> None:
     channel = RejoinChannel(orders_read, warm_write)
     try:
         assert channel.say_warm() and os.read(warm_read, 1) == b"w"
-        os.write(orders_write, b'{"argv": "not a list", "env": {}}\n')
-        assert channel.read_order() is None
+        for bad in (b'{"argv": "not a list", "env": {}}', b'{"argv": ["x", 1], "env": {}}',
+                    b'{"argv": ["x"], "env": {"A": 1}}', b'{"argv": ["x"], "env": {}, "cpus": [-1]}',
+                    b'{"argv": ["x"], "env": {}, "cpus": "0-3"}', b'[1, 2]'):
+            os.write(orders_write, bad + b"\n")
+            assert channel.read_order() is None, bad
         os.write(orders_write, order_line(["python", "-u", "-m", "x"], {"A": "1"}, {2, 1}))
         assert channel.read_order() == {"argv": ["python", "-u", "-m", "x"], "env": {"A": "1"}, "cpus": [1, 2]}
         os.close(orders_write)
