@@ -22,7 +22,7 @@ from typing import Any, NoReturn
 from hpc_train.backends import LocalBackend, backend_of
 from hpc_train.config.plan import Plan, plan_for_life
 from hpc_train.errors import ConfigError
-from hpc_train.rank.agent.rejoin import RejoinChannel
+from hpc_train.rank.agent.rejoin import RejoinChannel, trains_warm
 from hpc_train.rank.runtime.preemption import PreemptionWatch
 from hpc_train.rank.runtime.watchdog import THREAD_NAME as WATCHDOG_THREAD
 from hpc_train.rank.train.relife import life_released
@@ -95,13 +95,7 @@ def run_rank(run_dir: Path, may_rejoin: bool = False) -> dict[str, Any]:
     if plan.config.job.program == "smoke":  # nothing to save: signals keep their usual meaning
         return _run_rank(run_dir, plan, None)
     with PreemptionWatch([plan.signal]) as watch:  # first thing: a signal while starting up is kept for later
-        return _run_rank(run_dir, plan, watch, may_rejoin and _trains_warm(plan))
-
-
-def _trains_warm(plan: Plan) -> bool:
-    """Whether this rank's process can train a later life: the built-in trainer on DeepSpeed, whose state between
-    lives :mod:`hpc_train.rank.train.relife` releases (FSDP2 and users' programs start a new process)."""
-    return plan.config.job.program == "train" and plan.config.train.engine == "deepspeed"
+        return _run_rank(run_dir, plan, watch, may_rejoin and trains_warm(plan))
 
 
 def _run_rank(run_dir: Path, plan: Plan, watch: PreemptionWatch | None, may_rejoin: bool = False

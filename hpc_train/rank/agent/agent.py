@@ -118,7 +118,7 @@ class Agent:
         the ranks are not ``python -u -m MODULE`` (what a standby becomes)."""
         if self.setup.standby and self.setup.limit > 0 and StandbyPool.fits(argv):
             self.standby = StandbyPool(self.setup.standby, self.setup.tasks_per_node, self.node_environment(),
-                                       self.log.info)
+                                       self.log.info, rejoin=self.setup.warm)
 
     def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
         self.stopping = signum  # the ranks got the same signal from Slurm (it signals every process of the step)

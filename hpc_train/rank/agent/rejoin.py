@@ -29,13 +29,23 @@ from typing import IO, Any
 from hpc_train.run.exit_codes import EXIT_RESTART_IN_PLACE
 from hpc_train.run.procs import kill_tree
 
-__all__ = ["REJOIN_ENV", "WARM_BYTE", "RankProcess", "RejoinChannel", "order_line"]
+__all__ = ["REJOIN_ENV", "WARM_BYTE", "RankProcess", "RejoinChannel", "order_line", "trains_warm"]
 
 REJOIN_ENV = "HPC_TRAIN_REJOIN"
 WARM_BYTE = b"w"
 _ORDER_LIMIT = 1 << 22  # an order is a command and an environment: far below 4 MiB
 _REAP_S = 10.0  # how long closing a rank's process waits for it to be gone
 _ORDER_WRITE_S = 30.0  # a warm rank reads its order once it has let go of its life: a second or two at most
+
+
+def trains_warm(plan: Any) -> bool:
+    """Whether a rank of ``plan`` (a :class:`~hpc_train.config.plan.Plan`) may train a later life in its own
+    process, which its agent and the rank decide alike: the built-in trainer on DeepSpeed, whose state between lives
+    :mod:`hpc_train.rank.train.relife` releases, on CPUs (on GPUs NCCL's error handling ends a rank whose collective
+    failed: docs/preemption.md), with standbys and restarts in place on. FSDP2 and users' programs start anew."""
+    config = plan.config
+    return config.job.program == "train" and config.train.engine == "deepspeed" and \
+        plan.resources.gpus_per_node == 0 and config.retry.standby and config.retry.in_place > 0
 
 
 def order_line(argv: list[str], env: Mapping[str, str], cpus: set[int] | None) -> bytes:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from hpc_train.backends import backend_of
 from hpc_train.checkpoint.memory_store import why_memory_tier_off
 from hpc_train.config.shrink import ShrinkRule
+from hpc_train.rank.agent.rejoin import trains_warm
 from hpc_train.run.assignment import node_of
 from hpc_train.run.in_place import IN_PLACE_LEFT_ENV
 
@@ -38,6 +39,7 @@ class AgentSetup:
     cpus_per_rank: int = 0  # job.cpus_per_task, each rank's SLURM_CPUS_PER_TASK; 0: left as the step has it
     standby: str = ""  # retry.standby: the kind of standby rank to keep ready (standby_main.KINDS); "": none
     memory: bool = False  # checkpoint.memory_every_steps: this agent holds its ranks' states in memory
+    warm: bool = False  # the ranks may train a later life in their own process (rejoin.trains_warm)
 
     @property
     def node_name(self) -> str:
@@ -94,7 +96,7 @@ def agent_setup(run_dir: Path, env: dict[str, str] | None = None) -> AgentSetup 
     return AgentSetup(run_dir, index, nodes, lay.world, env["SLURM_JOB_ID"], int(env.get("SLURM_RESTART_COUNT") or 0),
                       plan.config.retry.in_place, plan.signal, res.tasks_per_node, spares, res.cpus_per_task,
                       _standby(plan.config.job.program, plan.config.retry),
-                      not why_memory_tier_off(plan.config, lay.tensor, lay.pipeline))
+                      not why_memory_tier_off(plan.config, lay.tensor, lay.pipeline), trains_warm(plan))
 
 
 def _standby(program: str, retry: RetrySection) -> str:

@@ -45,8 +45,9 @@ class StandbyPool:
     """One node's standby ranks: started :meth:`refill` each life, taken by :meth:`start` for the next."""
 
     def __init__(self, kind: str, count: int, env: Mapping[str, str], log: Callable[[str], None],
-                 python: str = sys.executable) -> None:
+                 python: str = sys.executable, rejoin: bool = True) -> None:
         self.kind, self.count, self.env, self.log, self.python = kind, count, dict(env), log, python
+        self.rejoin = rejoin  # the ranks may train a later life in their own process (rejoin.trains_warm)
         self._ready: list[subprocess.Popen[bytes]] = []
         self._signals: dict[int, int] = {}  # standby pid: the read end of the pipe it says it is ready on
         self._done: set[int] = set()  # the pipes on which a standby said it is ready (or ended)
@@ -70,8 +71,9 @@ class StandbyPool:
 
     @property
     def offers_rejoin(self) -> bool:
-        """Whether this node's ranks get a channel to train the next life in their own process: the trainer's."""
-        return self.kind == "train" and self.count > 0
+        """Whether this node's ranks get a channel to train the next life in their own process: the trainer's, where
+        its ranks may (:func:`~hpc_train.rank.agent.rejoin.trains_warm`)."""
+        return self.rejoin and self.kind == "train" and self.count > 0
 
     def schedule(self) -> None:
         """A life has just started its ranks: its standbys start once those have had their start."""

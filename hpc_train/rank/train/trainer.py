@@ -240,7 +240,7 @@ def _train_watched(rank: _Rank) -> dict[str, Any]:
         try:
             start_step = _resume(rank, parts)
         except BaseException as error:
-            _release(parts, error)
+            _release(rank, parts, error)
             raise
     except UserCodeError as error:  # the user's factory or dataset: a failed attempt, which is not retried
         AttemptRecorder(rank.run_dir, rank.info, 0, rank.plan.lead_seconds, rank.log).failed(0, error)
@@ -386,15 +386,18 @@ def _steps(rank: _Rank, parts: _Parts, monitor: Monitor, recorder: AttemptRecord
         if rank.watchdog is not None:  # a hang's warm rank: its watchdog no longer ends the process
             rank.watchdog.leave()
         recorder.failed(progress.step, error)
-        _release(parts, error)
+        _release(rank, parts, error)
         raise
     return _finish(rank, parts, recorder, progress)
 
 
-def _release(parts: _Parts, error: BaseException) -> None:
-    """A life that failed with ``error`` lets go of its data workers, its checkpoint writer threads and their
-    staging buffers, its process group and its engine (:func:`end_life`), and says so on ``error``: its process
-    may then train the next life itself (a warm restart, :mod:`hpc_train.rank.entry`)."""
+def _release(rank: _Rank, parts: _Parts, error: BaseException) -> None:
+    """Where this process may train the next life itself (a warm restart, :mod:`hpc_train.rank.entry`), a life that
+    failed with ``error`` lets go of its data workers, its checkpoint writer threads and their staging buffers, its
+    process group and its engine (:func:`end_life`), and says so on ``error``. Elsewhere the process is on its way
+    out: nothing delays the record of its failure."""
+    if not rank.warm:
+        return
     for close in (parts.stream.close, parts.checkpointer.close):
         with contextlib.suppress(Exception):
             close()

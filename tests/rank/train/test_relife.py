@@ -70,10 +70,20 @@ def test_the_next_life_in_the_same_process_trains_as_the_first(tmp_path: Path) -
 
 
 def test_only_a_life_the_trainer_let_go_of_restarts_warm() -> None:
-    """A failure before the engine was whole (a peer's death inside deepspeed.initialize) is never marked: its
-    half-built engine cannot be freed, so its rank starts anew; one the trainer released is."""
-    from hpc_train.rank.train.relife import life_released, mark_released
+    """The trainer's failure path releases the life and marks its error only where the process may restart warm;
+    a failure before the engine was whole (a peer's death inside deepspeed.initialize) never reaches it."""
+    from types import SimpleNamespace
 
-    building, training = RuntimeError("Connection closed by peer"), RuntimeError("Connection closed by peer")
-    mark_released(training)
-    assert life_released(training) and not life_released(building)
+    from hpc_train.rank.train import trainer
+    from hpc_train.rank.train.relife import life_released
+
+    closed: list[str] = []
+    parts = SimpleNamespace(stream=SimpleNamespace(close=lambda: closed.append("stream")),
+                            checkpointer=SimpleNamespace(close=lambda: closed.append("checkpointer")),
+                            engine=SimpleNamespace(destroy=lambda: closed.append("engine")))
+    leaving, warm, building = (RuntimeError("Connection closed by peer") for _ in range(3))
+    trainer._release(SimpleNamespace(warm=False), parts, leaving)  # type: ignore[arg-type]
+    assert closed == [] and not life_released(leaving)  # on its way out: nothing delays its error record
+    trainer._release(SimpleNamespace(warm=True), parts, warm)  # type: ignore[arg-type]
+    assert closed == ["stream", "checkpointer", "engine"] and life_released(warm)
+    assert not life_released(building)
