@@ -263,6 +263,9 @@ class CheckpointTransaction:
         the next look tries again; the records the ranks told the coordinator are pushed again on the watch)."""
         if self._written is not None:
             self._written.close()
+        if self._abandoned.is_set():  # close() ran meanwhile: a new watch would be left open
+            self._written = None
+            return None
         self._written = WrittenWatch.open()
         return self._written
 

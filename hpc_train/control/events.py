@@ -17,7 +17,8 @@ from typing import Any
 from hpc_train.control.client import ControlClient, ControlError
 from hpc_train.control.discovery import Address, from_env
 
-__all__ = ["RankEvents", "hang_decision_key", "hang_key", "rank_events", "stop_key", "stop_request_key"]
+__all__ = ["RankEvents", "forget_broken", "hang_decision_key", "hang_key", "rank_events", "stop_key",
+           "stop_request_key"]
 
 PREFIX = "rank/"
 
@@ -72,6 +73,19 @@ def _forget_after_fork() -> None:
 
 
 os.register_at_fork(after_in_child=_forget_after_fork)
+
+
+def forget_broken() -> None:
+    """Forget the connections that broke or never came up, so that the next :func:`rank_events` connects again:
+    a process that trains another life (a warm restart) would otherwise read the run folder's files for the rest
+    of the job after one hiccup of the coordinator."""
+    with _lock:
+        broken = [key for key, events in _opened.items() if events is None or not events.usable]
+        gone = [_opened.pop(key) for key in broken]
+    for events in gone:
+        if events is not None:
+            with contextlib.suppress(ControlError, OSError):
+                events.client.close()
 
 
 def rank_events(env: dict[str, str] | None = None) -> RankEvents | None:

@@ -397,11 +397,13 @@ def _next_life(channel: RejoinChannel) -> dict[str, Any] | None:
     """Let go of the failed life's groups, tell the agent this process is warm, free the rest of the life (its
     stack is unwound by now, so its engine is garbage), then wait for the next life's order and take it: its
     environment, CPUs and arguments. Anything that fails on the way leaves as the rank would have, at once."""
+    from hpc_train.control.events import forget_broken
     from hpc_train.rank.agent.standby_main import take_order
     from hpc_train.rank.train.relife import forget_groups, free_heap
 
     try:
         forget_groups()
+        forget_broken()  # the next life connects to the coordinator again where the last one's link broke
         if not channel.say_warm():
             return None
         free_heap()

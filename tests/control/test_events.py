@@ -89,3 +89,20 @@ def test_every_rank_hears_rank_0_s_hang_decision_from_the_coordinator(tmp_path: 
                                                                "suspects": [1]}))
     assert rank1._decision_for(other, with_file=False) is None
     assert rank1._decision_for(other) == Decision(79, "x", (1,))
+
+
+def test_a_process_that_lives_on_connects_again_where_its_link_broke(coordinator: ControlServer) -> None:
+    """A warm restart's next life: the link its last life lost is forgotten (forget_broken), and the next look
+    connects again instead of reading the run folder's files for the rest of the job."""
+    from hpc_train.control.events import forget_broken, rank_events
+
+    first = rank_events()
+    assert first is not None
+    first.client.close()  # the link breaks
+    _until(lambda: not first.usable)
+    assert rank_events() is None  # the files are the word now
+    forget_broken()
+    again = rank_events()
+    assert again is not None and again is not first and again.usable
+    again.client.close()
+    forget_broken()

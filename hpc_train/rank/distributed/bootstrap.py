@@ -90,13 +90,26 @@ def abort_nccl() -> None:
     """After a failure: abort every NCCL communicator of this process's groups in place, so that nothing waits on
     a dead peer any more (a destroy could wait on a collective that never completes), while the groups stay
     registered for what still asks for them (DeepSpeed's teardown asks for this rank). Nothing on other backends:
-    gloo's groups end with :func:`shutdown` and their last reference."""
+    gloo's groups end with :func:`shutdown` and their last reference. The aborts are one NCCL group call, as torch's
+    own ``_abort_process_group`` makes them: one at a time, two communicators' aborts can wait on each other
+    (pytorch#119797); torch's call would also unregister the groups."""
+    import torch
     import torch.distributed as dist
     from torch.distributed import distributed_c10d
 
     if not dist.is_initialized() or dist.get_backend() != "nccl":
         return
-    for group in list(distributed_c10d._world.pg_map):
-        for device in group._device_types:
-            with contextlib.suppress(Exception):  # one that is gone already: the others still get theirs
-                group._get_backend(device).abort()
+    world: Any = None
+    with contextlib.suppress(Exception):
+        world = distributed_c10d._get_default_group()._get_backend(torch.device("cuda"))
+    grouped = callable(getattr(world, "_group_start", None)) and callable(getattr(world, "_group_end", None))
+    if grouped:
+        world._group_start()
+    try:
+        for group in list(distributed_c10d._world.pg_map):
+            for device in group._device_types:
+                with contextlib.suppress(Exception):  # one that is gone already: the others still get theirs
+                    group._get_backend(device).abort()
+    finally:
+        if grouped:
+            world._group_end()
