@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from hpc_train.checkpoint import MANIFEST_NAME, CheckpointError, CheckpointManager, Manifest
-from hpc_train.checkpoint.deepspeed_files import install_file_engine
+from hpc_train.checkpoint.deepspeed_files import install_file_engine, stable_until_step
 from hpc_train.checkpoint.manager import inspect_checkpoint
 from hpc_train.checkpoint.manifest import FileEntry
 from hpc_train.checkpoint.memory_store import why_memory_tier_off
@@ -122,11 +122,32 @@ class Checkpointer(CheckpointTransaction):
         self.memory = MemoryTier.from_env(config.checkpoint.memory_every_steps, self.rank,
                                           config.job.tasks_per_node, self.log) \
             if self.memory_applies else None
+        self._settle_hook: tuple[Any, int] | None = None  # (its handle, id of the optimizer it is on)
 
     def close(self) -> None:
         super().close()
+        self._unhook()
         if self.memory is not None:
             self.memory.files.close()
+
+    def _unhook(self) -> None:
+        if self._settle_hook is not None:
+            self._settle_hook[0].remove()
+            self._settle_hook = None
+
+    def _stable(self, engine: Any) -> frozenset[int]:
+        """An asynchronous save's copies of the parameters and optimizer state are made by the writer thread while
+        the next step's forward and backward run (they change only in the optimizer's step, which waits for them
+        through a step pre-hook: :meth:`RankFiles.settle`); the save call copies the rest (CheckFreq's pipelined
+        snapshot). On a GPU those copies are already queued on the stream, not made in the call."""
+        stable, optimizer = stable_until_step(engine)
+        if optimizer is None:
+            return frozenset()
+        if self._settle_hook is None or self._settle_hook[1] != id(optimizer):
+            self._unhook()
+            files = self.files
+            self._settle_hook = (optimizer.register_step_pre_hook(lambda *_: files.settle()), id(optimizer))
+        return stable
 
     def install(self, engine: Any) -> None:
         """DeepSpeed writes and reads this engine's files through this rank's :class:`RankFiles`: hashed while
@@ -138,15 +159,16 @@ class Checkpointer(CheckpointTransaction):
         random state (:mod:`hpc_train.rank.runtime.random_state`, :meth:`save_with`), one file per node
         (``rng/ranks-FIRST-LAST.pt``, :mod:`hpc_train.rank.runtime.node_states`)."""
         self.install(engine)
+        stable = self._stable(engine) if self.async_save and not wait else frozenset()
 
         def write(tmp: Path) -> None:
             # the node's ranks meet first, before any file: a rank whose write fails leaves no peer in this gather
-            states = self.node_states.gather(lambda: random_state.capture(engine.device))
+            states = self.node_states.gather_later(lambda: random_state.capture(engine.device))
             engine.save_checkpoint(str(tmp), tag=DEEPSPEED_TAG, client_state={"step": step, "sampler": sampler_state})
             if states is not None:
-                self.files.save(states, tmp / "rng" / self.node_states.file_name)
+                self.files.save_built(states, tmp / "rng" / self.node_states.file_name)
 
-        self.save_with(step, write, wait)
+        self.save_with(step, write, wait, stable)
 
     def resume(self, engine: Any) -> tuple[int, dict[str, int] | None]:
         """(the last completed step, the sampler state) of the newest good checkpoint, or (0, None).
@@ -157,6 +179,7 @@ class Checkpointer(CheckpointTransaction):
         all ranks agree and load the previous good checkpoint over it. The sampler state is the global sample
         position, valid at any data-parallel size (see the module doc).
         """
+        self.files.settle()  # a load writes into the tensors a background save may still be copying
         if not self.resume_enabled:
             return 0, None
         partial = None  # a memory load that failed part way: the disk checkpoint loads over it

@@ -81,11 +81,11 @@ class Fsdp2Checkpoints(CheckpointTransaction):
                     dcp.save(state, storage_writer=writer, checkpoint_id=str(where))
                 except CheckpointException as error:  # a BaseException: past every "except Exception"
                     raise CheckpointError(f"{where}: DCP could not write the shards: {_dcp_failure(error)}") from None
-            node = self.node_states.gather(lambda: {  # the node's ranks' states, one file per node
+            node = self.node_states.gather_later(lambda: {  # the node's ranks' states, one file per node
                 "step": step, "sampler": sampler_state, "scheduler": engine.scheduler.state_dict(),
                 "random": random_state.capture(engine.device)})
             if node is not None:
-                self.files.save(node, tmp / RANKS_DIR / self.node_states.file_name)
+                self.files.save_built(node, tmp / RANKS_DIR / self.node_states.file_name)
 
         self.save_with(step, write, wait=wait)
 

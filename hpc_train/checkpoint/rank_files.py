@@ -28,6 +28,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -42,7 +43,7 @@ from hpc_train.control.written import publish_written
 from hpc_train.run.files import atomic_write
 from hpc_train.run.host_memory import available_memory
 
-__all__ = ["WRITTEN_DIR", "RankFiles", "load_safely", "written_marker"]
+__all__ = ["WRITTEN_DIR", "RankFiles", "load_safely", "storage_of", "written_marker"]
 
 log = logging.getLogger(__name__)
 
@@ -92,15 +93,27 @@ def _tensor_bytes(value: Any) -> int:
     return 0
 
 
+def storage_of(tensor: torch.Tensor) -> int:
+    """What tells two tensors over the same memory apart from others: a state dict's views of a parameter share
+    the parameter's storage, not its identity."""
+    return int(tensor.untyped_storage().data_ptr())
+
+
 class _Buffers:
     """The host buffers one file was staged into last time, handed out again in the same order when the next
     save stages the same file with the same shapes: no allocation per save (a fresh allocation is slow on a
-    VM that handed the memory back, and pinned memory is slow to allocate on any GPU machine)."""
+    VM that handed the memory back, and pinned memory is slow to allocate on any GPU machine).
 
-    def __init__(self, previous: list[torch.Tensor], pinned: bool) -> None:
+    ``stable``: storages of CPU tensors that nothing changes before the next optimizer step (the caller's
+    promise, kept by :meth:`RankFiles.settle` before that step). Their copies are listed in ``later`` for the
+    writer thread to make while training goes on; every other tensor is copied here."""
+
+    def __init__(self, previous: list[torch.Tensor], pinned: bool, stable: frozenset[int] = frozenset()) -> None:
         self.previous = previous
         self.pinned = pinned
+        self.stable = stable
         self.used: list[torch.Tensor] = []
+        self.later: list[tuple[torch.Tensor, torch.Tensor]] = []  # (host buffer, the tensor it copies)
 
     def copy(self, tensor: torch.Tensor) -> torch.Tensor:
         index = len(self.used)
@@ -108,8 +121,12 @@ class _Buffers:
         if host is None or host.shape != tensor.shape or host.dtype != tensor.dtype:
             host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu",
                                pin_memory=self.pinned and tensor.device.type == "cuda")
-        # On a GPU the copy is queued on the current stream; the writer thread waits for the event recorded after.
-        host.copy_(tensor.detach(), non_blocking=tensor.device.type == "cuda" and host.is_pinned())
+        if tensor.device.type == "cpu" and self.stable and storage_of(tensor) in self.stable:
+            self.later.append((host, tensor.detach()))
+        else:
+            # On a GPU the copy is queued on the current stream; the writer thread waits for the event recorded
+            # after it.
+            host.copy_(tensor.detach(), non_blocking=tensor.device.type == "cuda" and host.is_pinned())
         self.used.append(host)
         return host
 
@@ -158,7 +175,12 @@ class RankFiles:
         self.folder: Path | None = None
         self.entries: list[FileEntry] = []
         self._staging = False
-        self._jobs: queue.Queue[tuple[bool, Callable[[], None]]] = queue.Queue()
+        self._jobs: queue.Queue[tuple[bool, Callable[[], None]]] = queue.Queue()  # (run even after a failure, job)
+        self._held: list[Callable[[], None]] = []  # the current save's writes, queued by announce()
+        self._stable: frozenset[int] = frozenset()  # the current save's storages copied later (_Buffers)
+        self._later: list[tuple[torch.Tensor, torch.Tensor]] = []  # the current save's copies made later
+        self._copied: threading.Event | None = None  # set once the writer thread made them
+        self.settle_wait_s = 0.0  # how long settle() waited for them, in all (the benchmark's stall counts it)
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
         self._reading: tuple[Path, dict[str, FileEntry], bool] | None = None
@@ -168,12 +190,16 @@ class RankFiles:
 
     # ----- saving -----
 
-    def begin(self, folder: Path, staged: bool, save_id: str = "") -> None:
+    def begin(self, folder: Path, staged: bool, save_id: str = "", stable: frozenset[int] = frozenset()) -> None:
         """Start this rank's part of the save into ``folder``; ``staged``: write it in the background; ``save_id``:
-        rank 0 hears this rank's written record, carrying it, over the coordinator (no marker file)."""
+        rank 0 hears this rank's written record, carrying it, over the coordinator (no marker file); ``stable``:
+        storages of CPU tensors that stay as they are until the caller calls :meth:`settle` (before its next
+        optimizer step), copied by the writer thread while training goes on rather than in the save call."""
+        self.settle()
         self.drain()
-        self.folder, self.entries, self._error = folder, [], None
+        self.folder, self.entries, self._error, self._held, self._later = folder, [], None, [], []
         self._staging = staged and self.async_save
+        self._stable = stable if self._staging else frozenset()
         self._save_id = save_id
 
     def save(self, state: Any, path: Path) -> None:
@@ -182,14 +208,14 @@ class RankFiles:
         relative = Path(os.path.abspath(path)).relative_to(os.path.abspath(folder)).as_posix()
         if self._staging and self._fits(state, relative):
             on_gpu = any(torch.is_tensor(t) and t.device.type == "cuda" for t in _leaves(state))
-            buffers = _Buffers(self._buffers.get(relative, []), pinned=on_gpu)
+            buffers = _Buffers(self._buffers.get(relative, []), pinned=on_gpu, stable=self._stable)
             copy = _stage(state, buffers)
             self._buffers[relative] = buffers.used
+            self._later += buffers.later
             event = torch.cuda.Event() if on_gpu else None
             if event is not None:
                 event.record()  # the host copies are done when this event is: the writer waits for it
-            self._start()
-            self._jobs.put((False, lambda: self._write(folder, relative, copy, event)))
+            self._held.append(lambda: self._write(folder, relative, copy, event))
         elif self._staging:  # too big to stage: DeepSpeed skipped its clone for us, so make it here
             from deepspeed.checkpoint.utils import clone_tensors_for_torch_save
 
@@ -197,18 +223,50 @@ class RankFiles:
         else:
             self._write(folder, relative, state, None)
 
+    def save_built(self, build: Callable[[], Any], path: Path) -> None:
+        """``torch.save(build(), path)`` as part of the current save, ``build`` called by the writer thread when the
+        save is staged: for a state made fresh from values that do not change (the node's gathered random
+        states), which needs no copy and whose making need not hold up training."""
+        folder = self._folder()
+        relative = Path(os.path.abspath(path)).relative_to(os.path.abspath(folder)).as_posix()
+        if self._staging:
+            self._held.append(lambda: self._write(folder, relative, build(), None))
+        else:
+            self._write(folder, relative, build(), None)
+
     def after(self, wait: Callable[[], Any]) -> None:
         """Files a library writes in the background itself (DCP's asynchronous save): the writer thread calls
         ``wait()`` (the library's future) before this rank's marker, so rank 0 commits only once they are on disk;
         what ``wait`` raises is reported through the marker like a failed write."""
-        self._start()
-        self._jobs.put((False, wait))
+        self._held.append(wait)
 
     def announce(self) -> None:
-        """After this rank's last file of an asynchronous save: its marker for rank 0's commit thread."""
+        """After this rank's last file of an asynchronous save: its staged files go to the writer thread, then
+        its marker for rank 0's commit thread. The writes wait until every file is staged: a writer that
+        pickled and hashed the first file while the training thread copied the next would share the rank's
+        core with that copy and lengthen the save call (measured: the optimizer's copy took twice as long)."""
         folder = self._folder()
         self._start()
+        held, self._held = self._held, []
+        if self._later:  # first in the queue: the copies the next optimizer step waits for (settle)
+            copied, later = threading.Event(), self._later
+            self._copied, self._later = copied, []
+            self._jobs.put((True, lambda: _copy_all(later, copied)))
+        for job in held:
+            self._jobs.put((False, job))
         self._jobs.put((True, lambda: self._mark(folder)))
+
+    def settle(self) -> None:
+        """Return once the writer thread made the current save's later copies (``stable`` of :meth:`begin`):
+        called before anything changes what they copy (the optimizer's step, a load)."""
+        copied = self._copied
+        if copied is None:
+            return
+        if not copied.is_set():
+            start = time.perf_counter()
+            copied.wait()
+            self.settle_wait_s += time.perf_counter() - start
+        self._copied = None
 
     def drain(self) -> None:
         """Wait until every queued write of this rank is on disk (the marker too)."""
@@ -257,7 +315,7 @@ class RankFiles:
         buffers: a rank that restarts inside its own process (a warm restart) builds the next life's files afresh,
         and a thread left waiting on this queue would keep this object and its buffers for the rest of the
         process, or go on writing into a folder the next life makes again."""
-        thread = self._thread
+        thread, self._held, self._later = self._thread, [], []
         if thread is not None and thread.is_alive():
             while True:  # what is queued is the failed life's: never written
                 try:
@@ -267,16 +325,18 @@ class RankFiles:
                 self._jobs.task_done()
             self._jobs.put((True, _end_of_writes))
             thread.join(timeout=_CLOSE_JOIN_S)  # a write under way finishes first
-        self._thread, self._buffers = None, {}
+        if self._copied is not None:  # its copies were dropped above: nothing may wait for them
+            self._copied.set()
+        self._thread, self._buffers, self._copied = None, {}, None
 
     def _run(self) -> None:
         while True:
-            is_marker, job = self._jobs.get()
+            always, job = self._jobs.get()
             if job is _end_of_writes:
                 self._jobs.task_done()
                 return
             try:
-                if is_marker or self._error is None:  # after a failure only the marker, which reports it
+                if always or self._error is None:  # after a failure only the marker (which reports it) and copies
                     job()
             except BaseException as error:  # reported to rank 0 through the marker, then to every rank
                 self._error = error
@@ -310,6 +370,16 @@ class RankFiles:
             if not reader.finish():
                 self.load_problems.append(f"{relative} is corrupt: sha256 differs from the manifest")
         return value
+
+
+def _copy_all(later: list[tuple[torch.Tensor, torch.Tensor]], copied: threading.Event) -> None:
+    """The writer thread's first job of a save: the copies the save call left to it; ``copied`` is set whatever
+    happens, so that no optimizer step waits for ever (a failed copy fails the save through the marker)."""
+    try:
+        for host, source in later:
+            host.copy_(source)
+    finally:
+        copied.set()
 
 
 def _leaves(value: Any) -> list[Any]:

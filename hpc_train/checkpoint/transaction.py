@@ -174,13 +174,15 @@ class CheckpointTransaction:
                 self._said = said
         self._next_due = broadcast(decided)
 
-    def save_with(self, step: int, write: Callable[[Path], None], wait: bool = False) -> None:
+    def save_with(self, step: int, write: Callable[[Path], None], wait: bool = False,
+                  stable: frozenset[int] = frozenset()) -> None:
         """Every rank calls ``write(folder)`` to put its files into the folder rank 0 opened (through
         ``self.files``, or any other way); rank 0 then seals it (manifest with every file's size and sha256,
         rename, ``latest``). With ``checkpoint.async_save`` and not ``wait``, ``self.files`` stages each file in
         memory and writes it in this rank's writer thread, and rank 0 commits in its own thread once every rank
         has said it is done; ``latest`` still moves only once everything is durable. A previous background save
-        always finishes first, and its failure stops every rank here."""
+        always finishes first, and its failure stops every rank here. ``stable``: storages that stay as they are
+        until the caller's next :meth:`RankFiles.settle`, copied by the writer thread (``RankFiles.begin``)."""
         delay = injected_save_delay_s(self.rank)
         if delay:
             time.sleep(delay)  # an injected slow save (HPC_TRAIN_INJECT_FAULT=slow_save:R:MS)
@@ -190,17 +192,18 @@ class CheckpointTransaction:
             raise self._commit_error or opened.error()
         folder, save_id = opened
         tmp = Path(folder)
-        self.files.begin(tmp, staged, save_id)
+        self.files.begin(tmp, staged, save_id, stable)
         fields = {"step": step, **self.fields}
         if not staged:
             self._seal_together(tmp, fields, write)
             return
         write(tmp)
-        self.files.announce()
-        if self.manager:  # rank 0 alone, off the training path
+        if self.manager:  # rank 0 alone, off the training path; started before this rank's writer thread is busy,
+            # whose Python would hold the interpreter lock up to 5 ms at a time from this thread's start
             self._committer = threading.Thread(target=self._commit, args=(self.manager, tmp, fields, save_id),
                                                name=f"commit-step-{step}", daemon=False)
             self._committer.start()
+        self.files.announce()
 
     def latest(self, level: Any = None, skip: Collection[Path] = ()) -> Path | None:
         """Every rank: the newest checkpoint that verifies (rank 0 looks, falling back past damaged ones with a

@@ -67,6 +67,7 @@ CASES = [  # the costliest first (CPU seconds here: 57, 52, 25, 23, 22, 14, 4, 0
                                         r"raw writes .*", rf"load_ratio over the repetitions: {SPREAD}",
                                         rf"sha256 alone of the same bytes \(hashlib\)\s+{NUMBER} .*",
                                         r"load \(resume\), (cold|WARM) cache.*", r"async save: stall .*",
+                                        rf"of it the next step waiting for the copies\s+{NUMBER}",
                                         r'\{"ranks": 2, .*"save_ratio": .*"load_ratio": .*"async_stall_ratio": .*')),
     Case("checkpoint.py", ("--engine", "fsdp2", "--profile"), (
         r"GPT .* ranks, FSDP2 \(DCP shards\), .*", rf"save, synchronous, whole transaction\s+{NUMBER}\s+.*",

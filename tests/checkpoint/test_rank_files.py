@@ -130,3 +130,80 @@ def test_close_ends_the_writer_after_the_write_under_way_and_drops_what_is_queue
     files.close()
     assert thread is not None and not thread.is_alive()
     assert done == [1] and dropped == [] and files._buffers == {}
+
+
+def test_nothing_is_written_before_every_file_of_the_save_is_staged(tmp_path: Path) -> None:
+    """The writer thread waits for announce(): pickling and hashing the first file while the training thread
+    copies the next would share the rank's core with that copy."""
+    files = RankFiles(rank=0, async_save=True)
+    files.begin(tmp_path, staged=True)
+    files.save({"w": torch.ones(8)}, tmp_path / "a.pt")
+    files.save_built(lambda: {"built": torch.zeros(2)}, tmp_path / "b.pt")
+    assert files._jobs.unfinished_tasks == 0 and not (tmp_path / "a.pt").exists()
+    files.announce()
+    files.drain()
+    assert [entry.path for entry in files.entries] == ["a.pt", "b.pt"]
+    assert torch.equal(torch.load(tmp_path / "b.pt")["built"], torch.zeros(2))
+
+
+def test_stable_tensors_are_copied_after_the_call_and_before_settle_returns(tmp_path: Path) -> None:
+    """What the caller says stays as it is until its next optimizer step (``stable``) is copied by the writer
+    thread: a change before announce() shows in the file, which proves the copy was not made in the call; any
+    other tensor is copied in the call; a change after settle() shows nowhere."""
+    import threading
+
+    params, buffer = torch.zeros(1000), torch.zeros(10)
+    files = RankFiles(rank=0, async_save=True)
+    files.begin(tmp_path, staged=True, stable=frozenset({checkpoint_files.storage_of(params)}))
+    files.save({"params": params[:500], "buffer": buffer}, tmp_path / "a.pt")  # a view: the storage decides
+    params.fill_(1)  # before the writer got the copy: not what a caller may do, but it shows when the copy is made
+    buffer.fill_(1)  # copied in the call: the file keeps the zeros
+    release = threading.Event()
+    files._start()
+    files._jobs.put((True, release.wait))  # hold the writer, so that settle() must wait for the copy
+    files.announce()
+    waiter = threading.Thread(target=files.settle)
+    waiter.start()
+    waiter.join(0.3)
+    assert waiter.is_alive()  # the step would wait here
+    release.set()
+    waiter.join(30)
+    assert not waiter.is_alive() and files.settle_wait_s > 0.2
+    params.fill_(2)  # the optimizer's step, after settle(): not in the file
+    files.drain()
+    loaded = torch.load(tmp_path / "a.pt")
+    assert torch.equal(loaded["params"], torch.ones(500)) and torch.equal(loaded["buffer"], torch.zeros(10))
+    files.settle()  # nothing left to wait for: returns at once
+
+
+def test_close_lets_a_step_waiting_for_dropped_copies_go_on(tmp_path: Path) -> None:
+    """A failed life's queued copies are dropped by close(); nothing may wait for them for ever."""
+    import threading
+
+    params = torch.zeros(100)
+    files = RankFiles(rank=0, async_save=True)
+    files.begin(tmp_path, staged=True, stable=frozenset({checkpoint_files.storage_of(params)}))
+    files.save({"params": params}, tmp_path / "a.pt")
+    release = threading.Event()
+    files._start()
+    files._jobs.put((True, lambda: release.wait(1.0)))
+    files.announce()
+    copied = files._copied
+    files.close()
+    assert copied is not None and copied.is_set() and not (tmp_path / "a.pt").exists()
+    files.settle()
+
+
+def test_a_save_without_announce_leaves_nothing_for_the_next_one(tmp_path: Path) -> None:
+    """A save that failed part way (no announce) is dropped by the next begin(): its staged files are never
+    written into the next save's folder, and the next step waits for no copy of it."""
+    params = torch.zeros(100)
+    files = RankFiles(rank=0, async_save=True)
+    files.begin(tmp_path / "one", staged=True, stable=frozenset({checkpoint_files.storage_of(params)}))
+    files.save({"params": params}, tmp_path / "one" / "a.pt")
+    files.begin(tmp_path / "two", staged=True)
+    files.settle()
+    files.save({"other": torch.ones(3)}, tmp_path / "two" / "b.pt")
+    files.announce()
+    files.drain()
+    assert [entry.path for entry in files.entries] == ["b.pt"] and not (tmp_path / "one").exists()

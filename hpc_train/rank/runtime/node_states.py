@@ -70,6 +70,13 @@ class NodeStates:
         on the others. A collective of the node's ranks: each of them calls it at the same point of the save. A
         rank whose ``make_state`` fails still takes part (with nothing), then raises: no peer is left waiting in
         the gather, and the save fails on that rank as any failed write does."""
+        build = self.gather_later(make_state)
+        return None if build is None else build()
+
+    def gather_later(self, make_state: Callable[[], dict[str, Any]]) -> Callable[[], dict[str, Any]] | None:
+        """:meth:`gather`, with the received bytes read back into states only when the returned function is called:
+        by the writer thread of an asynchronous save, off the training thread (reading a state back takes about
+        1 ms, on the first rank once per rank of its node)."""
         failure: Exception | None = None
         try:
             data = _to_bytes(make_state())
@@ -78,13 +85,13 @@ class NodeStates:
         if len(self.ranks) == 1 or not dist.is_initialized():
             if failure is not None:
                 raise failure
-            return {str(self.rank): _from_bytes(data)}
+            return lambda: {str(self.rank): _from_bytes(data)}
         received = gather_bytes(data, self.first, self._node_group())
         if failure is not None:
             raise failure
         if received is None:
             return None
-        return {str(rank): _from_bytes(part) for rank, part in zip(self.ranks, received, strict=True) if part}
+        return lambda: {str(rank): _from_bytes(part) for rank, part in zip(self.ranks, received, strict=True) if part}
 
     def _node_group(self) -> Any:
         """The node's ranks as a gloo group, made by them alone (``use_local_synchronization``): 4,096 nodes do not
