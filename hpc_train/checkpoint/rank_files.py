@@ -7,9 +7,11 @@ on disk and the commit reads nothing back. An engine's own files take the same p
 
 Asynchronous saves (``checkpoint.async_save``): :meth:`RankFiles.save` copies the state into host memory (pinned
 memory on a GPU, the copy queued on the current CUDA stream and waited for by the writer thread through an
-event, so the step after the save does not wait for it; on a CPU a plain copy) and hands it to the rank's
-writer thread; training goes on as soon as every file is staged. When there is not enough free memory for the
-copy, that file is written at once instead. :meth:`RankFiles.announce` queues, after this rank's last file,
+event, so the step after the save does not wait for it; on a CPU a plain copy, or, for the storages the caller
+says stay as they are until its next optimizer step, a copy the writer thread makes first, which that step waits
+for through :meth:`RankFiles.settle`) and keeps it for the rank's writer thread; training goes on as soon as every
+file is staged. When there is not enough free memory for the copy, that file is written at once instead.
+:meth:`RankFiles.announce` hands the save's files to the writer thread and queues, after them,
 ``.written/rank-N.json`` (the entries, or the error), which rank 0's commit thread waits for; where the job has
 a coordinator and rank 0 watches it, the same record goes over it instead (:mod:`hpc_train.control.written`).
 
