@@ -62,6 +62,7 @@ def _staged_save(engine: Any, folder: Path) -> dict[str, Any]:
     files.begin(folder, staged=True)
     files.save(engine.module.state_dict(), folder / "module.pt")
     pinned = all(buffer.is_pinned() for buffers in files._buffers.values() for buffer in buffers)
+    files.announce()  # the staged files go to the writer thread (with the marker: a folder of its own)
     files.drain()
     thread = files._thread
     files.close()

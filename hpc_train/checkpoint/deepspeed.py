@@ -22,6 +22,7 @@ rank, before anything is loaded.
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ from hpc_train.checkpoint.manifest import FileEntry
 from hpc_train.checkpoint.memory_store import why_memory_tier_off
 from hpc_train.checkpoint.memory_tier import MemoryTier, resume_from_memory
 from hpc_train.checkpoint.names import DEEPSPEED_TAG, step_of
+from hpc_train.checkpoint.rank_files import storage_of
 from hpc_train.checkpoint.transaction import CheckpointTransaction, Refusal, broadcast
 from hpc_train.checkpoint.universal import (
     cached_copy,
@@ -122,7 +124,8 @@ class Checkpointer(CheckpointTransaction):
         self.memory = MemoryTier.from_env(config.checkpoint.memory_every_steps, self.rank,
                                           config.job.tasks_per_node, self.log) \
             if self.memory_applies else None
-        self._settle_hook: tuple[Any, int] | None = None  # (its handle, id of the optimizer it is on)
+        self._settle_hook: tuple[Any, weakref.ref[Any]] | None = None  # (its handle, the optimizer it is on)
+        self._stable_kept: list[torch.Tensor] = []  # the last save's stable tensors, kept until the next one
 
     def close(self) -> None:
         super().close()
@@ -134,20 +137,22 @@ class Checkpointer(CheckpointTransaction):
         if self._settle_hook is not None:
             self._settle_hook[0].remove()
             self._settle_hook = None
+        self._stable_kept = []
 
     def _stable(self, engine: Any) -> frozenset[int]:
         """An asynchronous save's copies of the parameters and optimizer state are made by the writer thread while
         the next step's forward and backward run (they change only in the optimizer's step, which waits for them
         through a step pre-hook: :meth:`RankFiles.settle`); the save call copies the rest (CheckFreq's pipelined
         snapshot). On a GPU those copies are already queued on the stream, not made in the call."""
-        stable, optimizer = stable_until_step(engine)
+        tensors, optimizer = stable_until_step(engine)
         if optimizer is None:
             return frozenset()
-        if self._settle_hook is None or self._settle_hook[1] != id(optimizer):
+        if self._settle_hook is None or self._settle_hook[1]() is not optimizer:
             self._unhook()
             files = self.files
-            self._settle_hook = (optimizer.register_step_pre_hook(lambda *_: files.settle()), id(optimizer))
-        return stable
+            self._settle_hook = (optimizer.register_step_pre_hook(lambda *_: files.settle()), weakref.ref(optimizer))
+        self._stable_kept = tensors  # their storages stay theirs (no other tensor takes an address) until copied
+        return frozenset(storage_of(tensor) for tensor in tensors)
 
     def install(self, engine: Any) -> None:
         """DeepSpeed writes and reads this engine's files through this rank's :class:`RankFiles`: hashed while

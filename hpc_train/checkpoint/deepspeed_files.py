@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
 
-from hpc_train.checkpoint.rank_files import WRITTEN_DIR, RankFiles, load_safely, storage_of, written_marker
+from hpc_train.checkpoint.rank_files import WRITTEN_DIR, RankFiles, load_safely, written_marker
 
 __all__ = ["WRITTEN_DIR", "FileCheckpointEngine", "RankFiles", "install_file_engine", "load_safely",
            "stable_until_step", "written_marker"]
@@ -72,19 +72,31 @@ def torch_optimizer(engine: Any) -> torch.optim.Optimizer | None:
     return optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
 
 
-def stable_until_step(engine: Any) -> tuple[frozenset[int], torch.optim.Optimizer | None]:
-    """The storages that stay as they are until the torch optimizer's next step (the module's parameters, the
+def stable_until_step(engine: Any) -> tuple[list[torch.Tensor], torch.optim.Optimizer | None]:
+    """The CPU tensors that stay as they are until the torch optimizer's next step (the module's parameters, the
     optimizer's parameters, such as ZeRO's fp32 partitions, and its state), and that optimizer. The module's
     buffers are not among them: a forward pass may change them (a norm's running statistics). Nothing where that
-    cannot be told: no torch optimizer inside, a wrapper not known to step only through it, or ZeRO-Infinity's
-    NVMe offload, whose host buffers hold other tensors in turn."""
+    cannot be told: no torch optimizer inside, a wrapper not known to step only through it, Muon (whose momentum
+    DeepSpeed writes before that step), or ZeRO-Infinity's NVMe offload, whose host buffers hold other tensors in
+    turn."""
     optimizer, wrapper = torch_optimizer(engine), getattr(engine, "optimizer", None)
     known = isinstance(wrapper, torch.optim.Optimizer) or (type(wrapper).__name__ in _KNOWN_WRAPPERS
                                                             and not getattr(wrapper, "zenflow", False))
-    nvme = getattr(engine, "zero_nvme_offload_optimizer", lambda: False)() or \
-        getattr(engine, "zero_nvme_offload_param", lambda: False)()
-    if optimizer is None or not known or nvme:
-        return frozenset(), None
+    if optimizer is None or not known or _nvme(engine) or _muon(optimizer):
+        return [], None
     tensors = list(engine.module.parameters()) + [p for group in optimizer.param_groups for p in group["params"]]
     tensors += [value for state in optimizer.state.values() for value in state.values() if torch.is_tensor(value)]
-    return frozenset(storage_of(t) for t in tensors if t.device.type == "cpu" and t.numel()), optimizer
+    return [t for t in tensors if t.device.type == "cpu" and t.numel()], optimizer
+
+
+def _nvme(engine: Any) -> bool:
+    """ZeRO-Infinity's NVMe offload of the optimizer or the parameters: host buffers swapped between tensors."""
+    param = getattr(engine, "zero_offload_param", lambda: None)()
+    return bool(getattr(engine, "zero_nvme_offload_optimizer", lambda: False)()) or \
+        getattr(getattr(param, "device", None), "value", None) == "nvme"
+
+
+def _muon(optimizer: torch.optim.Optimizer) -> bool:
+    """DeepSpeed's Muon (0.19) writes its momentum in the ZeRO wrapper's step, before the torch optimizer's."""
+    return "muon" in type(optimizer).__name__.lower() or \
+        any(group.get("use_muon") for group in optimizer.param_groups)

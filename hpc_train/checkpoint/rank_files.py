@@ -239,8 +239,10 @@ class RankFiles:
     def after(self, wait: Callable[[], Any]) -> None:
         """Files a library writes in the background itself (DCP's asynchronous save): the writer thread calls
         ``wait()`` (the library's future) before this rank's marker, so rank 0 commits only once they are on disk;
-        what ``wait`` raises is reported through the marker like a failed write."""
-        self._held.append(wait)
+        what ``wait`` raises is reported through the marker like a failed write. Queued at once, not held: the
+        library writes already, and a save that fails before announce() must still wait for it."""
+        self._start()
+        self._jobs.put((False, wait))
 
     def announce(self) -> None:
         """After this rank's last file of an asynchronous save: its staged files go to the writer thread, then

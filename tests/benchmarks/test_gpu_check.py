@@ -35,4 +35,5 @@ def test_the_gpu_check_runs_every_step_on_cpus(tmp_path: Path) -> None:
     assert steps["hang"]["result"]["outcome"] == "hang"
     relife = steps["relife"]["result"]
     assert relife["bitwise_equal"] and relife["first_engine_freed"] and relife["staging"]["writer_thread_ended"]
+    assert relife["staging"]["written"] == ["module.pt"]  # the staged file reached the writer thread
     assert steps["mfu"]["result"]["tiny"]["ratio"] > 0

@@ -1,8 +1,8 @@
 """The DeepSpeed trainer's asynchronous save (hpc_train.checkpoint.deepspeed): the parameters and the optimizer's
-state are copied by the writer thread after the save call returns, and the optimizer's next step waits for those
-copies (a step pre-hook), so the checkpoint holds the state at the save. Real DeepSpeed (ZeRO-2 on CPU, one rank
-of gloo) in a process of its own, with the writer's copies slowed so that a step that did not wait would change
-what they copy."""
+state (ZeRO's fp32 partition, Adam's moments) are copied by the writer thread after the save call returns, and
+the optimizer's next step waits for those copies (a step pre-hook), so the checkpoint holds the state at the save.
+Real DeepSpeed (ZeRO-2 on CPU, one rank of gloo) in a process of its own, with the writer's copies slowed so that a
+step that did not wait would change what they copy."""
 
 from __future__ import annotations
 
@@ -56,10 +56,14 @@ def step():
 
 
 step()
-stable, optimizer = stable_until_step(engine)
+tensors, optimizer = stable_until_step(engine)
+stable = {rank_files.storage_of(t) for t in tensors}
 buffers = {rank_files.storage_of(b) for b in engine.module.buffers() if b.numel()}
 assert optimizer is engine.optimizer.optimizer and stable and not stable & buffers, (optimizer, stable, buffers)
 at_save = {name: tensor.clone() for name, tensor in engine.module.state_dict().items()}
+fp32_at_save = [t.clone() for t in engine.optimizer.single_partition_of_fp32_groups]
+adam_at_save = {k: v.clone() for k, v in engine.optimizer.optimizer.state[engine.optimizer.optimizer.param_groups[0]
+                                                                               ["params"][0]].items()}
 copy_all = rank_files._copy_all
 rank_files._copy_all = lambda later, copied: (time.sleep(1.0), copy_all(later, copied))  # a slow copy
 layout = SimpleNamespace(world=1, tensor=1, pipeline=1, data=1, context=1)
@@ -69,10 +73,16 @@ step()  # its optimizer step must wait for the copies
 waited = checkpoints.files.settle_wait_s
 checkpoints.finish()
 assert any(not torch.equal(at_save[n], t) for n, t in engine.module.state_dict().items())  # the step changed them
-saved = load_safely((run_dir / "checkpoints" / "step-00000001" / DEEPSPEED_TAG /
-                     "mp_rank_00_model_states.pt").read_bytes())["module"]
+folder = run_dir / "checkpoints" / "step-00000001" / DEEPSPEED_TAG
+saved = load_safely((folder / "mp_rank_00_model_states.pt").read_bytes())["module"]
 different = [name for name, tensor in at_save.items() if not torch.equal(saved[name], tensor)]
 assert not different, different
+optimizer_file = load_safely((folder / "zero_pp_rank_0_mp_rank_00_optim_states.pt").read_bytes())
+state = optimizer_file["optimizer_state_dict"]
+assert all(torch.equal(a, b) for a, b in zip(state["single_partition_of_fp32_groups"], fp32_at_save, strict=True))
+adam_saved = state["base_optimizer_state"]["state"][0]
+assert all(torch.equal(adam_saved[k], v) for k, v in adam_at_save.items()), sorted(adam_at_save)
+assert not torch.equal(engine.optimizer.single_partition_of_fp32_groups[0], fp32_at_save[0])
 print(f"OK waited {waited:.2f}")
 checkpoints.close()
 dist.destroy_process_group()
