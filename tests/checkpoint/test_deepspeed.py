@@ -65,7 +65,7 @@ fp32_at_save = [t.clone() for t in engine.optimizer.single_partition_of_fp32_gro
 adam_at_save = {k: v.clone() for k, v in engine.optimizer.optimizer.state[engine.optimizer.optimizer.param_groups[0]
                                                                                ["params"][0]].items()}
 copy_all = rank_files._copy_all
-rank_files._copy_all = lambda later, copied: (time.sleep(1.0), copy_all(later, copied))  # a slow copy
+rank_files._copy_all = lambda later, copied: (time.sleep(2.0), copy_all(later, copied))  # a slow copy
 layout = SimpleNamespace(world=1, tensor=1, pipeline=1, data=1, context=1)
 checkpoints = Checkpointer(run_dir, config, layout, "test")
 checkpoints.save(engine, 1, {"epoch": 0, "offset": 0})

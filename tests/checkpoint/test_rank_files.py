@@ -168,7 +168,7 @@ def test_stable_tensors_are_copied_after_the_call_and_before_settle_returns(tmp_
     assert waiter.is_alive()  # the step would wait here
     release.set()
     waiter.join(30)
-    assert not waiter.is_alive() and files.settle_wait_s > 0.2
+    assert not waiter.is_alive() and files.settle_wait_s > 0
     params.fill_(2)  # the optimizer's step, after settle(): not in the file
     files.drain()
     loaded = torch.load(tmp_path / "a.pt")
@@ -179,18 +179,27 @@ def test_stable_tensors_are_copied_after_the_call_and_before_settle_returns(tmp_
 def test_close_lets_a_step_waiting_for_dropped_copies_go_on(tmp_path: Path) -> None:
     """A failed life's queued copies are dropped by close(); nothing may wait for them for ever."""
     import threading
+    import time
 
     params = torch.zeros(100)
     files = RankFiles(rank=0, async_save=True)
     files.begin(tmp_path, staged=True, stable=frozenset({checkpoint_files.storage_of(params)}))
     files.save({"params": params}, tmp_path / "a.pt")
-    release = threading.Event()
+    busy, release = threading.Event(), threading.Event()
     files._start()
-    files._jobs.put((True, lambda: release.wait(1.0)))
-    files.announce()
+    files._jobs.put((True, lambda: (busy.set(), release.wait(60))))  # a write under way when close() comes
+    assert busy.wait(30)
+    files.announce()  # behind it: the copies, the write, the marker
     copied = files._copied
-    files.close()
-    assert copied is not None and copied.is_set() and not (tmp_path / "a.pt").exists()
+    closing = threading.Thread(target=files.close)
+    closing.start()
+    deadline = time.monotonic() + 30
+    while files._jobs.qsize() > 1 and time.monotonic() < deadline:  # close() dropped all but its own end
+        time.sleep(0.01)
+    release.set()
+    closing.join(30)
+    assert not closing.is_alive() and copied is not None and copied.is_set()
+    assert not (tmp_path / "a.pt").exists()  # the dropped copy was never written
     files.settle()
 
 
