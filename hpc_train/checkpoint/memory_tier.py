@@ -73,7 +73,7 @@ class _SealingFiles(RankFiles):
         if self._error is not None:
             return
         try:
-            relative = Path(os.path.abspath(path)).relative_to(os.path.abspath(self._folder())).as_posix()
+            relative = self.relative(path)
             if not self._fits(state, relative):
                 raise MemoryError("not enough free memory to stage it")
             super().save(state, path)

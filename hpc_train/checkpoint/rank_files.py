@@ -206,8 +206,7 @@ class RankFiles:
 
     def save(self, state: Any, path: Path) -> None:
         """``torch.save(state, path)`` as part of the current save: hashed while written, or staged."""
-        folder = self._folder()
-        relative = Path(os.path.abspath(path)).relative_to(os.path.abspath(folder)).as_posix()
+        folder, relative = self._folder(), self.relative(path)
         if self._staging and self._fits(state, relative):
             on_gpu = any(torch.is_tensor(t) and t.device.type == "cuda" for t in _leaves(state))
             buffers = _Buffers(self._buffers.get(relative, []), pinned=on_gpu, stable=self._stable)
@@ -229,8 +228,7 @@ class RankFiles:
         """``torch.save(build(), path)`` as part of the current save, ``build`` called by the writer thread when the
         save is staged: for a state made fresh from values that do not change (the node's gathered random
         states), which needs no copy and whose making need not hold up training."""
-        folder = self._folder()
-        relative = Path(os.path.abspath(path)).relative_to(os.path.abspath(folder)).as_posix()
+        folder, relative = self._folder(), self.relative(path)
         if self._staging:
             self._held.append(lambda: self._write(folder, relative, build(), None))
         else:
@@ -348,6 +346,10 @@ class RankFiles:
             finally:
                 self._jobs.task_done()
 
+    def relative(self, path: Path) -> str:
+        """``path``'s name inside the current save's folder, as the manifest lists it."""
+        return _relative_to(path, self._folder())
+
     def _folder(self) -> Path:
         if self.folder is None:
             raise RuntimeError("RankFiles.save outside a checkpoint save (begin() first)")
@@ -367,13 +369,17 @@ class RankFiles:
         if self._reading is not None:
             folder, entries, check = self._reading
             with contextlib.suppress(ValueError):  # not below the checked folder: nothing to check it against
-                relative = Path(os.path.abspath(path)).relative_to(os.path.abspath(folder)).as_posix()
+                relative = _relative_to(path, folder)
             entry = entries.get(relative)
         with verified(Path(path), entry, check) as reader:
             value = load_stream(reader, map_location)
             if not reader.finish():
                 self.load_problems.append(f"{relative} is corrupt: sha256 differs from the manifest")
         return value
+
+
+def _relative_to(path: Path, folder: Path) -> str:
+    return Path(os.path.abspath(path)).relative_to(os.path.abspath(folder)).as_posix()
 
 
 def _copy_all(later: list[tuple[torch.Tensor, torch.Tensor]], copied: threading.Event) -> None:
