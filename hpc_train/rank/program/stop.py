@@ -18,10 +18,9 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 from hpc_train.config.plan import Plan
-from hpc_train.rank.runtime.preemption import PreemptionWatch, Requeue, arm_force_exit
+from hpc_train.rank.runtime.preemption import FlagRounds, PreemptionWatch, Requeue, arm_force_exit
 from hpc_train.rank.runtime.stopping import AttemptRecorder, signal_name
 from hpc_train.run.exit_codes import EXIT_STOPPED
 from hpc_train.run.loglines import format_stopped
@@ -51,12 +50,9 @@ MAX_CALLS_PER_ROUND = 100
 
 
 class StopAgreement:
-    """What ``ctx.should_stop()`` does; collective (every rank calls it at the same points of its loop).
-
-    Not every call talks to the other ranks: a round (one all-reduce of the flag, started at one round and read
-    at the next, so no call waits for it) happens every ``every`` calls. Each round also carries every rank's
-    proposal for ``every`` (the calls that take about :data:`ROUND_S`, from the spacing it measured), and all
-    ranks take the largest, so they hold their rounds at the same calls and stop at the same one."""
+    """What ``ctx.should_stop()`` does; collective (every rank calls it at the same points of its loop). Not every
+    call talks to the other ranks: :class:`FlagRounds` holds a round about every :data:`ROUND_S` of the loop, so
+    the ranks stop at the same call."""
 
     def __init__(self, plan: Plan, watch: PreemptionWatch, recorder: AttemptRecorder,
                  log: Callable[[str], None]) -> None:
@@ -64,11 +60,7 @@ class StopAgreement:
         self.asked = threading.Event()
         self.signum = 0
         self.decision: Requeue | None = None
-        self.calls = 0
-        self.every = 1
-        self._next_round = 1
-        self._last_round: tuple[int, float] | None = None
-        self._pending: tuple[Any, Any] | None = None
+        self._rounds = FlagRounds(ROUND_S, MAX_CALLS_PER_ROUND)
         self._timer: threading.Timer | None = None
 
     def ask(self, step: int) -> bool:
@@ -76,10 +68,7 @@ class StopAgreement:
         self.asked.set()
         if self.decision is not None:
             return True
-        self.calls += 1
-        if self.calls < self._next_round:
-            return False
-        signum = self._round()
+        signum = self._rounds.tick(self.watch.received)
         if not signum:
             return False
         self.signum = signum
@@ -92,37 +81,17 @@ class StopAgreement:
         self._timer = arm_force_exit(budget, self.log)
         return True
 
-    def _proposal(self, now: float) -> int:
-        """How many calls make about :data:`ROUND_S`, from the spacing since the last round (1 at first)."""
-        if self._last_round is None:
-            return 1
-        calls, then = self._last_round
-        spacing = (now - then) / max(1, self.calls - calls)
-        return max(1, min(MAX_CALLS_PER_ROUND, int(ROUND_S / spacing) if spacing > 0 else MAX_CALLS_PER_ROUND))
-
-    def _round(self) -> int:
-        """Read the previous round's answer (the signal, the agreed spacing) and start the next round."""
-        from hpc_train.rank.distributed.collectives import PendingReduce  # the flags go to the group's device
-
-        earlier = 0
-        if self._pending is not None:
-            earlier, self.every = self._pending.wait()
-            self._pending = None
-        now = time.monotonic()
-        if not earlier:
-            self._pending = PendingReduce([self.watch.received, self._proposal(now)], "max")
-        self._last_round = (self.calls, now)
-        self._next_round = self.calls + self.every
-        return earlier
+    @property
+    def every(self) -> int:
+        """The calls between two rounds, as the ranks last agreed."""
+        return self._rounds.every
 
     def settle(self) -> None:
         """The program has returned: no force exit any more, and no all-reduce left in flight."""
         if self._timer is not None:
             self._timer.cancel()
-        if self._pending is not None:
-            with contextlib.suppress(RuntimeError):  # the program destroyed its group after our last all-reduce
-                self._pending.wait()
-            self._pending = None
+        with contextlib.suppress(RuntimeError):  # the program destroyed its group after our last all-reduce
+            self._rounds.finish()
 
 
 class UnaskedStop:

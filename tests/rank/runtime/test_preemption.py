@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import pytest
 import torch.distributed as dist
 
 from hpc_train.rank.runtime.preemption import (
+    FlagRounds,
     PreemptionWatch,
     Requeue,
     decide_requeue,
@@ -50,6 +52,31 @@ def test_poll_answers_one_step_late_without_waiting(one_rank_group: None) -> Non
         assert watch.poll() == 0  # the all-reduce in flight was started before the signal
         assert watch.poll() == signal.SIGUSR2  # the next one saw it
         watch.settle()
+
+
+def _ticks_until_flagged(rounds: FlagRounds, raise_at: int, spacing_s: float) -> int:
+    """The call at which ``rounds`` returns the flag first raised at call ``raise_at``."""
+    call = 0
+    while True:
+        call += 1
+        time.sleep(spacing_s)
+        if rounds.tick(1 if call >= raise_at else 0):
+            rounds.finish()
+            return call
+
+
+def test_rounds_of_fast_calls_are_spaced_out_and_still_see_the_flag(one_rank_group: None) -> None:
+    """Calls 2 ms apart with rounds of 1 s: after the first rounds, a round every 8 calls (the cap), and a flag
+    raised at call 40 is seen at most two rounds later."""
+    rounds = FlagRounds(round_s=1.0, max_calls=8)
+    seen = _ticks_until_flagged(rounds, 40, 0.002)
+    assert rounds.every == 8 and 40 < seen <= 40 + 2 * 8 + 1, (rounds.every, seen)
+
+
+def test_rounds_of_slow_calls_are_every_call(one_rank_group: None) -> None:
+    """Calls slower than a round: a round at every call, and the flag seen one call later."""
+    rounds = FlagRounds(round_s=0.01, max_calls=8)
+    assert _ticks_until_flagged(rounds, 5, 0.03) == 6 and rounds.every == 1
 
 
 @pytest.mark.parametrize(("env", "enabled", "before", "action", "code"), [

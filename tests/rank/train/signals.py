@@ -18,16 +18,19 @@ import subprocess
 import time
 from pathlib import Path
 
+from hpc_train.rank.runtime.preemption import MAX_STEPS_PER_ROUND
 from hpc_train.run.watch import last_logged_step, local_rank_pid
 
 
 def two_signal_steps(seed: int, steps: int) -> list[int]:
-    """Two random steps to signal at, at least 3 apart and 7 before the end. The stop is agreed a step or two
-    after a signal, and the next attempt resumes after that: two steps close together, or a second one near the
-    end, would let an attempt finish before its signal is acted on."""
+    """Two random steps to signal at, at least 3 apart, the second at least two rounds of the ranks' agreement
+    before the end. The stop is agreed one to two rounds after a signal (a round is about 0.2 s of steps, at most
+    MAX_STEPS_PER_ROUND steps), and the next attempt resumes after that: a second signal near the end would let
+    an attempt finish before its signal is acted on."""
     rng = random.Random(seed)  # noqa: S311 - not a secret
-    first = rng.randrange(3, steps // 2 - 1)
-    return [first, rng.randrange(first + 3, steps - 6)]
+    last = steps - 2 * MAX_STEPS_PER_ROUND - 1  # the second signal comes before this step
+    first = rng.randrange(3, min(steps // 2 - 1, last - 3))
+    return [first, rng.randrange(first + 3, last)]
 
 
 def signal_at_steps(process: subprocess.Popen[str], run_dir: Path, plan: list[int]) -> None:
