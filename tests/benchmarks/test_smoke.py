@@ -74,6 +74,8 @@ CASES = [  # the costliest first (CPU seconds here: 57, 52, 25, 23, 22, 14, 4, 0
         r"load \(resume\), (cold|WARM) cache.*", r"async save: stall .*",
         r"profile of one more save on rank 0 .*", r"DCP write_data \(serialize and write the shards\)\s+0\.0*[1-9]\d*",
         r"profile of one more load on rank 0 .*", r"torch\.load of each tensor \(one per item\)\s+0\.0*[1-9]\d*")),
+    Case("cpu_determinism.py", (), (MACHINE, r"threads\s+processes\s+distinct results\s+off the majority",
+                                    r"1\s+2\s+\d\s+\d")),
     Case("bootstrap.py", (), (rf"hpc_train bootstrap\s+{NUMBER} \(.*\)\s+{NUMBER}x",
                               rf"bare init_process_group\s+{NUMBER} \(.*\)\s+1\.00x")),
     Case("cli_latency.py", (), (rf"python -c pass \(baseline\)\s+{NUMBER}\s+{NUMBER}\s+1\.0\s+\w+",
