@@ -4,11 +4,11 @@
 
 A restart is bitwise equal to the uninterrupted run only if a new process computes what the old one did. Each
 process here builds the tiny GPT (seed 1234), runs one forward and backward on a fixed batch, and prints a digest
-of the loss and every gradient; processes start one after another while busy loops hold every CPU (as a standby
-rank's start meets the running ranks). The baseline is the same with one thread. ``--cbwr`` adds a row with MKL's
-conditional numerical reproducibility (``MKL_CBWR=COMPATIBLE``). Found here: with 2 or 4 threads, MKL inside
-torch's CPU build now and then computes one thread's share of ``torch.exp`` to about 12 bits in a whole process
-(docs/preemption.md, "Bitwise on CPUs").
+of the loss and every gradient, and the median time of 10 more steps. The processes start one after another
+while busy loops hold every CPU (as a standby rank's start meets the running ranks). The baseline is the same
+with one thread. ``--cbwr`` adds a row with MKL's conditional numerical reproducibility (``MKL_CBWR=COMPATIBLE``).
+Found here: with 2 or 4 threads, MKL inside torch's CPU build now and then computes one thread's share of
+``torch.exp`` to about 13 bits for a whole process (docs/preemption.md, "Bitwise on CPUs").
 """
 
 from __future__ import annotations
@@ -16,13 +16,14 @@ from __future__ import annotations
 import argparse
 import collections
 import os
+import statistics
 import subprocess
 import sys
 
 from hpc_train.bench.machine import machine
 
 CHILD = """
-import hashlib, sys
+import hashlib, statistics, sys, time
 import torch, torch.distributed as dist
 torch.set_num_threads(int(sys.argv[1]))
 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -37,15 +38,22 @@ loss.backward()
 digest = hashlib.sha256(loss.detach().numpy().tobytes())
 for parameter in model.parameters():
     digest.update(parameter.grad.numpy().tobytes())
-print(digest.hexdigest()[:16])
+times = []
+for _ in range(int(sys.argv[2])):  # the step's time, after the digest
+    start = time.perf_counter()
+    model(tokens[:, :-1], tokens[:, 1:]).backward()
+    times.append(time.perf_counter() - start)
+print(statistics.median(times) if times else 0.0, digest.hexdigest()[:16])
 dist.destroy_process_group()
 """
 
 
-def _digest(threads: int, env: dict[str, str]) -> str:
-    done = subprocess.run([sys.executable, "-c", CHILD, str(threads)], capture_output=True, text=True, timeout=300,
-                          env=env, check=True)
-    return done.stdout.split()[-1]
+def _digest(threads: int, env: dict[str, str], timed_steps: int) -> tuple[str, float]:
+    """One process's digest of its first step, and the median time of ``timed_steps`` more."""
+    done = subprocess.run([sys.executable, "-c", CHILD, str(threads), str(timed_steps)], capture_output=True,
+                          text=True, timeout=300, env=env, check=True)
+    seconds, digest = done.stdout.split()[-2:]
+    return digest, float(seconds)
 
 
 def _busy(count: int) -> list[subprocess.Popen[bytes]]:
@@ -65,20 +73,24 @@ def main() -> None:
         rows.insert(1, (f"{threads}, MKL_CBWR=COMPATIBLE", threads, {"MKL_CBWR": "COMPATIBLE"}))
     print(machine().line())
     found: dict[str, list[str]] = {name: [] for name, _, _ in rows}
+    step_s: dict[str, list[float]] = {name: [] for name, _, _ in rows}
     busy = _busy(busy_loops)
     try:
         for _ in range(processes):  # the rows alternate, so a change in load meets each of them
             for name, count, extra in rows:
-                found[name].append(_digest(count, {**os.environ, **extra}))
+                digest, seconds = _digest(count, {**os.environ, **extra}, 1 if args.smoke else 10)
+                found[name].append(digest)
+                step_s[name].append(seconds)
     finally:
         for loop in busy:
             loop.kill()
             loop.wait()
-    print(f"{'threads':<28} {'processes':>9} {'distinct results':>16} {'off the majority':>16}")
+    print(f"{'threads':<28} {'processes':>9} {'distinct results':>16} {'off the majority':>16} {'ms/step':>8}")
     for name, digests in found.items():
         counts = collections.Counter(digests)
         off = len(digests) - counts.most_common(1)[0][1]
-        print(f"{name:<28} {len(digests):>9} {len(counts):>16} {off:>16}")
+        print(f"{name:<28} {len(digests):>9} {len(counts):>16} {off:>16} "
+              f"{statistics.median(step_s[name]) * 1e3:>8.1f}")
     print("results (first 8 hex digits of each distinct digest, with its count): " + "; ".join(
         f"{name}: " + ", ".join(f"{d[:8]} x{c}" for d, c in collections.Counter(found[name]).most_common())
         for name in found))
