@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import time
+
+from hpc_train.bench.local_ranks import free_port
 
 RANK_PROGRAM = """
 import os, sys, time
@@ -34,14 +35,8 @@ dist.destroy_process_group()
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def run(path: str, world: int = 4) -> float:
-    port = _free_port()
+    port = free_port()
     start = time.time()
     procs = []
     for rank in range(world):

@@ -45,7 +45,6 @@ import hashlib
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -56,6 +55,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from hpc_train.bench.local_ranks import free_port
 from hpc_train.bench.machine import machine, spread
 
 REPO = Path(__file__).resolve().parent.parent
@@ -374,19 +374,13 @@ def _profiled(sync: Any, engine: Any, stream: Any, sampler: Any, step: int, rank
 
 # ----- the login side -----
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 def run_ranks(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
     """Start ``args.ranks`` ranks of this file in worker mode; rank 0's JSON line."""
     spec = {"run_dir": str(run_dir), "saves": args.saves, "layers": args.layers, "heads": args.heads,
             "hidden": args.hidden, "seq_len": args.seq_len, "micro_batch": args.micro_batch,
             "precision": args.precision, "verify": args.verify, "steps_during": args.steps_during,
             "engine": args.engine, "profile": args.profile}
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank in range(args.ranks):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(args.ranks), "LOCAL_RANK": str(rank),

@@ -12,12 +12,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
-import subprocess
-import sys
 import time
 
+from hpc_train.bench.local_ranks import run_ranks
 from hpc_train.bench.machine import machine
 
 MODES = ("none", "every step", "rounds")
@@ -63,12 +61,6 @@ def _rank(rank: int, port: int, blocks: int, steps: int) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--blocks", type=int, default=16, help="blocks of each mode")
@@ -82,13 +74,7 @@ def main() -> None:
         _rank(args.rank, args.port, blocks, steps)
         return
     print(machine().line(), flush=True)
-    port = _free_port()
-    command = [sys.executable, __file__, "--blocks", str(blocks), "--steps", str(steps), "--port", str(port)]
-    ranks = [subprocess.Popen([*command, "--rank", str(rank)]) for rank in (0, 1)]
-    codes = [rank.wait(timeout=900) for rank in ranks]
-    if any(codes):
-        raise SystemExit(f"a rank failed: exit statuses {codes}")
-
+    run_ranks(__file__, ["--blocks", str(blocks), "--steps", str(steps)])
 
 if __name__ == "__main__":
     main()

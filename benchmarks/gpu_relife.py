@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import tempfile
 import time
 import weakref
@@ -25,6 +24,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from hpc_train.bench.local_ranks import free_port
 
 
 def _life(device: torch.device, port: int) -> tuple[list[float], Any, float]:
@@ -72,12 +73,6 @@ def _staged_save(engine: Any, folder: Path) -> dict[str, Any]:
             "writer_thread_ended": thread is None or not thread.is_alive(), "buffers_left": len(files._buffers)}
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
@@ -90,7 +85,7 @@ def main() -> None:
 
     memory = (lambda: torch.cuda.memory_allocated(device)) if device.type == "cuda" else (lambda: 0)
     before = memory()
-    first, engine, built_first = _life(device, _free_port())
+    first, engine, built_first = _life(device, free_port())
     with tempfile.TemporaryDirectory() as folder:
         staging = _staged_save(engine, Path(folder))
     old = weakref.ref(engine)
@@ -99,7 +94,7 @@ def main() -> None:
     release_life()
     released = memory()
     context = torch.cuda.is_initialized() if device.type == "cuda" else None
-    second, engine, built_second = _life(device, _free_port())
+    second, engine, built_second = _life(device, free_port())
     print(json.dumps({
         "device": str(device), "bitwise_equal": second == first, "losses": first,
         "first_engine_freed": old() is None, "memory_allocated": {"before": before, "after_release": released,

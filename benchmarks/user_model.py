@@ -17,13 +17,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from hpc_train.bench.local_ranks import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "hf_gpt2"
@@ -133,12 +134,6 @@ def dataset(ctx, split):
 '''
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 def _seconds_per_step(run_dir: Path, steps: int, shape: Shape) -> float:
     """Seconds per step between the logged steps ``shape.warmup`` and ``steps`` (metrics.jsonl times)."""
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -161,7 +156,7 @@ def run_hpc_train(work: Path, tokens: Path, steps: int, shape: Shape) -> float:
 
 
 def run_raw(work: Path, tokens: Path, steps: int, shape: Shape) -> float:
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank in range(shape.ranks):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(shape.ranks), "LOCAL_RANK": str(rank),

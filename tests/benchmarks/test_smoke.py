@@ -78,6 +78,7 @@ CASES = [  # the costliest first (CPU seconds here: 57, 52, 25, 23, 22, 14, 4, 0
                                     rf"1\s+2\s+\d\s+\d\s+{NUMBER}")),
     Case("flag_rounds.py", (), (MACHINE, rf"none\s+{NUMBER}\s+1\.000", rf"every step\s+{NUMBER}\s+{NUMBER}",
                                 rf"rounds\s+{NUMBER}\s+{NUMBER}")),
+    Case("idle_groups.py", (), (MACHINE, rf"default only\s+{NUMBER}\s+1\.000", rf"5 more, idle\s+{NUMBER}\s+{NUMBER}")),
     Case("bootstrap.py", (), (rf"hpc_train bootstrap\s+{NUMBER} \(.*\)\s+{NUMBER}x",
                               rf"bare init_process_group\s+{NUMBER} \(.*\)\s+1\.00x")),
     Case("cli_latency.py", (), (rf"python -c pass \(baseline\)\s+{NUMBER}\s+{NUMBER}\s+1\.0\s+\w+",
