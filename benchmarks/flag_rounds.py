@@ -10,28 +10,22 @@ before its rounds), or calls ``FlagRounds.tick`` after every step (the trainer n
 
 from __future__ import annotations
 
-import argparse
-import os
 import statistics
 import time
 
-from hpc_train.bench.local_ranks import run_ranks
-from hpc_train.bench.machine import machine
+from hpc_train.bench.local_ranks import BlockSteps, join_gloo_pair, run_blocks
 
 MODES = ("none", "every step", "rounds")
 
 
-def _rank(rank: int, port: int, blocks: int, steps: int) -> None:
-    import torch
+def _rank(told: BlockSteps) -> None:
     import torch.distributed as dist
 
     from hpc_train.rank.distributed.collectives import PendingReduce
     from hpc_train.rank.runtime.preemption import MAX_STEPS_PER_ROUND, STEP_ROUND_S, FlagRounds
 
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    a, b = torch.randn(384, 384), torch.randn(384, 384)
+    rank, blocks, steps = told.rank, told.blocks, told.steps
+    step = join_gloo_pair(told)
     times: dict[str, list[float]] = {mode: [] for mode in MODES}
     for block in range(blocks * len(MODES)):
         mode = MODES[block % len(MODES)]
@@ -39,8 +33,7 @@ def _rank(rank: int, port: int, blocks: int, steps: int) -> None:
         dist.barrier()
         start = time.perf_counter()
         for _ in range(steps):
-            for _ in range(40):
-                a @ b
+            step()
             if mode == "every step":
                 if pending is not None:
                     pending.wait()
@@ -62,19 +55,8 @@ def _rank(rank: int, port: int, blocks: int, steps: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--blocks", type=int, default=16, help="blocks of each mode")
-    parser.add_argument("--steps", type=int, default=50, help="steps a block")
-    parser.add_argument("--smoke", action="store_true", help="2 blocks of 5 steps")
-    parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    blocks, steps = (2, 5) if args.smoke else (args.blocks, args.steps)
-    if args.rank is not None:
-        _rank(args.rank, args.port, blocks, steps)
-        return
-    print(machine().line(), flush=True)
-    run_ranks(__file__, ["--blocks", str(blocks), "--steps", str(steps)])
+    run_blocks(__doc__ or "", __file__, _rank, blocks=16)
+
 
 if __name__ == "__main__":
     main()

@@ -12,25 +12,19 @@ this is part of what the trainer pays against it, and torch's cost, not hpc_trai
 
 from __future__ import annotations
 
-import argparse
-import os
 import statistics
 import time
 
-from hpc_train.bench.local_ranks import run_ranks
-from hpc_train.bench.machine import machine
+from hpc_train.bench.local_ranks import BlockSteps, join_gloo_pair, run_blocks
 
 EXTRA_GROUPS = 5
 
 
-def _rank(rank: int, port: int, blocks: int, steps: int) -> None:
-    import torch
+def _rank(told: BlockSteps) -> None:
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    a, b = torch.randn(384, 384), torch.randn(384, 384)
+    rank, blocks, steps = told.rank, told.blocks, told.steps
+    step = join_gloo_pair(told)
     times: dict[bool, list[float]] = {True: [], False: []}
     for block in range(2 * blocks):
         extra = block % 2 == 0
@@ -40,8 +34,7 @@ def _rank(rank: int, port: int, blocks: int, steps: int) -> None:
         time.sleep(0.2)  # the groups' threads settled
         start = time.perf_counter()
         for _ in range(steps):
-            for _ in range(40):
-                a @ b
+            step()
         times[extra].append((time.perf_counter() - start) / steps)
         dist.barrier()
         for group in groups:
@@ -55,19 +48,8 @@ def _rank(rank: int, port: int, blocks: int, steps: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--blocks", type=int, default=30, help="blocks of each kind")
-    parser.add_argument("--steps", type=int, default=50, help="steps a block")
-    parser.add_argument("--smoke", action="store_true", help="2 blocks of 5 steps")
-    parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    blocks, steps = (2, 5) if args.smoke else (args.blocks, args.steps)
-    if args.rank is not None:
-        _rank(args.rank, args.port, blocks, steps)
-        return
-    print(machine().line(), flush=True)
-    run_ranks(__file__, ["--blocks", str(blocks), "--steps", str(steps)])
+    run_blocks(__doc__ or "", __file__, _rank, blocks=30)
+
 
 if __name__ == "__main__":
     main()

@@ -31,7 +31,7 @@ __all__ = ["FlagRounds", "PreemptionWatch", "Requeue", "arm_force_exit", "decide
 # signal comes at least 60 s (the site's lead) before the end. A run whose steps suddenly slow down learns of a
 # signal up to twice that many steps late.
 STEP_ROUND_S = 0.2
-MAX_STEPS_PER_ROUND = 5
+MAX_STEPS_PER_ROUND = 3
 
 
 class FlagRounds:
@@ -116,7 +116,7 @@ class PreemptionWatch:
         earlier = self._rounds.finish()
         if earlier:
             return earlier
-        from hpc_train.rank.distributed.collectives import PendingReduce
+        from hpc_train.rank.distributed.collectives import PendingReduce  # not at import time, as in FlagRounds
 
         return PendingReduce([self.received], "max").wait()[0]
 

@@ -23,14 +23,15 @@ from hpc_train.run.watch import last_logged_step, local_rank_pid
 
 
 def two_signal_steps(seed: int, steps: int) -> list[int]:
-    """Two random steps to signal at, at least 3 apart, the second at least two rounds of the ranks' agreement
-    before the end. The stop is agreed one to two rounds after a signal (a round is about 0.2 s of steps, at most
-    MAX_STEPS_PER_ROUND steps), and the next attempt resumes after that: a second signal near the end would let
-    an attempt finish before its signal is acted on."""
+    """Two random steps to signal after, at least 3 apart, each leaving its stop room before the end. The ranks
+    agree on a signal one to two rounds after it came (a round is about 0.2 s of steps, at most
+    MAX_STEPS_PER_ROUND of them), so a signal sent once step s is logged stops them by step s + ``late`` - 1.
+    The second signal goes once the next attempt runs, so the first one's stop must leave it that room too."""
+    late = 2 * MAX_STEPS_PER_ROUND + 2  # the round in flight, the round that sees the signal, the step it came in
+    last = steps - late  # a signal after this step could be agreed at the last step, which no longer stops
     rng = random.Random(seed)  # noqa: S311 - not a secret
-    last = steps - 2 * MAX_STEPS_PER_ROUND - 1  # the second signal comes before this step
-    first = rng.randrange(3, min(steps // 2 - 1, last - 3))
-    return [first, rng.randrange(first + 3, last)]
+    first = rng.randrange(3, min(steps // 2 - 1, last - late) + 1)
+    return [first, rng.randrange(first + 3, last + 1)]
 
 
 def signal_at_steps(process: subprocess.Popen[str], run_dir: Path, plan: list[int]) -> None:
