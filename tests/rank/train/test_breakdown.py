@@ -145,10 +145,11 @@ def test_an_injected_slow_collective_is_flagged_for_communication(clean_run: _Ru
     slow = _two_rank_run(tmp_path, "slow", "env.HPC_TRAIN_INJECT_FAULT=slow_comm:1:150")
     assert len(clean_run.comm_shares) == len(slow.comm_shares) == 7
     # Medians over the windows after the first (which also warms up: on two shared cores a rank may wait long for
-    # the other's first step). One window of either run can meet CI's other lane: a clean one reached 0.73 of
-    # its step, and one with an 80 ms collective fell to 0.67.
+    # the other's first step). CI's other lane can slow one rank of the clean run, whose peer then waits in the
+    # collectives: a clean run's median once reached 0.715 of its step, while the 150 ms collective gives
+    # 0.94-0.97. The split sits between the two; the clean run's own verdict is the health check's (below).
     shares = (clean_run.comm_shares, slow.comm_shares)
-    assert statistics.median(clean_run.comm_shares[1:]) < 0.6 < statistics.median(slow.comm_shares[1:]), shares
+    assert statistics.median(clean_run.comm_shares[1:]) < 0.85 < statistics.median(slow.comm_shares[1:]), shares
     assert not any(f["check"] == "comm" for f in clean_run.findings), clean_run.findings
     assert {f["check"] for f in slow.findings} <= {"comm"}, slow.findings  # cleared if the last window dipped
     said = re.search(r"health: comm at step \d+: .*", slow.out)
