@@ -17,12 +17,8 @@ that happens to be logged (which may hold a checkpoint save or an eval). Loss, l
 the logged step; they are only read on logged steps, so passing a device tensor costs a sync only there.
 
 TensorBoard needs the ``tensorboard`` package (``torch.utils.tensorboard`` imports it); it is imported only
-when ``tensorboard=True``, so this module itself needs neither torch nor tensorboard.
-
-Why the events file is opened once: without TensorFlow, tensorboard's file layer opens it again for each record
-(46 opens a second at 3 logged steps a second), each a call to a shared file system's metadata server. The writer
-appends to one open file instead (:func:`_events_kept_open`), which its thread flushes every 30 s, as do
-:meth:`Monitor.close` and a quick exit: TensorBoard sees a step within 30 s, ``metrics.jsonl`` at once.
+when ``tensorboard=True``, so this module itself needs neither torch nor tensorboard. How its events are written
+(one event a logged step, the file opened once) is :mod:`hpc_train.rank.runtime.tensorboard_events`.
 """
 
 from __future__ import annotations
@@ -44,13 +40,11 @@ from rich.markup import escape
 
 from hpc_train.rank.runtime.flops import mfu as _mfu
 from hpc_train.rank.runtime.metric_lines import frozen_value, json_number, record_line
+from hpc_train.rank.runtime.tensorboard_events import TENSORBOARD_DIR, open_writer, write_scalars
 from hpc_train.run.paths import METRICS_FILE
 from hpc_train.run.quick_exit import on_leave
 
 __all__ = ["TENSORBOARD_DIR", "LogLines", "Monitor", "NullMonitor", "format_duration", "truncate_metrics"]
-
-TENSORBOARD_DIR = "tensorboard"
-TENSORBOARD_FLUSH_S = 30  # the events file reaches the disk this often (and at close): a write, never an open
 
 
 class LogLines(io.TextIOBase):
@@ -189,14 +183,11 @@ class Monitor:
         self._writer: Any = None
         if tensorboard:
             try:
-                from torch.utils.tensorboard import SummaryWriter  # optional and heavy: only when asked for
+                self._writer = open_writer(self.run_dir, start_step)
             except ImportError as error:
                 self._metrics.close()
                 raise ImportError("Monitor(tensorboard=True) needs the tensorboard package: pip install tensorboard "
                                   "(or turn TensorBoard off)") from error
-            self._writer = SummaryWriter(log_dir=str(self.run_dir / TENSORBOARD_DIR), purge_step=start_step + 1,
-                                         flush_secs=TENSORBOARD_FLUSH_S)
-            _events_kept_open(self._writer)
             self._off_leave = on_leave(self._flush_files)  # a quick exit writes what the writer holds
 
     @classmethod
@@ -269,9 +260,7 @@ class Monitor:
                 "perf/memory_bytes": None if memory_bytes is None else float(memory_bytes),
             }
             scalars.update({f"breakdown/{name}": value for name, value in (breakdown or {}).items()})
-            for tag, value in scalars.items():
-                if value is not None:
-                    self._writer.add_scalar(tag, value, step)
+            write_scalars(self._writer, scalars, step)
         self._print_step(step, loss_f, lr_f, grad_f, tokens_per_s, utilisation, memory_bytes, eta, breakdown)
 
     def scalars(self, step: int, values: Mapping[str, SupportsFloat]) -> None:
@@ -325,9 +314,8 @@ class Monitor:
         if not self.log_due(step):
             return  # a flush at close or at a stop: the records only
         if self._writer is not None:
-            for name, value in record.items():
-                if name not in ("step", "time") and value is not None:
-                    self._writer.add_scalar(f"train/{name}", value, step)
+            write_scalars(self._writer, {f"train/{name}": value for name, value in record.items()
+                                         if name not in ("step", "time")}, step)
         total = f"/{self.total_steps}" if self.total_steps else ""
         shown = " ".join(f"{name}={value:.6g}" if isinstance(value, float) else f"{name}={value}"
                          for name, value in record.items() if name not in ("step", "time"))
@@ -438,21 +426,6 @@ class Monitor:
                 fields += [f"{word}={share}" for word, share in _shares(breakdown)]
             fields.append(f"eta={format_duration(eta)}")
             self._plain(" ".join(fields))
-
-
-def _events_kept_open(writer: Any) -> None:
-    """Point ``writer``'s (a ``SummaryWriter``'s) record stream at its events file opened once for appending,
-    instead of tensorboard's file layer, which opens the file again for each record it appends (module note).
-    Reaches into tensorboard's ``EventFileWriter`` (tensorboard 2.x); a writer built otherwise is left as it is."""
-    try:
-        events = writer._get_file_writer().event_writer
-        records = events._async_writer._writer  # the RecordWriter its thread writes through
-        path, old = events._file_name, records._writer
-    except AttributeError:
-        return
-    events.flush()  # the header and the purge events go out through the old file first; the queue is empty now
-    records._writer = open(path, "ab")  # noqa: SIM115 - the RecordWriter closes it with the writer
-    old.close()
 
 
 def _shares(breakdown: Mapping[str, float]) -> list[tuple[str, str]]:
