@@ -1,11 +1,13 @@
 """hpc_train's training step against a hand-written DeepSpeed loop: same model, data, config, 2 ranks.
 
-    .venv/bin/python benchmarks/trainer_overhead.py [--runs 3] [--steps 110] [--smoke]
+    .venv/bin/python benchmarks/trainer_overhead.py [--runs 3] [--steps 110] [--save-every 50] [--smoke]
 
 hpc_train runs the quick-start example through ``hpc_train.submit`` (local executor, ZeRO-2, ``auto`` precision,
 the breakdown and the health checks on); the raw loop builds the same GPT, the same DeepSpeed config, the precision
 hpc_train decides for ``auto`` on this CPU and AdamW, and feeds the same batches, with nothing else. Both time the
-steps after the first 10 (DeepSpeed warms up); runs alternate. Target: ratio <= 1.02.
+steps after the first 10 (DeepSpeed warms up); runs alternate. Two comparisons: the steps alone (no saves on
+either side), then with a save every ``--save-every`` steps on both (hpc_train's checkpoints against DeepSpeed's
+``save_checkpoint`` in the raw loop, as its user would save). Target: ratio <= 1.01.
 """
 
 from __future__ import annotations
@@ -14,13 +16,14 @@ import argparse
 import json
 import os
 import re
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
+from hpc_train.bench.local_ranks import free_port
 from hpc_train.bench.machine import machine, spread
 from hpc_train.run.node_log import rank_log_text
 
@@ -39,7 +42,7 @@ from hpc_train.rank.train.data import ResumableSampler, SyntheticTokens, batch
 from hpc_train.config.deepspeed import deepspeed_config
 from hpc_train.rank.train.engine import weight_decay_groups, lr_at
 from hpc_train.rank.train.model import GPT, GPTConfig
-steps, warmup = int(sys.argv[2]), int(sys.argv[3])
+steps, warmup, save_every = int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[5])
 config = build(JobConfig, apply_overrides(load_toml(__import__("pathlib").Path(sys.argv[1]), "config"),
                                           [f"train.steps={steps}", *json.loads(sys.argv[4])], JobConfig))
 torch.set_num_threads(1)
@@ -76,6 +79,8 @@ for step in range(steps):
     loss = engine(inputs, targets)
     engine.backward(loss)
     engine.step()
+    if save_every and (step + 1) % save_every == 0 and step + 1 < steps:  # as hpc_train: not after the last step
+        engine.save_checkpoint("checkpoints", tag=f"step_{step + 1}")  # DeepSpeed's own, synchronous
 if rank == 0:
     print(json.dumps({"seconds": time.perf_counter() - start, "steps": steps - warmup, "precision": precision}),
           flush=True)
@@ -84,10 +89,12 @@ dist.destroy_process_group()
 """
 
 
-def run_hpc_train(work: Path, steps: int, warmup: int, ranks: int, sets: list[str]) -> tuple[float, str]:
+def run_hpc_train(work: Path, steps: int, warmup: int, ranks: int, sets: list[str], save_every: int,
+                  ) -> tuple[float, str]:
     """Seconds per step between the logged steps ``warmup`` and ``steps`` (metrics.jsonl times), and the precision
     the ranks decided (rank 0's log)."""
-    extra = [arg for item in (f"job.tasks_per_node={ranks}", *sets) for arg in ("--set", item)]
+    extra = [arg for item in (f"job.tasks_per_node={ranks}", f"checkpoint.every_steps={save_every}", *sets)
+             for arg in ("--set", item)]
     subprocess.run([sys.executable, "-m", "hpc_train.submit", str(REPO / "examples" / "tiny_gpt.toml"), "--site",
                     "local", "--set", f"train.steps={steps}", "--set", f"monitor.log_every={warmup}", "--set",
                     "monitor.eval_every=0", "--set", "job.name=overhead", *extra], cwd=work, check=True,
@@ -99,17 +106,15 @@ def run_hpc_train(work: Path, steps: int, warmup: int, ranks: int, sets: list[st
     return (times[steps] - times[warmup]) / (steps - warmup), decided.group(1) if decided else "?"
 
 
-def run_raw(work: Path, steps: int, warmup: int, ranks: int, sets: list[str]) -> tuple[float, str]:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+def run_raw(work: Path, steps: int, warmup: int, ranks: int, sets: list[str], save_every: int) -> tuple[float, str]:
     procs = []
+    port = free_port()
     for rank in range(ranks):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(ranks), "LOCAL_RANK": str(rank),
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
         procs.append(subprocess.Popen([sys.executable, "-c", RAW_LOOP, str(REPO / "examples" / "tiny_gpt.toml"),
-                                       str(steps), str(warmup - 1), json.dumps(sets)], env=env, cwd=work,
-                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True))
+                                       str(steps), str(warmup - 1), json.dumps(sets), str(save_every)], env=env,
+                                      cwd=work, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True))
     outputs = [proc.communicate(timeout=600)[0] for proc in procs]
     if any(proc.returncode for proc in procs):
         raise SystemExit(f"the raw loop failed (exit {[proc.returncode for proc in procs]}): {outputs}")
@@ -117,35 +122,37 @@ def run_raw(work: Path, steps: int, warmup: int, ranks: int, sets: list[str]) ->
     return result["seconds"] / result["steps"], result["precision"]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=110)
-    parser.add_argument("--smoke", action="store_true", help="one run of 3 steps each on 1 rank: the benchmark runs "
-                        "end to end in seconds (CI), its figures mean nothing")
-    args = parser.parse_args()
-    warmup, ranks, sets = (SMOKE_WARMUP, SMOKE_RANKS, SMOKE_SETS) if args.smoke else (WARMUP, 2, [])
-    if args.smoke:
-        args.runs, args.steps = 1, SMOKE_WARMUP + 2
-    results: dict[str, list[float]] = {"hpc_train": [], "raw DeepSpeed loop": []}
-    precisions: dict[str, set[str]] = {name: set() for name in results}
-    tokens_per_step = 8 * ranks * 128  # the example: micro 8 x data parallel, seq 128
-    print(machine().line(), flush=True)  # before the runs: their own load is not counted
-    with tempfile.TemporaryDirectory() as tmp:
-        for index in range(args.runs):
-            order = list(results) if index % 2 == 0 else list(reversed(results))
+@dataclass(frozen=True)
+class Case:
+    """One comparison: both loops with saves every ``save_every`` steps (0: none)."""
+
+    title: str
+    save_every: int
+
+
+def measure(cases: list[Case], runs: int, steps: int, warmup: int, ranks: int, sets: list[str],
+            tmp: Path) -> tuple[list[dict[str, list[float]]], set[str]]:
+    """Seconds per step of each loop in each case, run by run, and the precisions they trained in. The cases
+    and the loops take turns (a run of every case, then the next), so that a machine that drifts over the minutes
+    of the benchmark drifts under every case alike."""
+    results: list[dict[str, list[float]]] = [{"hpc_train": [], "raw DeepSpeed loop": []} for _ in cases]
+    precisions: set[str] = set()
+    for index in range(runs):
+        for case, times in zip(cases, results, strict=True):
+            order = list(times) if index % 2 == 0 else list(reversed(times))
             for name in order:
-                work = Path(tmp) / f"{name.split()[0]}-{index}"
+                work = tmp / f"{name.split()[0]}-{case.save_every}-{index}"
                 work.mkdir()
                 runner = run_hpc_train if name == "hpc_train" else run_raw
-                seconds, precision = runner(work, args.steps, warmup, ranks, sets)
-                results[name].append(seconds)
-                precisions[name].add(precision)
-    if len(set().union(*precisions.values())) != 1:
-        raise SystemExit(f"the two loops trained in different precisions: {precisions}")
+                seconds, precision = runner(work, steps, warmup, ranks, sets, case.save_every)
+                times[name].append(seconds)
+                precisions.add(precision)
+    return results, precisions
+
+
+def report(case: Case, results: dict[str, list[float]], tokens_per_step: int) -> None:
     base = statistics.median(results["raw DeepSpeed loop"])
-    print(f"{args.runs} runs, {args.steps - warmup} timed steps each, tiny GPT, {ranks} rank{'s' * (ranks > 1)}, "
-          f"ZeRO-2, {precisions['hpc_train'].pop()} (train.precision = auto, decided on this CPU)")
+    print(f"{case.title}:")
     print(f"{'path':20} {'s/step':>8} {'tokens/s':>9} {'ratio':>6}")
     for name, values in results.items():
         median = statistics.median(values)
@@ -153,6 +160,34 @@ def main() -> None:
     paired = [ours / raw for ours, raw in zip(results["hpc_train"], results["raw DeepSpeed loop"], strict=True)]
     print(f"ratio hpc_train / raw DeepSpeed loop, run by run: {spread(paired).text()}; target <= 1.01")
     print(f"raw DeepSpeed loop s/step over runs: {spread(results['raw DeepSpeed loop']).text(4)}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=110)
+    parser.add_argument("--save-every", type=int, default=50, help="the second comparison's saves (the quick "
+                        "start's checkpoint.every_steps); 0 leaves it out")
+    parser.add_argument("--smoke", action="store_true", help="one run of 3 steps each on 1 rank: the benchmark runs "
+                        "end to end in seconds (CI), its figures mean nothing")
+    args = parser.parse_args()
+    warmup, ranks, sets = (SMOKE_WARMUP, SMOKE_RANKS, SMOKE_SETS) if args.smoke else (WARMUP, 2, [])
+    if args.smoke:
+        args.runs, args.steps, args.save_every = 1, SMOKE_WARMUP + 2, 2
+    cases = [Case("steps only (no saves on either side)", 0)]
+    if args.save_every:
+        cases.append(Case(f"with a save every {args.save_every} steps (hpc_train's checkpoint.every_steps; "
+                          "DeepSpeed's save_checkpoint in the raw loop)", args.save_every))
+    tokens_per_step = 8 * ranks * 128  # the example: micro 8 x data parallel, seq 128
+    print(machine().line(), flush=True)  # before the runs: their own load is not counted
+    with tempfile.TemporaryDirectory() as tmp:
+        measured, precisions = measure(cases, args.runs, args.steps, warmup, ranks, sets, Path(tmp))
+    if len(precisions) != 1:
+        raise SystemExit(f"the two loops trained in different precisions: {precisions}")
+    print(f"{args.runs} runs, {args.steps - warmup} timed steps each, tiny GPT, {ranks} rank{'s' * (ranks > 1)}, "
+          f"ZeRO-2, {precisions.pop()} (train.precision = auto, decided on this CPU)")
+    for case, results in zip(cases, measured, strict=True):
+        report(case, results, tokens_per_step)
 
 
 if __name__ == "__main__":
