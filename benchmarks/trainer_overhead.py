@@ -89,8 +89,8 @@ dist.destroy_process_group()
 """
 
 
-def run_hpc_train(work: Path, steps: int, warmup: int, ranks: int, sets: list[str], save_every: int,
-                  ) -> tuple[float, str]:
+def run_hpc_train(work: Path, steps: int, warmup: int, ranks: int, sets: list[str],
+                  save_every: int) -> tuple[float, str]:
     """Seconds per step between the logged steps ``warmup`` and ``steps`` (metrics.jsonl times), and the precision
     the ranks decided (rank 0's log)."""
     extra = [arg for item in (f"job.tasks_per_node={ranks}", f"checkpoint.every_steps={save_every}", *sets)

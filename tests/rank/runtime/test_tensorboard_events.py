@@ -38,21 +38,3 @@ def test_a_step_s_scalars_are_one_event_and_each_tag_reads_back_its_points(tmp_p
     assert [(e.step, e.value) for e in accumulator.Scalars("train/loss")] == [(1, 9.0), (2, 8.0), (3, 7.0)]
     assert [e.value for e in accumulator.Scalars("breakdown/phase7_ms")] == [7.0, 14.0, 21.0]
 
-
-def test_a_resumed_writer_makes_readers_drop_the_steps_after_its_start(tmp_path: Path) -> None:
-    pytest.importorskip("tensorboard")
-    pytest.importorskip("torch")
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    first = open_writer(tmp_path, start_step=0)
-    for step in range(1, 5):
-        write_scalars(first, {"train/loss": float(step)}, step)
-    first.close()
-    again = open_writer(tmp_path, start_step=2)  # resumed from the checkpoint of step 2
-    for step in (3, 4):
-        write_scalars(again, {"train/loss": 100.0 + step}, step)
-    again.close()
-    accumulator = EventAccumulator(str(tmp_path / TENSORBOARD_DIR), size_guidance={"scalars": 0})
-    accumulator.Reload()
-    assert [(e.step, e.value) for e in accumulator.Scalars("train/loss")] == [(1, 1.0), (2, 2.0), (3, 103.0),
-                                                                            (4, 104.0)]
