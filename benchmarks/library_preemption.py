@@ -28,7 +28,7 @@ import sys
 import tempfile
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -134,8 +134,9 @@ def _signal_when_due(run: Run, process: subprocess.Popen[str], step_log: Path) -
         time.sleep(0.05)
 
 
-def slurm_run(run: Run, steps: int, reference: Path) -> Run:
-    """Submit and follow one run, signal it once, then read what it left."""
+def slurm_run(run: Run, steps: int, reference: Future[Path]) -> Run:
+    """Submit and follow one run, signal it once, then read what it left. The uninterrupted baseline
+    (``reference``) is awaited only for the comparison: the Slurm runs do not queue behind the torchruns."""
     import torch  # only here: the report needs no torch
 
     run.work.mkdir(parents=True, exist_ok=True)
@@ -156,7 +157,7 @@ def slurm_run(run: Run, steps: int, reference: Path) -> Run:
     signaller.join(timeout=5)
     _read_outcome(run, step_log)
     if out.exists():
-        ours, theirs = torch.load(out, weights_only=True), torch.load(reference, weights_only=True)
+        ours, theirs = torch.load(out, weights_only=True), torch.load(reference.result(), weights_only=True)
         run.bitwise = ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in theirs)
     return run
 
@@ -227,7 +228,7 @@ def main() -> int:
                 for lib in libs for integration in (False, True)]
         with ThreadPoolExecutor(max_workers=len(runs) + len(libs)) as pool:
             references = {lib: pool.submit(torchrun_weights, lib, work, steps) for lib in libs}
-            finished = list(pool.map(lambda run: slurm_run(run, steps, references[run.lib].result()), runs))
+            finished = list(pool.map(lambda run: slurm_run(run, steps, references[run.lib]), runs))
         print(f"seed {seed}; {steps} steps of {STEP_SLEEP_S} s; 2 Slurm nodes x 1 rank, all runs at once")
         print(report(finished))
         if args.json:
