@@ -23,6 +23,7 @@ from hpc_train.backends import LocalBackend, backend_of
 from hpc_train.config.plan import Plan, plan_for_life
 from hpc_train.errors import ConfigError
 from hpc_train.rank.agent.rejoin import RejoinChannel, trains_warm
+from hpc_train.rank.runtime.malloc import steady_heap
 from hpc_train.rank.runtime.preemption import PreemptionWatch
 from hpc_train.rank.runtime.watchdog import THREAD_NAME as WATCHDOG_THREAD
 from hpc_train.rank.train.relife import life_released
@@ -87,6 +88,7 @@ def run_rank(run_dir: Path, may_rejoin: bool = False) -> dict[str, Any]:
     """Run this rank's share of the job in ``run_dir``; return its result. ``may_rejoin``: a failure that a
     restart in place mends raises :class:`WarmRestart` instead of leaving the process (the agent gave a channel)."""
     os.umask(0o077)  # logs and results of a run are private, like the run folder
+    steady_heap()  # glibc's thresholds fixed before the rank allocates: no heap returned and re-faulted each step
     if isinstance(backend_of(os.environ), LocalBackend):
         _tie_to_local_controller()
     check_run_folder(run_dir)  # never reached through a link, nor writable by others: ranks run what it holds
