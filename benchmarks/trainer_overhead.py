@@ -1,6 +1,7 @@
 """hpc_train's training step against a hand-written DeepSpeed loop: same model, data, config, 2 ranks.
 
-    .venv/bin/python benchmarks/trainer_overhead.py [--runs 3] [--steps 110] [--save-every 50] [--smoke]
+    .venv/bin/python benchmarks/trainer_overhead.py [--runs 3] [--steps 110] [--save-every 50] [--raw-steady-heap]
+                                                    [--smoke]
 
 hpc_train runs the quick-start example through ``hpc_train.submit`` (local executor, ZeRO-2, ``auto`` precision,
 the breakdown and the health checks on); the raw loop builds the same GPT, the same DeepSpeed config, the precision
@@ -8,6 +9,10 @@ hpc_train decides for ``auto`` on this CPU and AdamW, and feeds the same batches
 steps after the first 10 (DeepSpeed warms up); runs alternate. Two comparisons: the steps alone (no saves on
 either side), then with a save every ``--save-every`` steps on both (hpc_train's checkpoints against DeepSpeed's
 ``save_checkpoint`` in the raw loop, as its user would save). Target: ratio <= 1.01.
+
+hpc_train's ranks fix glibc's mmap and trim thresholds (``hpc_train/rank/runtime/malloc.py``); the raw loop runs
+with glibc's defaults, as a hand-written loop does, unless ``--raw-steady-heap`` gives it the same thresholds (the
+library alone with the same allocator settings).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from pathlib import Path
 
 from hpc_train.bench.local_ranks import free_port
 from hpc_train.bench.machine import machine, spread
+from hpc_train.rank.runtime.malloc import MMAP_THRESHOLD, TRIM_THRESHOLD
 from hpc_train.run.node_log import rank_log_text
 
 REPO = Path(__file__).resolve().parent.parent
@@ -106,12 +112,15 @@ def run_hpc_train(work: Path, steps: int, warmup: int, ranks: int, sets: list[st
     return (times[steps] - times[warmup]) / (steps - warmup), decided.group(1) if decided else "?"
 
 
-def run_raw(work: Path, steps: int, warmup: int, ranks: int, sets: list[str], save_every: int) -> tuple[float, str]:
+def run_raw(work: Path, steps: int, warmup: int, ranks: int, sets: list[str], save_every: int,
+            steady_heap: bool = False) -> tuple[float, str]:
+    """Seconds per step of the raw loop; ``steady_heap``: glibc's thresholds as hpc_train's ranks fix them."""
     procs = []
     port = free_port()
+    heap = {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD), "MALLOC_TRIM_THRESHOLD_": str(TRIM_THRESHOLD)}
     for rank in range(ranks):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(ranks), "LOCAL_RANK": str(rank),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+        env = {**os.environ, **(heap if steady_heap else {}), "RANK": str(rank), "WORLD_SIZE": str(ranks),
+               "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
         procs.append(subprocess.Popen([sys.executable, "-c", RAW_LOOP, str(REPO / "examples" / "tiny_gpt.toml"),
                                        str(steps), str(warmup - 1), json.dumps(sets), str(save_every)], env=env,
                                       cwd=work, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True))
@@ -131,7 +140,7 @@ class Case:
 
 
 def measure(cases: list[Case], runs: int, steps: int, warmup: int, ranks: int, sets: list[str],
-            tmp: Path) -> tuple[list[dict[str, list[float]]], set[str]]:
+            tmp: Path, raw_steady_heap: bool = False) -> tuple[list[dict[str, list[float]]], set[str]]:
     """Seconds per step of each loop in each case, run by run, and the precisions they trained in. The cases
     and the loops take turns (a run of every case, then the next), so that a machine that drifts over the minutes
     of the benchmark drifts under every case alike."""
@@ -143,8 +152,10 @@ def measure(cases: list[Case], runs: int, steps: int, warmup: int, ranks: int, s
             for name in order:
                 work = tmp / f"{name.split()[0]}-{case.save_every}-{index}"
                 work.mkdir()
-                runner = run_hpc_train if name == "hpc_train" else run_raw
-                seconds, precision = runner(work, steps, warmup, ranks, sets, case.save_every)
+                if name == "hpc_train":
+                    seconds, precision = run_hpc_train(work, steps, warmup, ranks, sets, case.save_every)
+                else:
+                    seconds, precision = run_raw(work, steps, warmup, ranks, sets, case.save_every, raw_steady_heap)
                 times[name].append(seconds)
                 precisions.add(precision)
     return results, precisions
@@ -168,6 +179,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=110)
     parser.add_argument("--save-every", type=int, default=50, help="the second comparison's saves (the quick "
                         "start's checkpoint.every_steps); 0 leaves it out")
+    parser.add_argument("--raw-steady-heap", action="store_true", help="the raw loop with glibc's mmap and trim "
+                        "thresholds fixed as hpc_train's ranks fix them (default: glibc's defaults, as users run it)")
     parser.add_argument("--smoke", action="store_true", help="one run of 3 steps each on 1 rank, with a save: the "
                         "benchmark runs end to end in seconds (CI), its figures mean nothing")
     args = parser.parse_args()
@@ -183,11 +196,13 @@ def main() -> None:
     tokens_per_step = 8 * ranks * 128  # the example: micro 8 x data parallel, seq 128
     print(machine().line(), flush=True)  # before the runs: their own load is not counted
     with tempfile.TemporaryDirectory() as tmp:
-        measured, precisions = measure(cases, args.runs, args.steps, warmup, ranks, sets, Path(tmp))
+        measured, precisions = measure(cases, args.runs, args.steps, warmup, ranks, sets, Path(tmp),
+                                       args.raw_steady_heap)
     if len(precisions) != 1:
         raise SystemExit(f"the two loops trained in different precisions: {precisions}")
     print(f"{args.runs} runs, {args.steps - warmup} timed steps each, tiny GPT, {ranks} rank{'s' * (ranks > 1)}, "
-          f"ZeRO-2, {precisions.pop()} (train.precision = auto, decided on this CPU)")
+          f"ZeRO-2, {precisions.pop()} (train.precision = auto, decided on this CPU); the raw loop's malloc "
+          f"thresholds: {'fixed as hpc_train fixes them' if args.raw_steady_heap else 'glibc defaults'}")
     for case, results in zip(cases, measured, strict=True):
         report(case, results, tokens_per_step)
 
