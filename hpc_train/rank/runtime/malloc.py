@@ -41,7 +41,7 @@ class SteadyHeap:
 
 def _is_glibc() -> bool:
     try:
-        return os.confstr("CS_GNU_LIBC_VERSION").startswith("glibc")
+        return (os.confstr("CS_GNU_LIBC_VERSION") or "").startswith("glibc")
     except (ValueError, OSError, AttributeError):  # not a GNU C library (musl, macOS)
         return False
 

@@ -11,7 +11,7 @@ import pytest
 
 from hpc_train.rank.runtime.malloc import MMAP_THRESHOLD, TRIM_THRESHOLD, SteadyHeap, steady_heap
 
-GLIBC = os.confstr("CS_GNU_LIBC_VERSION").startswith("glibc") if hasattr(os, "confstr") else False
+GLIBC = hasattr(os, "confstr") and (os.confstr("CS_GNU_LIBC_VERSION") or "").startswith("glibc")
 pytestmark = pytest.mark.skipif(not GLIBC, reason="the thresholds are glibc's; this C library has none")
 
 # A step's pattern in small: 6.4 MB in 64 KB blocks (each below glibc's starting mmap threshold, so on the heap),
