@@ -13,7 +13,8 @@ exit status, the signal to the next attempt's first step (seconds), the steps tr
 trained before the stop minus the step resumed from), whether the final weights are bitwise equal to torchrun's,
 and whether ``logs --errors-only`` shows a failure. Targets:
 exit 0, bitwise equal, no failure; with the integration 0 steps trained twice. All Slurm runs go at once (each
-asks for 1 CPU on each of the 2 nodes), so the figures include their contention on this 2-core machine.
+asks for 1 CPU on each of the 2 nodes), with the three torchrun baselines starting beside them, so the figures
+include their contention on this 2-core machine.
 """
 
 from __future__ import annotations
@@ -156,8 +157,13 @@ def slurm_run(run: Run, steps: int, reference: Future[Path]) -> Run:
     run.exit_code = process.returncode
     signaller.join(timeout=5)
     _read_outcome(run, step_log)
+    try:
+        baseline = reference.result()
+    except Exception as error:  # this run cannot be compared: it says why, and the other runs still report
+        run.failures.append(f"the torchrun baseline failed: {str(error)[-1000:]}")
+        return run
     if out.exists():
-        ours, theirs = torch.load(out, weights_only=True), torch.load(reference.result(), weights_only=True)
+        ours, theirs = torch.load(out, weights_only=True), torch.load(baseline, weights_only=True)
         run.bitwise = ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in theirs)
     return run
 

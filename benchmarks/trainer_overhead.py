@@ -173,6 +173,15 @@ def report(case: Case, results: dict[str, list[float]], tokens_per_step: int) ->
     print(f"raw DeepSpeed loop s/step over runs: {spread(results['raw DeepSpeed loop']).text(4)}")
 
 
+def _glibc_defaults() -> list[str]:
+    """Take the caller's malloc settings out of this process's environment, which both sides inherit: hpc_train's
+    ranks would keep them instead of fixing the thresholds, and the report would name the wrong comparison."""
+    names = [name for name in os.environ if name.startswith("MALLOC_") or name == "GLIBC_TUNABLES"]
+    for name in names:
+        del os.environ[name]
+    return names
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3)
@@ -195,6 +204,9 @@ def main() -> None:
         cases = cases[-1:]  # the case with saves runs every path of the other too: CI pays for one pair of runs
     tokens_per_step = 8 * ranks * 128  # the example: micro 8 x data parallel, seq 128
     print(machine().line(), flush=True)  # before the runs: their own load is not counted
+    removed = _glibc_defaults()
+    if removed:
+        print(f"left out of both sides' environment: {', '.join(removed)}")
     with tempfile.TemporaryDirectory() as tmp:
         measured, precisions = measure(cases, args.runs, args.steps, warmup, ranks, sets, Path(tmp),
                                        args.raw_steady_heap)

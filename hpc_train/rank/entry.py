@@ -23,6 +23,7 @@ from hpc_train.backends import LocalBackend, backend_of
 from hpc_train.config.plan import Plan, plan_for_life
 from hpc_train.errors import ConfigError
 from hpc_train.rank.agent.rejoin import RejoinChannel, trains_warm
+from hpc_train.rank.runtime.malloc import describe as describe_heap
 from hpc_train.rank.runtime.malloc import steady_heap
 from hpc_train.rank.runtime.preemption import PreemptionWatch
 from hpc_train.rank.runtime.watchdog import THREAD_NAME as WATCHDOG_THREAD
@@ -88,7 +89,6 @@ def run_rank(run_dir: Path, may_rejoin: bool = False) -> dict[str, Any]:
     """Run this rank's share of the job in ``run_dir``; return its result. ``may_rejoin``: a failure that a
     restart in place mends raises :class:`WarmRestart` instead of leaving the process (the agent gave a channel)."""
     os.umask(0o077)  # logs and results of a run are private, like the run folder
-    steady_heap()  # glibc's thresholds fixed before the rank allocates: no heap returned and re-faulted each step
     if isinstance(backend_of(os.environ), LocalBackend):
         _tie_to_local_controller()
     check_run_folder(run_dir)  # never reached through a link, nor writable by others: ranks run what it holds
@@ -106,6 +106,7 @@ def _run_rank(run_dir: Path, plan: Plan, watch: PreemptionWatch | None, may_rejo
     from hpc_train.rank.distributed.smoke import run_smoke  # the trainer is imported only when the job trains
 
     info = detect_launch(expected_world=plan.layout.world)
+    heap = steady_heap() if info.kind.own_process else None  # not in someone's own Python: it is for good
     logger = _rank_logger(run_dir, info.rank, ranks_per_log(info.rank, info.local_rank, plan.resources.tasks_per_node))
     on_slurm = backend_of(os.environ).on_slurm
     program = plan.config.job.program
@@ -113,6 +114,8 @@ def _run_rank(run_dir: Path, plan: Plan, watch: PreemptionWatch | None, may_rejo
     _clear_own_records(run_dir, info.rank, keep_error=looks_back and info.restart > 0)
     logger.info("%s", format_start(info.launcher, info.rank, info.world_size, info.local_rank, info.local_world_size,
                                    info.node_rank, info.num_nodes, info.job_id, info.restart, node_name()))
+    if info.rank == 0 and info.kind.own_process:
+        logger.info("%s", describe_heap(heap))
     looking = LookBack.start(run_dir, plan, info, logger) if looks_back and info.rank == 0 else None
     _prepare_fabric(run_dir, plan, info.local_rank, logger)
     if looking is not None:  # the look-back runs while this rank imports torch (the other ranks wait for rank 0's

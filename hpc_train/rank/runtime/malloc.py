@@ -12,8 +12,12 @@ cost 5 % of a step (``benchmarks/trainer_overhead.py``; docs/performance.md). Th
 ceilings, the most its dynamic mode ever sets: 32 MiB and twice that. A process that frees a 32 MiB block gets them
 anyway, so nothing here is outside what glibc already does; they only hold from the start.
 
-A user who sets ``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_``, ``MALLOC_TOP_PAD_`` or
-``glibc.malloc.*`` tunables in the environment the job is submitted from keeps their choice.
+The cost: each of glibc's arenas (the main heap, and one per thread that allocates, up to 8 per core) may keep up
+to 64 MiB of freed memory, and blocks of 128 KiB to 32 MiB now come from the heap rather than their own ``mmap``,
+so fragmentation can keep more. Forked data-loader workers inherit the settings.
+
+A user who sets ``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_``, ``MALLOC_TOP_PAD_`` or the same three
+``glibc.malloc`` tunables in the rank's environment keeps their choice.
 """
 
 from __future__ import annotations
@@ -23,12 +27,13 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["MMAP_THRESHOLD", "TRIM_THRESHOLD", "SteadyHeap", "steady_heap"]
+__all__ = ["MMAP_THRESHOLD", "TRIM_THRESHOLD", "SteadyHeap", "describe", "steady_heap"]
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # <malloc.h>
 MMAP_THRESHOLD = 32 << 20  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit: the highest its dynamic mode goes
 TRIM_THRESHOLD = 2 * MMAP_THRESHOLD  # what the dynamic mode sets beside it
 _USERS_OWN = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")
+_USERS_TUNABLES = ("glibc.malloc.mmap_threshold", "glibc.malloc.trim_threshold", "glibc.malloc.top_pad")
 
 
 @dataclass(frozen=True)
@@ -46,12 +51,16 @@ def _is_glibc() -> bool:
         return False
 
 
+def _users_own(environ: Mapping[str, str]) -> bool:
+    tunables = [item.split("=", 1)[0] for item in environ.get("GLIBC_TUNABLES", "").split(":")]
+    return any(name in environ for name in _USERS_OWN) or any(name in _USERS_TUNABLES for name in tunables)
+
+
 def steady_heap(environ: Mapping[str, str] = os.environ) -> SteadyHeap | None:
-    """Fix glibc's mmap and trim thresholds for this process. None, and nothing changed, where the C library is not
-    glibc or ``environ`` holds the user's own malloc settings."""
-    if not _is_glibc():
-        return None
-    if any(name in environ for name in _USERS_OWN) or "glibc.malloc." in environ.get("GLIBC_TUNABLES", ""):
+    """Fix glibc's mmap and trim thresholds for this process (for good: glibc's dynamic mode stays off). None where
+    the C library is not glibc, ``environ`` holds the user's own thresholds, or glibc refused the mmap threshold
+    (then nothing changed)."""
+    if not _is_glibc() or _users_own(environ):
         return None
     try:
         mallopt = ctypes.CDLL(None).mallopt
@@ -61,3 +70,12 @@ def steady_heap(environ: Mapping[str, str] = os.environ) -> SteadyHeap | None:
     if mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) != 1 or mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD) != 1:
         return None
     return SteadyHeap(MMAP_THRESHOLD, TRIM_THRESHOLD)
+
+
+def describe(heap: SteadyHeap | None) -> str:
+    """Rank 0's log line about the allocator."""
+    if heap is None:
+        return ("malloc: glibc's thresholds left as they are (not glibc, or the user's own MALLOC_*_THRESHOLD_, "
+                "MALLOC_TOP_PAD_ or glibc.malloc tunables)")
+    return (f"malloc: mmap threshold {heap.mmap_threshold >> 20} MiB, trim threshold {heap.trim_threshold >> 20} MiB, "
+            "fixed for the rank's life")

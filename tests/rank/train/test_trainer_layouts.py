@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from hpc_train.rank.runtime.malloc import MMAP_THRESHOLD, TRIM_THRESHOLD, SteadyHeap, _is_glibc, _users_own, describe
 from hpc_train.rank.train.precision import decide_precision
 from hpc_train.run.node_log import rank_log_text
 from tests.conftest import REPO
@@ -79,6 +81,9 @@ def test_loss_falls_on_the_shipped_corpus(tmp_path: Path) -> None:
                                    hidden=128)  # the tiny preset
     assert json.loads((run_dir / "train.json").read_text())["precision"] == expected
     assert f"precision: auto -> {expected} (" in rank_log_text(run_dir, 0)
+    # glibc's thresholds were fixed in the rank's process, and rank 0 says so (rank/runtime/malloc.py)
+    heap = None if not _is_glibc() or _users_own(os.environ) else SteadyHeap(MMAP_THRESHOLD, TRIM_THRESHOLD)
+    assert describe(heap) in rank_log_text(run_dir, 0)
 
 
 def test_bf16_trains_on_any_cpu(tmp_path: Path) -> None:
