@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from hpc_train.checkpoint.transaction import WRITTEN_OVER_COORDINATOR
+from hpc_train.rank.runtime.malloc import MMAP_THRESHOLD, TRIM_THRESHOLD, SteadyHeap, describe
 from hpc_train.run.node_log import log_ranks, rank_log_text
 from hpc_train.run.watch import last_logged_step, slurm_job_processes, slurm_rank_pid
 from tests.conftest import REPO, exported
@@ -240,6 +241,12 @@ def test_a_rank_killed_at_a_random_step_restarts_inside_the_same_job(uninterrupt
     rank0 = rank_log_text(run_dir, 0)
     assert "in-place restart 1 of 2 (retry.in_place): killed" in rank0
     assert WRITTEN_OVER_COORDINATOR in rank0  # the written records came over the coordinator, not as files
+    # every life of rank 0 under srun fixed glibc's thresholds as it started (rank/runtime/malloc.py)
+    lines = rank0.splitlines()
+    starts = [index for index, line in enumerate(lines) if "start: " in line and " rank 0/" in line]
+    assert len(starts) >= 2, starts  # the first life and the one restarted in place
+    heap = describe(SteadyHeap(MMAP_THRESHOLD, TRIM_THRESHOLD))
+    assert all(heap in lines[index + 1] for index in starts), [lines[index:index + 2] for index in starts]
     _assert_same(_exported(run_dir, tmp_path / "weights.pt"), uninterrupted, run_dir)
 
 
