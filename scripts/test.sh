@@ -30,6 +30,10 @@ fi
 find /dev/shm -maxdepth 1 -name 'deepspeed_allreduce_buffer_*' -mmin +60 -delete 2>/dev/null || true
 
 .venv/bin/ruff check .  # every Python file of the repository (hpc_train, tests, benchmarks) but .venv
+# Bytecode for the repository's own modules, written once here: where PYTHONDONTWRITEBYTECODE is set (this
+# machine's environment sets it) no process writes it, and each of the suite's thousands of processes (a CLI call,
+# a rank) compiled the modules it imports from source again.
+.venv/bin/python -m compileall -q -j 0 hpc_train tests benchmarks examples >/dev/null
 # Two lanes (pytest-xdist): every test that uses the local Slurm cluster in one, one at a time; every other test
 # file in the other lanes, a file at a time (tests/conftest.py). Most of a lane's time is waiting on Slurm, on
 # process start-up and on sleeps, so two lanes on two cores finish in about two thirds of one lane's time.
