@@ -25,10 +25,7 @@ from tests.strace_ops import descendants, trace_folder_ops
 REPO = Path(__file__).resolve().parent.parent
 NODES = 2
 TASKS = 2  # per node
-# One CPU a rank (the site's default is the node's 4 over its tasks): the two jobs of the smoke then fit on the
-# batch partition's two nodes at once.
 COMMON = ["--site", "local-slurm", "--set", f"job.nodes={NODES}", "--set", f"job.tasks_per_node={TASKS}", "--set",
-          "job.cpus_per_task=1", "--set",
           "train.precision=fp32", "--set", "train.seq_len=32", "--set", "train.micro_batch=4", "--set",
           "train.steps=100000", "--set", "train.warmup_steps=2", "--set", "monitor.log_every=1", "--set",
           "monitor.eval_every=0", "--set", "monitor.health_comm_share=0", "--set", "watchdog.straggler_factor=0",
@@ -84,34 +81,28 @@ def _kill_rank(job_id: str, rank: int) -> None:
     raise RuntimeError(f"rank {rank} of job {job_id} was not found")
 
 
-def measure(tmp: Path, seconds: float, together: bool = False) -> dict[str, Any]:
-    """(ops per rank per second, the trace) of each window, and the run folder's files per node. ``together``
-    (the smoke) submits the saving job beside the steady one, so its start overlaps the steady job's windows; the
-    figures then share the machine with it, and only what the smoke checks, that each is measured, holds."""
+def measure(tmp: Path, seconds: float) -> dict[str, Any]:
+    """(ops per rank per second, the trace) of each window, and the run folder's files per node."""
     results: dict[str, Any] = {}
     steady_dir, saving_dir = tmp / "steady", tmp / "saving"
     steady_dir.mkdir()
     saving_dir.mkdir()
-    jobs: list[str] = []
+    job_id, run_dir = _submit(steady_dir, every_steps=0)
     try:
-        job_id, run_dir = _submit(steady_dir, every_steps=0)
-        jobs.append(job_id)
-        saving = _submit(saving_dir, every_steps=20) if together else None
-        jobs.extend([saving[0]] if saving else [])
         _until_step(run_dir, 25)
         results["steady training"] = _trace(job_id, run_dir, seconds, ("checkpoints",))
         threading.Timer(1.0, _kill_rank, (job_id, 1)).start()  # a restart in place inside the window
         results["a restart in place (rank 1 killed)"] = _trace(job_id, run_dir, seconds, ("checkpoints",))
+    finally:
         _cancel(job_id)
-        results["files per node, steady job"] = sum(len(n) for _, _, n in os.walk(run_dir)) / NODES
-        job_id, run_dir = saving or _submit(saving_dir, every_steps=20)
-        jobs.append(job_id)
+    results["files per node, steady job"] = sum(len(n) for _, _, n in os.walk(run_dir)) / NODES
+    job_id, run_dir = _submit(saving_dir, every_steps=20)
+    try:
         _until_step(run_dir, 25)
         results["saving every 20 steps, checkpoints/ aside"] = _trace(job_id, run_dir, seconds, ("checkpoints",))
         results["saving every 20 steps, all"] = _trace(job_id, run_dir, seconds, ())
     finally:
-        for job in dict.fromkeys(jobs):
-            _cancel(job)
+        _cancel(job_id)
     outside = [os.path.join(p, n) for p, _, names in os.walk(run_dir) for n in names
                if "checkpoints" not in Path(p).parts]
     results["files per node outside checkpoints/, saving job"] = len(outside) / NODES
@@ -131,7 +122,7 @@ def cluster_section(args: argparse.Namespace) -> list[Any]:
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="control-plane-cluster-", ignore_cleanup_errors=True) as tmp:
-        results = measure(Path(tmp), 4.0 if args.smoke else 10.0, together=args.smoke)
+        results = measure(Path(tmp), 4.0 if args.smoke else 10.0)
     for what, value in results.items():
         if isinstance(value, tuple):
             rate, ops = value
