@@ -1,7 +1,8 @@
 """Lightning, Hugging Face Trainer and accelerate scripts preempted on the local Slurm cluster and followed as users
 run them: what a preemption costs with and without hpc_train's integration, against an uninterrupted torchrun.
 
-    .venv/bin/python benchmarks/library_preemption.py [--libs lightning,hf_trainer,accelerate] [--json] [--smoke]
+    .venv/bin/python benchmarks/library_preemption.py [--libs lightning,hf_trainer,accelerate] [--plain-libs ...]
+                                                      [--json] [--smoke]
 
 For each library the example script (``examples/LIB/train.py``) runs three ways: under ``torchrun`` on this
 machine, uninterrupted (the baseline: 2 processes); and through ``python -m hpc_train.submit`` on 2 Slurm nodes x 1
@@ -213,15 +214,19 @@ def report(runs: list[Run]) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--libs", default=",".join(LIBS))
+    parser.add_argument("--plain-libs", default=None, help="of --libs, those that also run without the integration "
+                        "(default: all of them)")
     parser.add_argument("--seed", type=int, default=None, help="the random signal steps (default: a new seed)")
     parser.add_argument("--json", action="store_true", help="one JSON line per run after the report")
     parser.add_argument("--smoke", action="store_true", help=f"Lightning only, {SMOKE_STEPS} steps")
     args = parser.parse_args()
     libs = ["lightning"] if args.smoke else [lib for lib in args.libs.split(",") if lib]
-    unknown = [lib for lib in libs if lib not in LIBS]
-    if unknown:
-        print(f"error: --libs {','.join(unknown)}: pick from {', '.join(LIBS)}", file=sys.stderr)
-        return 2
+    plain = libs if args.plain_libs is None else [lib for lib in args.plain_libs.split(",") if lib]
+    for option, chosen, allowed in (("--libs", libs, LIBS), ("--plain-libs", plain, libs)):
+        unknown = [lib for lib in chosen if lib not in allowed]
+        if unknown:
+            print(f"error: {option} {','.join(unknown)}: pick from {', '.join(allowed)}", file=sys.stderr)
+            return 2
     steps = SMOKE_STEPS if args.smoke else STEPS
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 30)
     pick = random.Random(seed)  # noqa: S311 - not a secret
@@ -231,7 +236,7 @@ def main() -> int:
         # epoch's end (step 16): what they resume from is then their stop's save alone
         runs = [Run(lib, integration, pick.randint(5, 18) if integration else pick.randint(22, 34),
                     work / f"{lib}-{'with' if integration else 'plain'}")
-                for lib in libs for integration in (False, True)]
+                for lib in libs for integration in (False, True) if integration or lib in plain]
         with ThreadPoolExecutor(max_workers=len(runs) + len(libs)) as pool:
             references = {lib: pool.submit(torchrun_weights, lib, work, steps) for lib in libs}
             finished = list(pool.map(lambda run: slurm_run(run, steps, references[run.lib]), runs))

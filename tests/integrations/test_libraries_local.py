@@ -1,6 +1,6 @@
 """Unmodified Lightning, Hugging Face Trainer and accelerate scripts (``--plain``: the examples without their
 hpc_train lines) on 2 ranks of the local executor end with weights bitwise equal to the same script under
-``torchrun``. Preempted on the local Slurm cluster, with and without the integrations:
+``torchrun``. Preempted on the local Slurm cluster, each with its integration and Lightning's also without:
 tests/integrations/test_preemption_slurm.py."""
 
 from __future__ import annotations
