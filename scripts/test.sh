@@ -31,8 +31,8 @@ find /dev/shm -maxdepth 1 -name 'deepspeed_allreduce_buffer_*' -mmin +60 -delete
 
 .venv/bin/ruff check .  # every Python file of the repository (hpc_train, tests, benchmarks) but .venv
 # Bytecode for the repository's own modules, written once here: where PYTHONDONTWRITEBYTECODE is set (this
-# machine's environment sets it) no process writes it, and each of the suite's thousands of processes (a CLI call,
-# a rank) compiled the modules it imports from source again.
+# machine's environment sets it) a process that finds none compiles the module from source and writes nothing, so
+# the suite's thousands of processes (a CLI call, a rank) compiled again what no earlier one had left.
 .venv/bin/python -m compileall -q -j 0 hpc_train tests benchmarks examples >/dev/null
 # Two lanes (pytest-xdist): every test that uses the local Slurm cluster in one, one at a time; every other test
 # file in the other lanes, a file at a time (tests/conftest.py). Most of a lane's time is waiting on Slurm, on
