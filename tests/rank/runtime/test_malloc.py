@@ -13,16 +13,9 @@ from hpc_train.rank.runtime.malloc import _is_glibc, describe, steady_heap
 
 pytestmark = pytest.mark.skipif(not _is_glibc(), reason="the thresholds are glibc's; this C library has none")
 
-# A step's pattern in small: 6.4 MB in 64 KB blocks (each below glibc's starting mmap threshold, so on the heap),
-# then all freed. The list that holds them is made once, before, and the round allocates nothing else on the heap:
-# a list grown or made inside the round put its array above the blocks, and that fenced the heap's top off.
-# Printed, over 20 rounds after 3 of warm-up, in a fresh process: the page faults per round, and the fewest bytes
-# the heap gave back to the kernel in a round (mallinfo2's arena at the round's peak less after its free). The bytes
-# given back are the mechanism and read the same on any kernel; the faults they cost depend on the kernel's page
-# policy (with transparent huge pages on for the heap, one fault maps 2 MiB), so only the fixed side's faults, none,
-# are asserted.
-CHURN = """
-import ctypes, resource, sys
+# Both scripts' start: the fix applied when argv[1] is "steady", and glibc's mallinfo2 to read the heap with.
+PREAMBLE = """
+import ctypes, sys
 if sys.argv[1] == "steady":
     from hpc_train.rank.runtime.malloc import steady_heap
     assert steady_heap() is not None
@@ -31,6 +24,18 @@ class Info(ctypes.Structure):
                                                      "fsmblks", "uordblks", "fordblks", "keepcost")]
 mallinfo2 = ctypes.CDLL(None).mallinfo2
 mallinfo2.restype = Info
+"""
+
+# A step's pattern in small: 6.4 MB in 64 KB blocks (each below glibc's starting mmap threshold, so on the heap),
+# then all freed. The list that holds them is made once, before, and the round allocates nothing else on the heap:
+# a list grown or made inside the round put its array above the blocks, and that fenced the heap's top off.
+# Printed, over 20 rounds after 3 of warm-up, in a fresh process: the page faults per round, and the fewest bytes
+# the heap gave back to the kernel in a round (mallinfo2's arena at the round's peak less after its free). The bytes
+# given back are the mechanism and read the same on any kernel; the faults they cost depend on the kernel's page
+# policy (with transparent huge pages on for the heap, one fault maps 2 MiB), so only the fixed side's faults, none,
+# are asserted.
+CHURN = PREAMBLE + """
+import resource
 def faults():
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 blocks = [None] * 100
@@ -56,16 +61,7 @@ STARTING_TRIM = {"MALLOC_TRIM_THRESHOLD_": str(128 << 10)}
 # One block held (argv[2] MiB): with glibc's defaults a 16 MiB block gets its own mmap (the starting threshold is
 # 128 KiB); with the threshold fixed at 32 MiB it comes from the heap, and a 48 MiB one still gets its own mmap.
 # mallinfo2's hblks counts the mmapped blocks.
-MMAPPED = """
-import ctypes, sys
-if sys.argv[1] == "steady":
-    from hpc_train.rank.runtime.malloc import steady_heap
-    assert steady_heap() is not None
-class Info(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                                     "fsmblks", "uordblks", "fordblks", "keepcost")]
-mallinfo2 = ctypes.CDLL(None).mallinfo2
-mallinfo2.restype = Info
+MMAPPED = PREAMBLE + """
 before = mallinfo2().hblks
 block = bytearray(int(sys.argv[2]) << 20)
 print(mallinfo2().hblks - before)
