@@ -37,6 +37,7 @@ _STRING = re.compile(r'"((?:[^"\\]|\\.)*)"')
 _TWO_NAMES = ("rename", "link", "symlink")  # the name a call makes is the second
 _AT_CWD = re.compile(r"AT_FDCWD<(?P<path>[^>]*)>")
 _FD = re.compile(r"^(?:AT_FDCWD|-?\d+)<(?P<path>[^>]*)>")
+DETACH_S = 15.0  # strace detaches in milliseconds; on a loaded machine, seconds
 
 
 class StraceUnavailableError(RuntimeError):
@@ -101,9 +102,10 @@ def ensure_strace() -> str:
 
 
 def trace_folder_ops(pids: list[int], folder: Path, seconds: float, exclude: tuple[str, ...] = ("checkpoints",),
-                     ) -> FolderOps:
+                     detach_s: float = DETACH_S) -> FolderOps:
     """Attach strace to ``pids`` (every thread; children they start are followed) for ``seconds`` and count the
-    calls on paths under ``folder`` but not under any of ``exclude`` (subfolders, relative to ``folder``)."""
+    calls on paths under ``folder`` but not under any of ``exclude`` (subfolders, relative to ``folder``); strace
+    is killed if it has not detached ``detach_s`` after the window."""
     strace = ensure_strace()
     folder = Path(folder).resolve()
     cwds = {pid: _cwd(pid) for pid in pids}
@@ -117,14 +119,25 @@ def trace_folder_ops(pids: list[int], folder: Path, seconds: float, exclude: tup
         try:
             time.sleep(seconds)
         finally:
-            if tracer.poll() is None:
-                tracer.send_signal(signal.SIGINT)  # strace detaches from every process and exits
-            _, errors = tracer.communicate(timeout=60)
-        elapsed = time.monotonic() - started
+            elapsed = time.monotonic() - started  # the window: detaching is not part of it
+            errors = _stop(tracer, detach_s)
         if "Operation not permitted" in errors or not out.exists():  # no ptrace here (a container without it)
             raise StraceUnavailableError(f"strace could not attach: {errors.strip()[:500]}")
         text = out.read_text(encoding="utf-8", errors="replace") if out.exists() else ""
     return count_ops(text, folder, elapsed, len(pids), cwds, exclude)
+
+
+def _stop(tracer: subprocess.Popen[str], detach_s: float) -> str:
+    """End the trace; strace's error output. SIGINT makes strace detach from every process and exit, but strace
+    waits forever for a process caught in ``vfork`` (Python's ``subprocess`` start) whose child it holds stopped.
+    Killed, strace lets the kernel detach both, and the processes run on; the trace file keeps what was written."""
+    if tracer.poll() is None:
+        tracer.send_signal(signal.SIGINT)
+    try:
+        return tracer.communicate(timeout=detach_s)[1]
+    except subprocess.TimeoutExpired:
+        tracer.kill()
+        return tracer.communicate(timeout=60)[1]
 
 
 def count_ops(text: str, folder: Path, seconds: float, processes: int, cwds: dict[int, str | None],
