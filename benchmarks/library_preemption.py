@@ -40,8 +40,10 @@ LIBS = ("lightning", "hf_trainer", "accelerate")
 JOB_NAMES = {"lightning": "lightning-mlp", "hf_trainer": "hf-trainer-mlp", "accelerate": "accelerate-mlp"}
 STEPS, SMOKE_STEPS = 100, 60
 STEP_SLEEP_S = 0.25
+# The runs requeue and never restart inside the job: no standby ranks (each node's agent would import a library's
+# stack again 10 s into every life, for a restart that does not come, on the same 2 cores)
 TWO_NODES = ["--site", "local-slurm", "--set", "job.nodes=2", "--set", "job.tasks_per_node=1", "--set",
-             "job.cpus_per_task=1"]
+             "job.cpus_per_task=1", "--set", "retry.standby=false"]
 # A rank's variables from the calling process would mislead torchrun's workers (LOCAL_SIZE above all)
 _RANK_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                    "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE")

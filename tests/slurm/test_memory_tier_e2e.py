@@ -16,6 +16,7 @@ import torch
 
 from hpc_train.run.node_log import rank_log_text
 from tests.slurm.test_preemption_e2e import (
+    NO_STANDBY,
     STEPS,
     _assert_same,
     _exported,
@@ -34,7 +35,7 @@ MEMORY_ONLY = ["--set", "checkpoint.every_steps=1000", "--set", "checkpoint.memo
 @pytest.fixture(scope="module")
 def uninterrupted_two_by_two(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
     work = tmp_path_factory.mktemp("uninterrupted-2x2")
-    _submit(work, STEPS, *TWO_BY_TWO, follow=True)
+    _submit(work, STEPS, *TWO_BY_TWO, *NO_STANDBY, follow=True)
     return _exported(work / "runs" / "tiny-gpt", work / "weights.pt")
 
 

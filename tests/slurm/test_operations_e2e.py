@@ -18,6 +18,7 @@ from hpc_train.run.watch import last_logged_step
 from tests.slurm.test_preemption_e2e import (
     BASE,
     EXAMPLE,
+    NO_STANDBY,
     ONE_NODE,
     TINY,
     _attempts,
@@ -37,7 +38,7 @@ def test_a_hung_rank_is_restarted_in_place_then_requeued_once_retry_in_place_is_
     trains the restart in place in its own process (warm). The restart in place resumes from the copy of
     step 10 in the nodes' memory (``checkpoint.memory_every_steps = 5``); the requeued attempt's new agents hold no
     memory, and it resumes from the disk."""
-    timeout_s = 15
+    timeout_s = 10  # watchdog.step_timeout_s: its lowest valid value
     job_id = _submit(tmp_path, 30, "--set", "env.HPC_TRAIN_INJECT_FAULT=hang:1", "--set",
                      "env.HPC_TRAIN_INJECT_FAULT_STEP=15", "--set", "env.HPC_TRAIN_INJECT_FAULT_RESTART=0",
                      "--set", f"watchdog.step_timeout_s={timeout_s}", "--set", "retry.hang=1",
@@ -80,7 +81,7 @@ def _node_of(job_id: str) -> str:
 
 
 def test_a_node_that_goes_down_is_excluded_and_the_run_resumes(tmp_path: Path) -> None:
-    job_id = _submit(tmp_path, 40, "--set", "job.nodes=1", "--set", "job.tasks_per_node=2")
+    job_id = _submit(tmp_path, 40, "--set", "job.nodes=1", "--set", "job.tasks_per_node=2", *NO_STANDBY)
     run_dir = tmp_path / "runs" / "tiny-gpt"
     deadline = time.monotonic() + 240
     while last_logged_step(run_dir) < 13:
@@ -184,7 +185,7 @@ def _failures(data: object) -> list[dict]:
 
 
 def test_a_second_submission_to_a_busy_run_folder_is_refused(tmp_path: Path) -> None:
-    job_id = _submit(tmp_path, 400)
+    job_id = _submit(tmp_path, 400, *NO_STANDBY)
     try:
         again = subprocess.run([sys.executable, "-m", "hpc_train.submit", EXAMPLE, *BASE, "--set", "train.steps=400",
                                 "--no-follow"], cwd=tmp_path, capture_output=True, text=True, timeout=120,

@@ -42,6 +42,9 @@ BASE = ["--site", "local-slurm", "--set", "job.nodes=2", "--set", "job.tasks_per
 # by micro-step (the shrink test's weights would then leave the uninterrupted run's).
 TOKENS = REPO / "tests" / "slurm" / "data" / "short-epochs.u16"
 TINY = [*BASE, "--set", "data.source=tokens", "--set", f"data.path={TOKENS}"]  # BASE for the tiny GPT
+# For runs that only requeue: each node's agent would start a standby rank (torch and DeepSpeed imported) 10 s into
+# every life for a restart inside the job that never comes; the tests of in-place restarts keep them.
+NO_STANDBY = ("--set", "retry.standby=false")
 BAD_STATES = {"FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
 
 
@@ -124,7 +127,7 @@ def _finished_run(run_dir: Path, job_id: str) -> list[dict[str, object]]:
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
     work = tmp_path_factory.mktemp("uninterrupted")
-    _submit(work, STEPS, follow=True)
+    _submit(work, STEPS, *NO_STANDBY, follow=True)
     return _exported(work / "runs" / "tiny-gpt", work / "weights.pt")
 
 
@@ -139,7 +142,7 @@ def test_a_hugging_face_gpt2_sent_usr2_by_scancel_exports_the_uninterrupted_weig
     subprocess.run([sys.executable, "-m", "hpc_train.login.prepare", str(REPO / "examples" / "corpus" /
                     "hpc_train_docs.txt"), str(tokens)], check=True, capture_output=True, timeout=60)
     hf = ["--set", f"data.path={tokens}", "--set", "data.num_workers=2", "--set", "checkpoint.every_steps=100",
-          "--set", "monitor.eval_every=10", "--set", "train.engine=fsdp2"]
+          "--set", "monitor.eval_every=10", "--set", "train.engine=fsdp2", *NO_STANDBY]
     example = str(REPO / "examples" / "hf_gpt2" / "job.toml")
     plain, interrupted = tmp_path / "plain", tmp_path / "interrupted"
     plain.mkdir()
@@ -180,7 +183,7 @@ def test_requeued_from_outside_then_preempted_by_a_higher_priority_job(uninterru
     run_dir = tmp_path / "runs" / "tiny-gpt"
     # the attempt after the requeue (Slurm restart 1) is slowed (0.3 s a step), so that the urgent job preempts it
     # before it ends: unslowed its 40 steps took 3 s, and once the run completed before Slurm had preempted it
-    job_id = _submit(tmp_path, STEPS, "--set", "env.HPC_TRAIN_INJECT_FAULT=slow:0:300", "--set",
+    job_id = _submit(tmp_path, STEPS, *NO_STANDBY, "--set", "env.HPC_TRAIN_INJECT_FAULT=slow:0:300", "--set",
                      "env.HPC_TRAIN_INJECT_FAULT_RESTART=1")
     _wait_for_step(job_id, run_dir, 15)
     subprocess.run(["scontrol", "requeue", job_id], check=True, timeout=30)
@@ -210,7 +213,7 @@ def uninterrupted_one_node(tmp_path_factory: pytest.TempPathFactory) -> dict[str
     """The uninterrupted run on one node of two ranks: not bitwise the two nodes of one rank's (the ranks' CPU
     threads and gloo's paths differ), so a run of this layout is compared with it."""
     work = tmp_path_factory.mktemp("uninterrupted-one-node")
-    _submit(work, STEPS, *ONE_NODE, follow=True)
+    _submit(work, STEPS, *ONE_NODE, *NO_STANDBY, follow=True)
     return _exported(work / "runs" / "tiny-gpt", work / "weights.pt")
 
 
@@ -316,8 +319,8 @@ def test_time_limit(tmp_path: Path) -> None:
     saved step. (That such a resume ends bitwise where an uninterrupted run ends, the other tests here show; the
     time limit adds only who sends the signal, so the test stops once the second attempt has resumed.)"""
     run_dir = tmp_path / "runs" / "tiny-gpt"
-    job_id = _submit(tmp_path, STEPS, "--set", "job.time=00:02:00", "--set", "preempt.lead_seconds=60", "--set",
-                     "env.HPC_TRAIN_INJECT_FAULT=slow:0:1200")
+    job_id = _submit(tmp_path, STEPS, *NO_STANDBY, "--set", "job.time=00:02:00", "--set", "preempt.lead_seconds=60",
+                     "--set", "env.HPC_TRAIN_INJECT_FAULT=slow:0:1200")
     try:
         deadline = time.monotonic() + 300
         while len(_attempts(run_dir)) < 2 or _attempts(run_dir)[1]["outcome"] != "running" \
@@ -372,7 +375,7 @@ def test_where_requeue_is_forbidden_a_preempted_job_goes_on_as_a_new_job(uninter
     site = _norequeue_site(tmp_path)
     run_dir = tmp_path / "runs" / "tiny-gpt"
     args = [sys.executable, "-m", "hpc_train.submit", EXAMPLE, *TINY, "--site", str(site), "--set",
-            f"train.steps={STEPS}", "--set", "env.HPC_TRAIN_INJECT_FAULT=slow:0:60"]
+            f"train.steps={STEPS}", *NO_STANDBY, "--set", "env.HPC_TRAIN_INJECT_FAULT=slow:0:60"]
     follower = subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 180

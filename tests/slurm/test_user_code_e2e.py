@@ -19,7 +19,7 @@ import torch
 from hpc_train.run.node_log import rank_log_text
 from tests.conftest import REPO, torchrun
 from tests.rank.program.test_runner_local import OWN_LOOP, attempts, final_model
-from tests.slurm.test_preemption_e2e import _state, _wait_for_step, _wait_until_completed
+from tests.slurm.test_preemption_e2e import NO_STANDBY, _state, _wait_for_step, _wait_until_completed
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("slurm_cluster")]
 TWO_NODES = ["--site", "local-slurm", "--set", "job.nodes=2", "--set", "job.tasks_per_node=1", "--set",
@@ -82,8 +82,8 @@ def test_a_swept_function_sent_usr2_twice_requeues_its_task_alone_and_ends_with_
     resumes where it saved, logs every step once, and ends bitwise equal to the first task, never stopped."""
     result = subprocess.run([sys.executable, "-m", "hpc_train.submit", OWN_LOOP, *TWO_NODES, "--set",
                              f"params.steps={STEPS}", "--set", "params.save_every=1000", "--set",
-                             "params.step_sleep=0.1", "--sweep", "params.x=1,2", "--no-follow"], cwd=tmp_path,
-                            capture_output=True, text=True, timeout=120, check=False)
+                             "params.step_sleep=0.1", *NO_STANDBY, "--sweep", "params.x=1,2", "--no-follow"],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False)
     assert result.returncode == 0, result.stdout + result.stderr
     ids = re.findall(r"submitted job (\d+_\d+)", result.stdout)
     assert len(ids) == 2, result.stdout

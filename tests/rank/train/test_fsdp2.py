@@ -62,14 +62,13 @@ def _trained(root: Path, name: str, *overrides: str) -> SimpleNamespace:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
-    """The uninterrupted runs every test reads: FSDP2 on 2 ranks, on 1 and on 4, DeepSpeed ZeRO-3 on 2, FSDP2 at
-    tensor 2 x data 2 (global batch 8 in each), and FSDP2 on 2 ranks built whole (``fsdp.meta_init = false``)."""
+    """The uninterrupted runs every test reads: FSDP2 on 2 ranks and on 1, DeepSpeed ZeRO-3 on 2, FSDP2 at tensor
+    2 x data 2 (global batch 8 in each), and FSDP2 on 2 ranks built whole (``fsdp.meta_init = false``). FSDP2 on 4
+    ranks: the resume below, which trains steps 11-20 on 4 shards against the 2-rank run."""
     root = tmp_path_factory.mktemp("fsdp2")
     return SimpleNamespace(fsdp2=_trained(root, "fsdp2", "train.engine=fsdp2", "job.tasks_per_node=2"),
                            one=_trained(root, "one", "train.engine=fsdp2", "job.tasks_per_node=1",
                                         "train.grad_accum=2"),
-                           four=_trained(root, "four", "train.engine=fsdp2", "job.tasks_per_node=4",
-                                         "train.micro_batch=2"),
                            zero3=_trained(root, "zero3", "zero.stage=3", "job.tasks_per_node=2"),
                            tp2=_trained(root, "tp2", "train.engine=fsdp2", "job.tasks_per_node=4",
                                         "parallel.tensor=2"),
@@ -86,7 +85,6 @@ def test_fsdp2_follows_deepspeed_zero3_and_one_rank(runs: SimpleNamespace) -> No
     assert sorted(runs.fsdp2.losses) == list(range(1, STEPS + 1))
     assert not _close(runs.fsdp2.losses, runs.zero3.losses, range(1, STEPS + 1))
     assert not _close(runs.one.losses, runs.fsdp2.losses, range(1, STEPS + 1))
-    assert not _close(runs.four.losses, runs.zero3.losses, range(1, STEPS + 1))
     assert runs.fsdp2.losses[STEPS] < runs.fsdp2.losses[1] - 0.2  # it learns
     manifest = json.loads((runs.fsdp2.run_dir / "checkpoints" / "step-00000020" / "manifest.json").read_text())
     paths = {entry["path"] for entry in manifest["files"]}
