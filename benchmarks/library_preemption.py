@@ -2,7 +2,7 @@
 run them: what a preemption costs with and without hpc_train's integration, against an uninterrupted torchrun.
 
     .venv/bin/python benchmarks/library_preemption.py [--libs lightning,hf_trainer,accelerate] [--plain-libs ...]
-                                                      [--json] [--smoke]
+                                                      [--integrated-libs ...] [--json] [--smoke]
 
 For each library the example script (``examples/LIB/train.py``) runs three ways: under ``torchrun`` on this
 machine, uninterrupted (the baseline: 2 processes); and through ``python -m hpc_train.submit`` on 2 Slurm nodes x 1
@@ -216,7 +216,9 @@ def report(runs: list[Run]) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--libs", default=",".join(LIBS))
-    parser.add_argument("--plain-libs", default=None, help="of --libs, those that also run without the integration "
+    parser.add_argument("--plain-libs", default=None, help="of --libs, those that run without the integration "
+                        "(default: all of them)")
+    parser.add_argument("--integrated-libs", default=None, help="of --libs, those that run with the integration "
                         "(default: all of them)")
     parser.add_argument("--seed", type=int, default=None, help="the random signal steps (default: a new seed)")
     parser.add_argument("--json", action="store_true", help="one JSON line per run after the report")
@@ -224,7 +226,9 @@ def main() -> int:
     args = parser.parse_args()
     libs = ["lightning"] if args.smoke else [lib for lib in args.libs.split(",") if lib]
     plain = libs if args.plain_libs is None else [lib for lib in args.plain_libs.split(",") if lib]
-    for option, chosen, allowed in (("--libs", libs, LIBS), ("--plain-libs", plain, libs)):
+    integrated = libs if args.integrated_libs is None else [lib for lib in args.integrated_libs.split(",") if lib]
+    for option, chosen, allowed in (("--libs", libs, LIBS), ("--plain-libs", plain, libs),
+                                    ("--integrated-libs", integrated, libs)):
         unknown = [lib for lib in chosen if lib not in allowed]
         if unknown:
             print(f"error: {option} {','.join(unknown)}: pick from {', '.join(allowed)}", file=sys.stderr)
@@ -238,9 +242,9 @@ def main() -> int:
         # epoch's end (step 16): what they resume from is then their stop's save alone
         runs = [Run(lib, integration, pick.randint(5, 18) if integration else pick.randint(22, 34),
                     work / f"{lib}-{'with' if integration else 'plain'}")
-                for lib in libs for integration in (False, True) if integration or lib in plain]
+                for lib in libs for integration in (False, True) if lib in (integrated if integration else plain)]
         with ThreadPoolExecutor(max_workers=len(runs) + len(libs)) as pool:
-            references = {lib: pool.submit(torchrun_weights, lib, work, steps) for lib in libs}
+            references = {lib: pool.submit(torchrun_weights, lib, work, steps) for lib in {run.lib for run in runs}}
             finished = list(pool.map(lambda run: slurm_run(run, steps, references[run.lib]), runs))
         print(f"seed {seed}; {steps} steps of {STEP_SLEEP_S} s; 2 Slurm nodes x 1 rank, all runs at once")
         print(report(finished))
