@@ -37,9 +37,9 @@ def _job_pids(job_id: str) -> list[int]:
                         if (environment(p.pid) or {}).get(b"SLURM_JOB_ID") == job_id.encode()])
 
 
-def _submit(cwd: Path, every_steps: int) -> tuple[str, Path]:
+def _submit(cwd: Path, every_steps: int, *extra: str) -> tuple[str, Path]:
     out = subprocess.run([sys.executable, "-m", "hpc_train.submit", str(REPO / "examples" / "tiny_gpt.toml"), *COMMON,
-                          "--set", f"checkpoint.every_steps={every_steps}", "--no-follow"], cwd=cwd,
+                          "--set", f"checkpoint.every_steps={every_steps}", *extra, "--no-follow"], cwd=cwd,
                          capture_output=True, text=True, timeout=300, check=True).stdout
     (job_id,) = re.findall(r"submitted job (\d+)", out)
     return job_id, (cwd / "runs" / "tiny-gpt").resolve()
@@ -96,7 +96,8 @@ def measure(tmp: Path, seconds: float) -> dict[str, Any]:
     finally:
         _cancel(job_id)
     results["files per node, steady job"] = sum(len(n) for _, _, n in os.walk(run_dir)) / NODES
-    job_id, run_dir = _submit(saving_dir, every_steps=20)
+    # no restart in this job: no standby ranks importing torch beside the traced ranks for a life that never comes
+    job_id, run_dir = _submit(saving_dir, 20, "--set", "retry.standby=false")
     try:
         _until_step(run_dir, 25)
         results["saving every 20 steps, checkpoints/ aside"] = _trace(job_id, run_dir, seconds, ("checkpoints",))

@@ -240,8 +240,10 @@ def step_resume(check: Check) -> dict[str, Any]:
 
 
 def step_user_checkpoint(check: Check) -> dict[str, Any]:
-    """examples/own_loop: ctx.checkpoint saves at the signal, the requeued attempt loads it and finishes."""
-    job = _job(check, "own-loop", job={"program": str(REPO / "examples" / "own_loop" / "loop.py") + ":main"},
+    """examples/own_loop: ctx.checkpoint saves at the signal, the requeued attempt loads it and finishes. One rank in
+    the dry run too (the program's two-rank stop: tests/rank/program)."""
+    job = _job(check, "own-loop", job={"program": str(REPO / "examples" / "own_loop" / "loop.py") + ":main",
+                                       "tasks_per_node": 1},
                params={"steps": 400, "lr": 1e-2, "save_every": 100})  # long enough for the stop to agree
     process = _submit(check, job)
     run_dir = check.work / "runs" / "own-loop"

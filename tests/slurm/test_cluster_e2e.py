@@ -100,13 +100,15 @@ def test_a_step_with_fewer_tasks_than_the_plan_ends_with_one_message_naming_both
 
 
 def test_sweep_is_one_job_array_with_a_run_folder_per_task(tmp_path: Path) -> None:
-    result = _submit(tmp_path, "--site", "local-slurm", *TWO_BY_TWO, "--sweep", "train.lr=1e-3,3e-4")
+    """2 nodes of 1 rank per task (2 of 2: the tests above)."""
+    result = _submit(tmp_path, "--site", "local-slurm", "--set", "job.nodes=2", "--set", "job.tasks_per_node=1",
+                     *SMOKE, "--sweep", "train.lr=1e-3,3e-4")
     assert result.returncode == 0, result.stdout + result.stderr
     ids = _job_ids(result.stdout)
     assert len(ids) == 2 and ids[0].split("_")[0] == ids[1].split("_")[0]  # one array, two tasks
     for index, lr in enumerate(("0.001", "0.0003")):
         run_dir = tmp_path / "runs" / f"tiny-gpt-{index:03d}"
-        _check_smoke(run_dir)
+        _check_smoke(run_dir, world=2)
         assert f"lr = {lr}" in (run_dir / "config.toml").read_text()
         assert _sacct_state(ids[index]) == "COMPLETED"
 
