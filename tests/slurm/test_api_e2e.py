@@ -96,8 +96,7 @@ def test_a_result_a_failure_and_an_array_of_three(here: Path) -> None:
 
 
 def test_a_preempted_function_is_requeued_and_returns_the_uninterrupted_result(here: Path) -> None:
-    job = hpc_train.Executor(site=TWO_NODES["site"], sets=("retry.standby=false",),  # it requeues, never in place
-                             **{k: v for k, v in TWO_NODES.items() if k != "site"}).submit(_train, STEPS, 0.1)
+    job = _executor(sets=("retry.standby=false",)).submit(_train, STEPS, 0.1)  # it requeues, never restarts in place
     _wait_for_step(job.job_id, job.run_dir, 8)
     subprocess.run(["scancel", "--signal=USR2", job.job_id], check=True, timeout=30)
     result = job.result()
