@@ -49,6 +49,7 @@ class Case:
 
 
 NUMBER = r"[\d.]+"
+SOME = r"\d*\.\d*[1-9]\d*"  # a time above zero: measured, not bounded (a loaded machine is slower)
 MACHINE = r"machine: .+, \d+ CPUs, native bf16 (yes|no), load average [\d.]+ at the start; python .+"
 SPREAD = rf"{NUMBER} \(min {NUMBER}, max {NUMBER}, \d+ runs?\)"
 CASES = [  # the costliest first (CPU seconds here: 57, 52, 25, 23, 22, 14, 4, 0; Slurm: 23 s)
@@ -73,8 +74,8 @@ CASES = [  # the costliest first (CPU seconds here: 57, 52, 25, 23, 22, 14, 4, 0
     Case("checkpoint.py", ("--engine", "fsdp2", "--profile"), (
         r"GPT .* ranks, FSDP2 \(DCP shards\), .*", rf"save, synchronous, whole transaction\s+{NUMBER}\s+.*",
         r"load \(resume\), (cold|WARM) cache.*", r"async save: stall .*",
-        r"profile of one more save on rank 0 .*", r"DCP write_data \(serialize and write the shards\)\s+0\.0*[1-9]\d*",
-        r"profile of one more load on rank 0 .*", r"torch\.load of each tensor \(one per item\)\s+0\.0*[1-9]\d*")),
+        r"profile of one more save on rank 0 .*", rf"DCP write_data \(serialize and write the shards\)\s+{SOME}",
+        r"profile of one more load on rank 0 .*", rf"torch\.load of each tensor \(one per item\)\s+{SOME}")),
     Case("cpu_determinism.py", (), (MACHINE, r"threads\s+processes\s+distinct results\s+off the majority\s+ms/step",
                                     rf"1\s+2\s+\d\s+\d\s+{NUMBER}")),
     Case("flag_rounds.py", (), (MACHINE, rf"none\s+{NUMBER}\s+1\.000", rf"every step\s+{NUMBER}\s+{NUMBER}",

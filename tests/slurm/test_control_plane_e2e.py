@@ -72,6 +72,8 @@ def test_a_two_node_job_in_steady_training_leaves_the_run_folder_alone(tmp_path:
         subprocess.run(["scancel", job_id], check=False, timeout=30)
     assert trained > 0, "no step was trained while traced"
     assert (run_dir / "heartbeats" / f"control-{job_id}.0.json").exists(), "no coordinator was started"
+    if ops.by_call["rename", "health.json"]:  # a finding tripped under load: rank 0's record of an event, its
+        ops = ops.without(("health.json", ".health.json.tmp-*", "."))  # temporary file and the folder's fsync
     rate = ops.per_process_second(processes=RANKS)
     print(f"traced {trained} steps: {rate:.3f} per rank per second\n{ops.describe()}")  # shown with pytest -s
     assert rate <= LIMIT, (f"{rate:.3f} run-folder metadata operations per rank per second in steady training "
